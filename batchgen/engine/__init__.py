@@ -1,0 +1,1 @@
+"""Engine core: requests, KV-block management, scheduling policies, the step loop."""

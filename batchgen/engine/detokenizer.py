@@ -1,0 +1,84 @@
+"""Incremental detokenization and the stop conditions checked after each new token."""
+
+from __future__ import annotations
+
+from batchgen.engine.request import Request
+
+# Tokens decoded again before the read offset, so merges across the boundary (spaces, multi-byte
+# characters) come out as they would in a one-shot decode.
+_CONTEXT_TOKENS = 6
+
+
+def detokenize_incrementally(tokenizer, request: Request) -> str:
+    """Append the text of the request's newest tokens to `request.output_text`; returns the new text.
+
+    Text is released only once it no longer ends in U+FFFD, so a character split over several byte
+    tokens appears whole. Cost per call is O(context), not O(output length).
+    """
+    ids = request.output_token_ids
+    skip = request.sampling_params.skip_special_tokens
+    prefix = request._detok_prefix_offset
+    read = request._detok_read_offset
+    seen = tokenizer.decode(ids[prefix:read], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[prefix:], skip_special_tokens=skip)
+    if len(full) <= len(seen) or full.endswith("\ufffd"):
+        return ""
+    new_text = full[len(seen) :]
+    request.output_text += new_text
+    request._detok_prefix_offset = max(0, len(ids) - _CONTEXT_TOKENS)
+    request._detok_read_offset = len(ids)
+    # Keep the offsets consistent: `seen` for the next call must end where output_text ends.
+    if request._detok_prefix_offset > read:
+        request._detok_prefix_offset = read
+    return new_text
+
+
+def check_stop(request: Request, tokenizer, max_model_len: int) -> str | None:
+    """After a token was appended: the finish reason ("stop" / "length"), or None to go on.
+
+    Order as in vLLM: EOS (unless `ignore_eos`), stop token ids, stop strings (text cut before the
+    match), then `max_tokens` and `max_model_len`. EOS and stop ids count only once `min_tokens`
+    tokens exist.
+    """
+    params = request.sampling_params
+    token = request.token_ids[-1]
+    num_out = request.num_output_tokens
+    if num_out >= params.min_tokens:
+        if token in request.eos_token_ids:
+            return "stop"
+        if params.stop_token_ids and token in params.stop_token_ids:
+            request.stop_reason = token
+            return "stop"
+    if params.stop_strings:
+        new_text = detokenize_incrementally(tokenizer, request)
+        if new_text and _cut_at_stop_string(request, len(new_text)):
+            return "stop"
+    if num_out >= request.max_tokens or request.num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+def _cut_at_stop_string(request: Request, new_len: int) -> bool:
+    """Find the earliest stop string that overlaps the new text; cut the output before it."""
+    text = request.output_text
+    longest = max(len(s) for s in request.sampling_params.stop_strings)
+    search_from = max(0, len(text) - new_len - longest + 1)
+    best: tuple[int, str] | None = None
+    for stop in request.sampling_params.stop_strings:
+        pos = text.find(stop, search_from)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    if best is None:
+        return False
+    request.output_text = text[: best[0]]
+    request.stop_reason = best[1]
+    return True
+
+
+def final_text(tokenizer, request: Request) -> str:
+    """The request's output text: cut at its stop string, else a one-shot decode of its tokens."""
+    if request.stop_reason is not None and isinstance(request.stop_reason, str):
+        return request.output_text
+    return tokenizer.decode(
+        request.output_token_ids, skip_special_tokens=request.sampling_params.skip_special_tokens
+    )

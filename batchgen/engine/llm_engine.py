@@ -1,0 +1,348 @@
+"""LLMEngine: the step loop (schedule -> execute -> sample -> update -> outputs)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from batchgen.config import EngineConfig
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.detokenizer import check_stop, final_text
+from batchgen.engine.policy import make_policy
+from batchgen.engine.request import Request
+from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.stats import EngineTotals, StepStats
+from batchgen.engine.tokenize import encode_prompt
+from batchgen.model import loader
+from batchgen.model.runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+    """ "auto" -> bfloat16 for 16-bit checkpoints (float16 on CUDA keeps float16), else float32."""
+    if name != "auto":
+        return _DTYPES[name]
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = str(stored).replace("torch.", "") if stored is not None else "float32"
+    if stored == "float16" and device.type == "cuda":
+        return torch.float16
+    if stored in ("bfloat16", "float16"):
+        return torch.bfloat16
+    # Dequantized GGUF checkpoints are stored in float32 but come from 16-bit training.
+    return torch.bfloat16 if device.type == "cuda" or stored == "float32" else torch.float32
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache.
+
+    Args:
+        config: engine options (vLLM's names).
+
+    Raises:
+        ValueError: inconsistent options (e.g. `max_num_batched_tokens` below `max_model_len`
+            with chunked prefill off); loader errors for a missing or unsupported model.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(
+            "cuda"
+            if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+            else "cpu"
+        )
+        files = loader.resolve_model(config.model)
+        self.model_files = files
+        self.model_config = files.config
+        self.tokenizer = loader.load_tokenizer(files)
+        self.eos_token_ids = loader.eos_token_ids(files, self.tokenizer)
+        self.dtype = resolve_dtype(config.dtype, files.config, self.device)
+        self.block_size = config.block_size
+
+        model_len = _model_max_len(files.config)
+        per_block = kv_cache_bytes_per_block(files.config, self.block_size, self.dtype)
+        num_blocks = self._num_blocks(per_block, files.config)
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's limit of {model_len} tokens"
+            )
+        self.max_model_len = min(config.max_model_len or model_len, num_blocks * self.block_size)
+        if self.max_model_len < (config.max_model_len or 0):
+            logger.warning(
+                "the KV cache holds %d tokens: max_model_len lowered to that", num_blocks * self.block_size
+            )
+        self.max_num_batched_tokens = self._token_budget()
+        num_swap_blocks = config.swap_bytes // per_block if config.preemption_mode == "swap" else 0
+
+        self.runner = ModelRunner(
+            files.config,
+            loader.iter_weights(files),
+            self.dtype,
+            self.device,
+            self.block_size,
+            num_blocks,
+            num_swap_blocks,
+            max_positions=self.max_model_len + 1,
+            attention_backend=config.attention_backend,
+            seed=config.seed,
+        )
+        self.num_gpu_blocks = num_blocks
+        self.block_manager = BlockManager(
+            num_blocks, self.block_size, config.enable_prefix_caching, num_swap_blocks
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            make_policy(config.policy, config.aging_steps),
+            config.max_num_seqs,
+            self.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            config.preemption_mode,
+        )
+        self.requests: dict[str, Request] = {}
+        self._rejected: list[RequestOutput] = []
+        self.last_step: StepStats | None = None
+        self.totals = EngineTotals()
+
+    # ---- sizing ----
+    def _num_blocks(self, per_block: int, model_config) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
+            # Leave room for the weights and activations: estimated as parameters x dtype size x 1.5.
+            budget -= int(
+                _num_parameters(model_config) * torch.empty((), dtype=self.dtype).element_size() * 1.5
+            )
+            return max(budget // per_block, 1)
+        return max(self.config.kv_cache_bytes // per_block, 1)
+
+    def _token_budget(self) -> int:
+        cfg = self.config
+        if cfg.max_num_batched_tokens is not None:
+            if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) is below max_model_len "
+                    f"({self.max_model_len}) with chunked prefill off: raise it, lower max_model_len, "
+                    "or enable chunked prefill"
+                )
+            return cfg.max_num_batched_tokens
+        default = 8192 if self.device.type == "cuda" else 2048
+        return default if cfg.enable_chunked_prefill else max(default, self.max_model_len)
+
+    # ---- requests ----
+    def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for a string, chat messages or a token-id dict.
+
+        Raises:
+            ValueError / TypeError: empty or malformed prompt.
+        """
+        return encode_prompt(self.tokenizer, prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a prompt. A prompt that can never run comes back from the next `step()` as an
+        error output (finish_reason "error") instead of raising, so one bad row never stops a job.
+
+        Raises:
+            ValueError: `request_id` is already live.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        params = sampling_params or SamplingParams()
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        try:
+            text, token_ids = self.encode_prompt(prompt)
+        except (ValueError, TypeError) as exc:
+            self._reject(request_id, None, [], arrival, f"invalid prompt: {exc}")
+            return
+        if len(token_ids) >= self.max_model_len:
+            self._reject(
+                request_id,
+                text,
+                token_ids,
+                arrival,
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} (room is needed "
+                "for at least one output token): shorten or truncate the prompt, or raise max_model_len",
+            )
+            return
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        request = Request(
+            request_id=request_id,
+            token_ids=list(token_ids),
+            sampling_params=params,
+            arrival_time=arrival,
+            max_tokens=max_tokens,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            prompt=text,
+            generator=generator,
+        )
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+
+    def _reject(self, request_id: str, text, token_ids: list[int], arrival: float, message: str) -> None:
+        now = time.perf_counter()
+        self._rejected.append(
+            RequestOutput(
+                request_id=request_id,
+                prompt=text,
+                prompt_token_ids=list(token_ids),
+                outputs=[CompletionOutput(0, "", [], "error")],
+                finished=True,
+                metrics=RequestMetrics(arrival_time=arrival, finish_time=now),
+                error=message,
+            )
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a live request and free its blocks (no output is produced)."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.is_finished:
+            self.scheduler.remove(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._rejected) or self.scheduler.has_unfinished()
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests) + len(self._rejected)
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the requests that finished in it (rejected ones included)."""
+        start = time.perf_counter()
+        finished = self._rejected
+        self._rejected = []
+        if not self.scheduler.has_unfinished():
+            return finished
+        sched = self.scheduler.schedule()
+        self.runner.swap_out(sched.swap_out)
+        self.runner.swap_in(sched.swap_in)
+        sampled = self.runner.execute(self._step_inputs(sched)) if sched.scheduled else []
+        now = time.perf_counter()
+        finished += self._update(sched, sampled, now)
+        self._record(sched, start, now, len(sampled), len(finished))
+        return finished
+
+    def _step_inputs(self, sched: SchedulerOutput) -> list[StepInput]:
+        inputs = []
+        for item in sched.scheduled:
+            r = item.request
+            p = r.sampling_params
+            banned = None
+            if item.samples and r.num_output_tokens < p.min_tokens:
+                banned = sorted(r.eos_token_ids | set(p.stop_token_ids or ()))
+            inputs.append(
+                StepInput(
+                    token_ids=r.token_ids[item.start : item.start + item.num_new_tokens],
+                    start=item.start,
+                    block_table=r.block_table,
+                    sample=item.samples,
+                    temperature=0.0 if p.greedy else float(p.temperature),
+                    top_k=p.top_k,
+                    top_p=p.top_p,
+                    min_p=p.min_p,
+                    generator=r.generator,
+                    banned_token_ids=banned,
+                )
+            )
+        return inputs
+
+    def _update(self, sched: SchedulerOutput, sampled: list[int], now: float) -> list[RequestOutput]:
+        outputs = []
+        tokens = iter(sampled)
+        for item in sched.scheduled:
+            r = item.request
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+            r.num_computed_tokens = item.start + item.num_new_tokens
+            self.block_manager.cache_full_blocks(r)
+            if not item.samples:
+                continue
+            r.token_ids.append(next(tokens))
+            if r.first_token_time is None:
+                r.first_token_time = now
+            reason = check_stop(r, self.tokenizer, self.max_model_len)
+            if reason is not None:
+                r.finish_reason = reason
+                r.finish_time = now
+                self.scheduler.finish(r)
+                del self.requests[r.request_id]
+                outputs.append(self._output(r))
+        return outputs
+
+    def _output(self, r: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt=r.prompt,
+            prompt_token_ids=r.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    0, final_text(self.tokenizer, r), r.output_token_ids, r.finish_reason, r.stop_reason
+                )
+            ],
+            finished=True,
+            metrics=RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time),
+            num_cached_tokens=r.num_cached_tokens,
+            num_preemptions=r.num_preemptions,
+        )
+
+    def _record(
+        self, sched: SchedulerOutput, start: float, now: float, num_sampled: int, num_finished: int
+    ) -> None:
+        decodes = sum(
+            1 for s in sched.scheduled if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens
+        )
+        stats = StepStats(
+            step=self.totals.steps,
+            time=now,
+            step_time_s=now - start,
+            num_seqs=len(sched.scheduled),
+            num_batched_tokens=sched.num_batched_tokens,
+            num_prompt_tokens=sched.num_batched_tokens - decodes,
+            num_generation_tokens=num_sampled,
+            num_running=len(self.scheduler.running),
+            num_waiting=self.scheduler.num_waiting,
+            num_swapped=len(self.scheduler.swapped),
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions=len(sched.preempted),
+            prefix_cache_queries=sched.prefix_cache_queries,
+            prefix_cache_hits=sched.prefix_cache_hits,
+            num_finished=num_finished,
+        )
+        self.last_step = stats
+        self.totals.add(stats)
+
+
+def _model_max_len(config) -> int:
+    limit = getattr(config, "max_position_embeddings", None) or 2048
+    # Sliding-window attention is not implemented: stay inside the window so outputs stay exact.
+    window = getattr(config, "sliding_window", None)
+    if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+        limit = min(limit, window)
+    return int(limit)
+
+
+def _num_parameters(config) -> int:
+    h, i, layers, vocab = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_hidden_layers,
+        config.vocab_size,
+    )
+    return layers * (4 * h * h + 3 * h * i) + 2 * vocab * h

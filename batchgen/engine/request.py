@@ -1,0 +1,105 @@
+"""Request: one prompt's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from batchgen.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A prompt being served, tracked by computed versus total tokens (no prefill/decode phase flag).
+
+    `token_ids` holds the prompt followed by the generated tokens. `num_computed_tokens` counts the
+    leading tokens whose K/V are in the cache; a step schedules some of the rest, and a new token is
+    sampled when a step reaches the last one. Preemption by recompute resets the count to 0, so the
+    request resumes by prefilling its prompt and its own outputs again.
+
+    Attributes:
+        request_id: caller's id (unique among live requests).
+        token_ids: prompt + output token ids.
+        num_prompt_tokens: length of the prompt in tokens.
+        sampling_params: decoding options.
+        max_tokens: output tokens allowed, resolved against `max_model_len`.
+        eos_token_ids: ids that end the request (empty when `ignore_eos`).
+        block_table: physical KV block ids, one per `block_size` tokens.
+        block_hashes: prefix hashes of the request's full, computed blocks.
+        swap_table: CPU swap block ids while the request is swapped out.
+        num_cached_tokens: prompt tokens served from the prefix cache at admission.
+        arrival_time / first_scheduled_time / first_token_time / finish_time: `time.perf_counter()` seconds.
+        arrival_step: scheduler step at which the request joined the waiting queue.
+        generator: the request's own sampling generator when it has a `seed`.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    prompt: str | None = None
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    swap_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    arrival_step: int = 0
+    first_scheduled_step: int | None = None
+    num_preemptions: int = 0
+    seq_no: int = 0
+    generator: torch.Generator | None = None
+    output_text: str = ""
+    _detok_prefix_offset: int = 0
+    _detok_read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def remaining_work(self) -> int:
+        """Tokens still to process: uncomputed tokens plus outputs not yet generated."""
+        return (self.num_tokens - self.num_computed_tokens) + (self.max_tokens - self.num_output_tokens)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

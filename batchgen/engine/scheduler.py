@@ -1,0 +1,216 @@
+"""The scheduler: one unified step under a token budget and a sequence budget.
+
+There are no prefill and decode phases. Each request knows how many of its tokens are computed; a step
+hands out tokens until each catches up (vLLM v1's design, after Orca's iteration-level scheduling, Yu et
+al. 2022). A decode is one token, an unfinished prompt gets its next chunk (chunked prefill), and both
+share a step. Running requests come first, then swapped ones, then waiting ones in policy order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.policy import Policy
+from batchgen.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """A request's share of a step: `num_new_tokens` tokens from position `start` on."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the step reaches the request's last token, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The scheduler's decision for one step, consumed by the model runner.
+
+    Attributes:
+        scheduled: the step's requests, decodes (one new token) first, then prefill chunks.
+        swap_out: (device block, CPU block) copies to run before anything else.
+        swap_in: (CPU block, device block) copies to run before the forward pass.
+        preempted: requests preempted in this step.
+        num_prompt_tokens: tokens in the step that are not single-token decodes.
+        prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.samples)
+
+
+class Scheduler:
+    """Decides each step's batch and keeps the queues.
+
+    Args:
+        block_manager: the KV block pool.
+        policy: waiting-queue order and victim rule.
+        max_num_seqs: most sequences per step.
+        max_num_batched_tokens: most tokens per step.
+        enable_chunked_prefill: allow a prompt to be split across steps; when off a prompt is
+            scheduled whole or not at all.
+        preemption_mode: "recompute" or "swap" (falls back to recompute when swap space is full).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        policy: Policy,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        preemption_mode: str = "recompute",
+    ) -> None:
+        self.block_manager = block_manager
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.step_index = 0
+        self._seq_counter = 0
+
+    # ---- queues ----
+    def add_request(self, request: Request) -> None:
+        request.seq_no = self._seq_counter
+        self._seq_counter += 1
+        request.arrival_step = self.step_index
+        request.status = RequestStatus.WAITING
+        self.policy.push(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.swapped or len(self.policy))
+
+    def remove(self, request: Request) -> None:
+        """Take an unfinished request out of every queue and release its blocks (abort)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.swapped:
+            self.swapped.remove(request)
+            self.block_manager.free_swap_blocks.extend(request.swap_table)
+            request.swap_table = []
+        else:
+            self.policy.remove(request)
+        self.block_manager.free(request)
+
+    # ---- the step ----
+    def schedule(self) -> SchedulerOutput:
+        """Build one step. Never exceeds `max_num_batched_tokens` or `max_num_seqs`."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_running: list[Request] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            request = queue.pop(0)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.policy.victim(queue + [request])
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+                queue.remove(victim)
+            else:
+                scheduled_running.append(request)
+                out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+
+        # Swapped and waiting requests are admitted only when nothing was preempted this step;
+        # otherwise the freed blocks would be fought over in the same step.
+        if not out.preempted:
+            budget = self._admit_swapped(out, budget)
+            if not self.swapped:
+                self._admit_waiting(out, budget)
+
+        # Decodes first: the attention backends expect them at the front of the flat batch.
+        out.scheduled.sort(key=lambda s: 0 if (s.num_new_tokens == 1 and s.samples) else 1)
+        self.step_index += 1
+        return out
+
+    def _admit_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.block_manager.can_swap_in(request, num_new):
+                break
+            self.swapped.popleft()
+            out.swap_in += self.block_manager.swap_in(request, num_new)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.policy.peek(self.step_index)
+            if request is None:
+                break
+            hits = self.block_manager.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            remaining = (
+                request.num_tokens - request.num_computed_tokens - len(hits) * self.block_manager.block_size
+            )
+            if not self.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget)
+            if not self.block_manager.allocate_slots(request, num_new, hits):
+                # Head-of-line: nobody overtakes the next request in policy order for blocks, so
+                # an aged request gets the next blocks that free up.
+                break
+            self.policy.pop(self.step_index)
+            out.prefix_cache_queries += request.num_tokens if not request.num_preemptions else 0
+            out.prefix_cache_hits += (
+                len(hits) * self.block_manager.block_size if not request.num_preemptions else 0
+            )
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_step is None:
+                request.first_scheduled_step = self.step_index
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        request.num_preemptions += 1
+        out.preempted.append(request)
+        if self.preemption_mode == "swap" and self.block_manager.can_swap_out(request):
+            out.swap_out += self.block_manager.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            return
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.policy.push(request)
+
+    # ---- after the forward pass ----
+    def finish(self, request: Request) -> None:
+        """Drop a finished request from the running queue and release its blocks."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED

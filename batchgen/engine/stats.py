@@ -1,0 +1,70 @@
+"""Per-step engine statistics for dashboards and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepStats:
+    """What one `LLMEngine.step()` did and the state it left.
+
+    Attributes:
+        step: index of the step (0-based).
+        time: `time.perf_counter()` seconds at the end of the step.
+        step_time_s: wall time of the step in seconds.
+        num_seqs: sequences in the step's batch (running batch size).
+        num_batched_tokens: tokens in the step (prefill chunk tokens + decode tokens).
+        num_prompt_tokens: prefill tokens computed in the step (after prefix-cache hits).
+        num_generation_tokens: tokens sampled in the step.
+        num_running / num_waiting / num_swapped: queue lengths after the step.
+        kv_cache_usage: fraction of KV blocks held by live requests, in [0, 1].
+        num_preemptions: preemptions in this step.
+        prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found in the prefix cache
+            this step (hit rate = hits / queries).
+        num_finished: requests that finished in the step.
+    """
+
+    step: int
+    time: float
+    step_time_s: float
+    num_seqs: int
+    num_batched_tokens: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_finished: int
+
+
+@dataclass
+class EngineTotals:
+    """Counters since the engine started (sums over all steps)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    finished: int = 0
+    peak_kv_cache_usage: float = 0.0
+
+    def add(self, s: StepStats) -> None:
+        self.steps += 1
+        self.prompt_tokens += s.num_prompt_tokens
+        self.generation_tokens += s.num_generation_tokens
+        self.preemptions += s.num_preemptions
+        self.prefix_cache_queries += s.prefix_cache_queries
+        self.prefix_cache_hits += s.prefix_cache_hits
+        self.finished += s.num_finished
+        self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, s.kv_cache_usage)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,64 @@
+"""Prompt encoding: strings, chat messages and token-id dicts to token ids (one BOS at most)."""
+
+from __future__ import annotations
+
+
+def encode_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """Turn one prompt into (text or None, token ids).
+
+    Accepts a string (tokenized with the tokenizer's special tokens), a list of chat messages
+    (`[{"role": ..., "content": ...}]`, rendered with the tokenizer's chat template and a generation
+    prompt; the template supplies the special tokens), or a dict with `prompt_token_ids`, `prompt` or
+    `messages`. A doubled BOS (template or text already starting with it) is collapsed to one.
+
+    Raises:
+        ValueError: an empty prompt, empty message list, or token ids outside the vocabulary.
+        TypeError: a prompt of another type, or a malformed message.
+    """
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise TypeError("prompt_token_ids must be a list of integers")
+            if not ids:
+                raise ValueError("prompt_token_ids is empty: give at least one token")
+            vocab = len(tokenizer)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            return prompt.get("prompt"), list(ids)
+        if "messages" in prompt:
+            return encode_prompt(tokenizer, prompt["messages"])
+        if "prompt" in prompt:
+            return encode_prompt(tokenizer, prompt["prompt"])
+        raise TypeError("a prompt dict needs 'prompt_token_ids', 'prompt' or 'messages'")
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("the prompt is empty: give some text")
+        return prompt, _single_bos(tokenizer, tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if isinstance(prompt, list | tuple):
+        if not prompt:
+            raise ValueError("the message list is empty: give at least one message")
+        for i, message in enumerate(prompt):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {message!r:.80}")
+            if not isinstance(message["content"], str):
+                raise TypeError(
+                    f"message {i} 'content' must be a string, got {type(message['content']).__name__}"
+                )
+        if not any(m["content"].strip() for m in prompt):
+            raise ValueError("every message is empty: give some text")
+        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        return text, _single_bos(tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"])
+    if prompt is None:
+        raise ValueError("the prompt is null: give a string, chat messages or token ids")
+    raise TypeError(f"a prompt must be a string, a list of messages or a dict, got {type(prompt).__name__}")
+
+
+def _single_bos(tokenizer, ids: list[int]) -> list[int]:
+    bos = tokenizer.bos_token_id
+    while bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+        ids = ids[1:]
+    return list(ids)

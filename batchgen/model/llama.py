@@ -1,0 +1,153 @@
+"""One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3 and SmolLM.
+
+The differences between these architectures are a few switches read from the Hugging Face config:
+GQA (`num_key_value_heads`), tied embeddings, QKV bias (Qwen2), per-head q/k norm (Qwen3), explicit
+`head_dim` and the rotary scaling rule (llama3 and friends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from batchgen.model.attention import AttentionBackend, AttentionMetadata
+from batchgen.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Hugging Face projection name -> (our fused module, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, backend, rotary)
+        self.mlp = MLP(
+            config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False))
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, meta):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm."""
+
+    def __init__(self, config, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head, over flat token batches and a paged KV cache.
+
+    Args:
+        config: a Hugging Face config whose `model_type` is in `SUPPORTED_MODEL_TYPES`.
+        backend: the attention backend (torch reference or Triton kernels).
+        max_positions: positions to precompute rotary tables for (>= max_model_len).
+
+    Raises:
+        ValueError: for an unsupported `model_type`.
+    """
+
+    def __init__(self, config, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.config = config
+        self.model = LlamaModel(config, backend, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one flat step.
+
+        Args:
+            input_ids: int64 `[T]`.
+            positions: int64 `[T]`, each token's position in its sequence.
+            kv_caches: per layer, (K, V) each `[num_blocks, block_size, num_kv_heads, head_dim]`.
+            meta: where the tokens go in the cache and what each attends to.
+            logits_indices: int64 `[B']`, rows of the flat batch that need next-token logits
+                (each sequence's last scheduled position when it reaches the end of its tokens).
+
+        Returns:
+            float32 logits `[B', vocab_size]`.
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        # The final norm and LM head only for the rows that are sampled: most prefill rows are not.
+        hidden = self.model.norm(hidden[logits_indices])
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the model (fusing q/k/v and gate/up).
+
+        Raises:
+            ValueError: a weight has an unexpected name or shape, or a parameter was never loaded.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in _FUSED:
+                fused, shard = _FUSED[parts[-2]]
+                module_name = ".".join(parts[:-2] + [fused])
+                target = module_name + "." + parts[-1]
+                if target not in params:
+                    raise ValueError(f"unexpected weight {name!r} (no parameter {target!r})")
+                self.get_submodule(module_name).load_shard(shard, parts[-1], tensor)
+                loaded.add(f"{target}#{shard}")
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+            if params[name].shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+                )
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        missing = []
+        for pname, _ in self.named_parameters():
+            module_name = pname.rpartition(".")[0]
+            shards = getattr(self.get_submodule(module_name), "shard_sizes", None)
+            if shards is not None:
+                missing += [f"{pname} (part {i})" for i in range(len(shards)) if f"{pname}#{i}" not in loaded]
+            elif pname not in loaded and not (pname == "lm_head.weight" and self.tie_word_embeddings):
+                missing.append(pname)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")

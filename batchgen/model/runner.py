@@ -1,0 +1,211 @@
+"""ModelRunner: a scheduler decision in, sampled token ids out.
+
+Owns the model, the paged KV cache (and its CPU swap space) and the sampler. It flattens a step into
+one token batch with no padding: `input_ids[T]`, `positions[T]`, `slot_mapping[T]`,
+`block_tables[B, max_blocks]` and per-sequence query and context lengths.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchgen.model.attention import AttentionMetadata, select_backend
+from batchgen.model.layers import RotaryEmbedding
+from batchgen.model.llama import LlamaForCausalLM
+from batchgen.model.sampler import Sampler, SamplingBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInput:
+    """One sequence's share of a step, as the runner needs it (no request objects below the engine).
+
+    Attributes:
+        token_ids: the step's new tokens (`start` to `start + len`).
+        start: position of the first new token.
+        block_table: the sequence's physical blocks.
+        sample: whether to sample a token after this step.
+        temperature / top_k / top_p / min_p / generator / banned_token_ids: sampling settings.
+    """
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: bool
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    generator: torch.Generator | None = None
+    banned_token_ids: list[int] | None = None
+
+
+def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block across all layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
+
+
+class ModelRunner:
+    """Builds the model on `device`, allocates the KV cache, and runs steps.
+
+    Args:
+        config: Hugging Face model config.
+        weights: iterable of (Hugging Face name, tensor).
+        dtype: activation and weight dtype.
+        device: torch device.
+        block_size: tokens per KV block.
+        num_blocks: device KV blocks (None: from `memory_budget` bytes).
+        memory_budget: bytes for the KV cache when `num_blocks` is None.
+        num_swap_blocks: CPU blocks for swapped-out requests.
+        max_positions: rotary table length (>= max_model_len).
+        attention_backend: "auto", "torch" or "triton".
+        seed: seed of the shared sampling generator.
+    """
+
+    def __init__(
+        self,
+        config,
+        weights,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        num_blocks: int,
+        num_swap_blocks: int,
+        max_positions: int,
+        attention_backend: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.backend = select_backend(attention_backend, device)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, self.backend, max_positions)
+        model = model.to_empty(device=device).to(dtype)
+        if model.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        # Rotary tables were built on meta: rebuild them for real, and in float32 as the reference does.
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_dim, max_positions).to(device)
+        for layer in model.model.layers:
+            layer.self_attn.rotary = rotary
+        model.load_weights(weights)
+        self.model = model.eval()
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        # Zero-filled so padded block-table entries read finite values.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.num_blocks = num_blocks
+        swap_shape = (num_swap_blocks, block_size, kv_heads, head_dim)
+        pin = device.type == "cuda"
+        self.swap_caches = (
+            [
+                (
+                    torch.empty(swap_shape, dtype=dtype, pin_memory=pin),
+                    torch.empty(swap_shape, dtype=dtype, pin_memory=pin),
+                )
+                for _ in range(config.num_hidden_layers)
+            ]
+            if num_swap_blocks
+            else []
+        )
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        self.sampler = Sampler(generator)
+
+    # ---- swap ----
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU swap blocks: mapping of (device block, swap block)."""
+        if not mapping:
+            return
+        src = torch.tensor([m[0] for m in mapping], device=self.device)
+        dst = torch.tensor([m[1] for m in mapping])
+        for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches, strict=True):
+            sk[dst] = k[src].to("cpu")
+            sv[dst] = v[src].to("cpu")
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy CPU swap blocks back to device blocks: mapping of (swap block, device block)."""
+        if not mapping:
+            return
+        src = torch.tensor([m[0] for m in mapping])
+        dst = torch.tensor([m[1] for m in mapping], device=self.device)
+        for (k, v), (sk, sv) in zip(self.kv_caches, self.swap_caches, strict=True):
+            k[dst] = sk[src].to(self.device)
+            v[dst] = sv[src].to(self.device)
+
+    # ---- the step ----
+    def prepare(
+        self, seqs: list[StepInput]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten the step: (input_ids [T], positions [T], metadata, logits_indices [B'])."""
+        bs = self.block_size
+        query_lens = [len(s.token_ids) for s in seqs]
+        seq_lens = [s.start + n for s, n in zip(seqs, query_lens, strict=True)]
+        input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=sum(query_lens))
+        positions = np.concatenate(
+            [np.arange(s.start, s.start + n, dtype=np.int64) for s, n in zip(seqs, query_lens, strict=True)]
+        )
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            block_tables[i, : len(s.block_table)] = s.block_table
+        seq_index = np.repeat(np.arange(len(seqs)), query_lens)
+        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        logits_indices = [query_start_loc[i + 1] - 1 for i, s in enumerate(seqs) if s.sample]
+        num_decodes = 0
+        while num_decodes < len(seqs) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            num_decodes=num_decodes,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return (
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            meta,
+            torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[StepInput]) -> list[int]:
+        """Run one step; returns one sampled token id per sequence with `sample` set, in order.
+
+        Sequences must come decodes first (query length 1), then prefill chunks.
+        """
+        input_ids, positions, meta, logits_indices = self.prepare(seqs)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        sampled = [s for s in seqs if s.sample]
+        if not sampled:
+            return []
+        batch = SamplingBatch(
+            temperatures=[s.temperature for s in sampled],
+            top_ks=[s.top_k for s in sampled],
+            top_ps=[s.top_p for s in sampled],
+            min_ps=[s.min_p for s in sampled],
+            generators=[s.generator for s in sampled],
+            banned_token_ids=[s.banned_token_ids for s in sampled],
+        )
+        return self.sampler(logits, batch).tolist()

@@ -1,0 +1,99 @@
+"""Batched sampling: greedy, temperature, top-k, top-p (nucleus), min-p, per-request seeded generators."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for a `[B, vocab]` logits tensor.
+
+    Attributes:
+        temperatures / top_ps / min_ps: float lists of length B (temperature 0 = greedy row).
+        top_ks: int list; 0 or -1 = off.
+        generators: the row's own generator (seeded request) or None (the engine's shared one).
+        banned_token_ids: per row, token ids that may not be sampled now (EOS and stop ids while
+            fewer than `min_tokens` tokens exist).
+    """
+
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    min_ps: list[float]
+    generators: list[torch.Generator | None]
+    banned_token_ids: list[list[int] | None]
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0.0 for t in self.temperatures)
+
+
+class Sampler:
+    """Turns float32 logits `[B, vocab]` into token ids `[B]` (int64).
+
+    Random rows use the exponential-race trick: `argmax(probs / q)` with `q ~ Exp(1)` draws from
+    `probs` exactly (the Gumbel-max trick in another form), and lets each seeded row draw its noise from
+    its own generator, so its tokens do not depend on the other rows of the batch.
+
+    Args:
+        generator: shared generator for rows without their own seed.
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        for row, banned in enumerate(batch.banned_token_ids):
+            if banned:
+                logits[row, banned] = float("-inf")
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy = torch.tensor([t == 0.0 for t in batch.temperatures], device=logits.device)
+        temps = torch.tensor([t if t > 0 else 1.0 for t in batch.temperatures], device=logits.device)
+        probs = filter_probs(logits / temps[:, None], batch.top_ks, batch.top_ps, batch.min_ps)
+        noise = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(batch.generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
+                generator=self.generator
+            )
+        for i, gen in enumerate(batch.generators):
+            if gen is not None:
+                noise[i].exponential_(generator=gen)
+        # An Exp(1) draw of exactly 0 would turn 0/0 into NaN and win the argmax.
+        sampled = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def filter_probs(
+    logits: torch.Tensor, top_ks: list[int], top_ps: list[float], min_ps: list[float]
+) -> torch.Tensor:
+    """Softmax of `logits` `[B, V]` with top-k, top-p and min-p applied per row; returns `[B, V]` float32.
+
+    top-p keeps the smallest set of most likely tokens whose mass reaches `top_p` (Holtzman et al.
+    2020); min-p drops tokens below `min_p` x the top probability (Nguyen et al. 2024). The most likely
+    token always survives.
+    """
+    vocab = logits.shape[1]
+    ks = [k if 0 < k < vocab else vocab for k in top_ks]
+    if any(k < vocab for k in ks) or any(p < 1.0 for p in top_ps):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        drop = ranks >= torch.tensor(ks, device=logits.device)[:, None]
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Mass of the tokens strictly before each one: a token is kept while that is below top_p.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= torch.tensor(top_ps, device=logits.device)[:, None]
+        drop[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    if any(p > 0.0 for p in min_ps):
+        threshold = (
+            probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps, device=logits.device)[:, None]
+        )
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

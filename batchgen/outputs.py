@@ -1,0 +1,59 @@
+"""Results handed back to callers (vLLM's `RequestOutput` / `CompletionOutput` shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence.
+
+    Attributes:
+        text: detokenized output, cut before a matched stop string.
+        token_ids: generated token ids (including those of a matched stop string).
+        finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or
+            max_model_len) or "error" (the request was rejected; see `RequestOutput.error`).
+        stop_reason: the stop string or stop token id that ended it, else None.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps in seconds (`time.perf_counter()` clock); None when the event never happened."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token in seconds."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        """End-to-end latency in seconds."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """A finished (or rejected) request, as `LLM.generate` and `LLMEngine.step` return it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    error: str | None = None
+    num_preemptions: int = 0

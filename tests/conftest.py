@@ -8,6 +8,7 @@ later runs.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,11 @@ from batchgen.model.loader import (
     ModelNotFoundError,
     resolve_model,
 )
+
+# Triton decides at decoration time whether a kernel is compiled or interpreted: without a GPU, every
+# test that imports `kernels` (directly or through the triton backend) must see the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 

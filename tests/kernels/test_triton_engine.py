@@ -1,0 +1,42 @@
+"""The engine with the triton attention backend gives the torch backend's greedy tokens.
+
+On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so the
+model is tiny and the outputs short.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen import LLM, SamplingParams
+
+pytest.importorskip("triton", reason="triton is not installed (Linux x86_64 only)")
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog because",
+    "Hello, my name is",
+    "Paged attention stores keys and values in blocks",
+]
+
+
+def test_triton_backend_matches_torch_backend(tiny_model_dir):
+    path = str(tiny_model_dir("llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    # Small token budget and block size: chunked prefill, decodes and prefills mixed in one step,
+    # contexts spanning several blocks.
+    options = dict(dtype="float32", block_size=8, max_num_batched_tokens=8)
+    torch_out = LLM(path, attention_backend="torch", **options).generate(PROMPTS, params)
+    triton_llm = LLM(path, attention_backend="triton", **options)
+    assert triton_llm.llm_engine.runner.backend.name == "triton"
+    triton_out = triton_llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in triton_out] == [o.outputs[0].token_ids for o in torch_out]
+
+
+def test_forcing_triton_without_gpu_or_interpreter_is_a_clear_error(monkeypatch):
+    import torch
+
+    from batchgen.model.attention import select_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        select_backend("triton", torch.device("cpu"))

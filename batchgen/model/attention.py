@@ -97,8 +97,9 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 class TorchAttentionBackend(AttentionBackend):
     """Reference backend in plain torch (the CPU path, and the oracle for the Triton kernels).
 
-    Decodes are batched: every decode sequence's blocks are gathered into one padded
-    `[B, max_blocks * block_size, Hkv, D]` tensor and masked by length, one SDPA call in all.
+    Decodes are batched: the decode sequences are grouped by context length, and each group's blocks
+    are gathered into one padded `[b, max_blocks * block_size, Hkv, D]` tensor, masked by length, one
+    SDPA call a group.
     Prefill chunks run one SDPA call each: the chunk's queries attend to the sequence's cached prefix
     fully and to the chunk itself causally.
     """
@@ -129,24 +130,48 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode(query, k_cache, v_cache, meta, scale):
-        nd = query.shape[0]
-        block_size = k_cache.shape[1]
-        max_len = max(meta.seq_lens_cpu[:nd])
-        max_blocks = (max_len + block_size - 1) // block_size
-        tables = meta.block_tables[:nd, :max_blocks].long()
-        k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
-        v = v_cache[tables].flatten(1, 2)
-        positions = torch.arange(k.shape[1], device=query.device)
-        mask = positions[None, :] < meta.seq_lens[:nd, None].to(positions.device)  # [B, L]
-        out = F.scaled_dot_product_attention(
-            query.unsqueeze(2),  # [B, Hq, 1, D]
-            k.transpose(1, 2).to(query.dtype),
-            v.transpose(1, 2).to(query.dtype),
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.squeeze(2)
+        out = torch.empty_like(query)
+        num_kv_heads = k_cache.shape[2]
+        # [B, Hq, D] -> [B, Hkv, G, D]: each KV head's query group becomes a query-length axis, so
+        # SDPA needs no GQA expansion of K/V.
+        grouped = query.view(query.shape[0], num_kv_heads, -1, query.shape[-1])
+        for rows in _length_groups(meta.seq_lens_cpu[: query.shape[0]], k_cache.shape[1]):
+            max_len = meta.seq_lens_cpu[rows[-1]]
+            max_blocks = -(-max_len // k_cache.shape[1])
+            index = torch.tensor(rows, device=query.device)
+            tables = meta.block_tables[index, :max_blocks].long().flatten()
+            shape = (len(rows), max_blocks * k_cache.shape[1], num_kv_heads, k_cache.shape[3])
+            k = k_cache.index_select(0, tables).view(shape).transpose(1, 2)  # [b, Hkv, L, D]
+            v = v_cache.index_select(0, tables).view(shape).transpose(1, 2)
+            lens = meta.seq_lens[index].to(query.device)
+            mask = torch.arange(shape[1], device=query.device)[None, :] < lens[:, None]  # [b, L]
+            attn = F.scaled_dot_product_attention(
+                grouped[index], k.to(query.dtype), v.to(query.dtype), attn_mask=mask[:, None, None, :], scale=scale
+            )
+            out[index] = attn.reshape(len(rows), *query.shape[1:])
+        return out
+
+
+def _length_groups(seq_lens: list[int], block_size: int, slack: float = 1.25) -> list[list[int]]:
+    """Split decode rows into groups of similar context length (sorted ascending).
+
+    Each group is gathered to its longest member, so grouping keeps the padded gather within `slack`
+    times the blocks the group really holds: long-tail batches do not pad every row to the longest.
+    """
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for row in order:
+        blocks = -(-seq_lens[row] // block_size)
+        if current and blocks * (len(current) + 1) > slack * (held + blocks) + 4:
+            groups.append(current)
+            current, held = [], 0
+        current.append(row)
+        held += blocks
+    if current:
+        groups.append(current)
+    return groups
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -76,7 +76,7 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotary position embedding to q and k in place of Hugging Face's `apply_rotary_pos_emb`.
+    """Rotary position embedding tables (RoFormer, Su et al. 2021), as Hugging Face applies them.
 
     cos/sin are precomputed in float32 for `max_positions` positions (`[max_positions, head_dim]`)
     and cast to the activation dtype when used, exactly as the reference does per call.
@@ -91,13 +91,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 `[T]`; q `[T, Hq, D]`, k `[T, Hkv, D]` -> rotated (q, k), same shapes."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[T, 1, head_dim]` for int64 positions `[T]`, in `dtype`; computed once a step."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` by the step's (cos, sin) `[T, 1, D]`."""
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -125,10 +129,10 @@ class MergedLinear(nn.Linear):
 class Attention(nn.Module):
     """Self-attention with fused QKV, optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
 
-    forward(positions `[T]`, hidden `[T, hidden]`, kv cache pair, metadata) -> `[T, hidden]`.
+    forward(hidden `[T, hidden]`, the step's rotary (cos, sin), kv cache pair, metadata) -> `[T, hidden]`.
     """
 
-    def __init__(self, config, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -144,14 +148,13 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = rotary
         self.backend = backend
         self.q_size, self.kv_size = q_size, kv_size
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -162,7 +165,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 

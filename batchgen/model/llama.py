@@ -28,17 +28,17 @@ _FUSED = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend, rotary)
+        self.self_attn = Attention(config, backend)
         self.mlp = MLP(
             config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False))
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+    def forward(self, hidden, cos_sin, kv_cache, meta):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -48,10 +48,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, rotary) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -104,8 +104,9 @@ class LlamaForCausalLM(nn.Module):
             float32 logits `[B', vocab_size]`.
         """
         hidden = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
+            hidden = layer(hidden, cos_sin, kv_cache, meta)
         # The final norm and LM head only for the rows that are sampled: most prefill rows are not.
         hidden = self.model.norm(hidden[logits_indices])
         return self.lm_head(hidden).float()

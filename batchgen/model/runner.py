@@ -95,9 +95,7 @@ class ModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         # Rotary tables were built on meta: rebuild them for real, and in float32 as the reference does.
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_positions).to(device)
-        for layer in model.model.layers:
-            layer.self_attn.rotary = rotary
+        model.model.rotary = RotaryEmbedding(config, head_dim, max_positions).to(device)
         model.load_weights(weights)
         self.model = model.eval()
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -1,0 +1,207 @@
+"""The `batchgen` command line (Typer). Thin: parses options and calls `batchgen.jobs.run_job`.
+
+Exit codes of `batchgen run`: 0 done (error rows included), 2 bad input or options (before any model
+work), 130 interrupted by SIGINT (committed rows kept; the same command resumes).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from typing import Annotated
+
+import typer
+
+from batchgen.config import ATTENTION_BACKENDS, DTYPES, POLICIES, PREEMPTION_MODES
+
+app = typer.Typer(
+    name="batchgen",
+    help="Offline LLM batch inference: job files in, generations out, resumable at any moment.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a memory size: plain bytes ("1073741824") or a number with a unit ("2GiB", "512MiB",
+    "1.5GB", "4G"; K/M/G/T alone are binary units).
+
+    Raises:
+        typer.BadParameter: not a size.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise typer.BadParameter(f"{text!r} is not a memory size; write bytes or e.g. 2GiB, 512MiB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < 1:
+        raise typer.BadParameter(f"{text!r} is below one byte")
+    return value
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return " | ".join(values)
+
+
+@app.callback()
+def main() -> None:
+    """batchgen: offline LLM batch inference with continuous batching over a paged KV cache."""
+
+
+@app.command("run")
+def run_command(
+    input: Annotated[
+        str,
+        typer.Argument(
+            help="Job file (.jsonl, OpenAI batch .jsonl, .parquet), dataset dir, or hf://NAME[:CONFIG]:SPLIT"
+        ),
+    ],
+    output: Annotated[
+        str | None,
+        typer.Option(
+            help="Output file (default <input stem>.out.parquet; .out.jsonl for OpenAI batch input)"
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option(help="Discard committed rows / an existing output and start over")
+    ] = False,
+    strict: Annotated[
+        bool, typer.Option(help="Validate every row first; fail before any model work")
+    ] = False,
+    # --- prompts ---
+    template: Annotated[str | None, typer.Option(help="Prompt template with {column} placeholders")] = None,
+    system_prompt: Annotated[str | None, typer.Option(help="System message added to every prompt")] = None,
+    no_chat_template: Annotated[
+        bool,
+        typer.Option("--no-chat-template", help="Send plain prompts as raw text, not as a chat user turn"),
+    ] = False,
+    prompt_column: Annotated[str | None, typer.Option(help="Column holding prompt text")] = None,
+    messages_column: Annotated[str | None, typer.Option(help="Column holding chat messages")] = None,
+    id_column: Annotated[str | None, typer.Option(help="Column holding the row id")] = None,
+    keep_columns: Annotated[
+        list[str] | None,
+        typer.Option(help="Input columns copied to the output (comma-separated or repeated)"),
+    ] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Run only the first N rows of the input")] = None,
+    truncate_prompt: Annotated[
+        str | None, typer.Option(help="Cut over-long prompts on the left or right instead of an error row")
+    ] = None,
+    # --- sampling defaults (row columns override) ---
+    max_tokens: Annotated[int, typer.Option(help="Most tokens generated per row")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 or -1 = off")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Per-request sampling seed")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")] = None,
+    # --- scheduling ---
+    policy: Annotated[str, typer.Option(help=_choices(POLICIES))] = "fcfs",
+    window: Annotated[
+        int, typer.Option(help="Look-ahead window in rows (the policy orders inside it)")
+    ] = 1024,
+    # --- engine (vLLM spellings) ---
+    model: Annotated[
+        str | None, typer.Option(help="HF directory, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help=_choices(DTYPES))] = "auto",
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences per step")] = 256,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(help="Most tokens per step")] = None,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block")] = 16,
+    max_model_len: Annotated[int | None, typer.Option(help="Longest prompt + output in tokens")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory to use (CUDA)")] = 0.9,
+    kv_cache_memory: Annotated[
+        int | None,
+        typer.Option(parser=parse_bytes, metavar="SIZE", help="CPU KV cache size: bytes or 2GiB, 512MiB"),
+    ] = None,
+    swap_space: Annotated[float, typer.Option(help="GiB of CPU swap space for preempted blocks")] = 4.0,
+    enable_prefix_caching: Annotated[
+        bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes")
+    ] = True,
+    preemption_mode: Annotated[str, typer.Option(help=_choices(PREEMPTION_MODES))] = "recompute",
+    attention_backend: Annotated[str, typer.Option(help=_choices(ATTENTION_BACKENDS))] = "auto",
+    num_threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    # --- job mechanics ---
+    no_dashboard: Annotated[
+        bool, typer.Option("--no-dashboard", help="Plain progress lines instead of the live view")
+    ] = False,
+    commit_every: Annotated[int, typer.Option(help="Commit a part every this many finished rows")] = 1000,
+    commit_interval: Annotated[float, typer.Option(help="...or every this many seconds")] = 10.0,
+    progress_interval: Annotated[float, typer.Option(help="Seconds between plain progress lines")] = 5.0,
+) -> None:
+    """Run a job file through the engine into an output file; rerun the same command to resume."""
+    from batchgen.jobs.reader import JobInputError
+    from batchgen.jobs.runner import JobOptions, run_job
+
+    engine = {
+        "model": model,
+        "dtype": dtype,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "block_size": block_size,
+        "max_model_len": max_model_len,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "kv_cache_memory": kv_cache_memory,
+        "swap_space": swap_space,
+        "enable_prefix_caching": enable_prefix_caching,
+        "preemption_mode": preemption_mode,
+        "attention_backend": attention_backend,
+        "num_threads": num_threads,
+    }
+    keep = tuple(c.strip() for item in keep_columns or () for c in item.split(",") if c.strip())
+    resume_args = [a for a in sys.argv[1:] if a != "--overwrite"]
+    options = JobOptions(
+        input=input,
+        output=output,
+        overwrite=overwrite,
+        strict=strict,
+        prompt_column=prompt_column,
+        messages_column=messages_column,
+        id_column=id_column,
+        template=template,
+        system_prompt=system_prompt,
+        chat_template=not no_chat_template,
+        keep_columns=keep,
+        limit=limit,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop or ()),
+        truncate_prompt=truncate_prompt,
+        policy=policy,
+        window=window,
+        engine=engine,
+        commit_rows=commit_every,
+        commit_seconds=commit_interval,
+        dashboard=not no_dashboard,
+        progress_interval=progress_interval,
+        resume_command="batchgen " + shlex.join(resume_args),
+    )
+    try:
+        summary = run_job(options)
+    except JobInputError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:  # a second Ctrl-C, or one during model loading: committed rows are kept
+        typer.echo(f"interrupted; resume with:\n  {options.resume_command}", err=True)
+        raise typer.Exit(130) from None
+    if summary.already_complete:
+        typer.echo(
+            f"{summary.output_path} is already complete (same input and settings); --overwrite redoes it"
+        )
+    if summary.interrupted:
+        raise typer.Exit(130)
+
+
+# ----- `batchgen bench`: registered by the bench package when it is present -----
+try:
+    from batchgen.bench.cli import bench_command
+except ImportError:
+    bench_command = None
+if bench_command is not None:
+    app.command("bench")(bench_command)

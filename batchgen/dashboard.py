@@ -1,0 +1,227 @@
+"""Job progress: a Rich live view on a terminal, plain periodic lines elsewhere (CI logs).
+
+The dashboard only reads what the engine publishes (`StepStats` of the last step, `EngineTotals`)
+and the job's row counts; it never touches requests or the model.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from typing import IO, Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+
+from batchgen.engine.stats import EngineTotals, StepStats
+
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """The last `width` values as a one-line bar plot scaled to their maximum ("" when empty)."""
+    values = values[-width:]
+    top = max(values, default=0.0)
+    if top <= 0:
+        return _SPARK[0] * len(values)
+    return "".join(_SPARK[min(len(_SPARK) - 1, int(v / top * (len(_SPARK) - 1) + 0.5))] for v in values)
+
+
+def format_duration(seconds: float | None) -> str:
+    """ "1h02m03s" / "2m03s" / "3.4s"; "?" for None."""
+    if seconds is None or seconds != seconds or seconds == float("inf"):
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class Dashboard:
+    """Shows a job's progress and the engine's state, and prints the final summary.
+
+    Args:
+        total_rows: rows in the job (None when unknown: no percentage or ETA).
+        live: use a Rich live view when the console is a terminal; otherwise (or False) print a
+            plain progress line every `interval` seconds to `stream`.
+        console: where the live view and the summary go (default: stdout).
+        stream: where plain progress lines go (default: stderr, so they land in CI logs).
+        interval: seconds between plain progress lines.
+        rate_window_s: span of the rolling token and row rates, in seconds.
+    """
+
+    def __init__(
+        self,
+        total_rows: int | None,
+        *,
+        live: bool = True,
+        console: Console | None = None,
+        stream: IO[str] | None = None,
+        interval: float = 5.0,
+        rate_window_s: float = 10.0,
+        history: int = 60,
+    ) -> None:
+        self.total_rows = total_rows
+        self.console = console or Console()
+        self.live_mode = live and self.console.is_terminal
+        self.stream = stream
+        self.interval = interval
+        self.rate_window_s = rate_window_s
+        self._live: Live | None = None
+        self._start = time.perf_counter()
+        self._last_line = self._start
+        self._samples: deque[tuple[float, int, int, int]] = deque()  # (time, gen tokens, prompt tokens, rows)
+        self._batch_history: deque[float] = deque(maxlen=history)
+        self._rate_history: deque[float] = deque(maxlen=history)
+        self._last_sample = 0.0
+        self.rows_done = 0
+        self.rows_error = 0
+        self._rows_at_start: int | None = None
+        self.step: StepStats | None = None
+        self.totals = EngineTotals()
+
+    # ----- lifecycle -----
+
+    def start(self) -> None:
+        """Begin timing; open the live view when in live mode."""
+        self._start = self._last_line = time.perf_counter()
+        if self.live_mode:
+            self._live = Live(
+                console=self.console, get_renderable=self.render, refresh_per_second=4, transient=False
+            )
+            self._live.start()
+
+    def stop(self) -> None:
+        """Close the live view, or print a last progress line in plain mode."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        elif not self.live_mode:
+            self._emit(self.progress_line())
+
+    def log(self, message: str) -> None:
+        """Print a message without disturbing the live view."""
+        if self.live_mode:
+            self.console.print(message, highlight=False, markup=False)
+        else:
+            self._emit(message)
+
+    def _emit(self, line: str) -> None:
+        print(line, file=self.stream or sys.stderr, flush=True)
+
+    # ----- data -----
+
+    def update(
+        self, rows_done: int, rows_error: int, step: StepStats | None, totals: EngineTotals | None
+    ) -> None:
+        """Record progress after an engine step (cheap: rendering happens on the view's own clock)."""
+        now = time.perf_counter()
+        if self._rows_at_start is None:
+            self._rows_at_start = rows_done
+        self.rows_done, self.rows_error = rows_done, rows_error
+        if step is not None:
+            self.step = step
+        if totals is not None:
+            self.totals = totals
+        if now - self._last_sample >= 0.5:
+            self._last_sample = now
+            t = self.totals
+            self._samples.append((now, t.generation_tokens, t.prompt_tokens, rows_done))
+            while len(self._samples) > 2 and now - self._samples[0][0] > self.rate_window_s:
+                self._samples.popleft()
+            self._batch_history.append(float(self.step.num_seqs if self.step else 0))
+            self._rate_history.append(self.rates()[0])
+        if not self.live_mode and now - self._last_line >= self.interval:
+            self._last_line = now
+            self._emit(self.progress_line())
+
+    def rates(self) -> tuple[float, float, float]:
+        """Rolling (generation tokens/s, prompt tokens/s, rows/s) over the last `rate_window_s`."""
+        if len(self._samples) < 2:
+            return 0.0, 0.0, 0.0
+        t0, g0, p0, r0 = self._samples[0]
+        t1, g1, p1, r1 = self._samples[-1]
+        dt = t1 - t0
+        return ((g1 - g0) / dt, (p1 - p0) / dt, (r1 - r0) / dt) if dt > 0 else (0.0, 0.0, 0.0)
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the rolling row rate (None when the total or the rate is unknown)."""
+        rows_per_s = self.rates()[2]
+        if self.total_rows is None or rows_per_s <= 0:
+            return None
+        return max(self.total_rows - self.rows_done, 0) / rows_per_s
+
+    def fields(self) -> dict[str, str]:
+        """Every displayed value, formatted (shared by the live view and the plain line)."""
+        gen, prompt, _ = self.rates()
+        s, t = self.step, self.totals
+        total = "?" if self.total_rows is None else str(self.total_rows)
+        pct = f" ({100 * self.rows_done / self.total_rows:.1f}%)" if self.total_rows else ""
+        return {
+            "rows": f"{self.rows_done}/{total}{pct}",
+            "errors": str(self.rows_error),
+            "eta": format_duration(self.eta_s()),
+            "elapsed": format_duration(time.perf_counter() - self._start),
+            "gen tok/s": f"{gen:.0f}",
+            "prompt tok/s": f"{prompt:.0f}",
+            "batch": f"{s.num_seqs} seqs / {s.num_batched_tokens} tok" if s else "-",
+            "queues": f"running {s.num_running} waiting {s.num_waiting} swapped {s.num_swapped}"
+            if s
+            else "-",
+            "kv cache": f"{100 * s.kv_cache_usage:.0f}%" if s else "-",
+            "prefix hit": f"{100 * t.prefix_cache_hit_rate:.0f}%",
+            "preemptions": str(t.preemptions),
+        }
+
+    # ----- views -----
+
+    def progress_line(self) -> str:
+        """One plain progress line (what CI logs show)."""
+        f = self.fields()
+        return (
+            f"[batchgen] rows {f['rows']} err {f['errors']} | gen {f['gen tok/s']} tok/s "
+            f"prompt {f['prompt tok/s']} tok/s | batch {f['batch']} | {f['queues']} | kv {f['kv cache']} "
+            f"| prefix hit {f['prefix hit']} | preempt {f['preemptions']} | elapsed {f['elapsed']} eta {f['eta']}"
+        )
+
+    def render(self) -> RenderableType:
+        """The live view: progress bar, engine state table, batch-size and tokens/s history."""
+        f = self.fields()
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold cyan", justify="right")
+        table.add_column()
+        table.add_column(style="bold cyan", justify="right")
+        table.add_column()
+        pairs = [(k, f[k]) for k in f]
+        for i in range(0, len(pairs), 2):
+            a, b = pairs[i], pairs[i + 1] if i + 1 < len(pairs) else ("", "")
+            table.add_row(a[0], a[1], b[0], b[1])
+        bar = ProgressBar(total=self.total_rows or None, completed=self.rows_done, width=60)
+        history = Table.grid(padding=(0, 1))
+        history.add_column(style="dim", justify="right")
+        history.add_column(style="green")
+        history.add_row("batch size", sparkline(list(self._batch_history)))
+        history.add_row("gen tok/s", sparkline(list(self._rate_history)))
+        return Panel(Group(bar, table, history), title="batchgen run", border_style="blue")
+
+    def print_summary(self, summary: Any) -> None:
+        """Print the end-of-run summary to the console (stdout): rows ok / error, tokens, wall time,
+        throughput, output path."""
+        wall = summary.wall_s or (time.perf_counter() - self._start)
+        gen = self.totals.generation_tokens
+        state = "interrupted" if summary.interrupted else "done"
+        lines = [
+            f"{state}: {summary.rows_done}/{summary.rows_total} rows "
+            f"({summary.rows_ok} ok, {summary.rows_error} error this run; {summary.rows_resumed} from earlier runs)",
+            f"tokens: {summary.prompt_tokens} prompt, {summary.completion_tokens} generated",
+            f"wall time: {format_duration(wall)}; throughput: {gen / wall if wall > 0 else 0.0:.1f} generated tok/s, "
+            f"{(summary.rows_ok + summary.rows_error) / wall if wall > 0 else 0.0:.2f} rows/s",
+            f"output: {summary.output_path}" + ("" if summary.complete else " (not complete yet)"),
+        ]
+        for line in lines:
+            self.console.print(line, highlight=False, markup=False, soft_wrap=True)

@@ -1,0 +1,284 @@
+"""Run header and manifest: what makes a job resumable exactly once.
+
+Beside the output `out.parquet` a run keeps `out.parquet.parts/`:
+    manifest.jsonl   line 1: {"header": {...}}; then one {"part": name, "rows", "min_row", "max_row"}
+                     line per committed part, appended and fsynced after the part's atomic rename.
+    part-000000.parquet ...  committed rows, each part sorted by row_index.
+    lock             flock'ed by the live run, so two runs never write one output.
+The manifest is the truth: a part file it does not name (a crash between rename and append) is
+deleted and its rows are generated again; a torn last manifest line is dropped.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from batchgen.jobs.reader import JobInputError
+
+MANIFEST = "manifest.jsonl"
+LOCK = "lock"
+HEADER_VERSION = 1
+HEADER_METADATA_KEY = b"batchgen.header"
+
+
+def parts_dir_for(output_path: str) -> str:
+    """Directory of the committed parts of `output_path`."""
+    return output_path + ".parts"
+
+
+def make_header(input_identity: dict[str, Any], model: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The run header: input identity, model, and every option that changes the output rows."""
+    return {"version": HEADER_VERSION, "input": input_identity, "model": model, "options": options}
+
+
+def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Human-readable list of what changed between two headers (empty when equal)."""
+    diffs = []
+    if old.get("version") != new.get("version"):
+        diffs.append(f"header version {old.get('version')} -> {new.get('version')}")
+    if old.get("input") != new.get("input"):
+        diffs.append("the input file changed (path, size or content)")
+    if old.get("model") != new.get("model"):
+        diffs.append(f"model {old.get('model')!r} -> {new.get('model')!r}")
+    o, n = old.get("options", {}), new.get("options", {})
+    for k in sorted(set(o) | set(n)):
+        if o.get(k) != n.get(k):
+            diffs.append(f"{k} {o.get(k)!r} -> {n.get(k)!r}")
+    return diffs
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so a rename or unlink inside it is durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(slots=True)
+class PartEntry:
+    """One committed part: file name, row count and row-index range (inclusive)."""
+
+    part: str
+    rows: int
+    min_row: int
+    max_row: int
+
+
+class Manifest:
+    """Append-only, fsynced record of a run's header and committed parts.
+
+    Args:
+        parts_dir: the run's parts directory (see `parts_dir_for`).
+    """
+
+    def __init__(self, parts_dir: str) -> None:
+        self.parts_dir = parts_dir
+        self.path = os.path.join(parts_dir, MANIFEST)
+
+    @classmethod
+    def create(cls, parts_dir: str, header: dict[str, Any]) -> Manifest:
+        """Make `parts_dir` and write a manifest holding only `header` (atomically)."""
+        os.makedirs(parts_dir, exist_ok=True)
+        m = cls(parts_dir)
+        tmp = m.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"header": header}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, m.path)
+        fsync_dir(parts_dir)
+        fsync_dir(os.path.dirname(os.path.abspath(parts_dir)))
+        return m
+
+    def load(self) -> tuple[dict[str, Any], list[PartEntry]]:
+        """Read the header and part entries; a torn (unterminated) last line is cut off.
+
+        Raises:
+            JobInputError: the manifest has no readable header.
+        """
+        with open(self.path, "rb") as f:
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):  # a crash mid-append: drop the partial line
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+                os.fsync(f.fileno())
+        lines = data[:end].splitlines()
+        try:
+            header = json.loads(lines[0])["header"]
+        except (IndexError, KeyError, ValueError) as e:
+            raise JobInputError(f"{self.path} has no valid header; pass --overwrite to start over") from e
+        entries = [PartEntry(**json.loads(line)) for line in lines[1:] if line.strip()]
+        return header, entries
+
+    def append(self, entry: PartEntry) -> None:
+        """Append one part entry and fsync it (the commit point of that part's rows)."""
+        line = json.dumps(
+            {"part": entry.part, "rows": entry.rows, "min_row": entry.min_row, "max_row": entry.max_row}
+        )
+        with open(self.path, "ab") as f:
+            f.write(line.encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class CommittedRows:
+    """Row indices and hashes already committed, as sorted int64 arrays (16 bytes a row).
+
+    `is_committed` is called with increasing row indices (the reader's order) and walks forward,
+    so a check is O(1) amortized and no per-row Python object is kept.
+    """
+
+    def __init__(self, row_index: np.ndarray, row_hash: np.ndarray) -> None:
+        order = np.argsort(row_index, kind="stable")
+        self.row_index = row_index[order]
+        self.row_hash = row_hash[order]
+        if len(self.row_index) > 1 and np.any(self.row_index[1:] == self.row_index[:-1]):
+            raise JobInputError(
+                "committed parts hold a row twice; the parts directory is corrupt, pass --overwrite"
+            )
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return len(self.row_index)
+
+    def is_committed(self, row_index: int, row_hash: int, where: str = "") -> bool:
+        """True when the row was committed by an earlier run (row indices must come in increasing order).
+
+        Raises:
+            JobInputError: the committed row has another hash, i.e. the input changed underneath.
+        """
+        idx = self.row_index
+        while self._pos < len(idx) and idx[self._pos] < row_index:
+            self._pos += 1
+        if self._pos < len(idx) and idx[self._pos] == row_index:
+            if int(self.row_hash[self._pos]) != row_hash:
+                raise JobInputError(
+                    f"{where or f'row {row_index}'} differs from the committed result of an earlier run "
+                    "(the input or its parameters changed); pass --overwrite to start over"
+                )
+            return True
+        return False
+
+
+@dataclass
+class ResumeState:
+    """Where a run starts: its manifest, committed parts and rows, and whether the output is already done."""
+
+    output_path: str
+    parts_dir: str
+    manifest: Manifest | None
+    entries: list[PartEntry]
+    committed: CommittedRows
+    complete: bool = False
+    lock_fd: int | None = None
+
+    def release(self) -> None:
+        """Release the run's lock on the parts directory."""
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+
+def _existing_output_header(output_path: str) -> dict[str, Any] | None:
+    try:
+        import pyarrow.parquet as pq
+
+        meta = pq.read_schema(output_path).metadata or {}
+        return json.loads(meta[HEADER_METADATA_KEY]) if HEADER_METADATA_KEY in meta else None
+    except Exception:  # not a Parquet file of ours
+        return None
+
+
+def _lock(parts_dir: str) -> int:
+    fd = os.open(os.path.join(parts_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as e:
+        os.close(fd)
+        raise JobInputError(
+            f"another batchgen run is writing {parts_dir}; wait for it or use another --output"
+        ) from e
+    return fd
+
+
+def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) -> ResumeState:
+    """Check the output location and resume state before any model work.
+
+    - `overwrite`: earlier parts are deleted (an earlier final output is replaced at the end).
+    - parts directory present: same header -> resume (orphan parts removed, committed rows loaded);
+      another header -> refuse.
+    - final output present without parts: same header (Parquet metadata) -> `complete`; else refuse.
+    - otherwise a new parts directory and manifest are created.
+
+    Raises:
+        JobInputError: unwritable location, changed header, or an output that is not ours.
+    """
+    parts_dir = parts_dir_for(output_path)
+    out_dir = os.path.dirname(os.path.abspath(output_path))
+    empty = CommittedRows(np.zeros(0, np.int64), np.zeros(0, np.int64))
+    if not os.path.isdir(out_dir):
+        raise JobInputError(f"output directory {out_dir} does not exist; create it or pass another --output")
+    if os.path.isdir(output_path):
+        raise JobInputError(f"--output {output_path} is a directory; give a file path")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise JobInputError(f"output directory {out_dir} is not writable; pass a writable --output")
+    if os.path.exists(output_path) and not os.access(output_path, os.W_OK):
+        raise JobInputError(f"output {output_path} is not writable; pass another --output")
+    if overwrite and os.path.isdir(parts_dir):
+        shutil.rmtree(parts_dir)
+    manifest_path = os.path.join(parts_dir, MANIFEST)
+    if os.path.exists(manifest_path):
+        manifest = Manifest(parts_dir)
+        old, entries = manifest.load()
+        diffs = header_differences(old, header)
+        if diffs:
+            raise JobInputError(
+                f"{output_path} has {sum(e.rows for e in entries)} committed rows from a run with other "
+                f"settings ({'; '.join(diffs)}). Pass --overwrite to discard them and start over, "
+                "or choose another --output"
+            )
+        lock_fd = _lock(parts_dir)
+        keep = {MANIFEST, LOCK} | {e.part for e in entries}
+        for name in os.listdir(parts_dir):
+            if name not in keep:  # temp files and parts renamed but never recorded
+                os.remove(os.path.join(parts_dir, name))
+        import pyarrow.parquet as pq
+
+        idx, hashes = [], []
+        for e in entries:
+            path = os.path.join(parts_dir, e.part)
+            if not os.path.exists(path):
+                os.close(lock_fd)
+                raise JobInputError(f"committed part {path} is missing; pass --overwrite to start over")
+            t = pq.read_table(path, columns=["row_index", "row_hash"])
+            idx.append(t.column("row_index").to_numpy())
+            hashes.append(t.column("row_hash").to_numpy())
+        committed = (
+            CommittedRows(np.concatenate(idx).astype(np.int64), np.concatenate(hashes).astype(np.int64))
+            if idx
+            else empty
+        )
+        return ResumeState(output_path, parts_dir, manifest, entries, committed, lock_fd=lock_fd)
+    if os.path.exists(output_path) and not overwrite:
+        old = _existing_output_header(output_path)
+        if old is not None and not header_differences(old, header):
+            return ResumeState(output_path, parts_dir, None, [], empty, complete=True)
+        raise JobInputError(
+            f"output {output_path} already exists"
+            + (" from a run with other settings" if old is not None else "")
+            + ". Pass --overwrite to replace it, or choose another --output"
+        )
+    if os.path.isdir(parts_dir):  # a parts directory without a manifest: a crash during creation
+        shutil.rmtree(parts_dir)
+    manifest = Manifest.create(parts_dir, header)
+    return ResumeState(output_path, parts_dir, manifest, [], empty, lock_fd=_lock(parts_dir))

@@ -1,0 +1,462 @@
+"""run_job: a job file through the engine into committed parts and the final output.
+
+Everything that can fail without a model is checked first (input, schema, output location, resume
+header, `--strict` validation); then the engine is built, rows stream through the look-ahead window
+into it, finished rows are committed every `commit_rows` rows or `commit_seconds` seconds, and the
+final file is written once every row is committed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen.config import EngineConfig
+from batchgen.jobs.reader import JobInputError, JobReader, JobRow, ReaderOptions
+from batchgen.jobs.resume import make_header, prepare_output
+from batchgen.jobs.window import LookaheadWindow
+from batchgen.jobs.writer import RESERVED_COLUMNS, PartWriter, finalize_output
+
+TRUNCATE_SIDES = ("left", "right")
+
+
+@dataclass
+class JobOptions:
+    """Everything `batchgen run` takes (see `batchgen run --help` for each flag).
+
+    Attributes:
+        input: job file, dataset directory, or "hf://NAME[:CONFIG]:SPLIT".
+        limit: run only the first `limit` rows of the input (None: all).
+        output: output path; None: "<input stem>.out.parquet" (".out.jsonl" for OpenAI batch input).
+        engine: EngineConfig keyword arguments (model, dtype, max_num_seqs, ...), without `policy`.
+        policy: "fcfs", "max-throughput" or "priority" (window order and engine scheduling).
+        window: look-ahead window size in rows.
+        max_tokens / temperature / top_p / top_k / seed / stop: sampling defaults; row columns override.
+        truncate_prompt: None (an over-long prompt is an error row), "left" or "right" (tokens cut there).
+        commit_rows / commit_seconds: commit a part at least this often (rows, seconds).
+        dashboard: show the Rich live view when stdout is a terminal.
+        resume_command: printed on SIGINT so the user can continue.
+    """
+
+    input: str
+    output: str | None = None
+    overwrite: bool = False
+    strict: bool = False
+    prompt_column: str | None = None
+    messages_column: str | None = None
+    id_column: str | None = None
+    template: str | None = None
+    system_prompt: str | None = None
+    chat_template: bool = True
+    keep_columns: tuple[str, ...] = ()
+    limit: int | None = None
+    max_tokens: int | None = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    truncate_prompt: str | None = None
+    policy: str = "fcfs"
+    window: int = 1024
+    engine: dict[str, Any] = field(default_factory=dict)
+    commit_rows: int = 1000
+    commit_seconds: float = 10.0
+    dashboard: bool = True
+    progress_interval: float = 5.0
+    resume_command: str | None = None
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """CLI sampling defaults as SamplingParams keyword arguments."""
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": list(self.stop) or None,
+        }
+
+
+@dataclass
+class JobSummary:
+    """How a run ended. Counts cover the whole job (rows committed by earlier runs included)."""
+
+    output_path: str
+    rows_total: int
+    rows_ok: int = 0
+    rows_error: int = 0
+    rows_resumed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    interrupted: bool = False
+    complete: bool = False
+    already_complete: bool = False
+
+    @property
+    def rows_done(self) -> int:
+        return self.rows_ok + self.rows_error + self.rows_resumed
+
+
+@dataclass(slots=True)
+class _Prepared:
+    row: JobRow
+    token_ids: list[int] | None
+    prompt_tokens: int
+
+
+def default_output_path(source: str, input_format: str) -> str:
+    """ "<input stem>.out.parquet" beside the input ("<stem>.out.jsonl" for OpenAI batch input)."""
+    suffix = ".out.jsonl" if input_format == "openai" else ".out.parquet"
+    if source.startswith("hf://"):
+        return source[len("hf://") :].replace("/", "_").replace(":", "_") + suffix
+    path = source.rstrip("/")
+    stem, ext = os.path.splitext(path)
+    return (stem if ext in (".jsonl", ".json", ".ndjson", ".parquet") else path) + suffix
+
+
+def output_format(output_path: str, input_format: str) -> str:
+    """ "openai" for a .jsonl output of OpenAI batch input, "jsonl" for other .jsonl, else "parquet"."""
+    if output_path.endswith((".jsonl", ".json", ".ndjson")):
+        return "openai" if input_format == "openai" else "jsonl"
+    return "parquet"
+
+
+def default_engine_factory(config: EngineConfig) -> Any:
+    """Build the real engine (imported here so pre-flight checks never load torch or a model).
+
+    Raises:
+        JobInputError: the model is missing or unsupported, or the engine options conflict.
+    """
+    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.model.loader import ModelNotFoundError
+
+    try:
+        return LLMEngine(config)
+    except (ModelNotFoundError, ValueError) as e:
+        raise JobInputError(f"cannot start the engine for model {config.model or '(default)'}: {e}") from e
+
+
+def engine_prompt(row: JobRow, system_prompt: str | None, chat: bool) -> str | list[dict]:
+    """What the engine encodes for a row: messages (system prompt added unless present), a plain
+    prompt wrapped as a user message when `chat`, or the text (OpenAI completions stay raw)."""
+    p = row.prompt
+    if isinstance(p, list):
+        if system_prompt and not any(m["role"] == "system" for m in p):
+            return [{"role": "system", "content": system_prompt}, *p]
+        return p
+    if row.endpoint == "completion":
+        return p
+    if chat:
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        return [*system, {"role": "user", "content": p}]
+    return f"{system_prompt}\n\n{p}" if system_prompt else p
+
+
+def _model_label(options: JobOptions) -> str:
+    model = options.engine.get("model")
+    if model and os.path.exists(model):
+        return os.path.abspath(model)
+    return model or "default"
+
+
+def _header_options(options: JobOptions, reader: JobReader, fmt: str) -> dict[str, Any]:
+    """Options that change the output rows (engine options that only change speed are left out)."""
+    return {
+        "output_format": fmt,
+        "prompt_column": reader.prompt_column,
+        "messages_column": reader.messages_column,
+        "id_column": reader.id_column,
+        "template": options.template,
+        "system_prompt": options.system_prompt,
+        "chat_template": options.chat_template,
+        "keep_columns": list(options.keep_columns),
+        "limit": options.limit,
+        "sampling": options.sampling_defaults(),
+        "truncate_prompt": options.truncate_prompt,
+        "dtype": options.engine.get("dtype", "auto"),
+        "max_model_len": options.engine.get("max_model_len"),
+    }
+
+
+def validate_job(reader: JobReader, limit: int = 10) -> None:
+    """--strict: read every row and fail on the first `limit` invalid ones (no model needed).
+
+    Raises:
+        JobInputError: listing the invalid rows and their fixes.
+    """
+    errors: list[str] = []
+    count = 0
+    for row in reader:
+        if row.error is not None:
+            count += 1
+            if len(errors) < limit:
+                errors.append(row.error)
+    if count:
+        more = f"\n  ... and {count - limit} more" if count > limit else ""
+        raise JobInputError(
+            f"--strict: {count} invalid row(s) in {reader.source}:\n  "
+            + "\n  ".join(errors)
+            + more
+            + "\nFix them, or run without --strict to get an error row for each"
+        )
+
+
+def _result(row: JobRow, **values: Any) -> dict[str, Any]:
+    base = {
+        "row_index": row.row_index,
+        "id": row.id,
+        "row_hash": row.row_hash,
+        "endpoint": row.endpoint,
+        "created": int(time.time()),
+    }
+    base.update(values)
+    return base
+
+
+def _error_result(row: JobRow, message: str, prompt_tokens: int | None = None) -> dict[str, Any]:
+    return _result(
+        row, finish_reason="error", error=message, prompt_tokens=prompt_tokens, completion_tokens=0
+    )
+
+
+class _Interrupt:
+    """SIGINT handler: the first signal asks the loop to stop, a second raises KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _Interrupt:
+        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def run_job(
+    options: JobOptions,
+    engine_factory: Callable[[EngineConfig], Any] | None = None,
+    dashboard: Any = None,
+) -> JobSummary:
+    """Run one job to completion, or until SIGINT.
+
+    Args:
+        options: the job (see JobOptions).
+        engine_factory: EngineConfig -> engine with the LLMEngine API; default builds LLMEngine.
+        dashboard: a `batchgen.dashboard.Dashboard` (default: one chosen from `options.dashboard`).
+
+    Returns:
+        JobSummary; `interrupted` is True when SIGINT stopped the run (committed rows are kept).
+
+    Raises:
+        JobInputError: before any model work, for a bad input, schema, output location or a resume
+            whose header changed (the CLI exits with code 2).
+    """
+    start = time.perf_counter()
+    if options.truncate_prompt not in (None, *TRUNCATE_SIDES):
+        raise JobInputError(f"--truncate-prompt must be left or right, got {options.truncate_prompt!r}")
+    bad = [c for c in options.keep_columns if c in RESERVED_COLUMNS]
+    if bad:
+        raise JobInputError(
+            f"--keep-columns {', '.join(bad)}: these names are output columns; keep other columns"
+        )
+    if options.window < 1:
+        raise JobInputError(f"--window must be >= 1 row, got {options.window}")
+    try:
+        config = EngineConfig(**options.engine, policy=options.policy)
+    except (TypeError, ValueError) as e:
+        raise JobInputError(f"invalid engine option: {e}") from e
+    reader = JobReader(
+        options.input,
+        ReaderOptions(
+            prompt_column=options.prompt_column,
+            messages_column=options.messages_column,
+            id_column=options.id_column,
+            template=options.template,
+            keep_columns=tuple(options.keep_columns),
+            defaults=options.sampling_defaults(),
+            limit=options.limit,
+        ),
+    )
+    output = options.output or default_output_path(options.input, reader.format)
+    fmt = output_format(output, reader.format)
+    header = make_header(reader.identity(), _model_label(options), _header_options(options, reader, fmt))
+    if options.strict:
+        validate_job(reader)
+    state = prepare_output(output, header, options.overwrite)
+    if state.complete:
+        return JobSummary(output, reader.count_rows() or 0, complete=True, already_complete=True)
+    try:
+        total = reader.count_rows()
+        if dashboard is None:
+            from batchgen.dashboard import Dashboard
+
+            dashboard = Dashboard(total, live=options.dashboard, interval=options.progress_interval)
+        summary = JobSummary(output, total or 0, rows_resumed=len(state.committed))
+        if len(state.committed):
+            dashboard.log(f"resuming: {len(state.committed)} rows already committed in {state.parts_dir}")
+        engine = (engine_factory or default_engine_factory)(config)
+        writer = PartWriter(state, tuple(options.keep_columns), options.commit_rows, options.commit_seconds)
+        with _Interrupt() as interrupt:
+            dashboard.start()
+            try:
+                rows_read, finished = _loop(
+                    options, config, engine, reader, state, writer, dashboard, summary, interrupt
+                )
+                summary.interrupted = not finished
+            finally:
+                writer.commit()  # rows that finished are always kept, whatever stopped the loop
+                dashboard.stop()
+        if not summary.interrupted:
+            summary.rows_total = rows_read
+            files = getattr(engine, "model_files", None)
+            model_name = getattr(files, "name", None) or os.path.basename(_model_label(options).rstrip("/"))
+            finalize_output(state, rows_read, fmt, header, tuple(options.keep_columns), model_name)
+            summary.complete = True
+        summary.wall_s = time.perf_counter() - start
+        if summary.interrupted:
+            dashboard.log(
+                f"interrupted: {writer.committed_rows} of {summary.rows_total or '?'} rows committed in "
+                f"{state.parts_dir}. Resume with:\n  {options.resume_command or 'the same command'}"
+            )
+        dashboard.print_summary(summary)
+        return summary
+    finally:
+        state.release()
+
+
+def _loop(
+    options: JobOptions,
+    config: EngineConfig,
+    engine: Any,
+    reader: JobReader,
+    state: Any,
+    writer: PartWriter,
+    dashboard: Any,
+    summary: JobSummary,
+    interrupt: _Interrupt,
+) -> tuple[int, bool]:
+    """The admission / step / commit loop; returns (input rows read, whether every row finished)."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    max_len: int = engine.max_model_len
+    inflight_limit = max(2 * config.max_num_seqs, 8)
+    window: LookaheadWindow[_Prepared] = LookaheadWindow(options.policy, options.window)
+    pending: dict[str, _Prepared] = {}
+    rows = iter(reader)
+    rows_read = 0
+    exhausted = False
+
+    def finish(result: dict[str, Any], keep: dict[str, Any] | None) -> None:
+        writer.add(result, keep)
+        if result["finish_reason"] == "error":
+            summary.rows_error += 1
+        else:
+            summary.rows_ok += 1
+        summary.prompt_tokens += result.get("prompt_tokens") or 0
+        summary.completion_tokens += result.get("completion_tokens") or 0
+        if writer.due():
+            writer.commit()
+
+    while not interrupt.requested:
+        while not exhausted and not window.full and not interrupt.requested:
+            row = next(rows, None)
+            if row is None:
+                exhausted = True
+                break
+            rows_read = row.row_index + 1
+            if state.committed.is_committed(row.row_index, row.row_hash, row.where):
+                continue
+            if row.error is not None:
+                finish(_error_result(row, row.error), row.keep)
+                continue
+            prepared, error = _prepare(row, engine, options, chat, bos, max_len)
+            if error is not None:
+                finish(_error_result(row, error, prepared and prepared.prompt_tokens), row.keep)
+                continue
+            sp = row.sampling_params
+            work = prepared.prompt_tokens + (sp.max_tokens or max_len - prepared.prompt_tokens)
+            window.push(prepared, work=work, priority=sp.priority)
+        while window and engine.num_unfinished_requests() < inflight_limit and not interrupt.requested:
+            p = window.pop()
+            rid = str(p.row.row_index)
+            engine.add_request(rid, {"prompt_token_ids": p.token_ids}, p.row.sampling_params)
+            p.token_ids = None  # the engine holds them now
+            pending[rid] = p
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                p = pending.pop(out.request_id)
+                finish(_output_result(p, out), p.row.keep)
+        elif exhausted and not window:
+            break
+        dashboard.update(
+            summary.rows_done,
+            summary.rows_error,
+            getattr(engine, "last_step", None),
+            getattr(engine, "totals", None),
+        )
+    finished = exhausted and not window and not pending
+    if not finished:
+        for rid in pending:
+            engine.abort_request(rid)
+    return rows_read, finished
+
+
+def _prepare(
+    row: JobRow, engine: Any, options: JobOptions, chat: bool, bos: int | None, max_len: int
+) -> tuple[_Prepared | None, str | None]:
+    """Tokenize a row and apply --truncate-prompt; (prepared, None) or (prepared or None, error)."""
+    try:
+        _, ids = engine.encode_prompt(engine_prompt(row, options.system_prompt, chat))
+    except Exception as e:  # tokenizer and chat-template errors are this row's problem only
+        return None, f"{row.where}: the prompt could not be tokenized ({e}); fix the prompt field"
+    n = len(ids)
+    if n >= max_len:
+        if options.truncate_prompt is None:
+            return _Prepared(row, None, n), (
+                f"{row.where}: the prompt is {n} tokens but max_model_len is {max_len} (one output token "
+                "needs room); shorten the prompt, raise --max-model-len, or pass --truncate-prompt left|right"
+            )
+        room = min(row.sampling_params.max_tokens or 1, max_len // 2)
+        keep = max_len - room
+        if options.truncate_prompt == "right":
+            ids = ids[:keep]
+        elif bos is not None and ids[0] == bos:  # keep exactly one BOS in front
+            ids = [bos, *ids[n - keep + 1 :]]
+        else:
+            ids = ids[n - keep :]
+    row.prompt = None  # free the text: only the token ids travel on
+    return _Prepared(row, ids, len(ids)), None
+
+
+def _output_result(p: _Prepared, out: Any) -> dict[str, Any]:
+    c = out.outputs[0]
+    metrics = out.metrics
+    values: dict[str, Any] = {
+        "prompt_tokens": len(out.prompt_token_ids) or p.prompt_tokens,
+        "completion_tokens": len(c.token_ids),
+        "finish_reason": c.finish_reason or "length",
+        "ttft_s": metrics.ttft,
+        "latency_s": metrics.latency,
+    }
+    if c.finish_reason == "error":
+        values["error"] = f"{p.row.where}: {out.error or 'the engine rejected the request'}"
+    else:
+        values["output"] = c.text
+    return _result(p.row, **values)

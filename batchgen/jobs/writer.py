@@ -1,0 +1,287 @@
+"""Committed Parquet parts and the final output file.
+
+Finished rows are buffered and committed as Parquet parts: written under a temporary name, fsynced,
+renamed atomically, the directory fsynced, and only then recorded in the manifest. When every row is
+committed, the final file (Parquet, JSONL, or OpenAI batch output JSONL) is assembled in input
+order a chunk of row indices at a time, written under a temporary name, fsynced and renamed; then
+the parts are removed. A crash at any point loses at most the uncommitted rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchgen.jobs.resume import HEADER_METADATA_KEY, Manifest, PartEntry, ResumeState, fsync_dir
+
+OUTPUT_SCHEMA = pa.schema(
+    [
+        ("row_index", pa.int64()),
+        ("id", pa.string()),
+        ("output", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("error", pa.string()),
+        ("ttft_s", pa.float64()),
+        ("latency_s", pa.float64()),
+    ]
+)
+# Kept in parts only: resume identity and what OpenAI output lines need.
+INTERNAL_SCHEMA = pa.schema([("row_hash", pa.int64()), ("endpoint", pa.string()), ("created", pa.int64())])
+RESERVED_COLUMNS = frozenset(OUTPUT_SCHEMA.names) | frozenset(INTERNAL_SCHEMA.names)
+OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
+
+
+def _keep_array(values: list[Any]) -> pa.Array:
+    """Arrow array of a kept input column; mixed-type values fall back to their JSON text."""
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.array([None if v is None else json.dumps(v, default=str) for v in values], pa.string())
+
+
+class PartWriter:
+    """Buffers finished rows and commits them as manifest-recorded Parquet parts.
+
+    Args:
+        state: the run's resume state (its manifest and entries are extended on each commit).
+        keep_columns: input columns copied to the output, in order.
+        commit_rows: commit when this many rows are buffered.
+        commit_seconds: commit buffered rows at least this often (seconds).
+    """
+
+    def __init__(
+        self,
+        state: ResumeState,
+        keep_columns: tuple[str, ...] = (),
+        commit_rows: int = 1000,
+        commit_seconds: float = 10.0,
+    ) -> None:
+        if state.manifest is None:
+            raise ValueError("PartWriter needs a resume state with a manifest")
+        self.state = state
+        self.manifest: Manifest = state.manifest
+        self.keep_columns = keep_columns
+        self.commit_rows = commit_rows
+        self.commit_seconds = commit_seconds
+        self._names = OUTPUT_SCHEMA.names + INTERNAL_SCHEMA.names
+        self._buf: dict[str, list] = {}
+        self._reset()
+        self._next_part = len(state.entries)
+        self.committed_rows = sum(e.rows for e in state.entries)
+
+    def _reset(self) -> None:
+        self._buf = {n: [] for n in [*self._names, *self.keep_columns]}
+        self._first_at = None
+
+    @property
+    def pending(self) -> int:
+        """Rows buffered, not yet committed."""
+        return len(self._buf["row_index"])
+
+    def add(self, row: dict[str, Any], keep: dict[str, Any] | None = None) -> None:
+        """Buffer one finished row: `row` has the OUTPUT_SCHEMA and INTERNAL_SCHEMA fields
+        (missing ones are null); `keep` maps kept column names to their values."""
+        for n in self._names:
+            self._buf[n].append(row.get(n))
+        for c in self.keep_columns:
+            self._buf[c].append(None if keep is None else keep.get(c))
+        if self._first_at is None:
+            self._first_at = time.monotonic()
+
+    def due(self) -> bool:
+        """True when the buffer should be committed (row count or age reached)."""
+        n = self.pending
+        return n >= self.commit_rows or (n > 0 and time.monotonic() - self._first_at >= self.commit_seconds)
+
+    def commit(self) -> PartEntry | None:
+        """Write the buffered rows as one part (sorted by row_index) and record it; None if empty."""
+        if not self.pending:
+            return None
+        arrays = [pa.array(self._buf[f.name], f.type) for f in OUTPUT_SCHEMA]
+        arrays += [pa.array(self._buf[f.name], f.type) for f in INTERNAL_SCHEMA]
+        arrays += [_keep_array(self._buf[c]) for c in self.keep_columns]
+        table = pa.Table.from_arrays(arrays, names=[*self._names, *self.keep_columns]).sort_by("row_index")
+        names = {e.part for e in self.state.entries}
+        while f"part-{self._next_part:06d}.parquet" in names:
+            self._next_part += 1
+        name = f"part-{self._next_part:06d}.parquet"
+        self._next_part += 1
+        final = os.path.join(self.state.parts_dir, name)
+        tmp = os.path.join(self.state.parts_dir, f".tmp-{name}")
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(self.state.parts_dir)
+        idx = table.column("row_index")
+        entry = PartEntry(name, table.num_rows, pc.min(idx).as_py(), pc.max(idx).as_py())
+        self.manifest.append(entry)
+        self.state.entries.append(entry)
+        self.committed_rows += entry.rows
+        self._reset()
+        return entry
+
+
+def _unified_schema(paths: list[str], keep_columns: tuple[str, ...]) -> pa.Schema:
+    """Output schema of the final file: OUTPUT_SCHEMA, then the kept columns with types unified
+    across parts (a column whose parts disagree beyond null/int/float promotion becomes string)."""
+    fields = list(OUTPUT_SCHEMA)
+    if not keep_columns:
+        return pa.schema(fields)
+    schemas = [pq.read_schema(p) for p in paths]
+    for c in keep_columns:
+        types = [s.field(c).type for s in schemas] or [pa.null()]
+        try:
+            unified = pa.unify_schemas([pa.schema([(c, t)]) for t in types], promote_options="permissive")
+            t = unified.field(c).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            t = pa.string()
+        fields.append(pa.field(c, pa.string() if pa.types.is_null(t) else t))
+    return pa.schema(fields)
+
+
+def _cast_column(col: pa.ChunkedArray, t: pa.DataType) -> pa.ChunkedArray:
+    if col.type == t:
+        return col
+    try:
+        return col.cast(t)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return pa.chunked_array([pa.array([None if v is None else str(v) for v in col.to_pylist()], t)])
+
+
+def iter_ordered_chunks(
+    state: ResumeState, total_rows: int, keep_columns: tuple[str, ...] = (), chunk_rows: int = 20000
+):
+    """Yield (schema, table) chunks holding row indices [lo, lo + chunk_rows) in order.
+
+    Each chunk reads only the parts whose row range overlaps it, so memory is bounded by the chunk.
+
+    Raises:
+        RuntimeError: a row index is missing or present twice (an invariant violation).
+    """
+    paths = {e.part: os.path.join(state.parts_dir, e.part) for e in state.entries}
+    schema = _unified_schema(list(paths.values()), keep_columns)
+    target = pa.schema([*schema, *INTERNAL_SCHEMA])
+    for lo in range(0, total_rows, chunk_rows):
+        hi = min(lo + chunk_rows, total_rows)
+        tables = []
+        for e in state.entries:
+            if e.max_row >= lo and e.min_row < hi:
+                t = pq.read_table(paths[e.part], columns=target.names)
+                t = t.filter(pc.and_(pc.greater_equal(t["row_index"], lo), pc.less(t["row_index"], hi)))
+                tables.append(
+                    pa.Table.from_arrays([_cast_column(t[f.name], f.type) for f in target], schema=target)
+                )
+        t = pa.concat_tables(tables).sort_by("row_index") if tables else target.empty_table()
+        if not np.array_equal(t["row_index"].to_numpy(), np.arange(lo, hi)):
+            raise RuntimeError(
+                f"rows {lo}..{hi - 1}: {t.num_rows} committed rows instead of {hi - lo}; the parts directory "
+                "is inconsistent, rerun with --overwrite"
+            )
+        yield schema, t
+
+
+def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
+    """One OpenAI batch output line for a finished row (chat.completion or text_completion body,
+    with usage; error rows get status 400 and an `error` object). Ids derive from the row hash, so
+    a resumed run writes the same lines."""
+    suffix = f"{row['row_hash'] & 0xFFFFFFFFFFFFFFFF:016x}"
+    request_id = f"req_{suffix}"
+    record: dict[str, Any] = {"id": f"batch_req_{suffix}", "custom_id": row["id"]}
+    if row["finish_reason"] == "error":
+        message = row["error"] or "request failed"
+        err = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+        record["response"] = {"status_code": 400, "request_id": request_id, "body": {"error": err}}
+        record["error"] = {"code": "invalid_request", "message": message}
+        return record
+    usage = {
+        "prompt_tokens": row["prompt_tokens"] or 0,
+        "completion_tokens": row["completion_tokens"] or 0,
+        "total_tokens": (row["prompt_tokens"] or 0) + (row["completion_tokens"] or 0),
+    }
+    if row["endpoint"] == "completion":
+        choice = {"index": 0, "text": row["output"], "logprobs": None, "finish_reason": row["finish_reason"]}
+        body = {"id": f"cmpl-{suffix}", "object": "text_completion"}
+    else:
+        message = {"role": "assistant", "content": row["output"]}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": row["finish_reason"]}
+        body = {"id": f"chatcmpl-{suffix}", "object": "chat.completion"}
+    body.update({"created": row["created"], "model": model, "choices": [choice], "usage": usage})
+    record["response"] = {"status_code": 200, "request_id": request_id, "body": body}
+    record["error"] = None
+    return record
+
+
+def finalize_output(
+    state: ResumeState,
+    total_rows: int,
+    output_format: str,
+    header: dict[str, Any],
+    keep_columns: tuple[str, ...] = (),
+    model_name: str = "",
+    chunk_rows: int = 20000,
+) -> None:
+    """Assemble the final output in input order, atomically, then remove the parts directory.
+
+    Args:
+        output_format: "parquet" (header kept in the schema metadata), "jsonl" (one output row a
+            line) or "openai" (OpenAI batch output lines).
+        model_name: `model` field of OpenAI output bodies.
+
+    Raises:
+        RuntimeError: committed rows do not cover 0..total_rows-1 exactly once.
+    """
+    out = state.output_path
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp")
+    with open(tmp, "wb") as f:
+        if output_format == "parquet":
+            writer = None
+            for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows):
+                if writer is None:
+                    meta = {HEADER_METADATA_KEY: json.dumps(header).encode()}
+                    writer = pq.ParquetWriter(f, schema.with_metadata(meta))
+                writer.write_table(t.select(schema.names).replace_schema_metadata(writer.schema.metadata))
+            if writer is None:  # an empty job: an empty file with the schema
+                schema = _unified_schema(
+                    [os.path.join(state.parts_dir, e.part) for e in state.entries], keep_columns
+                )
+                writer = pq.ParquetWriter(
+                    f, schema.with_metadata({HEADER_METADATA_KEY: json.dumps(header).encode()})
+                )
+            writer.close()
+        else:
+            for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows):
+                names = schema.names
+                for row in t.to_pylist():
+                    rec = (
+                        openai_record(row, model_name)
+                        if output_format == "openai"
+                        else {n: row[n] for n in names}
+                    )
+                    f.write(json.dumps(rec, ensure_ascii=False, default=str).encode() + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    fsync_dir(os.path.dirname(os.path.abspath(out)))
+    remove_parts(state)
+
+
+def remove_parts(state: ResumeState) -> None:
+    """Delete the parts directory (after the final output is durable) and release the lock."""
+    d = state.parts_dir
+    if os.path.isdir(d):
+        for name in os.listdir(d):
+            os.remove(os.path.join(d, name))
+        os.rmdir(d)
+        fsync_dir(os.path.dirname(os.path.abspath(d)))
+    state.release()

@@ -1,0 +1,192 @@
+"""`batchgen run` end to end: JSONL, Parquet and OpenAI batch inputs -> expected output schema, one row
+per input row, in input order; bad jobs exit with code 2 before the model is loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from batchgen.cli import app, parse_bytes
+
+SCHEMA = [
+    "row_index",
+    "id",
+    "output",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "error",
+    "ttft_s",
+    "latency_s",
+]
+PROMPTS = [
+    "Explain what a compiler does.",
+    "List three fruits.",
+    "Translate 'good morning' to Spanish.",
+    "Summarise: the cat sat on the mat all afternoon.",
+    "What is the capital of Peru?",
+]
+NO_MODEL = "/nonexistent/model"  # a pre-flight failure must come before any model loading
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["run", *args])
+
+
+def engine_args(model: Path) -> list[str]:
+    return ["--model", str(model), "--max-tokens", "8", "--max-num-seqs", "3", "--kv-cache-memory", "64MiB"]
+
+
+# ----- pre-flight: exit code 2, no model work -----
+
+
+def test_missing_file_and_unknown_format(tmp_path):
+    r = invoke(str(tmp_path / "none.jsonl"), "--model", NO_MODEL)
+    assert r.exit_code == 2 and "input not found" in r.stderr
+    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    r = invoke(str(tmp_path / "x.csv"), "--model", NO_MODEL)
+    assert r.exit_code == 2 and "unknown input format" in r.stderr
+
+
+def test_missing_prompt_column_lists_columns(tmp_path):
+    src = tmp_path / "j.jsonl"
+    src.write_text(json.dumps({"question": "q", "context": "c"}) + "\n")
+    r = invoke(str(src), "--model", NO_MODEL)
+    assert (
+        r.exit_code == 2
+        and "available columns: question, context" in r.stderr
+        and "--prompt-column" in r.stderr
+    )
+    r = invoke(str(src), "--model", NO_MODEL, "--prompt-column", "query")
+    assert r.exit_code == 2 and "prompt column 'query' not found" in r.stderr
+
+
+def test_unwritable_output_and_bad_options(tmp_path):
+    src = tmp_path / "j.jsonl"
+    src.write_text(json.dumps({"prompt": "p"}) + "\n")
+    r = invoke(str(src), "--model", NO_MODEL, "--output", str(tmp_path / "missing_dir" / "o.parquet"))
+    assert r.exit_code == 2 and "does not exist" in r.stderr
+    r = invoke(str(src), "--model", NO_MODEL, "--policy", "random")
+    assert r.exit_code == 2 and "policy must be one of" in r.stderr
+    r = invoke(str(src), "--model", NO_MODEL, "--truncate-prompt", "middle")
+    assert r.exit_code == 2 and "left or right" in r.stderr
+    assert not (tmp_path / "j.out.parquet.parts").exists()
+
+
+def test_missing_model_exits_2(tmp_path):
+    src = tmp_path / "j.jsonl"
+    src.write_text(json.dumps({"prompt": "p"}) + "\n")
+    r = invoke(str(src), "--model", NO_MODEL)
+    assert r.exit_code == 2 and "cannot start the engine" in r.stderr
+
+
+def test_parse_bytes():
+    assert (
+        parse_bytes("2GiB") == 2 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1024") == 1024
+    )
+    assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("4g") == 4 << 30
+
+
+# ----- real runs on a tiny model -----
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+def test_jsonl_input(tmp_path, tiny):
+    src = tmp_path / "job.jsonl"
+    src.write_text(
+        "\n".join(json.dumps({"id": f"r{i}", "prompt": p, "topic": i}) for i, p in enumerate(PROMPTS)) + "\n"
+    )
+    r = invoke(str(src), *engine_args(tiny), "--keep-columns", "topic", "--policy", "max-throughput")
+    assert r.exit_code == 0, r.output
+    t = pq.read_table(tmp_path / "job.out.parquet")
+    assert t.schema.names == [*SCHEMA, "topic"]
+    rows = t.to_pylist()
+    assert [x["row_index"] for x in rows] == list(range(5)) and [x["id"] for x in rows] == [
+        f"r{i}" for i in range(5)
+    ]
+    assert [x["topic"] for x in rows] == list(range(5))
+    for x in rows:
+        assert (
+            x["finish_reason"] in ("stop", "length") and x["error"] is None and isinstance(x["output"], str)
+        )
+        assert (
+            x["prompt_tokens"] > 0 and 1 <= x["completion_tokens"] <= 8 and 0 <= x["ttft_s"] <= x["latency_s"]
+        )
+
+
+def test_parquet_input_with_template(tmp_path, tiny):
+    src = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"document": PROMPTS, "n": list(range(5))}), src, row_group_size=2)
+    out = tmp_path / "summaries.parquet"
+    r = invoke(
+        str(src),
+        *engine_args(tiny),
+        "--template",
+        "Summarize in one sentence.\n\n{document}",
+        "--system-prompt",
+        "Be brief.",
+        "--output",
+        str(out),
+    )
+    assert r.exit_code == 0, r.output
+    t = pq.read_table(out)
+    assert t.schema.names == SCHEMA and t.num_rows == 5
+    assert t["row_index"].to_pylist() == list(range(5)) and t["id"].to_pylist() == [str(i) for i in range(5)]
+    assert not os.path.exists(str(out) + ".parts")
+
+
+def test_openai_batch_input(tmp_path, tiny):
+    lines = []
+    for i, p in enumerate(PROMPTS):
+        if i % 2:
+            url, body = "/v1/completions", {"model": "x", "prompt": p, "max_tokens": 4}
+        else:
+            url, body = "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": p}]}
+        lines.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body}))
+    src = tmp_path / "batch.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    r = invoke(str(src), *engine_args(tiny))
+    assert r.exit_code == 0, r.output
+    out = [json.loads(x) for x in (tmp_path / "batch.out.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in out] == [f"req-{i}" for i in range(5)]
+    for i, x in enumerate(out):
+        assert x["error"] is None and x["id"].startswith("batch_req_")
+        resp = x["response"]
+        assert resp["status_code"] == 200 and resp["request_id"]
+        body = resp["body"]
+        usage = body["usage"]
+        assert (
+            usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+            and usage["prompt_tokens"] > 0
+        )
+        choice = body["choices"][0]
+        if i % 2:
+            assert body["object"] == "text_completion" and isinstance(choice["text"], str)
+            assert usage["completion_tokens"] <= 4
+        else:
+            assert body["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+        assert choice["finish_reason"] in ("stop", "length")
+
+
+def test_rerun_after_completion_and_changed_settings(tmp_path, tiny):
+    src = tmp_path / "job.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]) + "\n")
+    assert invoke(str(src), *engine_args(tiny)).exit_code == 0
+    r = invoke(str(src), *engine_args(tiny))
+    assert r.exit_code == 0 and "already complete" in r.stdout
+    r = invoke(str(src), *engine_args(tiny), "--temperature", "0.8")
+    assert r.exit_code == 2 and "--overwrite" in r.stderr
+    assert (
+        invoke(str(src), *engine_args(tiny), "--temperature", "0.8", "--seed", "1", "--overwrite").exit_code
+        == 0
+    )

@@ -1,0 +1,125 @@
+"""Dashboard: the Rich live view renders every field; plain progress lines appear without a terminal."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+from rich.console import Console
+
+from batchgen.dashboard import Dashboard, format_duration, sparkline
+from batchgen.engine.stats import EngineTotals, StepStats
+from batchgen.jobs.runner import JobSummary
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def stats(step: int, seqs: int = 24) -> StepStats:
+    return StepStats(
+        step=step,
+        time=time.perf_counter(),
+        step_time_s=0.05,
+        num_seqs=seqs,
+        num_batched_tokens=seqs + 100,
+        num_prompt_tokens=100,
+        num_generation_tokens=seqs,
+        num_running=seqs,
+        num_waiting=7,
+        num_swapped=2,
+        kv_cache_usage=0.42,
+        num_preemptions=1,
+        prefix_cache_queries=100,
+        prefix_cache_hits=25,
+        num_finished=3,
+    )
+
+
+def feed(d: Dashboard, steps: int = 4) -> None:
+    totals = EngineTotals()
+    for i in range(steps):
+        s = stats(i, seqs=8 * (i + 1))
+        totals.add(s)
+        d._last_sample = 0.0  # sample every update (the dashboard samples at most every 0.5 s)
+        d.update(10 * (i + 1), 1, s, totals)
+        time.sleep(0.01)
+
+
+def test_live_view_renders_every_field():
+    console = Console(record=True, force_terminal=True, width=150, color_system=None)
+    d = Dashboard(100, live=True, console=console)
+    assert d.live_mode
+    d.start()
+    feed(d)
+    d.stop()
+    console.print(d.render())
+    text = console.export_text()
+    for field in ("rows", "40/100 (40.0%)", "eta", "gen tok/s", "prompt tok/s", "32 seqs / 132 tok"):
+        assert field in text, field
+    for field in (
+        "running 32 waiting 7 swapped 2",
+        "kv cache",
+        "42%",
+        "prefix hit",
+        "25%",
+        "preemptions",
+        "4",
+    ):
+        assert field in text, field
+    assert "batch size" in text and any(c in text for c in "▁▂▃▄▅▆▇█")
+    assert d.rates()[0] > 0 and d.eta_s() is not None
+
+
+def test_plain_lines_without_a_terminal():
+    stream = io.StringIO()
+    console = Console(file=io.StringIO(), force_terminal=False)
+    d = Dashboard(50, live=True, console=console, stream=stream, interval=0.0)
+    assert not d.live_mode  # not a terminal: plain lines even when live was asked for
+    d.start()
+    feed(d, steps=2)
+    d.stop()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) >= 3 and all(line.startswith("[batchgen] rows ") for line in lines)
+    assert "kv 42%" in lines[-1] and "prefix hit 25%" in lines[-1] and "batch 16 seqs / 116 tok" in lines[-1]
+    d.print_summary(
+        JobSummary(
+            "out.parquet",
+            50,
+            rows_ok=45,
+            rows_error=5,
+            prompt_tokens=9,
+            completion_tokens=7,
+            wall_s=2.0,
+            complete=True,
+        )
+    )
+    summary = console.file.getvalue()
+    assert (
+        "50/50 rows (45 ok, 5 error" in summary
+        and "output: out.parquet" in summary
+        and "wall time: 2.0s" in summary
+    )
+
+
+def test_helpers():
+    assert sparkline([0, 1, 2, 4]) == "▁▃▅█" and sparkline([]) == "" and sparkline([0, 0]) == "▁▁"
+    assert (
+        format_duration(None) == "?"
+        and format_duration(3.25) == "3.2s"
+        and format_duration(3723) == "1h02m03s"
+    )
+
+
+def test_progress_lines_reach_ci_logs(tmp_path, tiny_model_dir):
+    """`batchgen run` without a terminal prints plain progress lines to stderr and a summary to stdout."""
+    src = tmp_path / "job.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt": f"Tell me about number {i}."}) for i in range(12)) + "\n")
+    cmd = [sys.executable, "-m", "batchgen", "run", str(src), "--model", str(tiny_model_dir("llama"))]
+    cmd += "--max-tokens 6 --max-num-seqs 2 --progress-interval 0.05 --kv-cache-memory 64MiB --num-threads 1".split()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "[batchgen] rows " in proc.stderr and "tok/s" in proc.stderr
+    assert "12/12 rows" in proc.stdout and "job.out.parquet" in proc.stdout

@@ -1,0 +1,118 @@
+"""Exactly-once resume: a job killed (SIGKILL, or SIGINT) at random moments and rerun each time ends
+with exactly the rows, and for greedy rows exactly the texts, of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMPARED = ["row_index", "id", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error"]
+NUM_ROWS = 24
+SAMPLED = {5, 17}  # rows with temperature > 0: everything but the text must match
+
+
+def make_job(path: Path) -> None:
+    subjects = ["rivers", "volcanoes", "bees", "libraries", "trains", "clouds", "chess", "bread"]
+    with open(path, "w") as f:
+        for i in range(NUM_ROWS):
+            row = {
+                "id": f"job-{i}",
+                "prompt": f"Write a short note about {subjects[i % 8]} (note {i}).",
+                "max_tokens": 2 + (i * 5) % 11,
+            }
+            if i in SAMPLED:
+                row.update(temperature=0.8, seed=i)
+            f.write(json.dumps(row) + "\n")
+
+
+def command(src: Path, out: Path, model: Path) -> list[str]:
+    options = (
+        "--max-num-seqs 4 --policy max-throughput --window 12 --commit-every 2 --commit-interval 0.2 "
+        "--no-dashboard --progress-interval 1000 --kv-cache-memory 64MiB --num-threads 1"
+    )
+    run = [sys.executable, "-m", "batchgen", "run", str(src), "--output", str(out), "--model", str(model)]
+    return run + options.split()
+
+
+def committed_parts(out: Path) -> int:
+    manifest = Path(str(out) + ".parts") / "manifest.jsonl"
+    try:
+        return max(len(manifest.read_bytes().splitlines()) - 1, 0)
+    except FileNotFoundError:
+        return 0
+
+
+def rows_of(path: Path) -> list[dict]:
+    rows = pq.read_table(path, columns=COMPARED).to_pylist()
+    for r in rows:
+        if r["row_index"] in SAMPLED:
+            r["output"] = None
+    return rows
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("kill")
+    src = tmp / "job.jsonl"
+    make_job(src)
+    model = tiny_model_dir("llama")
+    ref = tmp / "reference.parquet"
+    proc = subprocess.run(command(src, ref, model), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    expected = rows_of(ref)
+    assert [r["row_index"] for r in expected] == list(range(NUM_ROWS))
+    return src, model, expected
+
+
+def interrupt_and_resume(setup, out: Path, sig: int, kills: int, seed: int) -> list[int]:
+    """Run the job, sending `sig` `kills` times at random moments after new parts were committed,
+    then let it finish; returns the exit codes of the interrupted runs."""
+    src, model, _ = setup
+    rng = random.Random(seed)
+    codes = []
+    for _ in range(kills):
+        before = committed_parts(out)
+        proc = subprocess.Popen(
+            command(src, out, model), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        deadline = time.monotonic() + 180
+        while proc.poll() is None and committed_parts(out) <= before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.5))
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=180)
+        codes.append(proc.returncode)
+        if proc.returncode == 0:  # finished before the signal landed
+            break
+        if sig == signal.SIGINT:
+            assert proc.returncode == 130, stderr
+            assert "Resume with:" in stderr and "batchgen run" in stderr, stderr
+    proc = subprocess.run(command(src, out, model), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return codes
+
+
+def test_sigkill_at_random_moments(setup, tmp_path):
+    out = tmp_path / "killed.parquet"
+    codes = interrupt_and_resume(setup, out, signal.SIGKILL, kills=3, seed=7)
+    assert codes and codes[0] == -signal.SIGKILL
+    assert not Path(str(out) + ".parts").exists()
+    assert rows_of(out) == setup[2]
+
+
+def test_sigint_commits_and_resumes(setup, tmp_path):
+    out = tmp_path / "interrupted.parquet"
+    codes = interrupt_and_resume(setup, out, signal.SIGINT, kills=2, seed=11)
+    assert codes and codes[0] == 130
+    assert rows_of(out) == setup[2]

@@ -1,0 +1,267 @@
+"""jobs.reader: format and schema detection, row parsing, overrides, errors naming row and line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions, detect_format, parse_hf_reference
+
+
+def write_jsonl(path: Path, rows: list, raw_lines: dict[int, str] | None = None) -> Path:
+    """Write rows as JSONL; raw_lines maps a line position to literal text inserted there."""
+    lines = [json.dumps(r) for r in rows]
+    for pos, text in sorted((raw_lines or {}).items()):
+        lines.insert(pos, text)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read(path, **kw) -> list:
+    return list(JobReader(str(path), ReaderOptions(**kw)))
+
+
+def test_jsonl_prompt_id_line_numbers_and_blank_lines(tmp_path):
+    p = write_jsonl(tmp_path / "a.jsonl", [{"id": "x", "prompt": "hi"}, {"id": "y", "prompt": "yo"}], {1: ""})
+    reader = JobReader(str(p))
+    assert reader.format == "jsonl" and reader.prompt_column == "prompt" and reader.id_column == "id"
+    rows = list(reader)
+    assert [(r.row_index, r.id, r.prompt, r.line_number) for r in rows] == [
+        (0, "x", "hi", 1),
+        (1, "y", "yo", 3),
+    ]
+    assert reader.count_rows() == 2
+    assert all(r.error is None and r.sampling_params is not None for r in rows)
+
+
+def test_malformed_line_is_one_error_row_with_its_line_number(tmp_path):
+    p = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a"}, {"prompt": "b"}], {1: '{"prompt": "oops'})
+    rows = read(p)
+    assert len(rows) == 3
+    assert rows[1].error.startswith("row 1 (line 2): malformed JSON")
+    assert rows[0].error is None and rows[2].error is None and rows[2].line_number == 3
+
+
+def test_row_index_as_id_when_no_id_column(tmp_path):
+    rows = read(write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a"}, {"prompt": "b"}]))
+    assert [r.id for r in rows] == ["0", "1"]
+
+
+def test_sampling_overrides_on_top_of_defaults(tmp_path):
+    p = write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"prompt": "a"},
+            {"prompt": "b", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "seed": 7},
+            {"prompt": "c", "stop": ["\n"], "priority": 2, "max_tokens": 4.0},
+        ],
+    )
+    rows = read(p, defaults={"max_tokens": 32, "temperature": 0.0})
+    a, b, c = (r.sampling_params for r in rows)
+    assert (a.max_tokens, a.temperature) == (32, 0.0)
+    assert (b.max_tokens, b.temperature, b.top_p, b.top_k, b.seed) == (5, 0.5, 0.9, 3, 7)
+    assert (c.stop, c.priority, c.max_tokens) == (["\n"], 2, 4)
+
+
+@pytest.mark.parametrize(
+    "row, field",
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "top_p": 2}, "top_p"),
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_invalid_sampling_value_names_row_line_and_field(tmp_path, row, field):
+    (r,) = read(write_jsonl(tmp_path / "a.jsonl", [row]))
+    assert r.error.startswith("row 0 (line 1): invalid sampling value")
+    assert f"'{field}'" in r.error and "fix the value" in r.error
+    assert r.sampling_params is None and r.prompt is None
+
+
+@pytest.mark.parametrize("value", [None, "", "   "])
+def test_null_or_empty_prompt_is_an_error_row(tmp_path, value):
+    (r,) = read(write_jsonl(tmp_path / "a.jsonl", [{"prompt": value}]))
+    assert "field 'prompt' is null or empty" in r.error and r.error.startswith("row 0 (line 1)")
+
+
+def test_missing_prompt_column_lists_available_columns(tmp_path):
+    p = write_jsonl(tmp_path / "a.jsonl", [{"question": "a", "doc": "b"}])
+    with pytest.raises(JobInputError, match="available columns: question, doc.*--prompt-column"):
+        JobReader(str(p))
+    with pytest.raises(JobInputError, match="prompt column 'text' not found.*question, doc"):
+        JobReader(str(p), ReaderOptions(prompt_column="text"))
+    with pytest.raises(JobInputError, match="keep column 'nope'"):
+        JobReader(str(p), ReaderOptions(prompt_column="question", keep_columns=("nope",)))
+    rows = read(p, prompt_column="question", keep_columns=("doc",))
+    assert rows[0].prompt == "a" and rows[0].keep == {"doc": "b"}
+
+
+def test_template_fills_columns_and_checks_them(tmp_path):
+    p = write_jsonl(tmp_path / "a.jsonl", [{"document": "Cats sleep.", "n": 1}, {"document": None, "n": 2}])
+    rows = read(p, template="Summarize in one sentence.\n\n{document}")
+    assert rows[0].prompt == "Summarize in one sentence.\n\nCats sleep."
+    assert "field 'document' (used by --template) is null" in rows[1].error
+    with pytest.raises(JobInputError, match="template column 'body' not found"):
+        JobReader(str(p), ReaderOptions(template="{body}"))
+    with pytest.raises(JobInputError, match="placeholders must name columns"):
+        JobReader(str(p), ReaderOptions(template="{}"))
+
+
+def test_messages_column(tmp_path):
+    msgs = [{"role": "user", "content": "Hello"}]
+    p = write_jsonl(
+        tmp_path / "a.jsonl", [{"messages": msgs}, {"messages": [{"role": "user"}]}, {"messages": []}]
+    )
+    a, b, c = read(p)
+    assert a.prompt == msgs
+    assert "'messages[0]' must be an object with string 'role' and 'content'" in b.error
+    assert "null or empty" in c.error
+
+
+def test_row_hash_is_stable_and_tracks_parameters(tmp_path):
+    p = write_jsonl(tmp_path / "a.jsonl", [{"id": "q", "prompt": "same"}, {"id": "q", "prompt": "same"}])
+    h1 = [r.row_hash for r in read(p)]
+    assert h1 == [r.row_hash for r in read(p)]
+    assert h1[0] == h1[1]  # identical rows hash alike; the row index tells them apart
+    h2 = [r.row_hash for r in read(p, defaults={"max_tokens": 9})]
+    assert h2[0] != h1[0]
+
+
+def test_parquet_reads_by_batches_and_only_needed_columns(tmp_path):
+    n = 2500
+    table = pa.table(
+        {
+            "id": [f"r{i}" for i in range(n)],
+            "prompt": [f"p{i}" for i in range(n)],
+            "max_tokens": [i % 5 + 1 for i in range(n)],
+            "unused": ["x" * 10] * n,
+        }
+    )
+    path = tmp_path / "a.parquet"
+    pq.write_table(table, path, row_group_size=1000)
+    reader = JobReader(str(path), ReaderOptions(batch_size=300))
+    assert reader.format == "parquet" and reader.count_rows() == n
+    assert "unused" not in reader.needed_columns
+    rows = list(reader)
+    assert [r.row_index for r in rows] == list(range(n))
+    assert rows[1234].id == "r1234" and rows[1234].prompt == "p1234" and rows[1234].line_number is None
+    assert rows[7].sampling_params.max_tokens == 3
+
+
+def test_openai_batch_chat_and_completion(tmp_path):
+    lines = [
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7},
+        },
+        {
+            "custom_id": "b",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "Once", "temperature": 0.3},
+        },
+        {"custom_id": "c", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "dup"}},
+        {"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": {"prompt": "n", "n": 2}},
+        {
+            "custom_id": "e",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3, "top_p": 5},
+        },
+    ]
+    p = write_jsonl(tmp_path / "batch.jsonl", lines)
+    assert detect_format(str(p)) == "openai"
+    a, b, c, dup, n2, bad = read(p)
+    assert (a.id, a.endpoint, a.prompt, a.sampling_params.max_tokens) == (
+        "a",
+        "chat",
+        lines[0]["body"]["messages"],
+        7,
+    )
+    assert (b.id, b.endpoint, b.prompt, b.sampling_params.temperature) == ("b", "completion", "Once", 0.3)
+    assert "field 'url'" in c.error and "/v1/chat/completions" in c.error
+    assert (
+        dup.error
+        == "row 3 (line 4): duplicate custom_id 'a' (first used on line 1); make each custom_id unique"
+    )
+    assert dup.id == "a"
+    assert "only n=1" in n2.error
+    assert "field 'body.top_p'" in bad.error
+
+
+def test_hf_dataset_dir(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"text": ["one", "two", "three"], "label": [1, 2, 3]})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    reader = JobReader(str(tmp_path / "ds"), ReaderOptions(prompt_column="text", keep_columns=("label",)))
+    assert reader.format == "hf_dir" and reader.count_rows() == 3
+    rows = list(reader)
+    assert [r.prompt for r in rows] == ["one", "two", "three"] and rows[2].keep == {"label": 3}
+    assert reader.identity()["files"]
+    datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(JobInputError, match="several splits"):
+        JobReader(str(tmp_path / "dd"))
+    assert len(read(tmp_path / "dd" / "test", prompt_column="text")) == 3
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(JobInputError, match="input not found"):
+        JobReader(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "x.bin").write_bytes(b"\x00\x01garbage")
+    with pytest.raises(JobInputError, match="unknown input format"):
+        JobReader(str(tmp_path / "x.bin"))
+    (tmp_path / "d").mkdir()
+    with pytest.raises(JobInputError, match="not a dataset"):
+        JobReader(str(tmp_path / "d"))
+    assert parse_hf_reference("hf://org/name:sub:test") == ("org/name", "sub", "test")
+    assert parse_hf_reference("hf://name:train") == ("name", None, "train")
+    with pytest.raises(JobInputError, match="hf://NAME:SPLIT"):
+        parse_hf_reference("hf://name")
+
+
+def test_identity_changes_with_content(tmp_path):
+    p = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a"}])
+    before = JobReader(str(p)).identity()
+    write_jsonl(p, [{"prompt": "b"}])
+    assert JobReader(str(p)).identity() != before
+
+
+def test_mixed_prompt_and_messages_rows(tmp_path):
+    msgs = [{"role": "user", "content": "Hi"}]
+    p = write_jsonl(
+        tmp_path / "a.jsonl", [{"prompt": "plain"}, {"messages": msgs}, {"prompt": None, "messages": None}]
+    )
+    a, b, c = read(p)
+    assert a.prompt == "plain" and b.prompt == msgs and "field 'prompt' is null or empty" in c.error
+
+
+def test_example_job_parses():
+    rows = list(JobReader(str(Path(__file__).parents[2] / "jobs" / "example.jsonl")))
+    assert len(rows) >= 30 and all(r.error is None for r in rows)
+    assert any(isinstance(r.prompt, list) for r in rows) and any(isinstance(r.prompt, str) for r in rows)
+
+
+def test_limit_reads_only_the_first_rows(tmp_path):
+    p = write_jsonl(tmp_path / "a.jsonl", [{"prompt": str(i)} for i in range(10)])
+    reader = JobReader(str(p), ReaderOptions(limit=3))
+    assert [r.prompt for r in reader] == ["0", "1", "2"] and reader.count_rows() == 3
+
+
+def test_hf_reference_streams_with_datasets(tmp_path):
+    """hf://NAME:SPLIT goes through datasets.load_dataset(streaming=True); a local data dir stands in
+    for a hub name so the test needs no network."""
+    pytest.importorskip("datasets")
+    data = tmp_path / "hubish"
+    data.mkdir()
+    pq.write_table(pa.table({"question": ["a?", "b?"], "id": ["x", "y"]}), data / "train.parquet")
+    reader = JobReader(f"hf://{data}:train", ReaderOptions(prompt_column="question"))
+    assert reader.format == "hf_hub" and reader.identity() == {"hub": f"hf://{data}:train"}
+    assert [(r.id, r.prompt) for r in reader] == [("x", "a?"), ("y", "b?")]

@@ -1,0 +1,286 @@
+"""jobs.window, jobs.writer, jobs.resume and the runner's resume logic (fake engine, no model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.dashboard import Dashboard
+from batchgen.jobs.reader import JobInputError
+from batchgen.jobs.resume import Manifest, make_header, parts_dir_for, prepare_output
+from batchgen.jobs.runner import JobOptions, run_job
+from batchgen.jobs.window import LookaheadWindow
+from batchgen.jobs.writer import PartWriter, finalize_output, openai_record
+from tests.jobs.fake_engine import fake_factory
+
+COMPARED = ["row_index", "id", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error"]
+
+
+# ----- window -----
+
+
+def drain(w: LookaheadWindow) -> list:
+    out = []
+    while w:
+        out.append(w.pop())
+    return out
+
+
+def test_window_fcfs_and_priority():
+    w = LookaheadWindow("fcfs", 10)
+    for i, work in enumerate([5, 1, 3]):
+        w.push(i, work=work)
+    assert drain(w) == [0, 1, 2]
+    w = LookaheadWindow("priority", 10)
+    for i, prio in enumerate([2, 0, 1, 0]):
+        w.push(i, priority=prio)
+    assert drain(w) == [1, 3, 2, 0]
+
+
+def test_window_max_throughput_shortest_first_with_aging():
+    w = LookaheadWindow("max-throughput", 3)
+    for i, work in enumerate([9, 2, 5]):
+        w.push(i, work=work)
+    assert w.full and w.pop() == 1
+    # The long row 0 is passed over while short rows keep arriving, until it has waited `capacity` pops.
+    order = []
+    for i in range(3, 9):
+        w.push(i, work=1)
+        order.append(w.pop())
+    assert order.index(0) <= 3
+    with pytest.raises(ValueError, match="policy must be one of"):
+        LookaheadWindow("lifo", 3)
+
+
+# ----- writer + manifest -----
+
+
+def header(**options) -> dict:
+    return make_header({"path": "/x", "size": 1}, "tiny", options)
+
+
+def row(i: int, **kw) -> dict:
+    base = {"row_index": i, "id": str(i), "output": f"o{i}", "finish_reason": "stop", "prompt_tokens": 3}
+    base.update({"completion_tokens": 2, "row_hash": i * 11, "endpoint": None, "created": 1})
+    base.update(kw)
+    return base
+
+
+def test_parts_commit_and_final_output_in_input_order(tmp_path):
+    out = str(tmp_path / "o.parquet")
+    state = prepare_output(out, header(), overwrite=False)
+    writer = PartWriter(state, keep_columns=("topic",), commit_rows=3, commit_seconds=60)
+    for i in [4, 0, 2, 5, 1, 3]:
+        writer.add(row(i), {"topic": f"t{i}"})
+        if writer.due():
+            writer.commit()
+    assert writer.pending == 0 and len(state.entries) == 2
+    first = pq.read_table(os.path.join(state.parts_dir, state.entries[0].part))
+    assert first["row_index"].to_pylist() == [0, 2, 4]  # each part sorted
+    manifest_lines = Path(state.parts_dir, "manifest.jsonl").read_text().splitlines()
+    assert len(manifest_lines) == 3 and "header" in json.loads(manifest_lines[0])
+    finalize_output(state, 6, "parquet", header(), ("topic",), chunk_rows=4)
+    t = pq.read_table(out)
+    assert t["row_index"].to_pylist() == list(range(6)) and t["topic"].to_pylist() == [
+        f"t{i}" for i in range(6)
+    ]
+    assert t.schema.names == [*COMPARED, "ttft_s", "latency_s", "topic"]
+    assert not os.path.exists(state.parts_dir)
+
+
+def test_final_output_detects_missing_rows(tmp_path):
+    state = prepare_output(str(tmp_path / "o.parquet"), header(), overwrite=False)
+    writer = PartWriter(state, commit_rows=10)
+    writer.add(row(0))
+    writer.add(row(2))
+    writer.commit()
+    with pytest.raises(RuntimeError, match="2 committed rows instead of 3"):
+        finalize_output(state, 3, "parquet", header())
+
+
+def test_resume_loads_committed_rows_cleans_orphans_and_torn_lines(tmp_path):
+    out = str(tmp_path / "o.parquet")
+    state = prepare_output(out, header(), overwrite=False)
+    writer = PartWriter(state, commit_rows=2)
+    for i in range(4):
+        writer.add(row(i))
+        if writer.due():
+            writer.commit()
+    state.release()
+    parts = parts_dir_for(out)
+    Path(parts, "part-000009.parquet").write_bytes(b"renamed but never recorded")
+    Path(parts, ".tmp-part-000010.parquet").write_bytes(b"half written")
+    with open(Path(parts, "manifest.jsonl"), "a") as f:
+        f.write('{"part": "part-0000')  # torn append
+    again = prepare_output(out, header(), overwrite=False)
+    assert sorted(os.listdir(parts)) == [
+        "lock",
+        "manifest.jsonl",
+        "part-000000.parquet",
+        "part-000001.parquet",
+    ]
+    assert len(again.committed) == 4
+    assert again.committed.is_committed(1, 11) and not again.committed.is_committed(7, 77)
+    with pytest.raises(JobInputError, match="another batchgen run"):
+        prepare_output(out, header(), overwrite=False)
+    again.release()
+    with pytest.raises(JobInputError, match=r"4 committed rows.*temperature None -> 0.7.*--overwrite"):
+        prepare_output(out, header(temperature=0.7), overwrite=False)
+    fresh = prepare_output(out, header(temperature=0.7), overwrite=True)
+    assert len(fresh.committed) == 0
+    fresh.release()
+
+
+def test_committed_row_with_another_hash_is_refused(tmp_path):
+    out = str(tmp_path / "o.parquet")
+    state = prepare_output(out, header(), overwrite=False)
+    writer = PartWriter(state)
+    writer.add(row(0))
+    writer.commit()
+    state.release()
+    again = prepare_output(out, header(), overwrite=False)
+    with pytest.raises(JobInputError, match="row 0 .*differs from the committed result"):
+        again.committed.is_committed(0, 12345)
+    again.release()
+
+
+def test_unwritable_output_location(tmp_path):
+    with pytest.raises(JobInputError, match="does not exist"):
+        prepare_output(str(tmp_path / "nope" / "o.parquet"), header(), overwrite=False)
+    with pytest.raises(JobInputError, match="is a directory"):
+        prepare_output(str(tmp_path), header(), overwrite=False)
+    if os.geteuid() != 0:  # root ignores permission bits
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(JobInputError, match="not writable"):
+            prepare_output(str(ro / "o.parquet"), header(), overwrite=False)
+
+
+def test_manifest_header_is_atomic(tmp_path):
+    m = Manifest.create(str(tmp_path / "p"), header(a=1))
+    h, entries = m.load()
+    assert h == header(a=1) and entries == []
+
+
+def test_openai_record_shapes():
+    ok = openai_record(row(0, output="Hi", endpoint="chat", prompt_tokens=4), "tiny")
+    assert ok["custom_id"] == "0" and ok["error"] is None and ok["response"]["status_code"] == 200
+    body = ok["response"]["body"]
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "Hi"
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    text = openai_record(row(1, endpoint="completion"), "tiny")["response"]["body"]
+    assert text["object"] == "text_completion" and text["choices"][0]["text"] == "o1"
+    bad = openai_record(row(2, finish_reason="error", output=None, error="row 2: boom"), "tiny")
+    assert bad["response"]["status_code"] == 400 and bad["error"]["message"] == "row 2: boom"
+
+
+# ----- runner resume with the fake engine -----
+
+
+def job_file(tmp_path: Path, n: int = 40) -> str:
+    path = tmp_path / "job.jsonl"
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"q{i}",
+                        "prompt": f"question number {i} " + "x" * (i % 7),
+                        "max_tokens": 1 + i % 6,
+                    }
+                )
+                + "\n"
+            )
+    return str(path)
+
+
+def quiet() -> Dashboard:
+    import io
+
+    return Dashboard(
+        None, live=False, stream=io.StringIO(), console=__import__("rich").console.Console(file=io.StringIO())
+    )
+
+
+def run(options: JobOptions, **factory_kw):
+    return run_job(options, fake_factory(**factory_kw), dashboard=quiet())
+
+
+def table_rows(path: str) -> list[dict]:
+    return pq.read_table(path, columns=COMPARED).to_pylist()
+
+
+def test_full_job_then_rerun_is_already_complete(tmp_path):
+    opts = JobOptions(
+        job_file(tmp_path), engine={"max_num_seqs": 4}, commit_rows=5, policy="max-throughput", window=8
+    )
+    s = run(opts)
+    assert s.complete and s.rows_ok == 40 and s.rows_error == 0
+    out = table_rows(str(tmp_path / "job.out.parquet"))
+    assert [r["row_index"] for r in out] == list(range(40)) and out[3]["id"] == "q3"
+    assert not os.path.exists(str(tmp_path / "job.out.parquet.parts"))
+    again = run(opts)
+    assert again.already_complete
+    with pytest.raises(JobInputError, match="already exists from a run with other settings"):
+        run(JobOptions(opts.input, temperature=0.5, engine={"max_num_seqs": 4}))
+
+
+def test_crash_and_sigint_resume_match_an_uninterrupted_run(tmp_path):
+    src = job_file(tmp_path)
+    ref = JobOptions(src, output=str(tmp_path / "ref.parquet"), engine={"max_num_seqs": 3})
+    run(ref)
+    expected = table_rows(ref.output)
+
+    out = str(tmp_path / "resumed.parquet")
+    opts = JobOptions(
+        src, output=out, engine={"max_num_seqs": 3}, commit_rows=4, commit_seconds=60, policy="max-throughput"
+    )
+
+    def crash(step):
+        if step == 9:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(opts, on_step=crash)
+    committed = Manifest(parts_dir_for(out)).load()[1]
+    assert committed and not os.path.exists(out)
+
+    def interrupt(step):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    s = run(opts, on_step=interrupt)
+    assert s.interrupted and not s.complete and s.rows_resumed == sum(e.rows for e in committed)
+    s = run(opts)
+    assert s.complete and s.rows_done == 40
+    assert table_rows(out) == expected
+
+
+def test_keep_columns_and_jsonl_output(tmp_path):
+    path = tmp_path / "k.jsonl"
+    path.write_text(
+        "\n".join(json.dumps({"prompt": f"p{i}", "topic": ["a", 1][i % 2]}) for i in range(5)) + "\n"
+    )
+    out = str(tmp_path / "k.out.jsonl")
+    run(JobOptions(str(path), output=out, keep_columns=("topic",)))
+    lines = [json.loads(x) for x in Path(out).read_text().splitlines()]
+    assert (
+        [x["row_index"] for x in lines] == list(range(5))
+        and "topic" in lines[0]
+        and "row_hash" not in lines[0]
+    )
+    with pytest.raises(JobInputError, match="output columns"):
+        run(JobOptions(str(path), keep_columns=("output",)))
+
+
+def test_empty_job(tmp_path):
+    path = tmp_path / "e.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
+    s = run(JobOptions(str(path)))
+    assert s.complete and pq.read_table(tmp_path / "e.out.parquet").num_rows == 0

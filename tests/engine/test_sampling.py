@@ -1,0 +1,349 @@
+"""Sampling and stopping: seeded rows independent of their batch, top-k/top-p/min-p filters, stop
+strings across token boundaries, EOS handling (two EOS ids, ignore_eos, min_tokens) and incremental
+detokenization of multi-byte text."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from batchgen import LLM
+from batchgen.engine.detokenizer import check_stop, detokenize_incrementally
+from batchgen.engine.request import Request
+from batchgen.model.loader import load_tokenizer, resolve_model
+from batchgen.model.sampler import Sampler, SamplingBatch, filter_probs
+from batchgen.sampling_params import SamplingParams
+
+EOS_IDS = frozenset({2, 0})  # the tiny models' generation config lists [2, 0]
+# One intra-op thread: on a shared 2-core machine two OpenMP threads spin against other jobs and are
+# many times slower. The engine sets torch's thread count process-wide, so `restore_threads` resets it.
+ENGINE_OPTIONS = dict(dtype="float32", kv_cache_memory=1 << 20, num_threads=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def restore_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir: Callable[[str], Path]) -> LLM:
+    return LLM(str(tiny_model_dir("llama")), **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path):
+    return load_tokenizer(resolve_model(str(default_model_dir)))
+
+
+def make_request(
+    params: SamplingParams,
+    prompt: list[int] | None = None,
+    max_tokens: int = 64,
+    eos: frozenset[int] = frozenset(),
+) -> Request:
+    return Request("req", list(prompt or [1, 5, 6]), params, 0.0, max_tokens, eos_token_ids=eos)
+
+
+def batch(n: int, **row) -> SamplingBatch:
+    """`n` rows with the same settings (temperature 1, filters off unless given), shared generator."""
+    return SamplingBatch(
+        temperatures=[row.get("temperature", 1.0)] * n,
+        top_ks=[row.get("top_k", 0)] * n,
+        top_ps=[row.get("top_p", 1.0)] * n,
+        min_ps=[row.get("min_p", 0.0)] * n,
+        generators=[None] * n,
+        banned_token_ids=[row.get("banned")] * n,
+    )
+
+
+def crafted_logits(probs: list[float], seed: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """Log-probabilities placed at shuffled vocabulary positions, so sorting is exercised.
+    Returns ([1, V] logits, vocabulary ids in descending probability order)."""
+    order = torch.randperm(len(probs), generator=torch.Generator().manual_seed(seed)).tolist()
+    logits = torch.empty(1, len(probs))
+    for rank, token in enumerate(order):
+        logits[0, token] = torch.tensor(probs[rank]).log()
+    return logits, order
+
+
+PROBS = [0.42, 0.25, 0.13, 0.08, 0.05, 0.03, 0.02, 0.01, 0.006, 0.004]  # sorted, sums to 1
+
+
+# ---- seeded rows ----
+
+
+def test_seeded_row_ignores_its_neighbours(tiny_llm: LLM) -> None:
+    prompt = "The quick brown fox jumps over"
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+
+    def tokens(outs, i: int = 0) -> list[int]:
+        return outs[i].outputs[0].token_ids
+
+    alone = tokens(tiny_llm.generate([prompt], seeded))
+    assert len(alone) == 12
+    unseeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    with_unseeded = tiny_llm.generate(
+        ["Hello there", prompt, "A much longer neighbour prompt that shifts every row of the batch", "x"],
+        [unseeded, seeded, unseeded, unseeded],
+    )
+    assert tokens(with_unseeded, 1) == alone
+    mixed = [
+        SamplingParams(temperature=0.7, top_p=0.5, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=1.3, top_k=5, max_tokens=6, ignore_eos=True),
+        seeded,
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.2, seed=7, max_tokens=12, ignore_eos=True),
+    ]
+    with_others = tiny_llm.generate(["Once", "Twice upon a time", prompt, prompt, prompt], mixed)
+    assert tokens(with_others, 2) == alone
+    # The seed does matter: another seed, or greedy, gives other tokens.
+    other_seed = SamplingParams(temperature=1.0, seed=4321, max_tokens=12, ignore_eos=True)
+    assert tokens(tiny_llm.generate([prompt], other_seed)) != alone
+    assert tokens(with_others, 3) != alone
+    assert tokens(with_others, 4) != alone
+
+
+def test_top_k_1_equals_greedy(tiny_llm: LLM) -> None:
+    prompts = ["Paged attention stores", "1 2 3 4", "Bonjour"]
+    greedy = tiny_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    top1 = tiny_llm.generate(
+        prompts, SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True)
+    )
+    assert [o.outputs[0].token_ids for o in top1] == [o.outputs[0].token_ids for o in greedy]
+    # The sampler's own path (not the engine's greedy shortcut) agrees too.
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(torch.Generator().manual_seed(1))
+    for temperature in (1.0, 0.6, 2.0):
+        picked = sampler(logits.clone(), batch(64, temperature=temperature, top_k=1))
+        assert torch.equal(picked, logits.argmax(dim=-1))
+
+
+# ---- filters ----
+
+
+def test_top_p_never_samples_outside_the_nucleus() -> None:
+    logits, order = crafted_logits(PROBS)
+    top_p = 0.7  # mass before each rank: 0, .42, .67, .80 -> the three most likely tokens
+    nucleus = set(order[:3])
+    probs = filter_probs(logits, [0], [top_p], [0.0])[0]
+    kept = {i for i in range(len(PROBS)) if probs[i] > 0}
+    assert kept == nucleus
+    assert probs.sum().item() == pytest.approx(1.0, abs=1e-6)
+    for rank, token in enumerate(order[:3]):
+        assert probs[token].item() == pytest.approx(PROBS[rank] / sum(PROBS[:3]), rel=1e-5)
+
+    n = 4000
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    draws = sampler(logits.repeat(n, 1), batch(n, top_p=top_p)).tolist()
+    assert set(draws) == nucleus  # never outside, and every member is reached
+    freq = draws.count(order[0]) / n
+    assert freq == pytest.approx(PROBS[0] / sum(PROBS[:3]), abs=0.04)
+    # The filter is per row: unfiltered rows of the same batch do leave the nucleus.
+    rows = batch(2 * n, top_p=top_p)
+    rows.top_ps = [top_p, 1.0] * n
+    mixed = sampler(logits.repeat(2 * n, 1), rows)
+    assert set(mixed[0::2].tolist()) <= nucleus
+    assert set(mixed[1::2].tolist()) - nucleus
+
+
+@pytest.mark.parametrize("min_p", [0.25, 0.5])
+def test_min_p_filter(min_p: float) -> None:
+    logits, order = crafted_logits(PROBS, seed=3)
+    keep_ranks = [rank for rank, p in enumerate(PROBS) if p >= min_p * PROBS[0]]
+    assert 1 < len(keep_ranks) < len(PROBS)
+    kept_tokens = {order[r] for r in keep_ranks}
+    probs = filter_probs(logits, [0], [1.0], [min_p])[0]
+    assert {i for i in range(len(PROBS)) if probs[i] > 0} == kept_tokens
+    mass = sum(PROBS[r] for r in keep_ranks)
+    for r in keep_ranks:
+        assert probs[order[r]].item() == pytest.approx(PROBS[r] / mass, rel=1e-5)
+    draws = Sampler(torch.Generator().manual_seed(2))(logits.repeat(3000, 1), batch(3000, min_p=min_p))
+    assert set(draws.tolist()) == kept_tokens
+
+
+def test_banned_tokens_are_never_sampled() -> None:
+    logits = torch.zeros(500, 50)
+    logits[:, 2] = 30.0  # EOS would win every draw
+    logits[:, 0] = 29.0
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    for temperature in (0.0, 1.0):
+        picked = sampler(logits.clone(), batch(500, temperature=temperature, banned=[2, 0]))
+        assert not set(picked.tolist()) & {0, 2}
+    assert set(sampler(logits.clone(), batch(500, temperature=0.0)).tolist()) == {2}
+
+
+# ---- stop strings ----
+
+
+def straddling_stop(tokenizer, token_ids: list[int], start: int = 0) -> tuple[str, int, int] | None:
+    """A stop string made of the end of one token's text and the start of the next one's, whose
+    first occurrence in the decoded text is at that boundary.
+
+    Returns (stop string, index of the token that completes it, character position of the match).
+    """
+    for i in range(start, len(token_ids) - 1):
+        before = tokenizer.decode(token_ids[: i + 1])
+        after = tokenizer.decode(token_ids[: i + 2])
+        new = after[len(before) :]
+        if not after.startswith(before) or "\ufffd" in after or not before.strip() or not new.strip():
+            continue
+        k = min(2, len(before), len(new))
+        stop = before[-k:] + new[:k]
+        pos = len(before) - k
+        if after.find(stop) == pos and stop.strip():
+            return stop, i + 1, pos
+    return None
+
+
+def test_stop_string_spanning_two_tokens_is_cut_exactly(tokenizer) -> None:
+    text = "Hello world, paged attention stores keys and values in blocks."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    found = straddling_stop(tokenizer, ids, start=1)
+    assert found is not None
+    stop, completes_at, pos = found
+    assert stop not in tokenizer.decode(ids[:completes_at])  # neither token holds it alone
+    assert stop not in tokenizer.decode(ids[completes_at : completes_at + 1])
+    request = make_request(SamplingParams(stop=["never-matches", stop]), max_tokens=len(ids))
+    reasons = []
+    for token in ids:
+        request.token_ids.append(token)
+        reasons.append(check_stop(request, tokenizer, max_model_len=4096))
+        if reasons[-1]:
+            break
+    assert reasons == [None] * completes_at + ["stop"]
+    full = tokenizer.decode(ids[: completes_at + 1])
+    assert request.output_text == full[:pos] == full[: full.find(stop)]
+    assert request.stop_reason == stop
+
+
+def test_stop_string_inside_multibyte_characters(tokenizer) -> None:
+    text = "Hi 😀 你好世界 🎉 done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    request = make_request(SamplingParams(stop="好世"), max_tokens=len(ids))
+    for token in ids:
+        request.token_ids.append(token)
+        if check_stop(request, tokenizer, max_model_len=4096):
+            break
+    assert request.stop_reason == "好世"
+    assert request.output_text == text[: text.find("好世")]
+
+
+def test_stop_string_end_to_end(tiny_llm: LLM) -> None:
+    tokenizer = tiny_llm.get_tokenizer()
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    found = None
+    for prompt in ["The capital of France is", "Paged attention", "Once upon a time", "1 2 3"]:
+        tokens = tiny_llm.generate([prompt], free)[0].outputs[0].token_ids
+        found = straddling_stop(tokenizer, tokens)
+        if found:
+            break
+    assert found is not None, "no usable token boundary in the tiny model's outputs"
+    stop, completes_at, pos = found
+    out = tiny_llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    )
+    result = out[0].outputs[0]
+    assert result.finish_reason == "stop" and result.stop_reason == stop
+    assert result.token_ids == tokens[: completes_at + 1]  # generation ends at the completing token
+    decoded = tokenizer.decode(result.token_ids)
+    assert result.text == decoded[: decoded.find(stop)] == decoded[:pos]
+
+
+# ---- EOS ----
+
+
+def test_check_stop_on_each_eos_id_unless_ignored(tokenizer) -> None:
+    for eos in sorted(EOS_IDS):
+        request = make_request(SamplingParams(), eos=EOS_IDS)
+        request.token_ids.append(eos)
+        assert check_stop(request, tokenizer, 4096) == "stop"
+        ignoring = make_request(SamplingParams(ignore_eos=True), max_tokens=3)  # engine: eos set empty
+        for _ in range(2):
+            ignoring.token_ids.append(eos)
+            assert check_stop(ignoring, tokenizer, 4096) is None
+        ignoring.token_ids.append(eos)
+        assert check_stop(ignoring, tokenizer, 4096) == "length"
+        # min_tokens: an EOS before the minimum does not stop the request.
+        early = make_request(SamplingParams(min_tokens=2), eos=EOS_IDS)
+        early.token_ids.append(eos)
+        assert check_stop(early, tokenizer, 4096) is None
+        early.token_ids.append(eos)
+        assert check_stop(early, tokenizer, 4096) == "stop"
+
+
+def eos_model(src: Path, dst: Path, winner: int) -> Path:
+    """A copy of the tiny model whose every greedy token is `winner`: attention and MLP outputs are
+    zeroed (the residual is the embedding), every embedding gets +1 in dimension 0, the final norm
+    keeps only that dimension, and only the `winner` row of the LM head reads it."""
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+    weights["model.embed_tokens.weight"][:, 0] = 1.0
+    weights["model.norm.weight"].zero_()
+    weights["model.norm.weight"][0] = 1.0
+    weights["lm_head.weight"].zero_()
+    weights["lm_head.weight"][winner, 0] = 1.0
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("winner", sorted(EOS_IDS))
+def test_eos_ignore_eos_and_min_tokens_end_to_end(
+    winner: int, tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    llm = LLM(str(eos_model(tiny_model_dir("llama"), tmp_path / "eos", winner)), **ENGINE_OPTIONS)
+    assert llm.llm_engine.eos_token_ids == EOS_IDS
+    prompt = "Tell me a story"
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
+    assert plain.token_ids == [winner] and plain.finish_reason == "stop"
+
+    ignoring = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[
+        0
+    ].outputs[0]
+    assert ignoring.token_ids == [winner] * 8 and ignoring.finish_reason == "length"
+
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    assert len(llm.generate([prompt], sampled)[0].outputs[0].token_ids) == 6
+
+    delayed = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3))[0].outputs[
+        0
+    ]
+    assert len(delayed.token_ids) == 4 and delayed.finish_reason == "stop"
+    assert not set(delayed.token_ids[:3]) & EOS_IDS  # both EOS ids banned until 3 tokens exist
+    assert delayed.token_ids[3] == winner
+
+
+# ---- incremental detokenization ----
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hi 😀 你好世界 🎉 naïve café — ünïcödé 🇫🇷 done",
+        "日本語のテキスト、絵文字👩‍👩‍👧‍👦と混在。",
+        "  leading spaces\n\ttabs and\nnewlines 🙂🙂🙂",
+    ],
+)
+def test_incremental_detokenization_matches_one_shot(tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.decode([t]) for t in ids]
+    assert any("\ufffd" in p for p in pieces), "the text should split characters across tokens"
+    request = make_request(SamplingParams(), prompt=tokenizer.encode("Say:", add_special_tokens=False))
+    held_back = 0
+    for i, token in enumerate(ids):
+        request.token_ids.append(token)
+        new = detokenize_incrementally(tokenizer, request)
+        held_back += new == ""
+        assert "\ufffd" not in request.output_text
+        assert tokenizer.decode(ids[: i + 1]).startswith(request.output_text)
+    assert request.output_text == tokenizer.decode(ids) == text
+    assert held_back > 0  # partial characters were held back, not emitted as U+FFFD

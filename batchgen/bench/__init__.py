@@ -1,0 +1,13 @@
+"""`batchgen bench`: workloads, configurations (continuous, static, Hugging Face baselines), metrics, report.
+
+Modules:
+    workloads     request lengths and prompts (longtail, uniform, fixed, Azure traces, job files), arrivals
+    static        padded static batching run through batchgen's own engine
+    hf_baselines  transformers `generate` in static batches and transformers' continuous batching
+    metrics       per-request / per-step records, latency and throughput summaries, compute ceiling
+    report        Rich table, JSON report, PNG plot
+    runner        runs every configuration of one bench on one workload
+    cli           `bench_command`, the Typer command registered as `batchgen bench`
+"""
+
+from __future__ import annotations

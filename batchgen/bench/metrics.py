@@ -1,0 +1,462 @@
+"""What a bench measures: per-request and per-step records, their summary, and resource use.
+
+Definitions (vLLM's benchmark names):
+    TTFT   first token time - arrival time (seconds).
+    e2e    finish time - arrival time (seconds).
+    TPOT   (e2e - TTFT) / (output tokens - 1), over requests with more than one output token.
+    wait   first scheduled time - arrival time: how long a request sat in the queue before it
+           got any compute (the starvation check). `wait_steps` counts the engine steps that
+           ended between the request entering the engine's queue and its first step.
+    output tokens/s   real output tokens (padding never counts) / wall time.
+    total tokens/s    (real prompt tokens + real output tokens) / wall time.
+    wall time         bench start (time 0, where arrivals are measured from) -> last finish.
+    mean batch size   mean over steps of the sequences in the step (running batch size).
+All times are `time.perf_counter()` seconds relative to the configuration's start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import resource
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+
+@dataclass
+class RequestRecord:
+    """One request's outcome. Times in seconds since the configuration started; None = never.
+
+    `arrival` is when the workload says the request arrives; `queued` is when the bench handed it
+    to the engine (at most one step later); `first_scheduled` when it first got compute.
+    """
+
+    request_id: str
+    prompt_len: int
+    output_len: int
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finish: float | None
+    error: str | None = None
+    queued: float | None = None
+
+
+@dataclass
+class StepRecord:
+    """One engine step (or one forward of a baseline), ending at `t` seconds since the start.
+
+    `num_seqs` is the running batch size the hardware computed (padded rows included for static
+    batching); `num_generation_tokens` counts only real output tokens. Engine-only fields are None
+    for the Hugging Face baselines.
+    """
+
+    t: float
+    num_seqs: int
+    num_batched_tokens: int
+    num_generation_tokens: int
+    kv_cache_usage: float | None = None
+    num_preemptions: int | None = None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+
+
+@dataclass
+class RunResult:
+    """Everything measured for one configuration.
+
+    Attributes:
+        name: configuration label ("continuous/fcfs", "static/b8", "hf-static/b8", "hf-cb").
+        kind: "continuous", "static", "hf-static" or "hf-cb".
+        policy: scheduling policy for batchgen configurations, else None.
+        requests / steps: the records.
+        resources: `ResourceMonitor.result()` of the timed section.
+        extra: configuration facts (batch size, aging bound, padding, ...).
+        notes: caveats to print under the table.
+        skipped: why the configuration did not run (then the records are empty).
+    """
+
+    name: str
+    kind: str
+    policy: str | None = None
+    requests: list[RequestRecord] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    resources: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+    def timeline(self) -> dict[str, list[float]]:
+        """Per-step arrays (`t`, `num_seqs`, `num_batched_tokens`, `num_generation_tokens`)."""
+        return {
+            "t": [round(s.t, 6) for s in self.steps],
+            "num_seqs": [s.num_seqs for s in self.steps],
+            "num_batched_tokens": [s.num_batched_tokens for s in self.steps],
+            "num_generation_tokens": [s.num_generation_tokens for s in self.steps],
+        }
+
+
+def distribution(values: list[float] | np.ndarray) -> dict[str, float | None]:
+    """mean, p50, p90, p99 (linear interpolation), None when there are no values."""
+    a = np.asarray(values, dtype=np.float64)
+    if a.size == 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def _sum_or_none(values: list[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def summarize(result: RunResult) -> dict[str, Any]:
+    """The metrics of one configuration as a flat dict (seconds, tokens, tokens/s; see module doc)."""
+    ok = [r for r in result.requests if r.error is None and r.finish is not None]
+    errors = len(result.requests) - len(ok)
+    wall = max((r.finish for r in ok), default=0.0)
+    prompt_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_len for r in ok)
+
+    ttft = [r.first_token - r.arrival for r in ok if r.first_token is not None]
+    e2e = [r.finish - r.arrival for r in ok]
+    tpot = [
+        (r.finish - r.first_token) / (r.output_len - 1)
+        for r in ok
+        if r.first_token is not None and r.output_len > 1
+    ]
+    waits = [r.first_scheduled - r.arrival for r in ok if r.first_scheduled is not None]
+    step_ends = np.asarray([s.t for s in result.steps], dtype=np.float64)
+    wait_steps = [
+        int(
+            np.searchsorted(step_ends, r.first_scheduled, "left")
+            - np.searchsorted(step_ends, r.arrival if r.queued is None else r.queued, "right")
+        )
+        for r in ok
+        if r.first_scheduled is not None
+    ]
+    seqs = [s.num_seqs for s in result.steps]
+    kv = [s.kv_cache_usage for s in result.steps if s.kv_cache_usage is not None]
+    queries = _sum_or_none([s.prefix_cache_queries for s in result.steps])
+    hits = _sum_or_none([s.prefix_cache_hits for s in result.steps])
+
+    out: dict[str, Any] = {
+        "num_requests": len(ok),
+        "num_errors": errors,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": output_tokens / wall if wall > 0 else None,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / wall if wall > 0 else None,
+        "requests_per_s": len(ok) / wall if wall > 0 else None,
+    }
+    for name, values in (("ttft", ttft), ("e2e", e2e), ("tpot", tpot)):
+        for stat, v in distribution(values).items():
+            out[f"{name}_{stat}_s"] = v
+    out |= {
+        "num_steps": len(seqs),
+        "batch_size_mean": float(np.mean(seqs)) if seqs else None,
+        "batch_size_max": max(seqs) if seqs else None,
+        "kv_cache_peak": max(kv) if kv else None,
+        "preemptions": _sum_or_none([s.num_preemptions for s in result.steps]),
+        "prefix_cache_hit_rate": (hits / queries if queries else 0.0) if queries is not None else None,
+        "max_wait_s": max(waits) if waits else None,
+        "max_wait_steps": max(wait_steps) if wait_steps else None,
+    }
+    bound = result.extra.get("aging_bound_steps")
+    out["aging_bound_steps"] = bound
+    out["aging_bound_held"] = (
+        None if bound is None or out["max_wait_steps"] is None else out["max_wait_steps"] <= bound
+    )
+    out |= result.resources
+    return out
+
+
+# --- resources ----------------------------------------------------------------------------------------
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def process_peak_rss_mb() -> float:
+    """Peak resident set size of this process since it started, in MiB (getrusage)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class ResourceMonitor:
+    """Samples this process's RSS (and GPU utilisation / memory on CUDA) while a configuration runs.
+
+    Use as a context manager. Entering it again while it is open (nesting) marks the start of the
+    timed window without restarting the sampling, so a caller can open it before building the
+    engine or model (RSS then includes loading) and the run can open it around the timed section
+    (CPU utilisation covers only that). `result()` then gives:
+        cpu_percent: process CPU time / (wall time x available cores) x 100 over the timed window,
+            so 100 = every core busy.
+        cpu_core_seconds: user + system CPU seconds of the process in the timed window.
+        peak_rss_mb: highest sampled RSS in MiB since the outermost entry (sampled every
+            `interval` s, plus at every entry and exit).
+        rss_before_mb: RSS at the outermost entry (interpreter, libraries, earlier leftovers).
+        gpu_util_percent: mean of `torch.cuda.utilization()` samples (needs NVML), CUDA only.
+        gpu_mem_peak_mb: `torch.cuda.max_memory_allocated()` in MiB, CUDA only.
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._depth = 0
+        self._rss_peak = 0
+        self._rss_before = 0
+        self._gpu_util: list[float] = []
+        self._nvml_missing = False
+        self._cuda = torch.cuda.is_available()
+        self._t0 = self._c0 = self._wall = self._cpu = 0.0
+        self._window_open = False
+
+    def _sample(self) -> None:
+        self._rss_peak = max(self._rss_peak, self._proc.memory_info().rss)
+        if self._cuda and not self._nvml_missing:
+            try:
+                self._gpu_util.append(float(torch.cuda.utilization()))
+            except Exception:  # NVML missing: report no utilisation rather than fail the bench
+                self._nvml_missing = True
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def _cpu_seconds(self) -> float:
+        c = self._proc.cpu_times()
+        return c.user + c.system
+
+    def __enter__(self) -> ResourceMonitor:
+        self._depth += 1
+        if self._depth == 1:
+            if self._cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            self._rss_before = self._proc.memory_info().rss
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="bench-monitor", daemon=True)
+            self._thread.start()
+        elif self._cuda:
+            torch.cuda.synchronize()
+        self._sample()
+        self._window_open = True
+        self._t0 = time.perf_counter()
+        self._c0 = self._cpu_seconds()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+        if self._window_open:  # the innermost exit closes the timed window
+            self._window_open = False
+            self._wall = time.perf_counter() - self._t0
+            self._cpu = self._cpu_seconds() - self._c0
+        self._sample()
+        self._depth -= 1
+        if self._depth == 0:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+
+    def result(self) -> dict[str, float | int | None]:
+        cores = _available_cores()
+        return {
+            "cpu_percent": 100.0 * self._cpu / (self._wall * cores) if self._wall > 0 else None,
+            "cpu_core_seconds": self._cpu,
+            "cpu_cores": cores,
+            "torch_threads": torch.get_num_threads(),
+            "peak_rss_mb": self._rss_peak / 2**20,
+            "rss_before_mb": self._rss_before / 2**20,
+            "gpu_util_percent": float(np.mean(self._gpu_util)) if self._gpu_util else None,
+            "gpu_mem_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if self._cuda else None,
+        }
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap memory back to the OS (glibc `malloc_trim`), so the
+    next configuration's RSS does not include what the previous one left in the allocator."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+# --- compute ceiling ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-family decoder that set its FLOPs."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a transformers `PretrainedConfig` (Llama, Mistral, Qwen2/3, SmolLM)."""
+        heads = int(config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+        return cls(
+            hidden_size=int(config.hidden_size),
+            intermediate_size=int(config.intermediate_size),
+            num_layers=int(config.num_hidden_layers),
+            num_heads=heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            vocab_size=int(config.vocab_size),
+        )
+
+    @property
+    def layer_linear_params(self) -> int:
+        """Weights of one layer's q, k, v, o, gate, up and down projections."""
+        d, hd, i = self.hidden_size, self.head_dim, self.intermediate_size
+        return d * hd * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * hd * d + 3 * d * i
+
+    @property
+    def non_embedding_params(self) -> int:
+        """Linear weights of all layers (norms, embeddings and the LM head excluded)."""
+        return self.num_layers * self.layer_linear_params
+
+
+def workload_flops(shape: ModelShape, lengths: list[tuple[int, int]]) -> dict[str, float]:
+    """Forward FLOPs to process a workload once, without padding or recomputation.
+
+    Per token: 2 x non-embedding parameters (one multiply-add per weight; Kaplan et al. 2020),
+    plus attention 4 x layers x (heads x head_dim) x context (QK^T and attention x V, each one
+    multiply-add per key), with context = the token's position + 1 (causal). The LM head
+    (2 x hidden x vocab) is counted once per output token: logits are needed only where a token is
+    sampled. Embedding lookups, norms, rotary and activations are left out (well under 1%).
+
+    Args:
+        lengths: (prompt tokens, output tokens) per request.
+
+    Returns:
+        dict with `tokens` (prompt + output), `linear`, `attention`, `lm_head`, `total` FLOPs and
+        `per_token` (total / tokens).
+    """
+    tokens = sum(p + o for p, o in lengths)
+    outputs = sum(o for _, o in lengths)
+    linear = 2.0 * shape.non_embedding_params * tokens
+    attn_width = shape.num_heads * shape.head_dim
+    # sum over positions 1..n of n = n(n+1)/2 keys attended to
+    attention = 4.0 * shape.num_layers * attn_width * sum((p + o) * (p + o + 1) / 2 for p, o in lengths)
+    lm_head = 2.0 * shape.hidden_size * shape.vocab_size * outputs
+    total = linear + attention + lm_head
+    return {
+        "tokens": tokens,
+        "linear": linear,
+        "attention": attention,
+        "lm_head": lm_head,
+        "total": total,
+        "per_token": total / tokens if tokens else 0.0,
+        "non_embedding_params": shape.non_embedding_params,
+    }
+
+
+def measure_matmul_rate(
+    shape: ModelShape,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    rows: tuple[int, ...] = (64, 128, 256, 512),
+    min_time_s: float = 0.15,
+) -> dict[str, Any]:
+    """Best FLOP/s of one decoder layer's linear layers (`F.linear`, the model's shapes) at `rows` rows.
+
+    Runs with the current torch thread count, after two warm-up rounds; each row count is timed
+    for at least `min_time_s`. The best row count is the rate the compute ceiling uses, so the
+    ceiling is an upper bound on what the model's matrix products can reach.
+
+    Returns:
+        {"flops_per_s": best rate, "by_rows": {rows: rate}, "dtype": str, "device": str, "threads": int}
+    """
+    d, hd, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def weight(out_f: int, in_f: int) -> torch.Tensor:
+        return (torch.randn(out_f, in_f, generator=gen) * 0.02).to(device=device, dtype=dtype)
+
+    w_qkv = weight(hd * (shape.num_heads + 2 * shape.num_kv_heads), d)
+    w_o = weight(d, shape.num_heads * hd)
+    w_gate_up = weight(2 * i, d)
+    w_down = weight(d, i)
+    flops_per_row = 2.0 * shape.layer_linear_params
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    linear = torch.nn.functional.linear
+
+    def layer(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor) -> None:
+        linear(x, w_qkv)
+        linear(a, w_o)
+        linear(x, w_gate_up)
+        linear(h, w_down)
+
+    by_rows: dict[int, float] = {}
+    with torch.inference_mode():
+        for m in rows:
+            acts = tuple(
+                torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+                for k in (d, shape.num_heads * hd, i)
+            )
+            for _ in range(2):
+                layer(*acts)
+            sync()
+            n, t0 = 0, time.perf_counter()
+            while True:
+                layer(*acts)
+                n += 1
+                if n % 4 == 0:
+                    sync()
+                    elapsed = time.perf_counter() - t0
+                    if elapsed >= min_time_s:
+                        break
+            by_rows[m] = flops_per_row * m * n / elapsed
+    best = max(by_rows.values())
+    return {
+        "flops_per_s": best,
+        "by_rows": by_rows,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def compute_ceiling(flops: dict[str, float], rate: dict[str, Any]) -> dict[str, Any]:
+    """The fastest the workload could run: its FLOPs at the measured matmul rate.
+
+    Returns:
+        {"seconds": total FLOPs / rate, "tokens_per_s": (prompt + output tokens) / seconds, ...}
+    """
+    seconds = flops["total"] / rate["flops_per_s"]
+    return {
+        "seconds": seconds,
+        "tokens_per_s": flops["tokens"] / seconds if seconds > 0 else None,
+        "flops": flops,
+        "matmul": rate,
+    }
+
+
+def record_dicts(result: RunResult) -> list[dict[str, Any]]:
+    """The request records as plain dicts (for the JSON report)."""
+    return [asdict(r) for r in result.requests]

@@ -1,0 +1,293 @@
+"""The bench report: a JSON-ready dict, a Rich table with ratios, and an optional PNG timeline.
+
+JSON layout (`schema` "batchgen-bench/1"):
+    command, created, hardware, software, model, engine_options, workload (summary and the
+    distribution's parameters), ceiling (FLOPs, measured matmul rate, seconds, tokens/s),
+    ratio_base (name of the first configuration that ran), and `configurations`: one entry each
+    with name, kind, policy, status ("ok", "skipped", "failed"), reason, metrics
+    (`metrics.summarize` plus `ceiling_fraction`), ratios (metric / the base's metric, for the
+    keys in `RATIO_KEYS`), extra, notes, and the per-step timeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchgen.bench.metrics import RunResult, process_peak_rss_mb, summarize
+
+RATIO_KEYS = (
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "requests_per_s",
+    "ttft_mean_s",
+    "ttft_p99_s",
+    "e2e_mean_s",
+    "e2e_p99_s",
+    "tpot_mean_s",
+    "wall_s",
+)
+
+# (label, metric key, format, unit scale); `x` marks rows that show a ratio to the base column.
+_ROWS: list[tuple[str, str, str, float, bool]] = [
+    ("output tokens/s", "output_tokens_per_s", "{:.1f}", 1, True),
+    ("total tokens/s", "total_tokens_per_s", "{:.1f}", 1, True),
+    ("requests/s", "requests_per_s", "{:.3f}", 1, True),
+    ("compute ceiling reached", "ceiling_fraction", "{:.1%}", 1, False),
+    ("wall time (s)", "wall_s", "{:.1f}", 1, True),
+    ("TTFT mean (s)", "ttft_mean_s", "{:.2f}", 1, True),
+    ("TTFT p50 / p90", ("ttft_p50_s", "ttft_p90_s"), "{:.2f}", 1, False),
+    ("TTFT p99 (s)", "ttft_p99_s", "{:.2f}", 1, True),
+    ("e2e latency mean (s)", "e2e_mean_s", "{:.2f}", 1, True),
+    ("e2e p50 / p90", ("e2e_p50_s", "e2e_p90_s"), "{:.2f}", 1, False),
+    ("e2e latency p99 (s)", "e2e_p99_s", "{:.2f}", 1, True),
+    ("TPOT mean (ms)", "tpot_mean_s", "{:.1f}", 1000, True),
+    ("TPOT p99 (ms)", "tpot_p99_s", "{:.1f}", 1000, False),
+    ("batch size mean / max", ("batch_size_mean", "batch_size_max"), "{:.1f}", 1, False),
+    ("KV cache peak", "kv_cache_peak", "{:.1%}", 1, False),
+    ("preemptions", "preemptions", "{:d}", 1, False),
+    ("prefix cache hit rate", "prefix_cache_hit_rate", "{:.1%}", 1, False),
+    ("max wait (s)", "max_wait_s", "{:.2f}", 1, False),
+    ("max wait (steps) / bound", ("max_wait_steps", "aging_bound_steps"), "{:d}", 1, False),
+    ("CPU utilisation", "cpu_percent", "{:.0f}%", 1, False),
+    ("GPU util / mem (MiB)", ("gpu_util_percent", "gpu_mem_peak_mb"), "{:.0f}", 1, False),
+    ("peak RSS (MiB)", "peak_rss_mb", "{:.0f}", 1, False),
+    ("output tokens", "output_tokens", "{:d}", 1, False),
+    ("errors", "num_errors", "{:d}", 1, False),
+]
+
+
+def _hardware() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cores_available": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _software() -> dict[str, str]:
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def build_report(
+    *,
+    settings: Any,
+    workload: Any,
+    results: list[RunResult],
+    ceiling: dict[str, Any] | None,
+    model_info: dict[str, Any],
+    flops: dict[str, float],
+) -> dict[str, Any]:
+    """Assemble the report dict from the runs (see the module docstring for its layout)."""
+    configs: list[dict[str, Any]] = []
+    for r in results:
+        failed = bool(r.extra.get("failed"))
+        entry: dict[str, Any] = {
+            "name": r.name,
+            "kind": r.kind,
+            "policy": r.policy,
+            "status": "failed" if failed else ("skipped" if r.skipped else "ok"),
+            "reason": r.skipped,
+            "metrics": {},
+            "ratios": {},
+            "extra": {k: v for k, v in r.extra.items() if k != "failed"},
+            "notes": list(r.notes),
+            "timeline": r.timeline(),
+        }
+        if not r.skipped:
+            m = summarize(r)
+            m["ceiling_fraction"] = (
+                ceiling["seconds"] / m["wall_s"] if ceiling is not None and m["wall_s"] else None
+            )
+            entry["metrics"] = m
+        configs.append(entry)
+    base = next((c for c in configs if c["status"] == "ok"), None)
+    for c in configs:
+        if base is None or c["status"] != "ok":
+            continue
+        for key in RATIO_KEYS:
+            a, b = c["metrics"].get(key), base["metrics"].get(key)
+            c["ratios"][key] = a / b if a is not None and b else None
+    return {
+        "schema": "batchgen-bench/1",
+        "command": " ".join(sys.argv),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": _hardware(),
+        "software": _software(),
+        "model": model_info,
+        "engine_options": dataclasses.asdict(settings.engine),
+        "static_batch_size": settings.static_batch_size,
+        "workload": workload.summary(),
+        "sampled_output_tokens": workload.total_output_tokens,
+        "sampled_prompt_tokens": workload.total_prompt_tokens,
+        "flops": flops,
+        "ceiling": ceiling,
+        "process_peak_rss_mb": process_peak_rss_mb(),
+        "ratio_base": base["name"] if base else None,
+        "configurations": configs,
+    }
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> None:
+    """Write the report as indented JSON (parents created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def _fmt(value: Any, spec: str, scale: float) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if spec == "{:d}":
+        return str(int(value))
+    return spec.format(value * scale)
+
+
+def _cell(metrics: dict[str, Any], key: str | tuple[str, ...], spec: str, scale: float) -> str:
+    if isinstance(key, tuple):
+        return " / ".join(_fmt(metrics.get(k), spec, scale) for k in key)
+    return _fmt(metrics.get(key), spec, scale)
+
+
+def ceiling_line(report: dict[str, Any]) -> str:
+    """One line: tokens x FLOPs per token / measured matmul rate = ceiling."""
+    c = report.get("ceiling")
+    if not c:
+        return "compute ceiling: not measured"
+    f, mm = c["flops"], c["matmul"]
+    return (
+        f"compute ceiling: {f['tokens']:,} tokens x {f['per_token'] / 1e9:.3f} GFLOP/token "
+        f"(2 x {f['non_embedding_params'] / 1e6:.1f}M non-embedding params + attention + LM head on outputs) "
+        f"/ {mm['flops_per_s'] / 1e9:.0f} GFLOP/s ({mm['dtype']} matmul at the model's shapes, measured, "
+        f"{mm['threads']} threads) = {c['seconds']:.1f} s, {c['tokens_per_s']:.0f} tokens/s"
+    )
+
+
+def render(report: dict[str, Any], console: Any = None) -> None:
+    """Print the workload line, the ceiling, the comparison table and the notes with Rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    w = report["workload"]
+    console.print(
+        f"[bold]workload[/] {w['name']}: {w['num_requests']} requests, {w['total_prompt_tokens']:,} prompt + "
+        f"{w['total_output_tokens']:,} output tokens (input mean {w['input_len'].get('mean', 0):.0f}, "
+        f"output mean {w['output_len'].get('mean', 0):.0f}); arrivals {w['params'].get('arrivals')}"
+    )
+    m = report["model"]
+    hw = report["hardware"]
+    console.print(
+        f"[bold]model[/] {m['model']} ({m['dtype']}, {m['device']}); {hw['cpu']}, "
+        f"{hw['cores_available']} cores, {hw['torch_threads']} torch threads"
+        + (f", {hw['gpu']}" if "gpu" in hw else "")
+    )
+    console.print(ceiling_line(report))
+    base = report.get("ratio_base")
+    table = Table(title=f"batchgen bench (ratios against {base})" if base else "batchgen bench")
+    table.add_column("metric")
+    configs = report["configurations"]
+    for c in configs:
+        table.add_column(c["name"], justify="right")
+    for label, key, spec, scale, with_ratio in _ROWS:
+        cells = []
+        for c in configs:
+            if c["status"] != "ok":
+                cells.append(c["status"])
+                continue
+            text = _cell(c["metrics"], key, spec, scale)
+            ratio = c["ratios"].get(key) if with_ratio and isinstance(key, str) else None
+            if ratio is not None and c["name"] != base:
+                text += f" ({ratio:.2f}x)"
+            cells.append(text)
+        table.add_row(label, *cells)
+    held = [
+        c["metrics"].get("aging_bound_held")
+        for c in configs
+        if c["status"] == "ok" and c["metrics"].get("aging_bound_steps")
+    ]
+    if held:
+        table.add_row(
+            "aging bound held",
+            *[
+                _fmt(c["metrics"].get("aging_bound_held"), "", 1) if c["status"] == "ok" else c["status"]
+                for c in configs
+            ],
+        )
+    console.print(table)
+    for c in configs:
+        if c["status"] != "ok":
+            console.print(f"[yellow]{c['name']} {c['status']}[/]: {c['reason']}")
+        for note in c["notes"]:
+            console.print(f"note: {note}")
+
+
+def plot(report: dict[str, Any], path: str | Path, bin_s: float | None = None) -> None:
+    """PNG: running batch size (top) and output tokens/s (bottom) over time, one line per configuration.
+
+    Tokens/s is binned in `bin_s`-second bins (default: the longest wall time / 60).
+
+    Raises:
+        RuntimeError: when matplotlib is not installed (`pip install 'batchgen[plot]'`).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("--plot needs matplotlib: pip install 'batchgen[plot]' (or matplotlib)") from exc
+    import numpy as np
+
+    ok = [c for c in report["configurations"] if c["status"] == "ok" and c["timeline"]["t"]]
+    longest = max((c["metrics"]["wall_s"] or 0.0 for c in ok), default=1.0) or 1.0
+    bin_s = bin_s or max(longest / 60.0, 1e-3)
+    fig, (ax_b, ax_t) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for c in ok:
+        tl = c["timeline"]
+        t = np.asarray(tl["t"])
+        ax_b.step(t, tl["num_seqs"], where="pre", label=c["name"], linewidth=1.2)
+        edges = np.arange(0.0, t.max() + bin_s, bin_s)
+        counts, _ = np.histogram(t, bins=edges, weights=np.asarray(tl["num_generation_tokens"], dtype=float))
+        ax_t.step(edges[1:], counts / bin_s, where="pre", label=c["name"], linewidth=1.2)
+    ax_b.set_ylabel("running batch size (sequences)")
+    ax_t.set_ylabel(f"output tokens/s ({bin_s:.2g} s bins)")
+    ax_t.set_xlabel("time since start (s)")
+    w = report["workload"]
+    fig.suptitle(f"batchgen bench: {w['name']}, {w['num_requests']} requests, {report['model']['dtype']}")
+    ax_b.legend(loc="upper right", fontsize="small")
+    ax_b.grid(alpha=0.3)
+    ax_t.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,422 @@
+"""Run every configuration of one bench on one workload, in one process, and collect the report.
+
+Configurations, in this order (ratios in the report are against the first one that ran):
+    continuous/<policy>  batchgen's continuous batching (iteration-level scheduling, Orca: Yu et
+                         al., OSDI 2022), once per `--policy`, each in a fresh engine
+    static/b<N>          padded static batches of N through batchgen's engine (`bench.static`)
+    hf-static/b<N>       transformers `generate` in padded static batches of N (`bench.hf_baselines`)
+    hf-cb                transformers' continuous batching
+`--mode static,continuous` puts static first. Every configuration gets a fresh engine or model, a
+short untimed warm-up, the same workload, dtype and thread count. The workload's compute ceiling
+(`metrics.workload_flops` / `metrics.measure_matmul_rate`) is measured once, before the runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from batchgen.bench.hf_baselines import (
+    hf_cb_unavailable,
+    load_hf_model,
+    resolve_hf_dir,
+    run_hf_cb,
+    run_hf_static,
+)
+from batchgen.bench.metrics import (
+    ModelShape,
+    RequestRecord,
+    ResourceMonitor,
+    RunResult,
+    StepRecord,
+    compute_ceiling,
+    measure_matmul_rate,
+    release_memory,
+    workload_flops,
+)
+from batchgen.bench.report import build_report
+from batchgen.bench.static import (
+    bench_sampling_params,
+    output_error,
+    run_static,
+    step_record,
+    warmup_engine,
+    warmup_prompt,
+)
+from batchgen.bench.workloads import Workload, WorkloadSpec, build_workload
+from batchgen.config import POLICIES, EngineConfig
+
+MODES = ("continuous", "static")
+BASELINES = ("hf-static", "hf-cb")
+
+
+@dataclass
+class BenchSettings:
+    """One bench: the workload, the configurations to compare and the engine options they share.
+
+    Attributes:
+        workload: what to run.
+        modes: subset of `MODES`, in report order.
+        policies: scheduling policies for the continuous mode (each runs once).
+        baselines: subset of `BASELINES`.
+        static_batch_size: requests per static batch (static and hf-static).
+        engine: engine options; `policy` and `enable_prefix_caching` are set per configuration.
+        measure_ceiling: time the matmul benchmark for the compute ceiling (about a second).
+    """
+
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    modes: list[str] = field(default_factory=lambda: ["continuous", "static"])
+    policies: list[str] = field(default_factory=lambda: ["fcfs"])
+    baselines: list[str] = field(default_factory=list)
+    static_batch_size: int = 8
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    measure_ceiling: bool = True
+
+    def __post_init__(self) -> None:
+        for name, values, allowed in (
+            ("mode", self.modes, MODES),
+            ("policy", self.policies, POLICIES),
+            ("baselines", self.baselines, BASELINES),
+        ):
+            bad = [v for v in values if v not in allowed]
+            if bad:
+                raise ValueError(f"{name} must be a comma list of {', '.join(allowed)}; got {', '.join(bad)}")
+        if not self.modes and not self.baselines:
+            raise ValueError("nothing to run: give at least one --mode or --baselines")
+        if "continuous" in self.modes and not self.policies:
+            raise ValueError("mode continuous needs at least one --policy")
+        if self.static_batch_size < 1:
+            raise ValueError(f"static_batch_size must be >= 1, got {self.static_batch_size}")
+
+
+@dataclass(frozen=True)
+class ConfigPlan:
+    """One configuration to run."""
+
+    name: str
+    kind: str
+    policy: str | None = None
+
+
+def plan_configs(settings: BenchSettings) -> list[ConfigPlan]:
+    """The configurations of `settings`, in run and report order."""
+    b = settings.static_batch_size
+    plans: list[ConfigPlan] = []
+    for mode in settings.modes:
+        if mode == "continuous":
+            plans += [ConfigPlan(f"continuous/{p}", "continuous", p) for p in settings.policies]
+        else:
+            plans.append(ConfigPlan(f"static/b{b}", "static", "fcfs"))
+    for base in settings.baselines:
+        plans.append(
+            ConfigPlan(f"hf-static/b{b}", "hf-static")
+            if base == "hf-static"
+            else ConfigPlan("hf-cb", "hf-cb")
+        )
+    return plans
+
+
+EngineFactory = Callable[[EngineConfig], Any]
+
+
+def default_engine_factory(config: EngineConfig) -> Any:
+    """A real `LLMEngine` (imported late so `batchgen bench --help` stays fast)."""
+    from batchgen.engine.llm_engine import LLMEngine
+
+    return LLMEngine(config)
+
+
+def engine_config_for(settings: BenchSettings, plan: ConfigPlan) -> EngineConfig:
+    """The engine options of one batchgen configuration: the policy, and prefix caching off for static."""
+    caching = settings.engine.enable_prefix_caching and plan.kind != "static"
+    return dataclasses.replace(settings.engine, policy=plan.policy or "fcfs", enable_prefix_caching=caching)
+
+
+def run_continuous(
+    engine: Any,
+    workload: Workload,
+    name: str,
+    policy: str,
+    aging_steps: int | None,
+    monitor: ResourceMonitor | None = None,
+) -> RunResult:
+    """Continuous batching: hand each request to `engine` when its arrival time comes, step until done.
+
+    `aging_steps` (max-throughput) gives the starvation bound checked in the report: a request is
+    scheduled at most `aging_steps + 1` steps after it was queued. `monitor`: an open
+    `ResourceMonitor` to time the run in (see its docstring), else a new one.
+    """
+    reqs = sorted(workload.requests, key=lambda r: r.arrival_time)
+    by_id = {r.request_id: r for r in reqs}
+    if reqs:
+        warmup_engine(engine, warmup_prompt(reqs[0].prompt_token_ids))
+    records: list[RequestRecord] = []
+    steps: list[StepRecord] = []
+    queued: dict[str, float] = {}
+    monitor = monitor or ResourceMonitor()
+    with monitor:
+        t0 = time.perf_counter()
+        i = 0
+        while i < len(reqs) or engine.has_unfinished_requests():
+            now = time.perf_counter() - t0
+            while i < len(reqs) and reqs[i].arrival_time <= now:
+                r = reqs[i]
+                engine.add_request(
+                    r.request_id,
+                    {"prompt_token_ids": r.prompt_token_ids},
+                    bench_sampling_params(r.output_len),
+                    t0 + r.arrival_time,
+                )
+                queued[r.request_id] = time.perf_counter() - t0
+                i += 1
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, reqs[i].arrival_time - (time.perf_counter() - t0)))
+                continue
+            for out in engine.step():
+                records.append(_record(out, by_id[out.request_id], t0, queued))
+            if engine.last_step is not None:
+                steps.append(step_record(engine.last_step, t0))
+    result = RunResult(name, "continuous", policy, records, steps, monitor.result())
+    result.extra = {"prefix_caching": True}
+    if aging_steps is not None:
+        result.extra |= {"aging_steps": aging_steps, "aging_bound_steps": aging_steps + 1}
+    return result
+
+
+def _record(out: Any, req: Any, t0: float, queued: dict[str, float]) -> RequestRecord:
+    m = out.metrics
+    n = len(out.outputs[0].token_ids) if out.outputs else 0
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else t - t0
+
+    return RequestRecord(
+        request_id=req.request_id,
+        prompt_len=req.prompt_len,
+        output_len=n,
+        arrival=req.arrival_time,
+        first_scheduled=rel(m.first_scheduled_time),
+        first_token=rel(m.first_token_time),
+        finish=rel(m.finish_time),
+        error=output_error(out, req.output_len),
+        queued=queued.get(req.request_id),
+    )
+
+
+def _torch_dtype(requested: str, engine: Any | None, model_config: Any, device: str) -> torch.dtype:
+    """The dtype batchgen runs in: the engine's, else the engine's rule for `requested`."""
+    if isinstance(value := getattr(engine, "dtype", None), torch.dtype):
+        return value
+    from batchgen.engine.llm_engine import resolve_dtype
+
+    return resolve_dtype(requested, model_config, torch.device(device))
+
+
+def _engine_option(engine: Any, name: str, default: Any) -> Any:
+    """An engine option as the engine resolved it (e.g. `max_num_batched_tokens` when None was given)."""
+    if isinstance(value := getattr(engine, name, None), int):
+        return value
+    for holder_name in ("scheduler_config", "config", "engine_config"):
+        holder = getattr(engine, holder_name, None)
+        value = getattr(holder, name, None) if holder is not None else None
+        if value is not None:
+            return value
+    scheduler = getattr(engine, "scheduler", None)
+    for holder in (scheduler, getattr(scheduler, "config", None)):
+        value = getattr(holder, name, None) if holder is not None else None
+        if isinstance(value, int):
+            return value
+    return default
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids |= set((getattr(tokenizer, "added_tokens_decoder", None) or {}).keys())
+    return ids
+
+
+def _pad_id(tokenizer: Any) -> int:
+    for value in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            return value
+        if isinstance(value, list) and value:
+            return int(value[0])
+    return 0
+
+
+def _device(settings: BenchSettings) -> str:
+    if settings.engine.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return settings.engine.device
+
+
+@dataclass
+class ModelFacts:
+    """What the bench needs to know about the model and the engine before running anything."""
+
+    tokenizer: Any
+    model_config: Any
+    max_model_len: int
+    hf_dir: Any
+    dtype: torch.dtype
+    device: str
+    kv_cache_tokens: int | None
+    max_num_batched_tokens: int
+
+
+def model_facts(settings: BenchSettings, factory: EngineFactory) -> ModelFacts:
+    """Build one engine (for `max_model_len`, the KV capacity, the token budget, the dtype as the
+    engine resolves them) and drop it; without batchgen configurations, read the HF directory."""
+    device = _device(settings)
+    plans = [p for p in plan_configs(settings) if p.kind in MODES]
+    if not plans:
+        from transformers import AutoConfig, AutoTokenizer
+
+        hf_dir = resolve_hf_dir(settings.engine.model)
+        config = AutoConfig.from_pretrained(hf_dir)
+        return ModelFacts(
+            tokenizer=AutoTokenizer.from_pretrained(hf_dir),
+            model_config=config,
+            max_model_len=settings.engine.max_model_len or int(config.max_position_embeddings),
+            hf_dir=hf_dir,
+            dtype=_torch_dtype(settings.engine.dtype, None, config, device),
+            device=device,
+            kv_cache_tokens=None,
+            max_num_batched_tokens=settings.engine.max_num_batched_tokens or 2048,
+        )
+    engine = factory(engine_config_for(settings, plans[0]))
+    try:
+        return ModelFacts(
+            tokenizer=engine.tokenizer,
+            model_config=engine.model_config,
+            max_model_len=int(engine.max_model_len),
+            hf_dir=getattr(getattr(engine, "model_files", None), "path", None),
+            dtype=_torch_dtype(settings.engine.dtype, engine, engine.model_config, device),
+            device=device,
+            kv_cache_tokens=int(engine.num_gpu_blocks) * int(engine.block_size),
+            max_num_batched_tokens=_engine_option(
+                engine, "max_num_batched_tokens", settings.engine.max_num_batched_tokens or 2048
+            ),
+        )
+    finally:
+        del engine
+        release_memory()
+
+
+def run_bench(
+    settings: BenchSettings,
+    engine_factory: EngineFactory | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run every configuration of `settings` and return the report dict (see `bench.report`).
+
+    Every configuration builds its own engine or model inside its `ResourceMonitor` (so its peak
+    RSS includes loading) and frees it afterwards. A configuration that raises is recorded as
+    failed (with the error) and the bench goes on; an unavailable baseline is recorded as skipped
+    with the reason.
+    """
+    factory = engine_factory or default_engine_factory
+    if settings.engine.num_threads is not None:
+        torch.set_num_threads(settings.engine.num_threads)
+    facts = model_facts(settings, factory)
+    from batchgen.engine.tokenize import encode_prompt
+
+    workload = build_workload(
+        settings.workload,
+        vocab_size=min(len(facts.tokenizer), int(facts.model_config.vocab_size)),
+        special_token_ids=sorted(_special_ids(facts.tokenizer)),
+        max_model_len=facts.max_model_len,
+        encode=lambda prompt: list(encode_prompt(facts.tokenizer, prompt)[1]),
+    )
+    log(
+        f"workload {workload.name}: {len(workload.requests)} requests, {workload.total_prompt_tokens} prompt + "
+        f"{workload.total_output_tokens} output tokens"
+    )
+    shape = ModelShape.from_config(facts.model_config)
+    flops = workload_flops(shape, [(r.prompt_len, r.output_len) for r in workload.requests])
+    ceiling = None
+    if settings.measure_ceiling:
+        ceiling = compute_ceiling(flops, measure_matmul_rate(shape, facts.dtype, facts.device))
+        log(
+            f"compute ceiling: {ceiling['tokens_per_s']:.0f} tokens/s "
+            f"({ceiling['matmul']['flops_per_s'] / 1e9:.0f} GFLOP/s {ceiling['matmul']['dtype']} matmul)"
+        )
+    results: list[RunResult] = []
+    for plan in plan_configs(settings):
+        log(f"running {plan.name} ...")
+        started = time.perf_counter()
+        try:
+            with ResourceMonitor() as monitor:
+                result = _run_one(plan, settings, facts, workload, factory, monitor)
+            if not result.skipped:
+                result.resources = monitor.result()
+        except Exception as exc:  # keep the other configurations' results
+            log(traceback.format_exc())
+            result = RunResult(
+                plan.name, plan.kind, plan.policy, skipped=f"failed: {type(exc).__name__}: {exc}"
+            )
+            result.extra["failed"] = True
+        finally:
+            release_memory()
+        summary = f"skipped: {result.skipped}" if result.skipped else f"{len(result.requests)} requests"
+        log(f"  {plan.name}: {summary} ({time.perf_counter() - started:.1f} s)")
+        results.append(result)
+
+    return build_report(
+        settings=settings,
+        workload=workload,
+        results=results,
+        ceiling=ceiling,
+        model_info={
+            "model": settings.engine.model or "default",
+            "hf_dir": str(facts.hf_dir) if facts.hf_dir is not None else None,
+            "dtype": str(facts.dtype).replace("torch.", ""),
+            "device": facts.device,
+            "non_embedding_params": shape.non_embedding_params,
+            "max_model_len": facts.max_model_len,
+            "kv_cache_tokens": facts.kv_cache_tokens,
+            "max_num_batched_tokens": facts.max_num_batched_tokens,
+        },
+        flops=flops,
+    )
+
+
+def _run_one(
+    plan: ConfigPlan,
+    settings: BenchSettings,
+    facts: ModelFacts,
+    workload: Workload,
+    factory: EngineFactory,
+    monitor: ResourceMonitor,
+) -> RunResult:
+    """Build the engine or model of one configuration and run it (inside the open `monitor`)."""
+    pad = _pad_id(facts.tokenizer)
+    if plan.kind in MODES:
+        engine = factory(engine_config_for(settings, plan))
+        if plan.kind == "continuous":
+            aging = settings.engine.aging_steps if plan.policy == "max-throughput" else None
+            return run_continuous(engine, workload, plan.name, plan.policy or "fcfs", aging, monitor)
+        return run_static(engine, workload, settings.static_batch_size, pad, plan.name, monitor)
+    if facts.hf_dir is None:
+        facts.hf_dir = resolve_hf_dir(settings.engine.model)
+    model = load_hf_model(facts.hf_dir, facts.dtype, facts.device)
+    if plan.kind == "hf-static":
+        return run_hf_static(model, workload, settings.static_batch_size, pad, plan.name, monitor)
+    if (reason := hf_cb_unavailable(model)) is not None:
+        return RunResult(plan.name, plan.kind, skipped=reason)
+    return run_hf_cb(
+        model,
+        workload,
+        max_batch_tokens=facts.max_num_batched_tokens,
+        max_num_seqs=settings.engine.max_num_seqs,
+        pad_token_id=pad,
+        kv_cache_tokens=facts.kv_cache_tokens,
+        name=plan.name,
+        monitor=monitor,
+    )

@@ -1,0 +1,579 @@
+"""Benchmark workloads: how many tokens each request reads and writes, and when it arrives.
+
+Every request's prompt is a list of random token ids (special tokens excluded) and it runs for
+exactly its sampled output length (`SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)`),
+so the work is fixed by the workload and not by what the model happens to say.
+
+Distributions (`--dist`):
+
+`longtail` (default)
+    Input and output lengths drawn independently from log-normal distributions, fitted by maximum
+    likelihood (mean and standard deviation of the natural logarithm) to the Azure LLM inference
+    trace of conversation requests (`AzureLLMInferenceTrace_conv.csv`: 19,366 requests, one hour of
+    production traffic on 2023-11-16; Patel et al., "Splitwise", ISCA 2024)::
+
+        input  ~ LogNormal(mu=6.633, sigma=0.985), clipped at 14,050   (trace: p50 1020, mean 1155, p99 4142)
+        output ~ LogNormal(mu=5.019, sigma=0.859), clipped at 1,000    (trace: p50 129,  mean 211,  p99 601)
+
+    The trace's log input and log output lengths are nearly uncorrelated (r = 0.09), hence the
+    independent draws. The fitted tails are heavier than the trace's beyond its p90 (fitted p99
+    7,516 input / 1,115 output tokens), which is why samples are clipped at the trace's maxima.
+    The lengths are then multiplied by `scale` (default 0.25, so a 64-request run of a 135M-parameter
+    model on two CPU cores takes minutes), rounded, and clipped to input >= 1, output >= 1 and
+    input + output <= max_model_len. At scale 0.25: input p50 190, mean 307, p99 1887 tokens;
+    output p50 38, mean 53, p99 250 tokens.
+`uniform`
+    vLLM's random dataset (`benchmark_serving.py --dataset-name random`): input lengths uniform
+    integers in [floor(input_len * (1 - range_ratio)), ceil(input_len * (1 + range_ratio))],
+    output lengths likewise around output_len.
+`fixed`
+    Every request has exactly input_len prompt tokens and output_len output tokens.
+`azure-conv` / `azure-code`
+    A contiguous window of `num_prompts` records of the Azure conversation / code trace, starting at
+    a seeded random record; lengths are the trace's ContextTokens / GeneratedTokens times `scale`
+    (pass `scale=1` for the raw lengths), and the trace's own arrival times (seconds since the
+    window's first record) are kept for `trace_arrivals`.
+`file:PATH`
+    A job file (JSONL or Parquet): rows with `prompt`, `messages` (chat), `prompt_token_ids` or
+    OpenAI batch lines (`body.messages`); output lengths from `max_tokens` (top level,
+    `sampling_params.max_tokens`, or `body.max_tokens` / `body.max_completion_tokens`), else
+    `output_len`.
+
+Arrivals: all requests at time 0 (offline) by default; `request_rate` R > 0 draws a Poisson process
+(exponential gaps of mean 1/R seconds, the first request at 0), as vLLM's serving benchmark does;
+`trace_arrivals` replays the trace's timestamps (azure dists only).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TRACE_FILES = {
+    "azure-conv": "AzureLLMInferenceTrace_conv.csv",
+    "azure-code": "AzureLLMInferenceTrace_code.csv",
+}
+DISTS = ("longtail", "uniform", "fixed", "azure-conv", "azure-code", "file:PATH")
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    """A log-normal length distribution: exp(Normal(mu, sigma)), clipped at `max_value` tokens."""
+
+    mu: float
+    sigma: float
+    max_value: float
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """`n` lengths in tokens (float, before scaling and rounding)."""
+        return np.minimum(rng.lognormal(self.mu, self.sigma, n), self.max_value)
+
+    @property
+    def median(self) -> float:
+        return math.exp(self.mu)
+
+
+# Maximum-likelihood fit to AzureLLMInferenceTrace_conv.csv (see the module docstring);
+# tests/bench/test_workloads.py re-fits the trace and checks these numbers.
+LONGTAIL_INPUT = LogNormal(mu=6.633, sigma=0.985, max_value=14050)
+LONGTAIL_OUTPUT = LogNormal(mu=5.019, sigma=0.859, max_value=1000)
+
+
+def fit_lognormal(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
+    """Maximum-likelihood log-normal fit: (mean, standard deviation) of log(values).
+
+    Raises:
+        ValueError: when `values` is empty or holds a value <= 0.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0 or np.any(x <= 0):
+        raise ValueError("fit_lognormal needs a non-empty array of positive lengths")
+    logs = np.log(x)
+    return float(logs.mean()), float(logs.std())
+
+
+# --- Azure traces ---------------------------------------------------------------------------------
+
+TICKS_PER_SECOND = 10_000_000  # the traces' timestamps carry 7 fractional digits (100 ns)
+
+
+def parse_trace_timestamp(text: str) -> int:
+    """Parse `2023-11-16 18:15:46.6805900` into 100-ns ticks since 1970-01-01 (naive time).
+
+    Integer ticks keep all 7 fractional digits exactly (Python's `%f` takes only 6, and a float
+    of epoch seconds loses the 7th). Fractions shorter than 7 digits are accepted.
+
+    Raises:
+        ValueError: when the text is not `YYYY-MM-DD HH:MM:SS[.fraction]`.
+    """
+    text = text.strip()
+    whole, _, frac = text.partition(".")
+    try:
+        moment = _dt.datetime.strptime(whole, "%Y-%m-%d %H:%M:%S")
+    except ValueError as exc:
+        raise ValueError(f"bad trace timestamp {text!r}: expected 'YYYY-MM-DD HH:MM:SS.fffffff'") from exc
+    if frac and (not frac.isdigit() or len(frac) > 7):
+        raise ValueError(f"bad trace timestamp {text!r}: fraction must be 1-7 digits")
+    seconds = (moment - _dt.datetime(1970, 1, 1)) // _dt.timedelta(seconds=1)
+    return seconds * TICKS_PER_SECOND + int(frac.ljust(7, "0") or 0)
+
+
+@dataclass(frozen=True)
+class AzureTrace:
+    """One Azure LLM inference trace (Patel et al., "Splitwise", ISCA 2024).
+
+    Attributes:
+        times: arrival of each record in seconds since the first record, float64 `[n]`.
+        context_tokens: prompt lengths in tokens, int64 `[n]`.
+        generated_tokens: output lengths in tokens, int64 `[n]`.
+    """
+
+    times: np.ndarray
+    context_tokens: np.ndarray
+    generated_tokens: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.times.shape[0])
+
+
+def load_azure_trace(path: str | Path) -> AzureTrace:
+    """Read `TIMESTAMP,ContextTokens,GeneratedTokens` (CRLF or LF, with or without a final newline).
+
+    Raises:
+        FileNotFoundError: when the file is absent.
+        ValueError: naming the line of a malformed record, or when the file has no records.
+    """
+    path = Path(path)
+    ticks: list[int] = []
+    ctx: list[int] = []
+    gen: list[int] = []
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None or [h.strip() for h in header] != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
+            raise ValueError(f"{path}: expected header TIMESTAMP,ContextTokens,GeneratedTokens, got {header}")
+        for lineno, row in enumerate(reader, start=2):
+            if not row or all(not c.strip() for c in row):
+                continue
+            if len(row) != 3:
+                raise ValueError(f"{path}:{lineno}: expected 3 fields, got {len(row)}")
+            try:
+                ticks.append(parse_trace_timestamp(row[0]))
+                ctx.append(int(row[1]))
+                gen.append(int(row[2]))
+            except ValueError as exc:
+                raise ValueError(f"{path}:{lineno}: {exc}") from exc
+    if not ticks:
+        raise ValueError(f"{path}: no records")
+    t = np.asarray(ticks, dtype=np.int64)
+    return AzureTrace(
+        times=(t - t[0]).astype(np.float64) / TICKS_PER_SECOND,
+        context_tokens=np.asarray(ctx, dtype=np.int64),
+        generated_tokens=np.asarray(gen, dtype=np.int64),
+    )
+
+
+def default_data_dir() -> Path:
+    """`../shared/data` next to the repository root (where the Azure traces live)."""
+    return Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
+
+
+# --- workload specification -------------------------------------------------------------------------
+
+
+@dataclass
+class WorkloadSpec:
+    """What to generate (`batchgen bench` options of the same names).
+
+    Attributes:
+        dist: one of `DISTS` (`file:PATH` with a real path).
+        num_prompts: requests in the workload (for `file:` the first `num_prompts` rows; 0 = all).
+        seed: seeds lengths, prompt tokens and arrivals (independently of each other).
+        scale: multiplies trace-derived lengths (`longtail`, `azure-*`).
+        input_len / output_len: tokens, for `uniform` and `fixed` (`output_len` is also the
+            `file:` default when a row has no `max_tokens`).
+        range_ratio: `uniform` spread, in [0, 1).
+        request_rate: requests per second of a Poisson process; inf = all at time 0.
+        trace_arrivals: replay the trace's arrival times (`azure-*` only).
+        data_dir: folder holding the Azure traces; None = `default_data_dir()`.
+    """
+
+    dist: str = "longtail"
+    num_prompts: int = 64
+    seed: int = 0
+    scale: float = 0.25
+    input_len: int = 256
+    output_len: int = 64
+    range_ratio: float = 0.0
+    request_rate: float = math.inf
+    trace_arrivals: bool = False
+    data_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.dist in DISTS[:-1] or self.dist.startswith("file:")):
+            raise ValueError(f"dist must be one of {', '.join(DISTS)}; got {self.dist!r}")
+        if self.dist.startswith("file:") and not self.dist[5:]:
+            raise ValueError("dist file:PATH needs a path, e.g. file:jobs/prompts.jsonl")
+        minimum = 0 if self.dist.startswith("file:") else 1
+        if not isinstance(self.num_prompts, int) or self.num_prompts < minimum:
+            raise ValueError(f"num_prompts must be an int >= {minimum}, got {self.num_prompts!r}")
+        if not self.scale > 0:
+            raise ValueError(f"scale must be > 0, got {self.scale}")
+        if self.input_len < 1 or self.output_len < 1:
+            raise ValueError(
+                f"input_len and output_len must be >= 1, got {self.input_len}, {self.output_len}"
+            )
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 requests/s (inf = offline), got {self.request_rate}")
+        if self.trace_arrivals and self.dist not in TRACE_FILES:
+            raise ValueError(f"trace_arrivals needs dist azure-conv or azure-code, got {self.dist!r}")
+        if self.trace_arrivals and math.isfinite(self.request_rate):
+            raise ValueError("use either trace_arrivals or request_rate, not both")
+
+    @property
+    def trace_dir(self) -> Path:
+        return self.data_dir if self.data_dir is not None else default_data_dir()
+
+
+@dataclass
+class LengthPlan:
+    """Sampled lengths in tokens (int64 `[n]` each) and, for traces, arrival times in seconds."""
+
+    input_lens: np.ndarray
+    output_lens: np.ndarray
+    trace_times: np.ndarray | None
+    params: dict[str, Any]
+
+
+def _rng(seed: int, stream: int) -> np.random.Generator:
+    # Separate streams: the lengths do not change when the vocabulary or the arrival model does.
+    return np.random.default_rng([seed, stream])
+
+
+def _clip(inputs: np.ndarray, outputs: np.ndarray, max_model_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Round and clip to input >= 1, output >= 1, input + output <= max_model_len; count changes."""
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    i0 = np.rint(inputs).astype(np.int64)
+    o0 = np.rint(outputs).astype(np.int64)
+    i = np.clip(i0, 1, max_model_len - 1)
+    o = np.clip(o0, 1, None)
+    o = np.minimum(o, max_model_len - i)
+    clipped = int(np.count_nonzero((i != i0) | (o != o0)))
+    return i, o, clipped
+
+
+def sample_lengths(spec: WorkloadSpec, max_model_len: int) -> LengthPlan:
+    """Input and output lengths for every distribution except `file:` (see the module docstring).
+
+    Raises:
+        ValueError: for `file:` specs (their lengths come from the file) or a bad max_model_len.
+        FileNotFoundError: when an Azure trace is requested and `spec.trace_dir` lacks it.
+    """
+    n = spec.num_prompts
+    rng = _rng(spec.seed, 0)
+    trace_times = None
+    params: dict[str, Any] = {"dist": spec.dist, "num_prompts": n, "seed": spec.seed}
+    if spec.dist == "longtail":
+        raw_in = LONGTAIL_INPUT.sample(rng, n) * spec.scale
+        raw_out = LONGTAIL_OUTPUT.sample(rng, n) * spec.scale
+        params |= {
+            "scale": spec.scale,
+            "input": {
+                "family": "lognormal",
+                "mu": LONGTAIL_INPUT.mu,
+                "sigma": LONGTAIL_INPUT.sigma,
+                "clip_before_scale": LONGTAIL_INPUT.max_value,
+            },
+            "output": {
+                "family": "lognormal",
+                "mu": LONGTAIL_OUTPUT.mu,
+                "sigma": LONGTAIL_OUTPUT.sigma,
+                "clip_before_scale": LONGTAIL_OUTPUT.max_value,
+            },
+            "fitted_to": "AzureLLMInferenceTrace_conv.csv (maximum likelihood on log lengths)",
+        }
+    elif spec.dist in ("uniform", "fixed"):
+        r = spec.range_ratio if spec.dist == "uniform" else 0.0
+
+        def uniform(center: int) -> np.ndarray:
+            low = max(1, math.floor(center * (1 - r)))
+            high = max(low, math.ceil(center * (1 + r)))
+            return rng.integers(low, high + 1, size=n).astype(np.float64)
+
+        raw_in, raw_out = uniform(spec.input_len), uniform(spec.output_len)
+        params |= {"input_len": spec.input_len, "output_len": spec.output_len, "range_ratio": r}
+    elif spec.dist in TRACE_FILES:
+        path = spec.trace_dir / TRACE_FILES[spec.dist]
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{spec.dist} needs {path} (pass --data-dir to point at the Azure traces)"
+            )
+        trace = load_azure_trace(path)
+        start = int(rng.integers(0, max(1, len(trace) - n + 1)))
+        idx = np.arange(start, start + n) % len(trace)  # wraps only when n exceeds the trace
+        raw_in = trace.context_tokens[idx] * spec.scale
+        raw_out = trace.generated_tokens[idx] * spec.scale
+        t = trace.times[idx]
+        trace_times = np.maximum(t - t[0], 0.0)
+        params |= {"scale": spec.scale, "trace": path.name, "first_record": start}
+    else:
+        raise ValueError(f"sample_lengths cannot sample {spec.dist!r}; file workloads read their lengths")
+    inputs, outputs, clipped = _clip(np.asarray(raw_in), np.asarray(raw_out), max_model_len)
+    params |= {"max_model_len": max_model_len, "num_clipped": clipped}
+    return LengthPlan(inputs, outputs, trace_times, params)
+
+
+def arrival_times(spec: WorkloadSpec, n: int, trace_times: np.ndarray | None = None) -> np.ndarray:
+    """Arrival of each request in seconds after the bench starts, float64 `[n]`, non-decreasing."""
+    if spec.trace_arrivals:
+        if trace_times is None:
+            raise ValueError("trace_arrivals needs trace times")
+        return np.asarray(trace_times, dtype=np.float64)
+    if not math.isfinite(spec.request_rate) or n == 0:
+        return np.zeros(n)
+    gaps = _rng(spec.seed, 2).exponential(1.0 / spec.request_rate, size=n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+# --- prompts -----------------------------------------------------------------------------------------
+
+
+def allowed_token_ids(vocab_size: int, special_token_ids: Sequence[int] = ()) -> np.ndarray:
+    """Token ids in [0, vocab_size) minus the special ones, int64 sorted.
+
+    Raises:
+        ValueError: when nothing is left.
+    """
+    ids = np.setdiff1d(
+        np.arange(vocab_size, dtype=np.int64), np.asarray(list(special_token_ids), dtype=np.int64)
+    )
+    if ids.size == 0:
+        raise ValueError(f"no ordinary token ids in a vocabulary of {vocab_size}")
+    return ids
+
+
+def random_prompts(lengths: Sequence[int] | np.ndarray, allowed: np.ndarray, seed: int) -> list[list[int]]:
+    """One list of random token ids per length, drawn uniformly from `allowed`."""
+    rng = _rng(seed, 1)
+    return [allowed[rng.integers(0, allowed.size, size=int(k))].tolist() for k in lengths]
+
+
+@dataclass
+class BenchRequest:
+    """One request of a workload.
+
+    Attributes:
+        request_id: unique id (`"0"`, `"1"`, ... in workload order).
+        prompt_token_ids: the prompt.
+        output_len: output tokens it must generate (it ignores EOS).
+        arrival_time: seconds after the bench starts.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_len: int
+    arrival_time: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class Workload:
+    """The requests of one bench and the parameters that produced them."""
+
+    name: str
+    requests: list[BenchRequest]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(r.prompt_len for r in self.requests)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(r.output_len for r in self.requests)
+
+    def summary(self) -> dict[str, Any]:
+        """Request count, token totals and length percentiles (for the report)."""
+
+        def stats(values: list[int]) -> dict[str, float]:
+            a = np.asarray(values, dtype=np.float64)
+            if a.size == 0:
+                return {}
+            return {
+                "mean": float(a.mean()),
+                "p50": float(np.percentile(a, 50)),
+                "p90": float(np.percentile(a, 90)),
+                "p99": float(np.percentile(a, 99)),
+                "min": float(a.min()),
+                "max": float(a.max()),
+            }
+
+        arrivals = [r.arrival_time for r in self.requests]
+        return {
+            "name": self.name,
+            "num_requests": len(self.requests),
+            "total_prompt_tokens": self.total_prompt_tokens,
+            "total_output_tokens": self.total_output_tokens,
+            "input_len": stats([r.prompt_len for r in self.requests]),
+            "output_len": stats([r.output_len for r in self.requests]),
+            "last_arrival_s": max(arrivals, default=0.0),
+            "params": self.params,
+        }
+
+
+PromptEncoder = Callable[[Any], list[int]]
+
+
+def build_workload(
+    spec: WorkloadSpec,
+    *,
+    vocab_size: int,
+    special_token_ids: Sequence[int] = (),
+    max_model_len: int,
+    encode: PromptEncoder | None = None,
+) -> Workload:
+    """Sample lengths (or read the job file), draw the prompts and the arrival times.
+
+    Args:
+        spec: the workload options.
+        vocab_size: ids are drawn from [0, vocab_size) (use the tokenizer's length, not a padded
+            embedding size).
+        special_token_ids: never drawn (BOS, EOS, pad, chat markers).
+        max_model_len: longest prompt + output in tokens.
+        encode: turns a job-file prompt (str or chat messages) into token ids; needed for `file:`.
+
+    Raises:
+        ValueError / FileNotFoundError: from `sample_lengths` or the job file.
+    """
+    if spec.dist.startswith("file:"):
+        if encode is None:
+            raise ValueError("file: workloads need an encoder for the prompts")
+        return _file_workload(spec, encode, max_model_len)
+    plan = sample_lengths(spec, max_model_len)
+    prompts = random_prompts(plan.input_lens, allowed_token_ids(vocab_size, special_token_ids), spec.seed)
+    arrivals = arrival_times(spec, len(prompts), plan.trace_times)
+    requests = [
+        BenchRequest(str(i), p, int(o), float(a))
+        for i, (p, o, a) in enumerate(zip(prompts, plan.output_lens, arrivals, strict=True))
+    ]
+    params = plan.params | _arrival_params(spec)
+    return Workload(spec.dist, requests, params)
+
+
+def _arrival_params(spec: WorkloadSpec) -> dict[str, Any]:
+    if spec.trace_arrivals:
+        return {"arrivals": "trace"}
+    if math.isfinite(spec.request_rate):
+        return {"arrivals": "poisson", "request_rate": spec.request_rate}
+    return {"arrivals": "offline"}
+
+
+# --- job files ----------------------------------------------------------------------------------------
+
+
+def read_job_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL (`.jsonl`, `.json`) or Parquet (`.parquet`) job file as dicts.
+
+    Raises:
+        FileNotFoundError: when the file is absent.
+        ValueError: naming the line of a JSONL record that is not a JSON object.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"job file {path} not found")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _row_prompt_and_max_tokens(row: dict[str, Any]) -> tuple[Any, int | None]:
+    body = row.get("body") if isinstance(row.get("body"), dict) else {}
+    sp = row.get("sampling_params") if isinstance(row.get("sampling_params"), dict) else {}
+    if row.get("prompt_token_ids") is not None:
+        prompt: Any = {"prompt_token_ids": list(row["prompt_token_ids"])}
+    elif row.get("messages") is not None:
+        prompt = list(row["messages"])
+    elif row.get("prompt") is not None:
+        prompt = row["prompt"]
+    elif body.get("messages") is not None:
+        prompt = list(body["messages"])
+    elif body.get("prompt") is not None:
+        prompt = body["prompt"]
+    else:
+        raise ValueError("row has no prompt, messages, prompt_token_ids or body.messages")
+    for value in (
+        row.get("max_tokens"),
+        sp.get("max_tokens"),
+        body.get("max_tokens"),
+        body.get("max_completion_tokens"),
+    ):
+        if value is not None:
+            return prompt, int(value)
+    return prompt, None
+
+
+def _file_workload(spec: WorkloadSpec, encode: PromptEncoder, max_model_len: int) -> Workload:
+    path = Path(spec.dist[5:])
+    rows = read_job_rows(path)
+    if spec.num_prompts:
+        rows = rows[: spec.num_prompts]
+    prompts: list[list[int]] = []
+    outs: list[int] = []
+    for i, row in enumerate(rows):
+        try:
+            prompt, max_tokens = _row_prompt_and_max_tokens(row)
+            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else encode(prompt)
+            if not ids:
+                raise ValueError("empty prompt")
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"{path}: row {i}: {exc}") from exc
+        prompts.append(list(ids))
+        outs.append(max_tokens if max_tokens is not None else spec.output_len)
+    inputs, outputs, clipped = _clip(
+        np.asarray([len(p) for p in prompts], dtype=np.float64),
+        np.asarray(outs, dtype=np.float64),
+        max_model_len,
+    )
+    arrivals = arrival_times(spec, len(prompts))
+    requests = [
+        BenchRequest(str(i), p[: int(k)], int(o), float(a))
+        for i, (p, k, o, a) in enumerate(zip(prompts, inputs, outputs, arrivals, strict=True))
+    ]
+    params = {
+        "dist": "file",
+        "path": str(path),
+        "num_prompts": len(requests),
+        "default_output_len": spec.output_len,
+        "max_model_len": max_model_len,
+        "num_clipped": clipped,
+    } | _arrival_params(spec)
+    return Workload(f"file:{path.name}", requests, params)

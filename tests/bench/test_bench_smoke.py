@@ -1,0 +1,167 @@
+"""A tiny `batchgen bench` end to end: every configuration runs and the JSON report is consistent.
+
+No timing assertions: only structure, token accounting and orderings that hold on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from batchgen.bench.cli import bench_command, parse_size
+
+REPO = Path(__file__).parents[2]
+EXPECTED = ["continuous/fcfs", "continuous/max-throughput", "static/b4", "hf-static/b4", "hf-cb"]
+
+
+@pytest.fixture(scope="module")
+def bench_report(tiny_model_dir, tmp_path_factory) -> tuple[dict, Path]:
+    app = typer.Typer()
+    app.command()(bench_command)
+    out = tmp_path_factory.mktemp("bench")
+    args = [
+        "--model", str(tiny_model_dir("llama")),
+        "--dist", "longtail", "--num-prompts", "10", "--scale", "0.05", "--seed", "1",
+        "--mode", "continuous,static", "--policy", "fcfs,max-throughput", "--baselines", "hf-static,hf-cb",
+        "--static-batch-size", "4", "--num-threads", "1", "--kv-cache-memory", "64MiB",
+        "--output", str(out / "bench.json"), "--plot", str(out / "bench.png"),
+    ]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "output tokens/s" in result.output and "compute ceiling" in result.output
+    return json.loads((out / "bench.json").read_text()), out
+
+
+def test_every_configuration_present(bench_report) -> None:
+    report, out = bench_report
+    configs = {c["name"]: c for c in report["configurations"]}
+    assert list(configs) == EXPECTED
+    for name, c in configs.items():
+        if name == "hf-cb" and c["status"] == "skipped":
+            assert c["reason"]  # transformers without continuous batching: skipped with the reason
+            continue
+        assert c["status"] == "ok", (name, c["reason"])
+        assert c["metrics"]["num_errors"] == 0
+        assert c["metrics"]["num_requests"] == report["workload"]["num_requests"] == 10
+    assert (out / "bench.png").stat().st_size > 0
+
+
+def test_output_tokens_equal_sampled_lengths(bench_report) -> None:
+    report, _ = bench_report
+    sampled = report["sampled_output_tokens"]
+    assert sampled == report["workload"]["total_output_tokens"] > 0
+    for c in report["configurations"]:
+        if c["status"] == "ok":
+            assert c["metrics"]["output_tokens"] == sampled, c["name"]
+            assert c["metrics"]["prompt_tokens"] == report["sampled_prompt_tokens"], c["name"]
+            assert sum(c["timeline"]["num_generation_tokens"]) == pytest.approx(sampled, rel=0.1), c["name"]
+
+
+def test_latencies_ordered(bench_report) -> None:
+    report, _ = bench_report
+    for c in report["configurations"]:
+        if c["status"] != "ok":
+            continue
+        m = c["metrics"]
+        for name in ("ttft", "e2e"):
+            assert 0 <= m[f"{name}_p50_s"] <= m[f"{name}_p90_s"] <= m[f"{name}_p99_s"], c["name"]
+        assert m["tpot_mean_s"] is None or m["tpot_mean_s"] >= 0
+        assert m["ttft_mean_s"] <= m["e2e_mean_s"]
+        assert m["e2e_p99_s"] <= m["wall_s"] + 1e-9
+        assert 1 <= m["batch_size_mean"] <= m["batch_size_max"]
+        assert m["peak_rss_mb"] > 0 and m["cpu_percent"] >= 0
+
+
+def test_ratios_consistent(bench_report) -> None:
+    report, _ = bench_report
+    ok = [c for c in report["configurations"] if c["status"] == "ok"]
+    base = ok[0]
+    assert report["ratio_base"] == base["name"] == "continuous/fcfs"
+    for c in ok:
+        for key, ratio in c["ratios"].items():
+            expected = c["metrics"][key] / base["metrics"][key]
+            assert ratio == pytest.approx(expected), (c["name"], key)
+        assert c["ratios"]["output_tokens_per_s"] == pytest.approx(1 / c["ratios"]["wall_s"])
+    assert all(v == pytest.approx(1.0) for v in base["ratios"].values())
+
+
+def test_engine_metrics_and_starvation_check(bench_report) -> None:
+    report, _ = bench_report
+    configs = {c["name"]: c for c in report["configurations"]}
+    mt = configs["continuous/max-throughput"]["metrics"]
+    assert mt["aging_bound_steps"] == report["engine_options"]["aging_steps"] + 1
+    assert mt["aging_bound_held"] is True and mt["max_wait_steps"] <= mt["aging_bound_steps"]
+    assert configs["continuous/fcfs"]["metrics"]["aging_bound_held"] is None  # no bound under fcfs
+    for name in ("continuous/fcfs", "static/b4"):
+        m = configs[name]["metrics"]
+        assert 0 < m["kv_cache_peak"] <= 1 and m["preemptions"] == 0
+        assert (
+            m["prefix_cache_hit_rate"] == 0.0
+        )  # random prompts share no block with each other or the warm-up
+    assert configs["static/b4"]["metrics"]["batch_size_max"] <= 4
+    assert configs["static/b4"]["extra"]["padded_output_tokens"] >= report["sampled_output_tokens"]
+    ceiling = report["ceiling"]
+    assert ceiling["flops"]["tokens"] == report["sampled_prompt_tokens"] + report["sampled_output_tokens"]
+    assert ceiling["matmul"]["flops_per_s"] > 0 and ceiling["seconds"] > 0
+
+
+def test_bench_compare_script_smoke(tiny_model_dir, tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    cmd = [
+        sys.executable, str(REPO / "scripts" / "bench_compare.py"), "--model", str(tiny_model_dir("llama")),
+        "--num-prompts", "6", "--scale", "0.05", "--static-batch-size", "3", "--num-threads", "1",
+        "--kv-cache-gib", "0.0625", "--output", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    names = [c["name"] for c in report["configurations"]]
+    assert names == ["continuous/fcfs", "continuous/max-throughput", "static/b3", "hf-static/b3", "hf-cb"]
+    assert {t["target"].split(" ")[0] for t in report["targets"]} >= {"continuous/fcfs", "peak"}
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("2", 2 << 30), ("1.5GiB", 3 << 29), ("512MiB", 512 << 20), ("64M", 64 << 20), ("100B", 100)],
+)
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+def test_bad_options_are_usage_errors() -> None:
+    app = typer.Typer()
+    app.command()(bench_command)
+    for args in (
+        ["--mode", "dynamic"],
+        ["--dist", "zipf"],
+        ["--policy", "lifo"],
+        ["--kv-cache-memory", "lots"],
+    ):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+
+
+def test_resource_monitor_nesting_times_only_the_inner_window() -> None:
+    import time
+
+    import torch
+
+    from batchgen.bench.metrics import ResourceMonitor
+
+    with ResourceMonitor(interval=0.01) as monitor:
+        block = torch.ones(
+            64, 1 << 20, dtype=torch.uint8
+        )  # 64 MiB, touched: counts in RSS while the outer is open
+        time.sleep(0.05)
+        with monitor:
+            time.sleep(0.02)
+        del block
+    r = monitor.result()
+    assert r["peak_rss_mb"] >= r["rss_before_mb"] + 48
+    assert r["cpu_core_seconds"] < 0.5 and r["cpu_percent"] is not None

@@ -50,9 +50,7 @@ class LlamaModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -101,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
                 (each sequence's last scheduled position when it reaches the end of its tokens).
 
         Returns:
-            float32 logits `[B', vocab_size]`.
+            logits `[B', vocab_size]` in the model dtype (the sampler widens them when it needs to).
         """
         hidden = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary.cos_sin(positions, hidden.dtype)
@@ -109,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, cos_sin, kv_cache, meta)
         # The final norm and LM head only for the rows that are sampled: most prefill rows are not.
         hidden = self.model.norm(hidden[logits_indices])
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the model (fusing q/k/v and gate/up).

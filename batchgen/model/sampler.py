@@ -32,7 +32,7 @@ class SamplingBatch:
 
 
 class Sampler:
-    """Turns float32 logits `[B, vocab]` into token ids `[B]` (int64).
+    """Turns logits `[B, vocab]` (any float dtype) into token ids `[B]` (int64).
 
     Random rows use the exponential-race trick: `argmax(probs / q)` with `q ~ Exp(1)` draws from
     `probs` exactly (the Gumbel-max trick in another form), and lets each seeded row draw its noise from
@@ -50,7 +50,9 @@ class Sampler:
             if banned:
                 logits[row, banned] = float("-inf")
         if batch.all_greedy:
+            # Widening to float32 is exact, so argmax in the model dtype picks the same token.
             return logits.argmax(dim=-1)
+        logits = logits.float()
         greedy = torch.tensor([t == 0.0 for t in batch.temperatures], device=logits.device)
         temps = torch.tensor([t if t > 0 else 1.0 for t in batch.temperatures], device=logits.device)
         probs = filter_probs(logits / temps[:, None], batch.top_ks, batch.top_ps, batch.min_ps)

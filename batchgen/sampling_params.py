@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 _GREEDY_EPS = 1e-5
@@ -56,6 +57,8 @@ class SamplingParams:
         def number(name: str, value: object) -> float:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
             return float(value)
 
         def integer(name: str, value: object) -> int:
@@ -80,7 +83,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.stop is not None and not isinstance(self.stop, str):
-            if not all(isinstance(s, str) for s in self.stop):
+            if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
                 raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in ([self.stop] if isinstance(self.stop, str) else self.stop or [])):
             raise ValueError("stop strings must not be empty")

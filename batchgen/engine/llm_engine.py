@@ -74,11 +74,17 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's limit of {model_len} tokens"
             )
-        self.max_model_len = min(config.max_model_len or model_len, num_blocks * self.block_size)
-        if self.max_model_len < (config.max_model_len or 0):
-            logger.warning(
-                "the KV cache holds %d tokens: max_model_len lowered to that", num_blocks * self.block_size
+        capacity = num_blocks * self.block_size
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            # As vLLM: a cache that cannot hold one full-length sequence is a configuration error.
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {self.block_size}), fewer than "
+                f"max_model_len {config.max_model_len}: raise kv_cache_memory (or gpu_memory_utilization) "
+                "or lower max_model_len"
             )
+        self.max_model_len = min(config.max_model_len or model_len, capacity)
+        if self.max_model_len < model_len and config.max_model_len is None:
+            logger.info("the KV cache holds %d tokens: max_model_len set to that", capacity)
         self.max_num_batched_tokens = self._token_budget()
         num_swap_blocks = config.swap_bytes // per_block if config.preemption_mode == "swap" else 0
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,9 +233,9 @@ def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) ->
         raise JobInputError(f"output directory {out_dir} is not writable; pass a writable --output")
     if os.path.exists(output_path) and not os.access(output_path, os.W_OK):
         raise JobInputError(f"output {output_path} is not writable; pass another --output")
-    if overwrite and os.path.isdir(parts_dir):
-        shutil.rmtree(parts_dir)
     manifest_path = os.path.join(parts_dir, MANIFEST)
+    if overwrite:
+        return _start_fresh(output_path, parts_dir, header, empty)
     if os.path.exists(manifest_path):
         manifest = Manifest(parts_dir)
         old, entries = manifest.load()
@@ -278,7 +277,26 @@ def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) ->
             + (" from a run with other settings" if old is not None else "")
             + ". Pass --overwrite to replace it, or choose another --output"
         )
-    if os.path.isdir(parts_dir):  # a parts directory without a manifest: a crash during creation
-        shutil.rmtree(parts_dir)
-    manifest = Manifest.create(parts_dir, header)
-    return ResumeState(output_path, parts_dir, manifest, [], empty, lock_fd=_lock(parts_dir))
+    # No manifest: a new job, or a crash while the parts directory was being created.
+    return _start_fresh(output_path, parts_dir, header, empty)
+
+
+def _start_fresh(output_path: str, parts_dir: str, header: dict[str, Any], empty: CommittedRows) -> ResumeState:
+    """Take the lock, then empty the parts directory and write a new manifest.
+
+    The lock comes first so that a run started with `--overwrite` beside a live run is refused
+    before it deletes anything the live run committed.
+    """
+    try:
+        os.makedirs(parts_dir, exist_ok=True)
+        lock_fd = _lock(parts_dir)
+        for name in os.listdir(parts_dir):
+            if name != LOCK:
+                os.remove(os.path.join(parts_dir, name))
+        manifest = Manifest.create(parts_dir, header)
+    except OSError as e:
+        raise JobInputError(
+            f"cannot write the parts directory {parts_dir} beside --output {output_path}: {e.strerror or e}; "
+            "pass an --output in a writable directory"
+        ) from e
+    return ResumeState(output_path, parts_dir, manifest, [], empty, lock_fd=lock_fd)

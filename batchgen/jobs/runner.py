@@ -21,6 +21,7 @@ from batchgen.jobs.reader import JobInputError, JobReader, JobRow, ReaderOptions
 from batchgen.jobs.resume import make_header, prepare_output
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import RESERVED_COLUMNS, PartWriter, finalize_output
+from batchgen.sampling_params import SamplingParams
 
 TRUNCATE_SIDES = ("left", "right")
 
@@ -281,6 +282,13 @@ def run_job(
         config = EngineConfig(**options.engine, policy=options.policy)
     except (TypeError, ValueError) as e:
         raise JobInputError(f"invalid engine option: {e}") from e
+    try:
+        # The job-wide defaults apply to every row: a bad one is the command's error, not the rows'.
+        SamplingParams(**options.sampling_defaults())
+    except (TypeError, ValueError) as e:
+        raise JobInputError(
+            f"invalid sampling option: {e} (flags --max-tokens, --temperature, --top-p, --top-k, --seed, --stop)"
+        ) from e
     reader = JobReader(
         options.input,
         ReaderOptions(

@@ -401,3 +401,9 @@ def test_request_larger_than_the_whole_cache_fails_alone(tiny_llama: Path) -> No
     outs = llm.generate(prompts, params)
     _check_isolated_failures(outs, {1}, 4, 64)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_explicit_max_model_len_larger_than_the_cache_is_refused(tiny_llama: Path) -> None:
+    # 4 blocks of 16 tokens hold 64 tokens: an explicit max_model_len of 128 can never be served.
+    with pytest.raises(ValueError, match="KV cache holds 64 tokens.*max_model_len 128"):
+        LLM(str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_memory=4 * 8192, num_threads=1)

@@ -137,6 +137,20 @@ def test_resume_loads_committed_rows_cleans_orphans_and_torn_lines(tmp_path):
     fresh.release()
 
 
+def test_overwrite_beside_a_live_run_is_refused_and_deletes_nothing(tmp_path):
+    out = str(tmp_path / "o.parquet")
+    live = prepare_output(out, header(), overwrite=False)
+    writer = PartWriter(live, commit_rows=2)
+    for i in range(2):
+        writer.add(row(i))
+    writer.commit()
+    before = sorted(os.listdir(parts_dir_for(out)))
+    with pytest.raises(JobInputError, match="another batchgen run"):
+        prepare_output(out, header(temperature=0.7), overwrite=True)
+    assert sorted(os.listdir(parts_dir_for(out))) == before
+    live.release()
+
+
 def test_committed_row_with_another_hash_is_refused(tmp_path):
     out = str(tmp_path / "o.parquet")
     state = prepare_output(out, header(), overwrite=False)

@@ -281,7 +281,9 @@ def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) ->
     return _start_fresh(output_path, parts_dir, header, empty)
 
 
-def _start_fresh(output_path: str, parts_dir: str, header: dict[str, Any], empty: CommittedRows) -> ResumeState:
+def _start_fresh(
+    output_path: str, parts_dir: str, header: dict[str, Any], empty: CommittedRows
+) -> ResumeState:
     """Take the lock, then empty the parts directory and write a new manifest.
 
     The lock comes first so that a run started with `--overwrite` beside a live run is refused

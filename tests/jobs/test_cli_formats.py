@@ -82,7 +82,12 @@ def test_unwritable_output_and_bad_options(tmp_path):
 def test_invalid_sampling_flags_exit_2_before_the_model(tmp_path):
     src = tmp_path / "j.jsonl"
     src.write_text('{"prompt": "hi"}\n')
-    for flag, value in [("--temperature", "-1"), ("--top-p", "0"), ("--max-tokens", "0"), ("--temperature", "nan")]:
+    for flag, value in [
+        ("--temperature", "-1"),
+        ("--top-p", "0"),
+        ("--max-tokens", "0"),
+        ("--temperature", "nan"),
+    ]:
         r = invoke(str(src), "--model", NO_MODEL, flag, value)
         assert r.exit_code == 2, (flag, value, r.output)
         assert "invalid sampling option" in r.stderr

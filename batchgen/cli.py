@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import signal
 import sys
 from typing import Annotated
 
@@ -188,8 +189,13 @@ def run_command(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:  # a second Ctrl-C, or one during model loading: committed rows are kept
-        typer.echo(f"interrupted; resume with:\n  {options.resume_command}", err=True)
+        typer.echo(
+            f"interrupted; committed rows are kept. Resume with:\n  {options.resume_command}", err=True
+        )
         raise typer.Exit(130) from None
+    # Everything is committed (or the run stopped cleanly): a Ctrl-C from here to the end of the
+    # process has nothing left to stop, and must not kill it with a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if summary.already_complete:
         typer.echo(
             f"{summary.output_path} is already complete (same input and settings); --overwrite redoes it"

@@ -75,7 +75,8 @@ class Dashboard:
         self._live: Live | None = None
         self._start = time.perf_counter()
         self._last_line = self._start
-        self._samples: deque[tuple[float, int, int, int]] = deque()  # (time, gen tokens, prompt tokens, rows)
+        # (time, gen tokens, prompt tokens, rows); rows is None only in the start baseline.
+        self._samples: deque[tuple[float, int, int, int | None]] = deque()
         self._batch_history: deque[float] = deque(maxlen=history)
         self._rate_history: deque[float] = deque(maxlen=history)
         self._last_sample = 0.0
@@ -90,6 +91,12 @@ class Dashboard:
     def start(self) -> None:
         """Begin timing; open the live view when in live mode."""
         self._start = self._last_line = time.perf_counter()
+        # A zero baseline at the start: a first step that does all the prefill still shows its rate.
+        # Rows are None here and taken from the first update (resumed rows are not this run's work).
+        self._samples.clear()
+        self._samples.append((self._start, 0, 0, None))
+        if not self.live_mode:
+            self._emit("[batchgen] engine ready; first step running (a large first prefill can take a while)")
         if self.live_mode:
             self._live = Live(
                 console=self.console, get_renderable=self.render, refresh_per_second=4, transient=False
@@ -123,6 +130,9 @@ class Dashboard:
         now = time.perf_counter()
         if self._rows_at_start is None:
             self._rows_at_start = rows_done
+            if self._samples and self._samples[0][3] is None:
+                t0, g0, p0, _ = self._samples[0]
+                self._samples[0] = (t0, g0, p0, rows_done)
         self.rows_done, self.rows_error = rows_done, rows_error
         if step is not None:
             self.step = step
@@ -146,6 +156,7 @@ class Dashboard:
             return 0.0, 0.0, 0.0
         t0, g0, p0, r0 = self._samples[0]
         t1, g1, p1, r1 = self._samples[-1]
+        r0 = r1 if r0 is None else r0
         dt = t1 - t0
         return ((g1 - g0) / dt, (p1 - p0) / dt, (r1 - r0) / dt) if dt > 0 else (0.0, 0.0, 0.0)
 

@@ -506,6 +506,14 @@ class JobReader:
                 err = "field 'body.prompt' must be a non-empty string (one prompt per request)"
         if err is not None:
             return fail(err)
+        unsupported = sorted(
+            k for k, v in body.items() if k not in OPENAI_BODY_FIELDS and v not in (None, False, 0, [], {})
+        )
+        if unsupported:
+            return fail(
+                f"field 'body.{unsupported[0]}' is not supported by batchgen (it would change the output); "
+                f"remove it (supported: {', '.join(sorted(OPENAI_BODY_FIELDS))})"
+            )
         n = body.get("n")
         if n not in (None, 1):
             return fail(
@@ -527,6 +535,14 @@ class JobReader:
             row_hash=stable_hash([cid, endpoint, prompt, params_hash]),
             endpoint=endpoint,
         )
+
+
+# Request fields honoured (or, like `model` and `user`, harmless to ignore). Anything else that is set
+# (logprobs, penalties, tools, response_format, ...) would silently change the meaning of the output.
+OPENAI_BODY_FIELDS = frozenset(
+    {"messages", "prompt", "model", "user", "metadata", "stream", "n", "max_tokens", "max_completion_tokens"}
+    | set(SAMPLING_COLUMNS)
+)
 
 
 def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]:

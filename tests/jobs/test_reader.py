@@ -176,10 +176,16 @@ def test_openai_batch_chat_and_completion(tmp_path):
             "url": "/v1/chat/completions",
             "body": {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3, "top_p": 5},
         },
+        {
+            "custom_id": "f",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "p", "logprobs": True, "presence_penalty": 0},
+        },
     ]
     p = write_jsonl(tmp_path / "batch.jsonl", lines)
     assert detect_format(str(p)) == "openai"
-    a, b, c, dup, n2, bad = read(p)
+    a, b, c, dup, n2, bad, logprobs = read(p)
     assert (a.id, a.endpoint, a.prompt, a.sampling_params.max_tokens) == (
         "a",
         "chat",
@@ -195,6 +201,8 @@ def test_openai_batch_chat_and_completion(tmp_path):
     assert dup.id == "a"
     assert "only n=1" in n2.error
     assert "field 'body.top_p'" in bad.error
+    # A set field that would change the output is refused; an unset one (penalty 0) is harmless.
+    assert "field 'body.logprobs' is not supported" in logprobs.error
 
 
 def test_hf_dataset_dir(tmp_path):

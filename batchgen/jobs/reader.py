@@ -15,21 +15,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.jobs.formats import (  # noqa: F401  (re-exported: the reader's public names)
+    FORMATS_HELP,
+    SNIFF_LINES,
+    JobInputError,
+    check_messages,
+    detect_format,
+    head_tail_sha256,
+    iter_jsonl,
+    parse_hf_reference,
+    sniff_jsonl,
+)
 from batchgen.sampling_params import SamplingParams
 
 SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority")
 _INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "priority"})
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-FORMATS_HELP = (
-    "supported inputs: .jsonl (one JSON object a line), OpenAI batch .jsonl, .parquet, "
-    "a Hugging Face dataset directory (save_to_disk), or hf://NAME[:CONFIG]:SPLIT"
-)
-_SNIFF_LINES = 1000  # JSONL lines looked at to learn the columns
-
-
-class JobInputError(Exception):
-    """The job cannot start (missing file, unknown format, missing column, unwritable output,
-    changed input on resume). Raised before the model is loaded; the CLI exits with code 2."""
 
 
 @dataclass(slots=True)
@@ -98,77 +99,6 @@ class ReaderOptions:
     limit: int | None = None
 
 
-def detect_format(source: str) -> str:
-    """Return "hf_hub", "hf_dir", "parquet", "openai" or "jsonl" for `source`.
-
-    Raises:
-        JobInputError: the path does not exist or its format is not one of FORMATS_HELP.
-    """
-    if source.startswith("hf://"):
-        return "hf_hub"
-    if not os.path.exists(source):
-        raise JobInputError(f"input not found: {source}; check the path ({FORMATS_HELP})")
-    if os.path.isdir(source):
-        markers = ("state.json", "dataset_info.json", "dataset_dict.json")
-        if any(os.path.exists(os.path.join(source, m)) for m in markers):
-            return "hf_dir"
-        raise JobInputError(
-            f"{source} is a directory but not a dataset saved with save_to_disk; {FORMATS_HELP}"
-        )
-    with open(source, "rb") as f:
-        head = f.read(4)
-    if head == b"PAR1":
-        return "parquet"
-    for _, rec, _ in _sniff_jsonl(source):
-        if rec is not None:
-            return "openai" if "custom_id" in rec and "body" in rec else "jsonl"
-    if source.endswith((".jsonl", ".json", ".ndjson")):
-        raise JobInputError(f"{source} has no valid JSON object line in its first {_SNIFF_LINES} lines")
-    raise JobInputError(f"unknown input format: {source}; {FORMATS_HELP}")
-
-
-def _sniff_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
-    """(line_number, record or None, error or None) for the first non-blank lines of a JSONL file."""
-    seen = 0
-    for line_number, rec, err in _iter_jsonl(path):
-        yield line_number, rec, err
-        seen += 1
-        if seen >= _SNIFF_LINES:
-            return
-
-
-def _iter_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
-    """Yield (line_number, record, error) for each non-blank line; one bad line is one error."""
-    with open(path, "rb") as f:
-        for line_number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw.rstrip(b"\r\n"))
-            except (UnicodeDecodeError, ValueError) as e:
-                yield line_number, None, f"malformed JSON ({e}); fix the line so it is one JSON object"
-                continue
-            if not isinstance(rec, dict):
-                yield (
-                    line_number,
-                    None,
-                    f"line is a JSON {type(rec).__name__}, not an object; write one {{...}} per line",
-                )
-                continue
-            yield line_number, rec, None
-
-
-def _head_tail_sha256(path: str, span: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        h.update(f.read(span))
-        if size > span:
-            f.seek(max(span, size - span))
-            h.update(f.read(span))
-    return h.hexdigest()
-
-
 class JobReader:
     """Detects a job input's format and schema, then streams its rows as `JobRow`s.
 
@@ -203,7 +133,7 @@ class JobReader:
     def _read_columns(self) -> list[str]:
         if self.format in ("jsonl", "openai"):
             cols: dict[str, None] = {}
-            for _, rec, _ in _sniff_jsonl(self.source):
+            for _, rec, _ in sniff_jsonl(self.source):
                 if rec is not None:
                     cols.update(dict.fromkeys(rec))
             return list(cols)
@@ -311,9 +241,9 @@ class JobReader:
                     p = os.path.join(root, n)
                     files.append([os.path.relpath(p, path), os.path.getsize(p)])
             state = os.path.join(path, "state.json")
-            fp = _head_tail_sha256(state) if os.path.exists(state) else None
+            fp = head_tail_sha256(state) if os.path.exists(state) else None
             return {"path": path, "files": sorted(files), "state_sha256": fp}
-        return {"path": path, "size": os.path.getsize(path), "head_tail_sha256": _head_tail_sha256(path)}
+        return {"path": path, "size": os.path.getsize(path), "head_tail_sha256": head_tail_sha256(path)}
 
     def count_rows(self) -> int | None:
         """Number of rows (streamed count for JSONL; metadata for Parquet / datasets; None if unknown),
@@ -356,7 +286,7 @@ class JobReader:
         self._seen_custom_ids = {}
         if self.format in ("jsonl", "openai"):
             make = self._openai_row if self.format == "openai" else self._plain_row
-            for row_index, (line_number, rec, err) in enumerate(_iter_jsonl(self.source)):
+            for row_index, (line_number, rec, err) in enumerate(iter_jsonl(self.source)):
                 if err is not None:
                     yield self._error_row(row_index, line_number, None, err, raw=err)
                 else:
@@ -543,41 +473,3 @@ OPENAI_BODY_FIELDS = frozenset(
     {"messages", "prompt", "model", "user", "metadata", "stream", "n", "max_tokens", "max_completion_tokens"}
     | set(SAMPLING_COLUMNS)
 )
-
-
-def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]:
-    """Validate chat messages: a non-empty list of {"role": str, "content": str}.
-
-    Returns:
-        (messages, None) when valid, (None, message naming the field and the fix) otherwise.
-    """
-    if value is None or (isinstance(value, list) and not value):
-        return None, f'field \'{col}\' is null or empty; give a list of {{"role", "content"}} messages'
-    if not isinstance(value, list):
-        return None, f"field '{col}' must be a list of messages, got {type(value).__name__}"
-    out = []
-    for i, m in enumerate(value):
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            return None, f"field '{col}[{i}]' must be an object with string 'role' and 'content'"
-        out.append({"role": m["role"], "content": m["content"]})
-    if not any(m["content"].strip() for m in out):
-        return None, f"field '{col}' has only empty message contents; put the prompt in a message"
-    return out, None
-
-
-def parse_hf_reference(source: str) -> tuple[str, str | None, str]:
-    """Split "hf://NAME[:CONFIG]:SPLIT" into (name, config or None, split).
-
-    Raises:
-        JobInputError: when the split is missing.
-    """
-    parts = source[len("hf://") :].split(":")
-    if len(parts) == 2 and all(parts):
-        return parts[0], None, parts[1]
-    if len(parts) == 3 and all(parts):
-        return parts[0], parts[1], parts[2]
-    raise JobInputError(f"bad dataset reference {source!r}; write hf://NAME:SPLIT or hf://NAME:CONFIG:SPLIT")

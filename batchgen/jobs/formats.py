@@ -1,0 +1,133 @@
+"""Job-file formats: detection, line-by-line JSONL, chat-message checks, dataset references.
+
+Small pure helpers under the streaming reader (`batchgen.jobs.reader`), which turns their records
+into `JobRow`s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+FORMATS_HELP = (
+    "supported inputs: .jsonl (one JSON object a line), OpenAI batch .jsonl, .parquet, "
+    "a Hugging Face dataset directory (save_to_disk), or hf://NAME[:CONFIG]:SPLIT"
+)
+SNIFF_LINES = 1000  # JSONL lines looked at to learn the columns
+
+
+class JobInputError(Exception):
+    """The job cannot start (missing file, unknown format, missing column, unwritable output,
+    changed input on resume). Raised before the model is loaded; the CLI exits with code 2."""
+
+
+def detect_format(source: str) -> str:
+    """Return "hf_hub", "hf_dir", "parquet", "openai" or "jsonl" for `source`.
+
+    Raises:
+        JobInputError: the path does not exist or its format is not one of FORMATS_HELP.
+    """
+    if source.startswith("hf://"):
+        return "hf_hub"
+    if not os.path.exists(source):
+        raise JobInputError(f"input not found: {source}; check the path ({FORMATS_HELP})")
+    if os.path.isdir(source):
+        markers = ("state.json", "dataset_info.json", "dataset_dict.json")
+        if any(os.path.exists(os.path.join(source, m)) for m in markers):
+            return "hf_dir"
+        raise JobInputError(
+            f"{source} is a directory but not a dataset saved with save_to_disk; {FORMATS_HELP}"
+        )
+    with open(source, "rb") as f:
+        head = f.read(4)
+    if head == b"PAR1":
+        return "parquet"
+    for _, rec, _ in sniff_jsonl(source):
+        if rec is not None:
+            return "openai" if "custom_id" in rec and "body" in rec else "jsonl"
+    if source.endswith((".jsonl", ".json", ".ndjson")):
+        raise JobInputError(f"{source} has no valid JSON object line in its first {SNIFF_LINES} lines")
+    raise JobInputError(f"unknown input format: {source}; {FORMATS_HELP}")
+
+
+def sniff_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
+    """(line_number, record or None, error or None) for the first non-blank lines of a JSONL file."""
+    seen = 0
+    for line_number, rec, err in iter_jsonl(path):
+        yield line_number, rec, err
+        seen += 1
+        if seen >= SNIFF_LINES:
+            return
+
+
+def iter_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
+    """Yield (line_number, record, error) for each non-blank line; one bad line is one error."""
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw.rstrip(b"\r\n"))
+            except (UnicodeDecodeError, ValueError) as e:
+                yield line_number, None, f"malformed JSON ({e}); fix the line so it is one JSON object"
+                continue
+            if not isinstance(rec, dict):
+                yield (
+                    line_number,
+                    None,
+                    f"line is a JSON {type(rec).__name__}, not an object; write one {{...}} per line",
+                )
+                continue
+            yield line_number, rec, None
+
+
+def head_tail_sha256(path: str, span: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        h.update(f.read(span))
+        if size > span:
+            f.seek(max(span, size - span))
+            h.update(f.read(span))
+    return h.hexdigest()
+
+
+def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]:
+    """Validate chat messages: a non-empty list of {"role": str, "content": str}.
+
+    Returns:
+        (messages, None) when valid, (None, message naming the field and the fix) otherwise.
+    """
+    if value is None or (isinstance(value, list) and not value):
+        return None, f'field \'{col}\' is null or empty; give a list of {{"role", "content"}} messages'
+    if not isinstance(value, list):
+        return None, f"field '{col}' must be a list of messages, got {type(value).__name__}"
+    out = []
+    for i, m in enumerate(value):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            return None, f"field '{col}[{i}]' must be an object with string 'role' and 'content'"
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["content"].strip() for m in out):
+        return None, f"field '{col}' has only empty message contents; put the prompt in a message"
+    return out, None
+
+
+def parse_hf_reference(source: str) -> tuple[str, str | None, str]:
+    """Split "hf://NAME[:CONFIG]:SPLIT" into (name, config or None, split).
+
+    Raises:
+        JobInputError: when the split is missing.
+    """
+    parts = source[len("hf://") :].split(":")
+    if len(parts) == 2 and all(parts):
+        return parts[0], None, parts[1]
+    if len(parts) == 3 and all(parts):
+        return parts[0], parts[1], parts[2]
+    raise JobInputError(f"bad dataset reference {source!r}; write hf://NAME:SPLIT or hf://NAME:CONFIG:SPLIT")

@@ -6,7 +6,6 @@ work), 130 interrupted by SIGINT (committed rows kept; the same command resumes)
 
 from __future__ import annotations
 
-import re
 import shlex
 import signal
 import sys
@@ -14,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from batchgen.config import ATTENTION_BACKENDS, DTYPES, POLICIES, PREEMPTION_MODES
+from batchgen.config import ATTENTION_BACKENDS, DTYPES, POLICIES, PREEMPTION_MODES, parse_memory_size
 
 app = typer.Typer(
     name="batchgen",
@@ -24,25 +23,17 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
-_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
-
 
 def parse_bytes(text: str) -> int:
-    """Parse a memory size: plain bytes ("1073741824") or a number with a unit ("2GiB", "512MiB",
-    "1.5GB", "4G"; K/M/G/T alone are binary units).
+    """`parse_memory_size` for Typer: "1073741824", "2GiB", "512MiB", ... -> bytes.
 
     Raises:
         typer.BadParameter: not a size.
     """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise typer.BadParameter(f"{text!r} is not a memory size; write bytes or e.g. 2GiB, 512MiB")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value < 1:
-        raise typer.BadParameter(f"{text!r} is below one byte")
-    return value
+    try:
+        return parse_memory_size(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 def _choices(values: tuple[str, ...]) -> str:

@@ -6,6 +6,7 @@ user can carry their settings over unchanged.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 POLICIES = ("fcfs", "max-throughput", "priority")
@@ -14,6 +15,26 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 GiB = 1 << 30
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+_SIZE_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes from a memory size: plain bytes ("1073741824") or a number with a unit ("2GiB", "512MiB",
+    "1.5GB", "4G"; K/M/G/T alone are binary units). Used by every `--kv-cache-memory` flag.
+
+    Raises:
+        ValueError: not a size, or below one byte.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a memory size; write bytes or e.g. 2GiB, 512MiB")
+    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if value < 1:
+        raise ValueError(f"{text!r} is below one byte")
+    return value
 
 
 def _check_positive_int(name: str, value: object, minimum: int = 1) -> None:

@@ -9,35 +9,25 @@ Example (the comparison of issue 4, on a CPU, default model in bf16)::
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from batchgen.bench.workloads import DISTS, WorkloadSpec
-from batchgen.config import EngineConfig, GiB
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": GiB, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}
+from batchgen.config import EngineConfig, parse_memory_size
 
 
 def parse_size(text: str) -> int:
-    """Bytes from `"2"` (GiB), `"1.5GiB"`, `"512MiB"`, `"800M"` or `"1073741824B"`.
+    """`parse_memory_size` for Typer (the same sizes as `batchgen run`): bytes or "2GiB", "512MiB", ...
 
     Raises:
-        typer.BadParameter: for anything else.
+        typer.BadParameter: not a size.
     """
-    m = _SIZE.match(text)
-    if not m:
-        raise typer.BadParameter(f"expected a size like 2, 1.5GiB or 512MiB, got {text!r}")
-    unit = (m.group(2) or "").upper()[:1]
-    if m.group(2) and m.group(2).upper() == "B":
-        unit = "B"
-    size = int(float(m.group(1)) * _UNITS[unit])
-    if size < 1:
-        raise typer.BadParameter(f"size must be positive, got {text!r}")
-    return size
+    try:
+        return parse_memory_size(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 def _split(text: str) -> list[str]:
@@ -85,7 +75,7 @@ def bench_command(
     max_model_len: Annotated[int | None, typer.Option(help="Longest prompt + output.")] = None,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     kv_cache_memory: Annotated[
-        str | None, typer.Option(help="CPU KV cache: 2 (GiB), 1.5GiB, 512MiB.")
+        str | None, typer.Option(help="CPU KV cache: bytes or 2GiB, 1.5GiB, 512MiB.")
     ] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(help="CUDA memory fraction.")] = 0.9,
     num_threads: Annotated[int | None, typer.Option(help="torch threads (all configurations).")] = None,

@@ -128,7 +128,14 @@ def test_bench_compare_script_smoke(tiny_model_dir, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "size"),
-    [("2", 2 << 30), ("1.5GiB", 3 << 29), ("512MiB", 512 << 20), ("64M", 64 << 20), ("100B", 100)],
+    [
+        ("2GiB", 2 << 30),
+        ("1.5GiB", 3 << 29),
+        ("512MiB", 512 << 20),
+        ("64M", 64 << 20),
+        ("100B", 100),
+        ("4096", 4096),
+    ],
 )
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size

@@ -13,7 +13,8 @@ from typing import Annotated
 
 import typer
 
-from batchgen.config import ATTENTION_BACKENDS, DTYPES, POLICIES, PREEMPTION_MODES, parse_memory_size
+from batchgen.cli_types import memory_size as parse_bytes
+from batchgen.config import ATTENTION_BACKENDS, DTYPES, POLICIES, PREEMPTION_MODES
 
 app = typer.Typer(
     name="batchgen",
@@ -22,18 +23,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-
-def parse_bytes(text: str) -> int:
-    """`parse_memory_size` for Typer: "1073741824", "2GiB", "512MiB", ... -> bytes.
-
-    Raises:
-        typer.BadParameter: not a size.
-    """
-    try:
-        return parse_memory_size(text)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
 
 
 def _choices(values: tuple[str, ...]) -> str:

@@ -15,19 +15,8 @@ from typing import Annotated
 import typer
 
 from batchgen.bench.workloads import DISTS, WorkloadSpec
-from batchgen.config import EngineConfig, parse_memory_size
-
-
-def parse_size(text: str) -> int:
-    """`parse_memory_size` for Typer (the same sizes as `batchgen run`): bytes or "2GiB", "512MiB", ...
-
-    Raises:
-        typer.BadParameter: not a size.
-    """
-    try:
-        return parse_memory_size(text)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+from batchgen.cli_types import memory_size as parse_size
+from batchgen.config import EngineConfig
 
 
 def _split(text: str) -> list[str]:

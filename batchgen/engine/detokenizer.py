@@ -25,11 +25,10 @@ def detokenize_incrementally(tokenizer, request: Request) -> str:
         return ""
     new_text = full[len(seen) :]
     request.output_text += new_text
-    request._detok_prefix_offset = max(0, len(ids) - _CONTEXT_TOKENS)
+    # The next call re-decodes from here: some context before the new tokens, never past what was
+    # already read, so its `seen` text still ends where output_text ends.
+    request._detok_prefix_offset = min(read, max(0, len(ids) - _CONTEXT_TOKENS))
     request._detok_read_offset = len(ids)
-    # Keep the offsets consistent: `seen` for the next call must end where output_text ends.
-    if request._detok_prefix_offset > read:
-        request._detok_prefix_offset = read
     return new_text
 
 

@@ -7,7 +7,6 @@ one token batch with no padding: `input_ids[T]`, `positions[T]`, `slot_mapping[T
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,8 +16,6 @@ from batchgen.model.attention import AttentionMetadata, select_backend
 from batchgen.model.layers import RotaryEmbedding
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.sampler import Sampler, SamplingBatch
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from batchgen.model.attention import AttentionMetadata, select_backend
+from batchgen.model.cpu_linear import can_prepack, prepack_linears
 from batchgen.model.layers import RotaryEmbedding
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.sampler import Sampler, SamplingBatch
@@ -94,6 +95,8 @@ class ModelRunner:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         model.model.rotary = RotaryEmbedding(config, head_dim, max_positions).to(device)
         model.load_weights(weights)
+        if can_prepack(dtype, device):
+            prepack_linears(model)
         self.model = model.eval()
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         shape = (num_blocks, block_size, kv_heads, head_dim)

@@ -179,6 +179,17 @@ def test_banned_tokens_are_never_sampled() -> None:
     assert set(sampler(logits.clone(), batch(500, temperature=0.0)).tolist()) == {2}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_picks_the_first_maximum(dtype: torch.dtype) -> None:
+    """Greedy rows take the lowest token id among tied maxima, as `argmax` and HF `generate` do."""
+    logits = torch.randn(64, 49152).to(dtype)
+    logits[0, [7, 30000, 49151]] = 100.0  # three-way tie
+    logits[1, [49151, 2]] = 100.0
+    picked = Sampler(torch.Generator().manual_seed(0))(logits.clone(), batch(64, temperature=0.0))
+    assert picked.tolist() == logits.float().argmax(dim=-1).tolist()
+    assert picked[:2].tolist() == [7, 2]
+
+
 # ---- stop strings ----
 
 

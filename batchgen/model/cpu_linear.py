@@ -1,0 +1,76 @@
+"""Linear layers with oneDNN-prepacked weights, for bf16 on CPU.
+
+`F.linear` on a CPU bf16 weight hands oneDNN a plain row-major matrix, which oneDNN reorders into
+its blocked (AMX/AVX-512) layout on every call. Decode steps multiply only a few rows, so that
+reorder is a large share of each matmul. Reordering each weight once at load time is what
+PyTorch's inductor does on CPU when it freezes a model (`torch._inductor.config.freezing`) and
+what Intel's extension for PyTorch does; here it is done by hand so no compile step is needed.
+
+Measured on the default model's shapes (1 thread, all 30 layers, bf16, AMX): 34.6 -> 23.4 ms at 1
+row, 47.9 -> 35.2 ms at 64 rows, 186 -> 70 ms at 256 rows, and about the same at 2048 rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PrepackedLinear(nn.Module):
+    """`y = x @ W^T + b` with `W` held in oneDNN's blocked layout (an opaque mkldnn tensor).
+
+    Input `[..., in_features]` and output `[..., out_features]` are bf16. The packed weight cannot be
+    read back as a plain tensor; build the module from a loaded `nn.Linear` with `from_linear`.
+    """
+
+    def __init__(
+        self, packed_weight: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int
+    ):
+        super().__init__()
+        self.packed_weight = packed_weight
+        self.bias = bias
+        self.in_features = in_features
+        self.out_features = out_features
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PrepackedLinear:
+        weight = linear.weight.detach()
+        bias = linear.bias.detach() if linear.bias is not None else None
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        return cls(packed, bias, linear.in_features, linear.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `prepack_linears` applies: bf16 on a CPU whose oneDNN has bf16 support.
+
+    float32 stays on `F.linear` on purpose: its MKL path is the one Hugging Face uses, which keeps
+    float32 greedy outputs token-identical to `transformers`.
+    """
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` in `model` (weights already loaded) by a `PrepackedLinear`.
+
+    A tied LM head gets its own packed copy (the embedding keeps the plain weight for lookups):
+    about `vocab x hidden x 2` bytes more memory. Returns the number of layers replaced.
+    """
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, PrepackedLinear.from_linear(module))
+    return len(targets)

@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Profile batchgen's engine on a bench workload: where a step's time goes, split by phase.
+
+Runs the `batchgen bench` workload (default: long-tail, 64 prompts) through one `LLMEngine` with
+continuous batching and prints:
+
+- per-phase totals: steps that hold prefill tokens ("prefill") and steps of decodes only ("decode"),
+  with their step count, tokens and wall seconds;
+- with `--torch-profiler`, the top operators of each phase by self CPU time (`torch.profiler`).
+
+This is the profile quoted in the notes of issue 6; run it before and after a speed change::
+
+    python scripts/profile_engine.py --num-threads 1 --torch-profiler --top 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from batchgen.bench.static import bench_sampling_params, warmup_engine, warmup_prompt  # noqa: E402
+from batchgen.bench.workloads import WorkloadSpec, build_workload  # noqa: E402
+from batchgen.config import EngineConfig  # noqa: E402
+from batchgen.engine.llm_engine import LLMEngine  # noqa: E402
+from batchgen.engine.tokenize import encode_prompt  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct GGUF)")
+    parser.add_argument("--dist", default="longtail")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--scale", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default="fcfs")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--torch-profiler", action="store_true", help="collect operator times (slower)")
+    parser.add_argument("--top", type=int, default=12, help="operators to print per phase")
+    args = parser.parse_args()
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            policy=args.policy,
+            num_threads=args.num_threads,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    )
+    spec_args = {"dist": args.dist, "num_prompts": args.num_prompts, "seed": args.seed}
+    if args.scale is not None:
+        spec_args["scale"] = args.scale
+    workload = build_workload(
+        WorkloadSpec(**spec_args),
+        vocab_size=min(len(engine.tokenizer), int(engine.model_config.vocab_size)),
+        special_token_ids=sorted(set(engine.tokenizer.all_special_ids)),
+        max_model_len=engine.max_model_len,
+        encode=lambda prompt: list(encode_prompt(engine.tokenizer, prompt)[1]),
+    )
+    warmup_engine(engine, warmup_prompt(workload.requests[0].prompt_token_ids))
+    for r in workload.requests:
+        engine.add_request(
+            r.request_id, {"prompt_token_ids": r.prompt_token_ids}, bench_sampling_params(r.output_len)
+        )
+
+    phases = {"prefill": [0, 0, 0.0], "decode": [0, 0, 0.0]}  # steps, tokens, seconds
+    profiles: dict[str, list] = {"prefill": [], "decode": []}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        if args.torch_profiler:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                t = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - t
+        else:
+            t = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - t
+        s = engine.last_step
+        phase = "prefill" if s.num_batched_tokens > s.num_seqs else "decode"
+        phases[phase][0] += 1
+        phases[phase][1] += s.num_batched_tokens
+        phases[phase][2] += elapsed
+        if args.torch_profiler:
+            profiles[phase].append(prof.key_averages())
+    total = time.perf_counter() - start
+
+    print(
+        f"workload {workload.name}: {len(workload.requests)} requests, {workload.total_prompt_tokens} prompt + "
+        f"{workload.total_output_tokens} output tokens; threads {torch.get_num_threads()}; wall {total:.1f} s"
+    )
+    for phase, (steps, tokens, seconds) in phases.items():
+        rate = tokens / seconds if seconds else 0.0
+        print(f"{phase:8s} {steps:5d} steps {tokens:7d} tokens {seconds:7.2f} s {rate:8.1f} tokens/s")
+        if not profiles[phase]:
+            continue
+        by_op: dict[str, list[float]] = {}
+        for averages in profiles[phase]:
+            for e in averages:
+                entry = by_op.setdefault(e.key, [0.0, 0])
+                entry[0] += e.self_cpu_time_total / 1e6
+                entry[1] += e.count
+        profiled = sum(v[0] for v in by_op.values())
+        for name, (sec, count) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[: args.top]:
+            print(f"    {sec:8.2f} s {100 * sec / profiled:5.1f}% {count:8d} calls  {name}")
+
+
+if __name__ == "__main__":
+    main()

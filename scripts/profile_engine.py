@@ -76,45 +76,58 @@ def main() -> None:
         )
 
     phases = {"prefill": [0, 0, 0.0], "decode": [0, 0, 0.0]}  # steps, tokens, seconds
-    profiles: dict[str, list] = {"prefill": [], "decode": []}
+    step_phase: list[str] = []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    if args.torch_profiler:
+        profiler.start()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        if args.torch_profiler:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                t = time.perf_counter()
-                engine.step()
-                elapsed = time.perf_counter() - t
-        else:
-            t = time.perf_counter()
+        t = time.perf_counter()
+        with torch.profiler.record_function(f"step {len(step_phase)}"):
             engine.step()
-            elapsed = time.perf_counter() - t
+        elapsed = time.perf_counter() - t
         s = engine.last_step
         phase = "prefill" if s.num_batched_tokens > s.num_seqs else "decode"
+        step_phase.append(phase)
         phases[phase][0] += 1
         phases[phase][1] += s.num_batched_tokens
         phases[phase][2] += elapsed
-        if args.torch_profiler:
-            profiles[phase].append(prof.key_averages())
     total = time.perf_counter() - start
 
     print(
         f"workload {workload.name}: {len(workload.requests)} requests, {workload.total_prompt_tokens} prompt + "
         f"{workload.total_output_tokens} output tokens; threads {torch.get_num_threads()}; wall {total:.1f} s"
     )
+    by_phase = operator_times(profiler, step_phase) if args.torch_profiler else {}
     for phase, (steps, tokens, seconds) in phases.items():
         rate = tokens / seconds if seconds else 0.0
         print(f"{phase:8s} {steps:5d} steps {tokens:7d} tokens {seconds:7.2f} s {rate:8.1f} tokens/s")
-        if not profiles[phase]:
-            continue
-        by_op: dict[str, list[float]] = {}
-        for averages in profiles[phase]:
-            for e in averages:
-                entry = by_op.setdefault(e.key, [0.0, 0])
-                entry[0] += e.self_cpu_time_total / 1e6
-                entry[1] += e.count
-        profiled = sum(v[0] for v in by_op.values())
-        for name, (sec, count) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        ops = by_phase.get(phase, {})
+        profiled = sum(sec for sec, _ in ops.values()) or 1.0
+        for name, (sec, count) in sorted(ops.items(), key=lambda kv: -kv[1][0])[: args.top]:
             print(f"    {sec:8.2f} s {100 * sec / profiled:5.1f}% {count:8d} calls  {name}")
+
+
+def operator_times(
+    profiler: torch.profiler.profile, step_phase: list[str]
+) -> dict[str, dict[str, tuple[float, int]]]:
+    """Self CPU seconds and calls of each operator, per phase, from one profile of the whole run.
+
+    Every step ran inside `record_function("step N")`; an operator belongs to the phase of the step
+    it ran under (found through its chain of parents).
+    """
+    profiler.stop()
+    out: dict[str, dict[str, tuple[float, int]]] = {}
+    for event in profiler.events():
+        root = event
+        while root.cpu_parent is not None:
+            root = root.cpu_parent
+        if root is event or not root.name.startswith("step "):
+            continue
+        phase = step_phase[int(root.name.split()[1])]
+        sec, count = out.setdefault(phase, {}).get(event.name, (0.0, 0))
+        out[phase][event.name] = (sec + event.self_cpu_time_total / 1e6, count + 1)
+    return out
 
 
 if __name__ == "__main__":

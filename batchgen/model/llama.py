@@ -37,9 +37,52 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos_sin, kv_cache, meta):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        row_chunk: int = 0,
+    ) -> torch.Tensor:
+        """Update `hidden` `[T, hidden_size]` in place (residual adds) and return it.
+
+        With `row_chunk` > 0 and more rows than that, everything but attention (norms, projections,
+        rotary, MLP) runs on row slices of `row_chunk` tokens; see `prefill_row_chunk`.
+        """
+        num_tokens = hidden.shape[0]
+        if row_chunk <= 0 or num_tokens <= row_chunk:
+            qk, v = self.self_attn.project(self.input_layernorm(hidden), cos_sin)
+            hidden += self.self_attn.o_proj(self.self_attn.attend(qk, v, kv_cache, meta))
+            hidden += self.mlp(self.post_attention_layernorm(hidden))
+            return hidden
+        rows = [slice(start, start + row_chunk) for start in range(0, num_tokens, row_chunk)]
+        cos, sin = cos_sin
+        parts = [self.self_attn.project(self.input_layernorm(hidden[r]), (cos[r], sin[r])) for r in rows]
+        qk = torch.cat([p[0] for p in parts])
+        v = torch.cat([p[1] for p in parts])
+        del parts
+        attn = self.self_attn.attend(qk, v, kv_cache, meta)
+        for r in rows:
+            h = hidden[r]
+            h += self.self_attn.o_proj(attn[r])
+            h += self.mlp(self.post_attention_layernorm(h))
+        return hidden
+
+
+def prefill_row_chunk(config, dtype: torch.dtype, device: torch.device) -> int:
+    """Rows per slice for the non-attention work of a large CPU step; 0 = no slicing (GPU).
+
+    On CPU the element-wise passes of a 2048-token prefill step (norms, SiLU, products, residual
+    adds) are memory-bound: the gate/up activations alone are 12 MiB for the default model. Slices
+    whose gate/up output is about 3 MiB stay in the core's L2/L3 caches: on the default model, bf16,
+    one thread, all 30 layers without attention took 1.44-1.76 s a 2048-token step whole, and
+    0.79-0.91 s in 512-row slices (256: 0.82-0.96 s; 128: 1.03 s).
+    """
+    if device.type != "cpu":
+        return 0
+    row_bytes = 2 * config.intermediate_size * torch.empty((), dtype=dtype).element_size()
+    return max(64, (3 * 2**20 // row_bytes) // 64 * 64)
 
 
 class LlamaModel(nn.Module):
@@ -101,10 +144,11 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             logits `[B', vocab_size]` in the model dtype (the sampler widens them when it needs to).
         """
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.model.embed_tokens(input_ids)  # a new tensor: the layers add into it in place
         cos_sin = self.model.rotary.cos_sin(positions, hidden.dtype)
+        row_chunk = prefill_row_chunk(self.config, hidden.dtype, hidden.device)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos_sin, kv_cache, meta)
+            hidden = layer(hidden, cos_sin, kv_cache, meta, row_chunk)
         # The final norm and LM head only for the rows that are sampled: most prefill rows are not.
         hidden = self.model.norm(hidden[logits_indices])
         return self.lm_head(hidden)

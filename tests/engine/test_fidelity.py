@@ -107,6 +107,18 @@ def test_batching_does_not_change_outputs(llama_case, name):
         assert llm.llm_engine.totals.steps >= -(-total // 5)
 
 
+@pytest.mark.parametrize("row_chunk", [1, 7])
+def test_row_sliced_layers_do_not_change_outputs(llama_case, monkeypatch, row_chunk):
+    """The CPU's row slices (`prefill_row_chunk`) give HF's tokens; the tiny model is too small to
+    slice by itself, so the slice is forced down to 1 and 7 rows (7 does not divide the steps)."""
+    import batchgen.model.llama as llama
+
+    path, prompt_ids, expected = llama_case
+    monkeypatch.setattr(llama, "prefill_row_chunk", lambda config, dtype, device: row_chunk)
+    llm = LLM(str(path), dtype="float32")
+    assert token_ids(llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY)) == expected
+
+
 def test_prefix_cache_cold_and_warm(llama_case):
     path, prompt_ids, expected = llama_case
     llm = LLM(str(path), dtype="float32", block_size=8, enable_prefix_caching=True)

@@ -1,0 +1,40 @@
+"""RMSNorm's 16-bit fast path stays within bf16 rounding of Hugging Face's float32 arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.model.layers import RMSNorm
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: widen to float32, normalise, round, multiply by the weight."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+@pytest.mark.parametrize("rows", [1, RMSNorm.FEW_PASSES_MIN_ROWS - 1, RMSNorm.FEW_PASSES_MIN_ROWS, 2048])
+def test_bf16_rms_norm_matches_reference(rows: int) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576) * 0.3 + 1.0
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(rows, 576) * 3).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = norm(x)
+    expected = hf_rms_norm(x, norm.weight, 1e-5)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    # Each bf16 rounding errs by at most 2^-8 relative. The reference rounds twice and the fast path
+    # three times (the scale too), so the two are at most five such errors apart.
+    torch.testing.assert_close(got.float(), expected.float(), rtol=5 * 2**-8, atol=1e-3)
+
+
+def test_float32_rms_norm_is_exactly_the_reference() -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64)
+    x = torch.randn(300, 64)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), hf_rms_norm(x, norm.weight, 1e-6))

@@ -10,7 +10,8 @@ https://arxiv.org/abs/2309.06180).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,8 @@ class AttentionMetadata:
         num_decodes: the first `num_decodes` sequences have exactly one query token.
         max_query_len / max_seq_len: maxima of the query and context lengths (tokens).
         query_lens_cpu / seq_lens_cpu: the same lengths as Python lists, for host-side loops.
+        scratch: per-step values a backend derives from the above on the first layer and reuses in
+            the others (the torch backend's decode groups); empty when the step starts.
     """
 
     slot_mapping: torch.Tensor
@@ -41,6 +44,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -123,8 +127,10 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         if meta.slot_mapping.numel():
             store_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(query)
         nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return self._decode(query, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(query)
         if nd:
             out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale)
         start = nd
@@ -144,30 +150,75 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode(query, k_cache, v_cache, meta, scale):
-        out = torch.empty_like(query)
         num_kv_heads = k_cache.shape[2]
         # [B, Hq, D] -> [B, Hkv, G, D]: each KV head's query group becomes a query-length axis, so
         # SDPA needs no GQA expansion of K/V.
         grouped = query.view(query.shape[0], num_kv_heads, -1, query.shape[-1])
-        for rows in _length_groups(meta.seq_lens_cpu[: query.shape[0]], k_cache.shape[1]):
-            max_len = meta.seq_lens_cpu[rows[-1]]
-            max_blocks = -(-max_len // k_cache.shape[1])
-            index = torch.tensor(rows, device=query.device)
-            tables = meta.block_tables[index, :max_blocks].long().flatten()
-            shape = (len(rows), max_blocks * k_cache.shape[1], num_kv_heads, k_cache.shape[3])
-            k = gather_blocks(k_cache, tables).view(shape).transpose(1, 2)  # [b, Hkv, L, D]
-            v = gather_blocks(v_cache, tables).view(shape).transpose(1, 2)
-            lens = meta.seq_lens[index].to(query.device)
-            mask = torch.arange(shape[1], device=query.device)[None, :] < lens[:, None]  # [b, L]
-            attn = F.scaled_dot_product_attention(
-                grouped[index],
-                k.to(query.dtype),
-                v.to(query.dtype),
-                attn_mask=mask[:, None, None, :],
-                scale=scale,
-            )
-            out[index] = attn.reshape(len(rows), *query.shape[1:])
+        groups = meta.scratch.get("decode_groups")
+        if groups is None:
+            groups = meta.scratch["decode_groups"] = _decode_groups(meta, query.shape[0], k_cache.shape[1])
+        if len(groups) == 1 and groups[0].index is None:
+            return _decode_group(grouped, k_cache, v_cache, groups[0], scale).reshape(query.shape)
+        out = torch.empty_like(query)
+        for group in groups:
+            attn = _decode_group(grouped[group.index], k_cache, v_cache, group, scale)
+            out[group.index] = attn.reshape(-1, *query.shape[1:])
         return out
+
+
+@dataclass
+class _DecodeGroup:
+    """Decode rows gathered and attended together (the same for every layer of a step).
+
+    Attributes:
+        index: int64 `[b]` rows of the step's decodes, or None for all of them in order.
+        block_ids: int64 `[b * max_blocks]`, each row's first `max_blocks` block-table entries.
+        mask: bool `[b, 1, 1, max_blocks * block_size]`, True at positions within the row's context.
+    """
+
+    index: torch.Tensor | None
+    block_ids: torch.Tensor
+    mask: torch.Tensor
+
+
+def _decode_groups(meta: AttentionMetadata, num_decodes: int, block_size: int) -> list[_DecodeGroup]:
+    groups = []
+    device = meta.block_tables.device
+    row_groups = _length_groups(meta.seq_lens_cpu[:num_decodes], block_size)
+    if len(row_groups) == 1:  # all rows alike: keep their order, so no index is needed
+        row_groups = [list(range(num_decodes))]
+    for rows in row_groups:
+        max_blocks = -(-max(meta.seq_lens_cpu[r] for r in rows) // block_size)
+        in_order = rows == list(range(num_decodes))
+        index = None if in_order else torch.tensor(rows, device=device)
+        tables = meta.block_tables[:num_decodes] if in_order else meta.block_tables[index]
+        lens = meta.seq_lens[:num_decodes] if in_order else meta.seq_lens[index]
+        positions = torch.arange(max_blocks * block_size, device=device)
+        groups.append(
+            _DecodeGroup(
+                index=index,
+                block_ids=tables[:, :max_blocks].long().flatten(),
+                mask=(positions[None, :] < lens[:, None])[:, None, None, :],
+            )
+        )
+    return groups
+
+
+def _decode_group(
+    grouped_query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: _DecodeGroup,
+    scale: float,
+) -> torch.Tensor:
+    """One group's attention: query `[b, Hkv, G, D]` -> `[b, Hkv, G, D]`."""
+    num_rows = grouped_query.shape[0]
+    shape = (num_rows, group.mask.shape[-1], k_cache.shape[2], k_cache.shape[3])
+    k = gather_blocks(k_cache, group.block_ids).view(shape).transpose(1, 2)  # [b, Hkv, L, D]
+    v = gather_blocks(v_cache, group.block_ids).view(shape).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        grouped_query, k.to(grouped_query.dtype), v.to(grouped_query.dtype), attn_mask=group.mask, scale=scale
+    )
 
 
 def _length_groups(seq_lens: list[int], block_size: int, slack: float = 1.25) -> list[list[int]]:

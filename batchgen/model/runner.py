@@ -7,6 +7,8 @@ one token batch with no padding: `input_ids[T]`, `positions[T]`, `slot_mapping[T
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +51,32 @@ def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
+
+
+def allocate_kv_caches(
+    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zero-filled (K, V) caches of `shape` `[num_blocks, block_size, Hkv, D]` for each layer.
+
+    Zeros, so that padded block-table entries read finite values. On CPU all layers share one
+    anonymous memory map: the kernel hands out zero pages and commits memory only when a block is
+    first written, so a job that uses 40% of the cache adds about 40% of it to the resident set
+    (`torch.zeros` would write, and so commit, every page up front).
+    """
+    if device.type != "cpu":
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+    per_cache = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    per_cache += -per_cache % 64  # keep every cache 64-byte aligned (the gather reads int64 words)
+    memory = torch.frombuffer(mmap.mmap(-1, 2 * num_layers * per_cache), dtype=torch.uint8)
+    numel = math.prod(shape)
+
+    def view(i: int) -> torch.Tensor:
+        return memory[i * per_cache : (i + 1) * per_cache].view(dtype)[:numel].view(shape)
+
+    return [(view(2 * layer), view(2 * layer + 1)) for layer in range(num_layers)]
 
 
 class ModelRunner:
@@ -100,11 +128,7 @@ class ModelRunner:
         self.model = model.eval()
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        # Zero-filled so padded block-table entries read finite values.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(config.num_hidden_layers, shape, dtype, device)
         self.num_blocks = num_blocks
         swap_shape = (num_swap_blocks, block_size, kv_heads, head_dim)
         pin = device.type == "cuda"

@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-gib", type=float, default=None)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per configuration (median reported)")
     parser.add_argument("--output", type=Path, default=None, help="JSON report")
     parser.add_argument("--plot", type=Path, default=None, help="PNG timeline")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory=int(args.kv_cache_gib * GiB) if args.kv_cache_gib else None,
         ),
+        repeat=args.repeat,
     )
     report = run_bench(settings, log=lambda msg: console.print(msg, markup=False, highlight=False))
     render(report, console)

@@ -55,6 +55,9 @@ def bench_command(
         Path | None, typer.Option(help="Write a PNG of batch size and tokens/s over time.")
     ] = None,
     ceiling: Annotated[bool, typer.Option(help="Measure the matmul rate for the compute ceiling.")] = True,
+    repeat: Annotated[
+        int, typer.Option(help="Runs per configuration, interleaved; the median run is reported.")
+    ] = 1,
     model: Annotated[
         str | None, typer.Option(help="HF directory, hub id or .gguf (default model if unset).")
     ] = None,
@@ -127,6 +130,7 @@ def bench_command(
                 num_threads=num_threads,
             ),
             measure_ceiling=ceiling,
+            repeat=repeat,
         )
     except (ValueError, TypeError) as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -38,6 +38,7 @@ from batchgen.bench.metrics import (
     compute_ceiling,
     measure_matmul_rate,
     release_memory,
+    summarize,
     workload_flops,
 )
 from batchgen.bench.report import build_report
@@ -68,6 +69,9 @@ class BenchSettings:
         static_batch_size: requests per static batch (static and hf-static).
         engine: engine options; `policy` and `enable_prefix_caching` are set per configuration.
         measure_ceiling: time the matmul benchmark for the compute ceiling (about a second).
+        repeat: runs of each configuration, interleaved round-robin so that a slow spell of the
+            machine hits every configuration alike; the report shows each configuration's median
+            run by wall time and lists every run's wall time.
     """
 
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
@@ -77,6 +81,7 @@ class BenchSettings:
     static_batch_size: int = 8
     engine: EngineConfig = field(default_factory=EngineConfig)
     measure_ceiling: bool = True
+    repeat: int = 1
 
     def __post_init__(self) -> None:
         for name, values, allowed in (
@@ -93,6 +98,8 @@ class BenchSettings:
             raise ValueError("mode continuous needs at least one --policy")
         if self.static_batch_size < 1:
             raise ValueError(f"static_batch_size must be >= 1, got {self.static_batch_size}")
+        if self.repeat < 1:
+            raise ValueError(f"repeat must be >= 1, got {self.repeat}")
 
 
 @dataclass(frozen=True)
@@ -347,26 +354,17 @@ def run_bench(
             f"compute ceiling: {ceiling['tokens_per_s']:.0f} tokens/s "
             f"({ceiling['matmul']['flops_per_s'] / 1e9:.0f} GFLOP/s {ceiling['matmul']['dtype']} matmul)"
         )
-    results: list[RunResult] = []
-    for plan in plan_configs(settings):
-        log(f"running {plan.name} ...")
-        started = time.perf_counter()
-        try:
-            with ResourceMonitor() as monitor:
-                result = _run_one(plan, settings, facts, workload, factory, monitor)
-            if not result.skipped:
-                result.resources = monitor.result()
-        except Exception as exc:  # keep the other configurations' results
-            log(traceback.format_exc())
-            result = RunResult(
-                plan.name, plan.kind, plan.policy, skipped=f"failed: {type(exc).__name__}: {exc}"
+    plans = plan_configs(settings)
+    runs: dict[str, list[RunResult]] = {plan.name: [] for plan in plans}
+    for round_index in range(settings.repeat):
+        for plan in plans:
+            label = (
+                plan.name
+                if settings.repeat == 1
+                else f"{plan.name} (run {round_index + 1}/{settings.repeat})"
             )
-            result.extra["failed"] = True
-        finally:
-            release_memory()
-        summary = f"skipped: {result.skipped}" if result.skipped else f"{len(result.requests)} requests"
-        log(f"  {plan.name}: {summary} ({time.perf_counter() - started:.1f} s)")
-        results.append(result)
+            runs[plan.name].append(_run_logged(plan, label, settings, facts, workload, factory, log))
+    results = [median_run(runs[plan.name]) for plan in plans]
 
     return build_report(
         settings=settings,
@@ -385,6 +383,53 @@ def run_bench(
         },
         flops=flops,
     )
+
+
+def _run_logged(
+    plan: ConfigPlan,
+    label: str,
+    settings: BenchSettings,
+    facts: ModelFacts,
+    workload: Workload,
+    factory: EngineFactory,
+    log: Callable[[str], None],
+) -> RunResult:
+    """One run of one configuration; a failure is recorded in the result, not raised."""
+    log(f"running {label} ...")
+    started = time.perf_counter()
+    try:
+        with ResourceMonitor() as monitor:
+            result = _run_one(plan, settings, facts, workload, factory, monitor)
+        if not result.skipped:
+            result.resources = monitor.result()
+    except Exception as exc:  # keep the other configurations' results
+        log(traceback.format_exc())
+        result = RunResult(plan.name, plan.kind, plan.policy, skipped=f"failed: {type(exc).__name__}: {exc}")
+        result.extra["failed"] = True
+    finally:
+        release_memory()
+    summary = f"skipped: {result.skipped}" if result.skipped else f"{len(result.requests)} requests"
+    log(f"  {label}: {summary} ({time.perf_counter() - started:.1f} s)")
+    return result
+
+
+def median_run(runs: list[RunResult]) -> RunResult:
+    """The run with the median wall time (the lower middle one for an even count).
+
+    A failed or skipped run wins over the others, so no failure is hidden by a repeat. With several
+    runs, `extra["runs_wall_s"]` lists every run's wall time (seconds) in run order.
+    """
+    bad = [r for r in runs if r.skipped]
+    if bad or len(runs) == 1:
+        return (bad or runs)[0]
+    walls = [summarize(r)["wall_s"] for r in runs]
+    order = sorted(range(len(runs)), key=walls.__getitem__)
+    chosen = runs[order[(len(runs) - 1) // 2]]
+    chosen.extra["runs_wall_s"] = [round(w, 3) for w in walls]
+    chosen.notes.append(
+        f"median of {len(runs)} runs by wall time; every run: {', '.join(f'{w:.1f}' for w in walls)} s"
+    )
+    return chosen
 
 
 def _run_one(

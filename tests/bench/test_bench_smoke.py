@@ -149,6 +149,7 @@ def test_bad_options_are_usage_errors() -> None:
         ["--dist", "zipf"],
         ["--policy", "lifo"],
         ["--kv-cache-memory", "lots"],
+        ["--repeat", "0"],
     ):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
@@ -172,3 +173,43 @@ def test_resource_monitor_nesting_times_only_the_inner_window() -> None:
     r = monitor.result()
     assert r["peak_rss_mb"] >= r["rss_before_mb"] + 48
     assert r["cpu_core_seconds"] < 0.5 and r["cpu_percent"] is not None
+
+
+def test_repeat_interleaves_runs_and_reports_the_median(tiny_model_dir, tmp_path: Path) -> None:
+    app = typer.Typer()
+    app.command()(bench_command)
+    args = [
+        "--model", str(tiny_model_dir("llama")),
+        "--dist", "fixed", "--input-len", "8", "--output-len", "4", "--num-prompts", "3",
+        "--mode", "continuous", "--policy", "fcfs,max-throughput", "--repeat", "3", "--no-ceiling",
+        "--num-threads", "1", "--kv-cache-memory", "16MiB", "--output", str(tmp_path / "r.json"),
+    ]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    runs = [line for line in result.output.splitlines() if line.startswith("running ")]
+    assert runs == [
+        f"running continuous/{policy} (run {i}/3) ..."
+        for i in (1, 2, 3)
+        for policy in ("fcfs", "max-throughput")
+    ]
+    report = json.loads((tmp_path / "r.json").read_text())
+    for config in report["configurations"]:
+        walls = config["extra"]["runs_wall_s"]
+        assert len(walls) == 3
+        assert config["metrics"]["wall_s"] == pytest.approx(sorted(walls)[1], abs=1e-3)
+        assert config["metrics"]["output_tokens"] == 12
+
+
+def test_median_run_prefers_failures_and_picks_the_lower_middle() -> None:
+    from batchgen.bench.metrics import RequestRecord, RunResult
+    from batchgen.bench.runner import median_run
+
+    def run(wall: float) -> RunResult:
+        record = RequestRecord("r", 1, 1, 0.0, 0.0, wall / 2, wall, None, 0.0)
+        return RunResult("c", "continuous", "fcfs", requests=[record])
+
+    runs = [run(3.0), run(1.0), run(4.0), run(2.0)]
+    assert median_run(runs) is runs[3]  # 2.0 s: the lower of the middle two
+    assert runs[3].extra["runs_wall_s"] == [3.0, 1.0, 4.0, 2.0]
+    failed = RunResult("c", "continuous", "fcfs", skipped="failed: boom")
+    assert median_run([run(1.0), failed]) is failed

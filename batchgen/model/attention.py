@@ -156,7 +156,9 @@ class TorchAttentionBackend(AttentionBackend):
         grouped = query.view(query.shape[0], num_kv_heads, -1, query.shape[-1])
         groups = meta.scratch.get("decode_groups")
         if groups is None:
-            groups = meta.scratch["decode_groups"] = _decode_groups(meta, query.shape[0], k_cache.shape[1])
+            groups = meta.scratch["decode_groups"] = _decode_groups(
+                meta, query.shape[0], k_cache.shape[1], query.dtype
+            )
         if len(groups) == 1 and groups[0].index is None:
             return _decode_group(grouped, k_cache, v_cache, groups[0], scale).reshape(query.shape)
         out = torch.empty_like(query)
@@ -173,7 +175,9 @@ class _DecodeGroup:
     Attributes:
         index: int64 `[b]` rows of the step's decodes, or None for all of them in order.
         block_ids: int64 `[b * max_blocks]`, each row's first `max_blocks` block-table entries.
-        mask: bool `[b, 1, 1, max_blocks * block_size]`, True at positions within the row's context.
+        mask: additive `[b, 1, 1, max_blocks * block_size]` in the query dtype: 0 within the row's
+            context, -inf past it. (CPU SDPA ran 15-20% faster with it than with the same mask as
+            bools, which it converts on every call.)
     """
 
     index: torch.Tensor | None
@@ -181,7 +185,9 @@ class _DecodeGroup:
     mask: torch.Tensor
 
 
-def _decode_groups(meta: AttentionMetadata, num_decodes: int, block_size: int) -> list[_DecodeGroup]:
+def _decode_groups(
+    meta: AttentionMetadata, num_decodes: int, block_size: int, dtype: torch.dtype
+) -> list[_DecodeGroup]:
     groups = []
     device = meta.block_tables.device
     row_groups = _length_groups(meta.seq_lens_cpu[:num_decodes], block_size)
@@ -194,11 +200,11 @@ def _decode_groups(meta: AttentionMetadata, num_decodes: int, block_size: int) -
         tables = meta.block_tables[:num_decodes] if in_order else meta.block_tables[index]
         lens = meta.seq_lens[:num_decodes] if in_order else meta.seq_lens[index]
         positions = torch.arange(max_blocks * block_size, device=device)
+        outside = positions[None, :] >= lens[:, None]
+        mask = torch.zeros(outside.shape, dtype=dtype, device=device).masked_fill_(outside, float("-inf"))
         groups.append(
             _DecodeGroup(
-                index=index,
-                block_ids=tables[:, :max_blocks].long().flatten(),
-                mask=(positions[None, :] < lens[:, None])[:, None, None, :],
+                index=index, block_ids=tables[:, :max_blocks].long().flatten(), mask=mask[:, None, None, :]
             )
         )
     return groups

@@ -38,3 +38,26 @@ def test_float32_rms_norm_is_exactly_the_reference() -> None:
     x = torch.randn(300, 64)
     with torch.inference_mode():
         assert torch.equal(norm(x), hf_rms_norm(x, norm.weight, 1e-6))
+
+
+@pytest.mark.parametrize("prefix, chunk", [(5, 3), (100, 256), (37, 600), (700, 513)])
+def test_prefix_chunk_attention_matches_one_masked_call(prefix: int, chunk: int) -> None:
+    """The query tiles of a chunk after a cached prefix give the single masked SDPA call's output."""
+    import torch.nn.functional as F
+
+    from batchgen.model.attention import _causal_attention
+
+    torch.manual_seed(0)
+    total = prefix + chunk
+    q = torch.randn(chunk, 6, 32)
+    k, v = torch.randn(total, 2, 32), torch.randn(total, 2, 32)
+    visible = torch.arange(total)[None, :] <= torch.arange(chunk)[:, None] + prefix
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=visible,
+        scale=0.2,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(_causal_attention(q, k, v, 0.2), expected, rtol=1e-5, atol=1e-5)

@@ -46,6 +46,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--torch-profiler", action="store_true", help="collect operator times (slower)")
     parser.add_argument("--top", type=int, default=12, help="operators to print per phase")
+    parser.add_argument(
+        "--profile-steps", type=int, default=0, help="profile only the first N steps (0 = all); prints each"
+    )
     args = parser.parse_args()
 
     if args.num_threads:
@@ -78,6 +81,7 @@ def main() -> None:
     phases = {"prefill": [0, 0, 0.0], "decode": [0, 0, 0.0]}  # steps, tokens, seconds
     step_phase: list[str] = []
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    profiler_stopped = False
     if args.torch_profiler:
         profiler.start()
     start = time.perf_counter()
@@ -89,6 +93,13 @@ def main() -> None:
         s = engine.last_step
         phase = "prefill" if s.num_batched_tokens > s.num_seqs else "decode"
         step_phase.append(phase)
+        if args.profile_steps and len(step_phase) <= args.profile_steps:
+            print(
+                f"step {len(step_phase) - 1}: {s.num_seqs} sequences, {s.num_batched_tokens} tokens, {elapsed:.3f} s"
+            )
+            if args.torch_profiler and len(step_phase) == args.profile_steps:
+                profiler.stop()
+                profiler_stopped = True
         phases[phase][0] += 1
         phases[phase][1] += s.num_batched_tokens
         phases[phase][2] += elapsed
@@ -98,7 +109,7 @@ def main() -> None:
         f"workload {workload.name}: {len(workload.requests)} requests, {workload.total_prompt_tokens} prompt + "
         f"{workload.total_output_tokens} output tokens; threads {torch.get_num_threads()}; wall {total:.1f} s"
     )
-    by_phase = operator_times(profiler, step_phase) if args.torch_profiler else {}
+    by_phase = operator_times(profiler, step_phase, profiler_stopped) if args.torch_profiler else {}
     for phase, (steps, tokens, seconds) in phases.items():
         rate = tokens / seconds if seconds else 0.0
         print(f"{phase:8s} {steps:5d} steps {tokens:7d} tokens {seconds:7.2f} s {rate:8.1f} tokens/s")
@@ -109,14 +120,16 @@ def main() -> None:
 
 
 def operator_times(
-    profiler: torch.profiler.profile, step_phase: list[str]
+    profiler: torch.profiler.profile, step_phase: list[str], stopped: bool
 ) -> dict[str, dict[str, tuple[float, int]]]:
     """Self CPU seconds and calls of each operator, per phase, from one profile of the whole run.
 
     Every step ran inside `record_function("step N")`; an operator belongs to the phase of the step
-    it ran under (found through its chain of parents).
+    it ran under (found through its chain of parents). `stopped`: the profiler was stopped early
+    (`--profile-steps`).
     """
-    profiler.stop()
+    if not stopped:
+        profiler.stop()
     out: dict[str, dict[str, tuple[float, int]]] = {}
     for event in profiler.events():
         root = event

@@ -52,8 +52,7 @@ class DecoderLayer(nn.Module):
         """
         num_tokens = hidden.shape[0]
         if row_chunk <= 0 or num_tokens <= row_chunk:
-            qk, v = self.self_attn.project(self.input_layernorm(hidden), cos_sin)
-            hidden += self.self_attn.o_proj(self.self_attn.attend(qk, v, kv_cache, meta))
+            hidden += self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
             hidden += self.mlp(self.post_attention_layernorm(hidden))
             return hidden
         rows = [slice(start, start + row_chunk) for start in range(0, num_tokens, row_chunk)]

@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from batchgen.bench.runner import bench_workload  # noqa: E402
 from batchgen.bench.static import bench_sampling_params, warmup_engine, warmup_prompt  # noqa: E402
-from batchgen.bench.workloads import WorkloadSpec, build_workload  # noqa: E402
+from batchgen.bench.workloads import WorkloadSpec  # noqa: E402
 from batchgen.config import EngineConfig  # noqa: E402
 from batchgen.engine.llm_engine import LLMEngine  # noqa: E402
-from batchgen.engine.tokenize import encode_prompt  # noqa: E402
 
 
 def main() -> None:
@@ -65,12 +65,8 @@ def main() -> None:
     spec_args = {"dist": args.dist, "num_prompts": args.num_prompts, "seed": args.seed}
     if args.scale is not None:
         spec_args["scale"] = args.scale
-    workload = build_workload(
-        WorkloadSpec(**spec_args),
-        vocab_size=min(len(engine.tokenizer), int(engine.model_config.vocab_size)),
-        special_token_ids=sorted(set(engine.tokenizer.all_special_ids)),
-        max_model_len=engine.max_model_len,
-        encode=lambda prompt: list(encode_prompt(engine.tokenizer, prompt)[1]),
+    workload = bench_workload(
+        WorkloadSpec(**spec_args), engine.tokenizer, engine.model_config, engine.max_model_len
     )
     warmup_engine(engine, warmup_prompt(workload.requests[0].prompt_token_ids))
     for r in workload.requests:

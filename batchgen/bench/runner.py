@@ -316,6 +316,19 @@ def model_facts(settings: BenchSettings, factory: EngineFactory) -> ModelFacts:
         release_memory()
 
 
+def bench_workload(spec: WorkloadSpec, tokenizer: Any, model_config: Any, max_model_len: int) -> Workload:
+    """The workload of `spec` for this model: token ids drawn from its vocabulary minus special tokens."""
+    from batchgen.engine.tokenize import encode_prompt
+
+    return build_workload(
+        spec,
+        vocab_size=min(len(tokenizer), int(model_config.vocab_size)),
+        special_token_ids=sorted(_special_ids(tokenizer)),
+        max_model_len=max_model_len,
+        encode=lambda prompt: list(encode_prompt(tokenizer, prompt)[1]),
+    )
+
+
 def run_bench(
     settings: BenchSettings,
     engine_factory: EngineFactory | None = None,
@@ -332,15 +345,7 @@ def run_bench(
     if settings.engine.num_threads is not None:
         torch.set_num_threads(settings.engine.num_threads)
     facts = model_facts(settings, factory)
-    from batchgen.engine.tokenize import encode_prompt
-
-    workload = build_workload(
-        settings.workload,
-        vocab_size=min(len(facts.tokenizer), int(facts.model_config.vocab_size)),
-        special_token_ids=sorted(_special_ids(facts.tokenizer)),
-        max_model_len=facts.max_model_len,
-        encode=lambda prompt: list(encode_prompt(facts.tokenizer, prompt)[1]),
-    )
+    workload = bench_workload(settings.workload, facts.tokenizer, facts.model_config, facts.max_model_len)
     log(
         f"workload {workload.name}: {len(workload.requests)} requests, {workload.total_prompt_tokens} prompt + "
         f"{workload.total_output_tokens} output tokens"

@@ -8,11 +8,11 @@ Reads ../shared/data/xsum/test.jsonl; prints prompt and generated tokens, wall t
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from batchgen import LLM, SamplingParams
+from batchgen.bench.workloads import read_job_rows
 
 XSUM = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "xsum" / "test.jsonl"
 INSTRUCTION = "Summarize the following article in one sentence.\n\n"
@@ -25,14 +25,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()
-    docs = []
-    with XSUM.open() as fh:
-        for line in fh:
-            doc = json.loads(line)["document"]
-            if doc.strip():
-                docs.append(doc)
-            if len(docs) == args.num_prompts:
-                break
+    docs = [row["document"] for row in read_job_rows(XSUM) if row["document"].strip()][: args.num_prompts]
     messages = [[{"role": "user", "content": INSTRUCTION + d}] for d in docs]
     llm = LLM(dtype=args.dtype, num_threads=args.num_threads)
     llm.generate(messages[:2], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up

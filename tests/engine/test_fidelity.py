@@ -6,7 +6,6 @@ from our engine: batching, chunked prefill, preemption or prefix caching.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 import transformers
 
 from batchgen import LLM, SamplingParams
+from batchgen.bench.workloads import read_job_rows
 
 XSUM = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "xsum" / "test.jsonl"
 INSTRUCTION = "Summarize the following article in one sentence.\n\n"
@@ -144,15 +144,7 @@ def test_shuffled_and_alone(llama_case):
 def _xsum_documents(n: int) -> list[str]:
     if not XSUM.exists():
         pytest.skip(f"shared data not found at {XSUM} (needs the ../shared/data folder beside the repo)")
-    docs = []
-    with XSUM.open() as fh:
-        for line in fh:
-            doc = json.loads(line)["document"]
-            if doc.strip():
-                docs.append(doc)
-            if len(docs) == n:
-                break
-    return docs
+    return [row["document"] for row in read_job_rows(XSUM) if row["document"].strip()][:n]
 
 
 def test_default_model_matches_hf_on_xsum(default_model_dir):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 POLICIES = ("fcfs", "max-throughput", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 GiB = 1 << 30
@@ -72,7 +72,8 @@ class EngineConfig:
         preemption_mode: "recompute" (drop blocks, prefill again) or "swap" (copy blocks to CPU).
         aging_steps: under "max-throughput", a request waiting more than this many scheduler steps
             is served before any shorter one (bounds starvation).
-        attention_backend: "auto" (triton on CUDA, torch elsewhere), "torch" or "triton".
+        attention_backend: "auto" (triton on CUDA; on a CPU "cpu" when its C kernel builds, else
+            "torch"), "torch" (plain torch, the reference), "cpu" or "triton".
         device: "auto" (cuda when available), "cpu" or "cuda".
         seed: seed of the generator used by sampled requests that have no `seed` of their own.
         num_threads: torch intra-op threads on CPU; None keeps torch's default.

@@ -76,7 +76,7 @@ def bench_command(
     preemption_mode: Annotated[str, typer.Option(help="recompute or swap.")] = "recompute",
     swap_space: Annotated[float, typer.Option(help="GiB of CPU swap space.")] = 4.0,
     aging_steps: Annotated[int, typer.Option(help="max-throughput starvation bound in steps.")] = 256,
-    attention_backend: Annotated[str, typer.Option(help="auto, torch, triton.")] = "auto",
+    attention_backend: Annotated[str, typer.Option(help="auto, torch, cpu, triton.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda.")] = "auto",
 ) -> None:
     """Benchmark continuous against static batching and Hugging Face on one workload.

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from batchgen.model import cpu_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -168,6 +170,34 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
+class CPUAttentionBackend(TorchAttentionBackend):
+    """The torch backend with its decodes in a compiled C kernel that reads the paged cache in place.
+
+    See `batchgen.model.cpu_attention` (about 3x faster than the gather + SDPA path at 64 sequences).
+    Prefill chunks, and decodes of a dtype or head size the kernel is not compiled for, take the
+    torch path.
+    """
+
+    name = "cpu"
+
+    def _decode(self, query, k_cache, v_cache, meta, scale):
+        num_decodes, num_heads, head_dim = query.shape
+        if not cpu_attention.supports(query.dtype, head_dim, num_heads, k_cache.shape[2]):
+            return TorchAttentionBackend._decode(query, k_cache, v_cache, meta, scale)
+        # The tables are the same for every layer of the step: check their bounds on the first only.
+        first_layer = "cpu_decode_checked" not in meta.scratch
+        meta.scratch["cpu_decode_checked"] = True
+        return cpu_attention.paged_decode_attention_cpu(
+            query.contiguous(),
+            k_cache,
+            v_cache,
+            meta.block_tables[:num_decodes],
+            meta.seq_lens[:num_decodes],
+            scale,
+            check_bounds=first_layer,
+        )
+
+
 @dataclass
 class _DecodeGroup:
     """Decode rows gathered and attended together (the same for every layer of a step).
@@ -292,16 +322,29 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Pick the attention backend: "auto" is triton on CUDA and torch elsewhere.
+    """Pick the attention backend: "auto" is triton on CUDA, cpu on a CPU when its kernel builds, else torch.
 
     Raises:
-        ValueError: "triton" forced with no CUDA device and without `TRITON_INTERPRET=1`, or an
-            unknown name.
+        ValueError: "triton" forced with no CUDA device and without `TRITON_INTERPRET=1`; "cpu" forced
+            on another device or where its kernel cannot be built; an unknown name.
     """
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            name = "cpu" if device.type == "cpu" and cpu_attention.load_library() is not None else "torch"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU; the model is on {device}")
+        if cpu_attention.load_library() is None:
+            raise ValueError(
+                "attention_backend='cpu' needs its C kernel, which could not be built here (see the "
+                "warning above; it needs a C compiler as $CC or cc) or is disabled by "
+                "BATCHGEN_CPU_KERNELS=0; use attention_backend='torch'"
+            )
+        return CPUAttentionBackend()
     if name == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -311,4 +354,4 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         from batchgen.model.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")
+    raise ValueError(f"attention_backend must be auto, torch, cpu or triton; got {name!r}")

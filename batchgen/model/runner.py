@@ -92,7 +92,7 @@ class ModelRunner:
         memory_budget: bytes for the KV cache when `num_blocks` is None.
         num_swap_blocks: CPU blocks for swapped-out requests.
         max_positions: rotary table length (>= max_model_len).
-        attention_backend: "auto", "torch" or "triton".
+        attention_backend: "auto", "torch", "cpu" or "triton".
         seed: seed of the shared sampling generator.
     """
 

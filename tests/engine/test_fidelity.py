@@ -15,6 +15,7 @@ import transformers
 
 from batchgen import LLM, SamplingParams
 from batchgen.bench.workloads import read_job_rows
+from batchgen.model import cpu_attention
 
 XSUM = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "xsum" / "test.jsonl"
 INSTRUCTION = "Summarize the following article in one sentence.\n\n"
@@ -69,13 +70,17 @@ def llama_case(tiny_model_dir):
     return path, prompt_ids, hf_greedy(path, prompt_ids, GREEDY.max_tokens, ignore_eos=True)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_tiny_architectures_match_hf(tiny_model_dir, arch):
+def test_tiny_architectures_match_hf(tiny_model_dir, arch, backend):
+    """Both CPU attention backends: plain torch, and the C decode kernel (the default on CPU)."""
+    if backend == "cpu" and cpu_attention.load_library() is None:
+        pytest.skip("no C compiler here to build the CPU attention kernel")
     path = tiny_model_dir(arch)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     prompt_ids = [tok(p)["input_ids"] for p in TEXT_PROMPTS]
     expected = hf_greedy(path, prompt_ids, GREEDY.max_tokens, ignore_eos=True)
-    llm = LLM(str(path), dtype="float32")
+    llm = LLM(str(path), dtype="float32", attention_backend=backend)
     got = token_ids(llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY))
     assert got == expected
 

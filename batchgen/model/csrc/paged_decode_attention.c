@@ -1,0 +1,248 @@
+/* Paged decode attention on the CPU: one query token per sequence against its cached context.
+ *
+ * The torch path gathers each sequence's blocks into a padded copy and runs SDPA on it, so every
+ * K/V byte is read, written and read again. Here each (sequence, KV head) pair walks its blocks in
+ * place through the block table (PagedAttention, Kwon et al. 2023, arXiv:2309.06180) and reads
+ * every K/V row once, for all the query heads of its GQA group.
+ *
+ * Layouts (row-major, contiguous):
+ *   query, out         [num_seqs, num_q_heads, HEAD_DIM]
+ *   k_cache, v_cache   [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+ *   block_tables       int32 [num_seqs, table_stride]
+ *   seq_lens           int32 [num_seqs], each >= 1
+ * Arithmetic is float32 whatever the storage type (float32 or bfloat16).
+ *
+ * Written with GCC/Clang vector extensions instead of intrinsics, so the compiler maps the 16-lane
+ * vectors onto whatever the machine has (AVX-512, AVX2, NEON) with -march=native. Compiled and
+ * loaded at run time by batchgen/model/cpu_attention.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define MAX_GROUP 16 /* query heads per KV head */
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+
+static inline vf load_f32(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* bfloat16 is the top half of a float32: widening is a shift. */
+static inline vf load_bf16(const uint16_t *p) {
+  vh h;
+  memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays NaN. */
+static inline void store_bf16(uint16_t *p, vf v) {
+  vu u = (vu)v;
+  vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+  vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  vh h = __builtin_convertvector((rounded & ~nan) | (((u >> 16) | 0x40u) & nan), vh);
+  memcpy(p, &h, sizeof h);
+}
+
+static inline float hsum(vf v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+/* The lane sums of four vectors at once (a 4 x 16 transpose-and-add): about 3.5 vector operations a
+ * sum instead of 8. Per-row horizontal sums were the kernel's bottleneck before this. */
+static inline void hsum4(vf a, vf b, vf c, vf d, float *out) {
+  vf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+          __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  vf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+          __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  vf u = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  u += __builtin_shufflevector(u, u, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  u += __builtin_shufflevector(u, u, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  out[0] = u[0];
+  out[1] = u[4];
+  out[2] = u[8];
+  out[3] = u[12];
+}
+
+static inline vf vselect(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
+
+/* exp(x) for the x <= 0 of a softmax after its maximum is subtracted: Cephes' expf range reduction
+ * and polynomial (http://www.netlib.org/cephes/), in vector form; about 2 ulp. glibc's vector expf
+ * is only offered under -ffast-math, which would change the whole process's float flags. */
+static inline vf vexp(vf x) {
+  x = vselect(x < -87.3f, (vf){} - 87.3f, x);
+  vf fx = x * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+  n += __builtin_convertvector(n > fx, vf); /* truncation -> floor: the mask is -1 where n > fx */
+  vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = (vf){} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
+/* One (sequence, KV head): scores of all its context rows for the group's query heads, softmax,
+ * then the weighted sum of V rows. `scores` holds group x padded floats. */
+#define DEFINE_ITEM(SUFFIX, T, LOADV, STOREV, D)                                                      \
+  static void item_##SUFFIX(const void *q_, const void *kc_, const void *vc_, const int32_t *table,  \
+                            int len, int head, int group, int64_t row_stride, int64_t block_stride,    \
+                            int block_size, float scale, void *out_, float *scores) {                  \
+    enum { NV = D / LANES };                                                                           \
+    const T *q = q_, *kc = kc_, *vc = vc_;                                                             \
+    T *out = out_;                                                                                     \
+    vf qv[MAX_GROUP][NV], acc[MAX_GROUP][NV];                                                          \
+    for (int g = 0; g < group; g++)                                                                    \
+      for (int j = 0; j < NV; j++) {                                                                   \
+        qv[g][j] = LOADV(q + g * D + j * LANES) * scale;                                               \
+        acc[g][j] = (vf){};                                                                            \
+      }                                                                                                \
+    const int padded = (len + LANES - 1) / LANES * LANES;                                              \
+    for (int t0 = 0; t0 < len; t0 += block_size) {                                                    \
+      const T *kb = kc + (int64_t)table[t0 / block_size] * block_stride + (int64_t)head * D;           \
+      const int rows = len - t0 < block_size ? len - t0 : block_size;                                  \
+      int r = 0;                                                                                       \
+      for (; r + 4 <= rows; r += 4) {                                                                  \
+        vf k0[NV], k1[NV], k2[NV], k3[NV];                                                             \
+        for (int j = 0; j < NV; j++) {                                                                 \
+          k0[j] = LOADV(kb + r * row_stride + j * LANES);                                              \
+          k1[j] = LOADV(kb + (r + 1) * row_stride + j * LANES);                                        \
+          k2[j] = LOADV(kb + (r + 2) * row_stride + j * LANES);                                        \
+          k3[j] = LOADV(kb + (r + 3) * row_stride + j * LANES);                                        \
+        }                                                                                              \
+        for (int g = 0; g < group; g++) {                                                              \
+          vf s0 = qv[g][0] * k0[0], s1 = qv[g][0] * k1[0], s2 = qv[g][0] * k2[0],                      \
+             s3 = qv[g][0] * k3[0];                                                                    \
+          for (int j = 1; j < NV; j++) {                                                               \
+            s0 += qv[g][j] * k0[j];                                                                    \
+            s1 += qv[g][j] * k1[j];                                                                    \
+            s2 += qv[g][j] * k2[j];                                                                    \
+            s3 += qv[g][j] * k3[j];                                                                    \
+          }                                                                                            \
+          hsum4(s0, s1, s2, s3, scores + g * padded + t0 + r);                                         \
+        }                                                                                              \
+      }                                                                                                \
+      for (; r < rows; r++) {                                                                          \
+        vf kv[NV];                                                                                     \
+        for (int j = 0; j < NV; j++) kv[j] = LOADV(kb + r * row_stride + j * LANES);                   \
+        for (int g = 0; g < group; g++) {                                                              \
+          vf s = qv[g][0] * kv[0];                                                                     \
+          for (int j = 1; j < NV; j++) s += qv[g][j] * kv[j];                                          \
+          scores[g * padded + t0 + r] = hsum(s);                                                       \
+        }                                                                                              \
+      }                                                                                                \
+    }                                                                                                  \
+    for (int g = 0; g < group; g++) {                                                                  \
+      float *sg = scores + g * padded;                                                                 \
+      for (int t = len; t < padded; t++) sg[t] = -INFINITY; /* exp(-inf - m) = 0 */                   \
+      vf mv = load_f32(sg);                                                                            \
+      for (int t = LANES; t < padded; t += LANES) {                                                    \
+        vf x = load_f32(sg + t);                                                                       \
+        mv = vselect(x > mv, x, mv);                                                                    \
+      }                                                                                                \
+      float m = mv[0];                                                                                 \
+      for (int i = 1; i < LANES; i++) m = mv[i] > m ? mv[i] : m;                                       \
+      vf sum = (vf){};                                                                                 \
+      for (int t = 0; t < padded; t += LANES) {                                                        \
+        vf e = vexp(load_f32(sg + t) - m);                                                             \
+        store_f32(sg + t, e);                                                                          \
+        sum += e;                                                                                      \
+      }                                                                                                \
+      const float inv = 1.f / hsum(sum);                                                               \
+      for (int t = 0; t < padded; t += LANES) store_f32(sg + t, load_f32(sg + t) * inv);               \
+    }                                                                                                  \
+    for (int t0 = 0; t0 < len; t0 += block_size) {                                                    \
+      const T *vb = vc + (int64_t)table[t0 / block_size] * block_stride + (int64_t)head * D;           \
+      const int rows = len - t0 < block_size ? len - t0 : block_size;                                  \
+      for (int r = 0; r < rows; r++) {                                                                 \
+        vf vv[NV];                                                                                     \
+        for (int j = 0; j < NV; j++) vv[j] = LOADV(vb + r * row_stride + j * LANES);                   \
+        for (int g = 0; g < group; g++) {                                                              \
+          const float p = scores[g * padded + t0 + r];                                                 \
+          for (int j = 0; j < NV; j++) acc[g][j] += p * vv[j];                                         \
+        }                                                                                              \
+      }                                                                                                \
+    }                                                                                                  \
+    for (int g = 0; g < group; g++)                                                                    \
+      for (int j = 0; j < NV; j++) STOREV(out + g * D + j * LANES, acc[g][j]);                         \
+  }
+
+DEFINE_ITEM(f32_16, float, load_f32, store_f32, 16)
+DEFINE_ITEM(f32_32, float, load_f32, store_f32, 32)
+DEFINE_ITEM(f32_64, float, load_f32, store_f32, 64)
+DEFINE_ITEM(f32_128, float, load_f32, store_f32, 128)
+DEFINE_ITEM(bf16_16, uint16_t, load_bf16, store_bf16, 16)
+DEFINE_ITEM(bf16_32, uint16_t, load_bf16, store_bf16, 32)
+DEFINE_ITEM(bf16_64, uint16_t, load_bf16, store_bf16, 64)
+DEFINE_ITEM(bf16_128, uint16_t, load_bf16, store_bf16, 128)
+
+typedef void (*item_fn)(const void *, const void *, const void *, const int32_t *, int, int, int,
+                        int64_t, int64_t, int, float, void *, float *);
+
+static item_fn find_item(int is_bf16, int head_dim) {
+#define CASE(D)                                                                                        \
+  case D:                                                                                              \
+    return is_bf16 ? item_bf16_##D : item_f32_##D;
+  switch (head_dim) {
+    CASE(16)
+    CASE(32)
+    CASE(64)
+    CASE(128)
+  }
+#undef CASE
+  return NULL;
+}
+
+/* Whether (dtype, head_dim, group) is compiled in: 0 yes, 1 no. */
+int paged_decode_attention_supported(int is_bf16, int head_dim, int group) {
+  return find_item(is_bf16, head_dim) != NULL && group >= 1 && group <= MAX_GROUP ? 0 : 1;
+}
+
+/* Returns 0 on success, 1 for an unsupported shape, 2 when scratch memory could not be allocated.
+ * Work items are the (sequence, KV head) pairs, spread over `num_threads` OpenMP threads. */
+int paged_decode_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                           int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                           float scale, void *out, int num_threads) {
+  const int group = num_q_heads / num_kv_heads;
+  item_fn item = find_item(is_bf16, head_dim);
+  if (item == NULL || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_q_heads) return 1;
+  const size_t elem = is_bf16 ? 2 : 4;
+  int max_len = 0;
+  for (int b = 0; b < num_seqs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+  const size_t padded = (size_t)(max_len + LANES - 1) / LANES * LANES;
+  const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
+  const int64_t block_stride = (int64_t)block_size * row_stride;
+  const int64_t num_items = (int64_t)num_seqs * num_kv_heads;
+  int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+  {
+    float *scores = malloc(sizeof(float) * group * padded);
+    if (scores == NULL) {
+#pragma omp atomic write
+      failed = 2;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; i++) {
+      if (scores == NULL) continue;
+      const int b = (int)(i / num_kv_heads), head = (int)(i % num_kv_heads);
+      const size_t offset = ((size_t)b * num_q_heads + (size_t)head * group) * head_dim * elem;
+      item((const char *)query + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b],
+           head, group, row_stride, block_stride, block_size, scale, (char *)out + offset, scores);
+    }
+    free(scores);
+  }
+  return failed;
+}

@@ -1,0 +1,191 @@
+"""The C paged decode-attention kernel against a float64 reference, its checks, build and fallback."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen import LLM
+from batchgen.model import cpu_attention
+from batchgen.model.attention import (
+    AttentionMetadata,
+    CPUAttentionBackend,
+    TorchAttentionBackend,
+    select_backend,
+)
+
+pytestmark = pytest.mark.skipif(
+    cpu_attention._compiler() is None, reason="no C compiler ($CC, cc, gcc, clang) to build the CPU kernel"
+)
+
+# Cover the kernel's paths: one row, rows left after groups of four, exact and partial blocks.
+SEQ_LENS = [1, 3, 4, 15, 16, 17, 64, 203]
+
+
+def make_case(dtype, head_dim, group, block_size, num_kv_heads=2, seed=0):
+    """Random caches with the sequences' blocks shuffled over the pool, and wider-than-needed tables."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in SEQ_LENS]
+    num_blocks = sum(blocks_per_seq) + 5
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    # A slice of a wider tensor: rows strided by 3 more entries than the kernel reads.
+    wide = torch.zeros(len(SEQ_LENS), max(blocks_per_seq) + 4, dtype=torch.int32)
+    used = 0
+    for row, count in enumerate(blocks_per_seq):
+        wide[row, :count] = order[used : used + count]
+        used += count
+    tables = wide[:, : max(blocks_per_seq) + 1]
+    query = (torch.randn(len(SEQ_LENS), num_kv_heads * group, head_dim, generator=gen) * 2).to(dtype)
+    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    return query, k_cache, v_cache, tables, seq_lens
+
+
+def reference(query, k_cache, v_cache, tables, seq_lens, scale):
+    """Each sequence alone, in float64: gather its rows, repeat K/V over the GQA group, softmax."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for row, length in enumerate(seq_lens.tolist()):
+        slots = [int(tables[row, t // block_size]) * block_size + t % block_size for t in range(length)]
+        k = k_cache.reshape(-1, num_kv_heads, k_cache.shape[3])[slots].double().repeat_interleave(group, 1)
+        v = v_cache.reshape(-1, num_kv_heads, v_cache.shape[3])[slots].double().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,lhd->hl", query[row].double() * scale, k)
+        out[row] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [16, 5, 1])
+@pytest.mark.parametrize("head_dim, group", [(16, 1), (32, 2), (64, 3), (128, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_float64_reference(dtype, head_dim, group, block_size):
+    query, k_cache, v_cache, tables, seq_lens = make_case(dtype, head_dim, group, block_size)
+    scale = head_dim**-0.5
+    got = cpu_attention.paged_decode_attention_cpu(query, k_cache, v_cache, tables, seq_lens, scale)
+    expected = reference(query, k_cache, v_cache, tables, seq_lens, scale)
+    assert got.shape == query.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    else:  # float32 arithmetic, then one rounding to bf16 (2^-8 relative)
+        torch.testing.assert_close(got.double(), expected, rtol=2**-8, atol=2e-3)
+    # The first sequence has one context row: its output is that V row, exactly.
+    first_v = v_cache[int(tables[0, 0]), 0].repeat_interleave(group, 0)
+    assert torch.equal(got[0], first_v)
+
+
+def test_bf16_output_rounds_to_nearest_even_as_torch():
+    """Equal scores (zero query) over two rows give (v0 + v1) / 2 in float32, rounded once like torch."""
+    query, k_cache, v_cache, tables, _ = make_case(torch.bfloat16, 64, 3, 16)
+    query.zero_()
+    seq_lens = torch.full((query.shape[0],), 2, dtype=torch.int32)
+    got = cpu_attention.paged_decode_attention_cpu(query, k_cache, v_cache, tables, seq_lens, 0.125)
+    for row in range(query.shape[0]):
+        block = v_cache[int(tables[row, 0])].float()
+        expected = ((block[0] + block[1]) * 0.5).repeat_interleave(3, 0).to(torch.bfloat16)
+        assert torch.equal(got[row], expected)
+
+
+def test_backend_decode_matches_torch_backend():
+    """The backend's decode rows (and a mixed step's) equal the torch backend's within float32 error."""
+    query, k_cache, v_cache, tables, seq_lens = make_case(torch.float32, 64, 3, 16)
+    num_seqs = len(SEQ_LENS)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        num_decodes=num_seqs,
+        max_query_len=1,
+        max_seq_len=max(SEQ_LENS),
+        query_lens_cpu=[1] * num_seqs,
+        seq_lens_cpu=list(SEQ_LENS),
+    )
+    empty = torch.empty(0, 6, 64)
+    expected = TorchAttentionBackend().forward(query, empty, empty, k_cache, v_cache, meta, 0.125)
+    meta.scratch.clear()
+    got = CPUAttentionBackend().forward(query, empty, empty, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda q, k, v, t, s: s.__setitem__(0, 0), "seq_lens must lie"),
+        (lambda q, k, v, t, s: s.__setitem__(0, 10_000), "seq_lens must lie"),
+        (lambda q, k, v, t, s: t.__setitem__((0, 0), k.shape[0]), "block ids must lie"),
+        (lambda q, k, v, t, s: t.__setitem__((0, 0), -1), "block ids must lie"),
+    ],
+)
+def test_out_of_bounds_tables_are_refused(change, message):
+    query, k_cache, v_cache, tables, seq_lens = make_case(torch.float32, 64, 3, 16)
+    change(query, k_cache, v_cache, tables, seq_lens)
+    with pytest.raises(ValueError, match=message):
+        cpu_attention.paged_decode_attention_cpu(query, k_cache, v_cache, tables, seq_lens, 0.125)
+
+
+def test_unsupported_shapes_are_refused():
+    assert not cpu_attention.supports(torch.float16, 64, 9, 3)
+    assert not cpu_attention.supports(torch.float32, 80, 9, 3)
+    assert not cpu_attention.supports(torch.float32, 64, 9, 2)  # not a whole GQA group
+    query, k_cache, v_cache, tables, seq_lens = make_case(torch.float32, 64, 3, 16)
+    with pytest.raises(ValueError, match="no CPU kernel"):
+        cpu_attention.paged_decode_attention_cpu(query.half(), k_cache, v_cache, tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_attention.paged_decode_attention_cpu(query, k_cache, v_cache, tables.long(), seq_lens, 0.125)
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """load_library() rebuilt from scratch into a temporary cache, and restored afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_attention.load_library.cache_clear()
+    cpu_attention.supports.cache_clear()
+    yield tmp_path
+    cpu_attention.load_library.cache_clear()
+    cpu_attention.supports.cache_clear()
+
+
+def test_builds_into_the_cache_once(fresh_library):
+    lib = cpu_attention.load_library()
+    assert lib is not None
+    built = list((fresh_library / "batchgen" / "cpu_kernels").glob("paged_decode_attention-*.so"))
+    assert len(built) == 1
+    assert cpu_attention.load_library() is lib
+
+
+def test_no_compiler_falls_back_to_torch(fresh_library, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/bin/false")
+    with caplog.at_level(logging.WARNING, logger="batchgen.model.cpu_attention"):
+        assert cpu_attention.load_library() is None
+    assert "could not build" in caplog.text
+    assert isinstance(select_backend("auto", torch.device("cpu")), TorchAttentionBackend)
+    assert select_backend("auto", torch.device("cpu")).name == "torch"
+    with pytest.raises(ValueError, match="attention_backend='torch'"):
+        select_backend("cpu", torch.device("cpu"))
+
+
+def test_disabled_by_environment(fresh_library, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
+    assert cpu_attention.load_library() is None
+    assert select_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_engine_uses_the_kernel_by_default_on_cpu(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32")
+    assert llm.llm_engine.runner.backend.name == "cpu"
+
+
+def test_benchmark_script_smoke():
+    """scripts/cpu_attention_bench.py runs (a tiny size; no timings checked)."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "cpu_attention_bench.py"
+    args = ["--num-seqs", "4", "--median-context", "20", "--layers", "1", "--rounds", "1"]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "speed-up:" in result.stdout

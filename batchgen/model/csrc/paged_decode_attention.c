@@ -1,9 +1,9 @@
 /* Paged decode attention on the CPU: one query token per sequence against its cached context.
  *
  * The torch path gathers each sequence's blocks into a padded copy and runs SDPA on it, so every
- * K/V byte is read, written and read again. Here each (sequence, KV head) pair walks its blocks in
- * place through the block table (PagedAttention, Kwon et al. 2023, arXiv:2309.06180) and reads
- * every K/V row once, for all the query heads of its GQA group.
+ * K/V byte is read, written and read again. Here each sequence walks its blocks in place through
+ * the block table (PagedAttention, Kwon et al. 2023, arXiv:2309.06180) and reads every K/V row
+ * once, for all the query heads of each KV head's GQA group.
  *
  * Layouts (row-major, contiguous):
  *   query, out         [num_seqs, num_q_heads, HEAD_DIM]

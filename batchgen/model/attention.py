@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from batchgen.model import cpu_attention
+from batchgen.model import cpu_attention, cpu_kernels
 
 
 @dataclass
@@ -82,11 +82,17 @@ def store_kv_cache_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    all_valid: bool | None = None,
 ) -> None:
-    """Write `key`/`value` `[T, Hkv, D]` into the paged caches at `slot_mapping` `[T]` (-1 skipped)."""
+    """Write `key`/`value` `[T, Hkv, D]` into the paged caches at `slot_mapping` `[T]` (-1 skipped).
+
+    `all_valid`: whether no slot is -1, when the caller knows (it saves two operations a call).
+    """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    if all_valid is None:
+        all_valid = bool((slot_mapping >= 0).all())
+    if not all_valid:
+        valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
@@ -128,7 +134,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         if meta.slot_mapping.numel():
-            store_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping)
+            all_valid = meta.scratch.get("all_slots_valid")
+            if all_valid is None:  # the same for every layer of the step
+                all_valid = meta.scratch["all_slots_valid"] = bool((meta.slot_mapping >= 0).all())
+            store_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping, all_valid)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(query, k_cache, v_cache, meta, scale)
@@ -332,13 +341,13 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         if device.type == "cuda":
             name = "triton"
         else:
-            name = "cpu" if device.type == "cpu" and cpu_attention.load_library() is not None else "torch"
+            name = "cpu" if device.type == "cpu" and cpu_kernels.load_library() is not None else "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on the CPU; the model is on {device}")
-        if cpu_attention.load_library() is None:
+        if cpu_kernels.load_library() is None:
             raise ValueError(
                 "attention_backend='cpu' needs its C kernel, which could not be built here (see the "
                 "warning above; it needs a C compiler as $CC or cc) or is disabled by "

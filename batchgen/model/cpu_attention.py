@@ -1,4 +1,4 @@
-"""Paged decode attention on the CPU, in C: build, load and call `csrc/paged_decode_attention.c`.
+"""Paged decode attention on the CPU, in C (`csrc/paged_decode_attention.c`, built by `cpu_kernels`).
 
 The torch decode path gathers every sequence's blocks into a padded copy before SDPA reads it, so
 each K/V byte crosses memory three times. The C kernel reads the blocks in place through the block
@@ -6,133 +6,17 @@ table. On the default model's shapes (64 sequences, 19,296 context tokens, bf16,
 cache each: one decode step), `python scripts/cpu_attention_bench.py --num-threads 2` measured
 131-154 ms for the torch path and 44-57 ms for the kernel (2.3-2.9x, 8-10 GB/s of K/V against about
 14.5 GB/s of plain reads) on the 2-core development machine.
-
-The source is compiled once per machine with the system C compiler (`$CC`, else `cc`) and
-`-O3 -march=native -fopenmp`, into `$XDG_CACHE_HOME/batchgen/cpu_kernels/` (else `~/.cache/...`), and
-loaded with ctypes; no torch headers, so a build takes about a second. Where there is no compiler, or
-`BATCHGEN_CPU_KERNELS=0` is set, `load_library()` returns None and callers keep the torch path.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from batchgen.model.cpu_kernels import load_library
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
 DTYPES = (torch.float32, torch.bfloat16)
-# Without -ffast-math (which would set flush-to-zero for the whole process when the library loads);
-# these two are enough for the compiler to vectorize the kernel's loops.
-BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
-# Tried in order; the later ones serve compilers without -march=native or OpenMP (one thread).
-FLAG_SETS = [["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []]
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "batchgen" / "cpu_kernels"
-
-
-def _machine_key(compiler: str) -> str:
-    """What the built library depends on: the source, the compiler and the CPU it was tuned for."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    digest.update(version.encode())
-    digest.update(platform.machine().encode())
-    try:  # -march=native output differs between CPU models: a shared home must not mix them
-        flags = next(
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith(("flags", "Features"))
-        )
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    digest.update(flags.encode())
-    return digest.hexdigest()[:16]
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile SOURCE into `target` (atomically: concurrent processes may build at once).
-
-    Raises:
-        RuntimeError: no flag set compiled; the message holds the compiler's last error.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    error = ""
-    for flags in FLAG_SETS:
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        command = [compiler, *BASE_FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode == 0:
-            os.replace(tmp, target)
-            if "-fopenmp" not in flags:
-                logger.warning("CPU attention kernel built without OpenMP: it runs on one thread")
-            return
-        os.unlink(tmp)
-        error = result.stderr.strip()[-2000:]
-    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {error}")
-
-
-@functools.cache
-def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel library, built on first use; None when it is disabled or cannot be built.
-
-    A failed build logs one warning naming the cause; the engine then runs the torch path.
-    """
-    if os.environ.get("BATCHGEN_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C compiler found ($CC, cc, gcc, clang): CPU decode attention uses the torch path")
-        return None
-    target = _cache_dir() / f"paged_decode_attention-{_machine_key(compiler)}.so"
-    try:
-        if not target.exists():
-            _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU decode attention kernel unavailable, using the torch path: %s", exc)
-        return None
-    lib.paged_decode_attention.restype = ctypes.c_int
-    lib.paged_decode_attention.argtypes = [
-        ctypes.c_int,  # is_bf16
-        ctypes.c_void_p,  # query
-        ctypes.c_void_p,  # k_cache
-        ctypes.c_void_p,  # v_cache
-        ctypes.c_void_p,  # block_tables
-        ctypes.c_int64,  # table_stride
-        ctypes.c_void_p,  # seq_lens
-        ctypes.c_int,  # num_seqs
-        ctypes.c_int,  # num_q_heads
-        ctypes.c_int,  # num_kv_heads
-        ctypes.c_int,  # head_dim
-        ctypes.c_int,  # block_size
-        ctypes.c_float,  # scale
-        ctypes.c_void_p,  # out
-        ctypes.c_int,  # num_threads
-    ]
-    lib.paged_decode_attention_supported.restype = ctypes.c_int
-    lib.paged_decode_attention_supported.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    return lib
 
 
 @functools.cache

@@ -52,20 +52,18 @@ class DecoderLayer(nn.Module):
         """
         num_tokens = hidden.shape[0]
         if row_chunk <= 0 or num_tokens <= row_chunk:
-            hidden += self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
-            hidden += self.mlp(self.post_attention_layernorm(hidden))
+            attn = self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
+            hidden += self.mlp(self.post_attention_layernorm.add_forward(hidden, attn))
             return hidden
         rows = [slice(start, start + row_chunk) for start in range(0, num_tokens, row_chunk)]
         cos, sin = cos_sin
         parts = [self.self_attn.project(self.input_layernorm(hidden[r]), (cos[r], sin[r])) for r in rows]
-        qk = torch.cat([p[0] for p in parts])
-        v = torch.cat([p[1] for p in parts])
+        q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
         del parts
-        attn = self.self_attn.attend(qk, v, kv_cache, meta)
+        attn = self.self_attn.attend(q, k, v, kv_cache, meta)
         for r in rows:
             h = hidden[r]
-            h += self.self_attn.o_proj(attn[r])
-            h += self.mlp(self.post_attention_layernorm(h))
+            h += self.mlp(self.post_attention_layernorm.add_forward(h, self.self_attn.o_proj(attn[r])))
         return hidden
 
 

@@ -1,8 +1,7 @@
-"""The C paged decode-attention kernel against a float64 reference, its checks, build and fallback."""
+"""The C paged decode-attention kernel against a float64 reference, its checks, and the engine using it."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -11,16 +10,15 @@ import pytest
 import torch
 
 from batchgen import LLM
-from batchgen.model import cpu_attention
+from batchgen.model import cpu_attention, cpu_kernels
 from batchgen.model.attention import (
     AttentionMetadata,
     CPUAttentionBackend,
     TorchAttentionBackend,
-    select_backend,
 )
 
 pytestmark = pytest.mark.skipif(
-    cpu_attention._compiler() is None, reason="no C compiler ($CC, cc, gcc, clang) to build the CPU kernel"
+    cpu_kernels._compiler() is None, reason="no C compiler ($CC, cc, gcc, clang) to build the CPU kernels"
 )
 
 # Cover the kernel's paths: one row, rows left after groups of four, exact and partial blocks.
@@ -139,42 +137,6 @@ def test_unsupported_shapes_are_refused():
         cpu_attention.paged_decode_attention_cpu(query.half(), k_cache, v_cache, tables, seq_lens, 0.125)
     with pytest.raises(ValueError, match="int32"):
         cpu_attention.paged_decode_attention_cpu(query, k_cache, v_cache, tables.long(), seq_lens, 0.125)
-
-
-@pytest.fixture
-def fresh_library(monkeypatch, tmp_path):
-    """load_library() rebuilt from scratch into a temporary cache, and restored afterwards."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cpu_attention.load_library.cache_clear()
-    cpu_attention.supports.cache_clear()
-    yield tmp_path
-    cpu_attention.load_library.cache_clear()
-    cpu_attention.supports.cache_clear()
-
-
-def test_builds_into_the_cache_once(fresh_library):
-    lib = cpu_attention.load_library()
-    assert lib is not None
-    built = list((fresh_library / "batchgen" / "cpu_kernels").glob("paged_decode_attention-*.so"))
-    assert len(built) == 1
-    assert cpu_attention.load_library() is lib
-
-
-def test_no_compiler_falls_back_to_torch(fresh_library, monkeypatch, caplog):
-    monkeypatch.setenv("CC", "/bin/false")
-    with caplog.at_level(logging.WARNING, logger="batchgen.model.cpu_attention"):
-        assert cpu_attention.load_library() is None
-    assert "could not build" in caplog.text
-    assert isinstance(select_backend("auto", torch.device("cpu")), TorchAttentionBackend)
-    assert select_backend("auto", torch.device("cpu")).name == "torch"
-    with pytest.raises(ValueError, match="attention_backend='torch'"):
-        select_backend("cpu", torch.device("cpu"))
-
-
-def test_disabled_by_environment(fresh_library, monkeypatch):
-    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
-    assert cpu_attention.load_library() is None
-    assert select_backend("auto", torch.device("cpu")).name == "torch"
 
 
 def test_engine_uses_the_kernel_by_default_on_cpu(tiny_model_dir):

@@ -1,0 +1,120 @@
+/* Element-wise bfloat16 operations of a decoder layer on the CPU, each one pass over its rows.
+ *
+ * A decode step multiplies only a few rows, so each torch call costs more in dispatch than in
+ * arithmetic: bf16 `F.rms_norm` alone runs about eight ATen operations (150 us at 64 rows). Each
+ * function here replaces one chain of calls with one call, and rounds to bfloat16 where torch's
+ * chain rounds (every torch bf16 operation computes in float32 and rounds its result), so the
+ * results are those of the Hugging Face formulas up to the order of a float32 sum.
+ *
+ * Rows are contiguous `cols` bfloat16 values at `stride` elements apart. Large calls are split over
+ * `num_threads` OpenMP threads by rows; small ones (decode steps) stay on the calling thread.
+ * Compiled with paged_decode_attention.c into one library by batchgen/model/cpu_kernels.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Below this many elements a call runs on one thread: waking the pool costs more. */
+#define PARALLEL_MIN_ELEMENTS (1 << 16)
+
+static inline float to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays NaN. */
+static inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
+
+/* Optionally `hidden += delta` (in place, rounded), then `out = weight * bf16(hidden * rsqrt(mean(
+ * hidden^2) + eps))` with the product rounded: Hugging Face's LlamaRMSNorm (Zhang & Sennrich 2019)
+ * on a bf16 input, the statistic in float32. `delta` may be NULL. */
+void add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16_t *delta, int64_t delta_stride,
+                       const uint16_t *weight, float eps, int64_t rows, int cols, uint16_t *out,
+                       int64_t out_stride, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+  for (int64_t r = 0; r < rows; r++) {
+    uint16_t *h = hidden + r * hidden_stride;
+    if (delta != NULL) {
+      const uint16_t *d = delta + r * delta_stride;
+      for (int c = 0; c < cols; c++) h[c] = to_bf16(to_f32(h[c]) + to_f32(d[c]));
+    }
+    /* Sixteen running sums, so the compiler can keep them in one vector register. */
+    float partial[16] = {0.f};
+    int c = 0;
+    for (; c + 16 <= cols; c += 16)
+      for (int j = 0; j < 16; j++) partial[j] += to_f32(h[c + j]) * to_f32(h[c + j]);
+    for (; c < cols; c++) partial[0] += to_f32(h[c]) * to_f32(h[c]);
+    float sum = 0.f;
+    for (int j = 0; j < 16; j++) sum += partial[j];
+    const float inv = 1.f / sqrtf(sum / (float)cols + eps);
+    uint16_t *o = out + r * out_stride;
+    for (c = 0; c < cols; c++) o[c] = to_bf16(to_f32(weight[c]) * round_bf16(to_f32(h[c]) * inv));
+  }
+}
+
+/* exp(x) for x <= 0: Cephes' expf (http://www.netlib.org/cephes/), about 2 ulp; vectorizable. */
+static inline float exp_nonpositive(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  const float n = floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t e = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &e, sizeof scale);
+  return p * scale;
+}
+
+/* out = bf16(silu(gate)) * up, rounded: SwiGLU's gate (Shazeer 2020) as torch's bf16 `F.silu(gate)
+ * * up`. Each row of `gate_up` holds `cols` gate values, then `cols` up values. */
+void silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, int64_t rows, int cols, uint16_t *out,
+                   int64_t out_stride, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+  for (int64_t r = 0; r < rows; r++) {
+    const uint16_t *gate = gate_up + r * gate_up_stride, *up = gate + cols;
+    uint16_t *o = out + r * out_stride;
+    for (int c = 0; c < cols; c++) {
+      const float x = to_f32(gate[c]);
+      const float e = exp_nonpositive(-fabsf(x)); /* exp(-|x|) never overflows */
+      const float sigmoid = x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+      o[c] = to_bf16(round_bf16(x * sigmoid) * to_f32(up[c]));
+    }
+  }
+}
+
+/* Rotary embedding (RoFormer, Su et al. 2021) as Hugging Face applies it in bf16:
+ * bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), with cos/sin already in bf16, for the first
+ * `heads` heads of each row of `x` (queries then keys of a fused QKV output). Head h of row r goes to
+ * `q_out` (the first `q_heads` heads, rows `q_heads * head_dim` apart) or `k_out` (the rest). */
+void rotary_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_t *sin,
+                 int64_t cos_stride, int64_t rows, int q_heads, int k_heads, int head_dim, uint16_t *q_out,
+                 uint16_t *k_out, int num_threads) {
+  const int half = head_dim / 2, heads = q_heads + k_heads;
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
+  for (int64_t r = 0; r < rows; r++) {
+    const uint16_t *c = cos + r * cos_stride, *s = sin + r * cos_stride;
+    for (int h = 0; h < heads; h++) {
+      const uint16_t *restrict in = x + r * x_stride + (int64_t)h * head_dim;
+      uint16_t *restrict o = h < q_heads ? q_out + (r * q_heads + h) * head_dim
+                                : k_out + (r * k_heads + (h - q_heads)) * head_dim;
+      for (int d = 0; d < half; d++)
+        o[d] = to_bf16(round_bf16(to_f32(in[d]) * to_f32(c[d])) - round_bf16(to_f32(in[d + half]) * to_f32(s[d])));
+      for (int d = half; d < head_dim; d++)
+        o[d] = to_bf16(round_bf16(to_f32(in[d]) * to_f32(c[d])) + round_bf16(to_f32(in[d - half]) * to_f32(s[d])));
+    }
+  }
+}

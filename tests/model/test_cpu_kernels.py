@@ -1,0 +1,129 @@
+"""The C kernel library: its build, cache and fallback, and the bf16 element-wise ops against torch."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchgen import LLM, SamplingParams
+from batchgen.model import cpu_attention, cpu_kernels
+from batchgen.model.attention import TorchAttentionBackend, select_backend
+from batchgen.model.layers import apply_rotary
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels._compiler() is None, reason="no C compiler ($CC, cc, gcc, clang) to build the CPU kernels"
+)
+
+BF16_ULP = 2**-7  # relative spacing of bf16 values (8 significant bits)
+
+
+def within_one_ulp(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """All values within one bf16 rounding of each other, and nearly all identical."""
+    assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == expected.shape
+    g, e = got.float(), expected.float()
+    assert ((g - e).abs() <= BF16_ULP * e.abs() + 1e-30).all()
+    assert (g == e).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576 runs on all threads
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_hf_formula(rows, with_delta):
+    torch.manual_seed(0)
+    hidden = (torch.randn(rows, 576) * 3).to(torch.bfloat16)
+    delta = torch.randn(rows, 576).to(torch.bfloat16)
+    weight = (torch.randn(576) * 0.3 + 1).to(torch.bfloat16)
+    expected_hidden = hidden + delta if with_delta else hidden.clone()
+    h = expected_hidden.float()
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    expected = weight * normed  # LlamaRMSNorm: a bf16 product of the rounded normed value
+    got = cpu_kernels.add_rms_norm_bf16(hidden, delta if with_delta else None, weight, 1e-5)
+    assert torch.equal(hidden, expected_hidden)  # the residual add is in place, rounded like torch's
+    within_one_ulp(got, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])  # 64 x 1536 runs on all threads
+def test_silu_mul_matches_torch(rows):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(rows, 2 * 1536) * 4).to(torch.bfloat16)
+    gate, up = gate_up.split(1536, dim=-1)
+    within_one_ulp(cpu_kernels.silu_mul_bf16(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 600])  # 600 rows run on all threads
+def test_rotary_is_bitwise_the_torch_formula(rows):
+    """Same operations, same roundings: q and k equal the torch path exactly, from a strided QKV slice."""
+    torch.manual_seed(0)
+    q_heads, kv_heads, head_dim = 9, 3, 64
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    qk = qkv[:, : (q_heads + kv_heads) * head_dim].view(rows, q_heads + kv_heads, head_dim)
+    angles = torch.rand(rows, head_dim // 2) * 6.3
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16)[:, None, :], emb.sin().to(torch.bfloat16)[:, None, :]
+    q, k = cpu_kernels.rotary_bf16(qk, cos, sin, q_heads)
+    expected = apply_rotary(qk, (cos, sin))
+    assert q.is_contiguous() and k.is_contiguous()
+    assert torch.equal(q, expected[:, :q_heads]) and torch.equal(k, expected[:, q_heads:])
+
+
+def test_bad_layouts_are_refused():
+    x = torch.randn(4, 8).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous columns"):
+        cpu_kernels.add_rms_norm_bf16(x.t(), None, torch.ones(4, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        cpu_kernels.add_rms_norm_bf16(x, None, torch.ones(5, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="even width"):
+        cpu_kernels.silu_mul_bf16(torch.randn(2, 7).to(torch.bfloat16))
+
+
+def test_bf16_model_with_and_without_the_c_ops(tiny_model_dir, monkeypatch):
+    """The bf16 engine's greedy tokens with the C ops agree with the all-torch engine's."""
+    path = str(tiny_model_dir("llama"))
+    prompts = [{"prompt_token_ids": [1 + i, 20 + 3 * i, 7, 300 + i] * (1 + i)} for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    fused = [o.outputs[0].token_ids for o in LLM(path, dtype="bfloat16").generate(prompts, params)]
+    monkeypatch.setattr(cpu_kernels, "bf16_ops_apply", lambda x: False)
+    plain = [o.outputs[0].token_ids for o in LLM(path, dtype="bfloat16").generate(prompts, params)]
+    same = sum(a == b for f, p in zip(fused, plain, strict=True) for a, b in zip(f, p, strict=True))
+    # Rounding differences (about one bf16 ulp in a few values) may flip a near-tie late in a
+    # sequence of a random-weight model, but not most tokens.
+    assert same >= 0.9 * sum(len(f) for f in fused)
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """load_library() rebuilt from scratch into a temporary cache, and restored afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_kernels.load_library.cache_clear()
+    cpu_attention.supports.cache_clear()
+    yield tmp_path
+    cpu_kernels.load_library.cache_clear()
+    cpu_attention.supports.cache_clear()
+
+
+def test_builds_into_the_cache_once(fresh_library):
+    lib = cpu_kernels.load_library()
+    assert lib is not None
+    built = list((fresh_library / "batchgen" / "cpu_kernels").glob("batchgen_cpu-*.so"))
+    assert len(built) == 1
+    assert cpu_kernels.load_library() is lib
+
+
+def test_no_compiler_falls_back_to_torch(fresh_library, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/bin/false")
+    with caplog.at_level(logging.WARNING, logger="batchgen.model.cpu_kernels"):
+        assert cpu_kernels.load_library() is None
+    assert "could not build" in caplog.text
+    assert not cpu_kernels.bf16_ops_apply(torch.ones(2, dtype=torch.bfloat16))
+    assert isinstance(select_backend("auto", torch.device("cpu")), TorchAttentionBackend)
+    assert select_backend("auto", torch.device("cpu")).name == "torch"
+    with pytest.raises(ValueError, match="attention_backend='torch'"):
+        select_backend("cpu", torch.device("cpu"))
+
+
+def test_disabled_by_environment(fresh_library, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
+    assert cpu_kernels.load_library() is None
+    assert select_backend("auto", torch.device("cpu")).name == "torch"

@@ -16,9 +16,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -36,25 +38,39 @@ BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"
 FLAG_SETS = [["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []]
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str] | None:
+    """The C compiler command: `$CC` split as a shell would ("ccache gcc" works), else cc, gcc or clang."""
+    if os.environ.get("CC"):
+        command = shlex.split(os.environ["CC"])
+        if command and shutil.which(command[0]):
+            return command
+        logger.warning("$CC=%r is not an executable command; trying cc, gcc and clang", os.environ["CC"])
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
+            return [name]
+    return None
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    root = os.environ.get("XDG_CACHE_HOME")
+    if not root:
+        try:
+            root = str(Path.home() / ".cache")
+        except RuntimeError:  # no $HOME and no passwd entry (a container run as an arbitrary uid)
+            root = os.path.join(tempfile.gettempdir(), f"batchgen-{getattr(os, 'getuid', lambda: 'user')()}")
     return Path(root) / "batchgen" / "cpu_kernels"
 
 
-def _machine_key(compiler: str) -> str:
-    """What the built library depends on: the sources, the compiler and the CPU it was tuned for."""
+def _machine_key(compiler: list[str]) -> str:
+    """What the built library depends on: sources, compiler, flags and the CPU it was tuned for."""
     digest = hashlib.sha256()
     for source in SOURCES:
         digest.update(source.read_bytes())
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    digest.update(version.encode())
+    digest.update(f"{compiler} {version} {BASE_FLAGS} {FLAG_SETS}".encode())
     digest.update(platform.machine().encode())
     try:  # -march=native output differs between CPU models: a shared home must not mix them
         flags = next(
@@ -68,8 +84,28 @@ def _machine_key(compiler: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build(compiler: str, target: Path) -> None:
-    """Compile SOURCES into one library at `target` (atomically: concurrent processes may build at once).
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a synced temporary file and an atomic rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build(compiler: list[str], target: Path) -> dict:
+    """Compile SOURCES into one library at `target` and record its checksum beside it.
+
+    The library and its record are written through synced temporary files and atomic renames, so
+    concurrent builds and crashes leave either a complete, verifiable library or none.
+
+    Returns:
+        the record: {"sha256", "size", "flags"}.
 
     Raises:
         RuntimeError: no flag set compiled; the message holds the compiler's last error.
@@ -77,24 +113,41 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     error = ""
     for flags in FLAG_SETS:
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        command = [compiler, *BASE_FLAGS, *flags, *map(str, SOURCES), "-o", tmp, "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode == 0:
-            os.replace(tmp, target)
-            if "-fopenmp" not in flags:
-                logger.warning("CPU kernels built without OpenMP: they run on one thread")
-            return
-        os.unlink(tmp)
-        error = result.stderr.strip()[-2000:]
-    raise RuntimeError(f"{compiler} could not build the CPU kernels: {error}")
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as workdir:
+            out = Path(workdir) / "lib.so"
+            command = [*compiler, *BASE_FLAGS, *flags, *map(str, SOURCES), "-o", str(out), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if result.returncode != 0:
+                error = result.stderr.strip()[-2000:]
+                continue
+            data = out.read_bytes()
+        record = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "flags": flags}
+        _write_durably(target, data)
+        _write_durably(target.with_suffix(".json"), json.dumps(record).encode())
+        return record
+    raise RuntimeError(f"{' '.join(compiler)} could not build the CPU kernels: {error}")
+
+
+def _verified_record(target: Path) -> dict | None:
+    """The build record of `target` when the library on disk matches it byte for byte, else None.
+
+    A truncated library would crash the process inside dlopen (SIGBUS), so it is never loaded.
+    """
+    try:
+        record = json.loads(target.with_suffix(".json").read_text())
+        data = target.read_bytes()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or len(data) != record.get("size"):
+        return None
+    return record if hashlib.sha256(data).hexdigest() == record.get("sha256") else None
 
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first use; None when it is disabled or cannot be built.
 
+    A library missing from the cache, or one that does not match its recorded checksum, is (re)built.
     A failed build logs one warning naming the cause; the engine then runs the torch path.
     """
     if os.environ.get("BATCHGEN_CPU_KERNELS", "1") == "0":
@@ -103,14 +156,17 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found ($CC, cc, gcc, clang): the CPU path runs on torch alone")
         return None
-    target = _cache_dir() / f"batchgen_cpu-{_machine_key(compiler)}.so"
     try:
-        if not target.exists():
-            _build(compiler, target)
+        target = _cache_dir() / f"batchgen_cpu-{_machine_key(compiler)}.so"
+        record = _verified_record(target) or _build(compiler, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return None
+    if "-fopenmp" not in record["flags"]:
+        logger.warning(
+            "CPU kernels were built without OpenMP (%s): they run on one thread", " ".join(compiler)
+        )
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = [
         ctypes.c_int,  # is_bf16
@@ -263,9 +319,13 @@ def rotary_bf16(
     rows, heads, head_dim = qk.shape
     if qk.dtype != torch.bfloat16 or qk.stride(2) != 1 or qk.stride(1) != head_dim or head_dim % 2:
         raise ValueError(f"qk must be bf16 [T, heads, D] with contiguous heads and an even D; got {qk.shape}")
+    if cos.numel() != rows * head_dim or sin.numel() != rows * head_dim:
+        raise ValueError(
+            f"cos and sin must hold [{rows}, {head_dim}] values; got {cos.shape} and {sin.shape}"
+        )
     cos, sin = cos.reshape(rows, head_dim), sin.reshape(rows, head_dim)
-    if cos.stride(1) != 1 or sin.stride() != cos.stride() or cos.dtype != torch.bfloat16:
-        raise ValueError("cos and sin must be bf16 with contiguous rows of the same layout")
+    if cos.stride(1) != 1 or sin.stride() != cos.stride() or {cos.dtype, sin.dtype} != {torch.bfloat16}:
+        raise ValueError("cos and sin must be bf16 [T, D] with contiguous rows of the same layout")
     q = torch.empty((rows, num_q_heads, head_dim), dtype=torch.bfloat16)
     k = torch.empty((rows, heads - num_q_heads, head_dim), dtype=torch.bfloat16)
     load_library().rotary_bf16(

@@ -21,7 +21,8 @@ class RMSNorm(nn.Module):
     Input and output `[..., hidden]` in the model dtype; `eps` from the config. In float32,
     `F.rms_norm` computes exactly Hugging Face's `weight * x * rsqrt(mean(x^2) + eps)`.
 
-    In bf16 on a CPU with the C kernels built (`cpu_kernels`), the norm is one pass per row in C.
+    With `c_ops` (the "cpu" attention backend), in bf16 on a CPU with the C kernels built
+    (`cpu_kernels`), the norm is one pass per row in C.
     Otherwise, in 16-bit dtypes with many rows (prefill), it is one float32-accumulating reduction and two
     16-bit multiplies. On CPU, `F.rms_norm` widens the whole input to float32 and makes seven
     passes: 6.5 ms against 1.4 ms for 2048 x 576 bf16 rows on one thread. The price is one more
@@ -31,13 +32,14 @@ class RMSNorm(nn.Module):
     # Below this many rows `F.rms_norm`'s fewer calls win (decode steps).
     FEW_PASSES_MIN_ROWS = 256
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, c_ops: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.c_ops = c_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _c_rows(x):
+        if self.c_ops and _c_rows(x):
             return cpu_kernels.add_rms_norm_bf16(x, None, self.weight, self.eps)
         if x.dtype == torch.float32 or x.numel() < self.FEW_PASSES_MIN_ROWS * x.shape[-1]:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -48,7 +50,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """`hidden += delta` in place (the residual add), then the norm of `hidden`; one C call for bf16 on CPU."""
-        if _c_rows(hidden) and _c_rows(delta):
+        if self.c_ops and _c_rows(hidden) and _c_rows(delta):
             return cpu_kernels.add_rms_norm_bf16(hidden, delta, self.weight, self.eps)
         hidden += delta
         return self(hidden)
@@ -168,8 +170,8 @@ class Attention(nn.Module):
         )
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend.fused_cpu_ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend.fused_cpu_ops)
         self.backend = backend
         self.q_size, self.kv_size = q_size, kv_size
 
@@ -185,7 +187,7 @@ class Attention(nn.Module):
             qk = torch.cat(
                 (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
             )
-        if cpu_kernels.bf16_ops_apply(qk):
+        if self.backend.fused_cpu_ops and cpu_kernels.bf16_ops_apply(qk):
             q, k = cpu_kernels.rotary_bf16(qk, *cos_sin, self.num_heads)
             return q, k, v
         # One rotation for queries and keys together: half the element-wise passes.
@@ -218,15 +220,18 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020) with one fused gate/up matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, c_ops: bool = False
+    ) -> None:
         super().__init__()
+        self.c_ops = c_ops  # SiLU-and-multiply in C for bf16 on CPU (the "cpu" attention backend)
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.intermediate_size = intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if _c_rows(gate_up):
+        if self.c_ops and _c_rows(gate_up):
             return self.down_proj(cpu_kernels.silu_mul_bf16(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -31,11 +31,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
         self.self_attn = Attention(config, backend)
+        c_ops = backend.fused_cpu_ops
         self.mlp = MLP(
-            config.hidden_size, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False))
+            config.hidden_size,
+            config.intermediate_size,
+            bias=bool(getattr(config, "mlp_bias", False)),
+            c_ops=c_ops,
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, c_ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, c_ops)
 
     def forward(
         self,
@@ -91,7 +95,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.fused_cpu_ops)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -78,14 +78,54 @@ def test_bad_layouts_are_refused():
         cpu_kernels.silu_mul_bf16(torch.randn(2, 7).to(torch.bfloat16))
 
 
-def test_bf16_model_with_and_without_the_c_ops(tiny_model_dir, monkeypatch):
-    """The bf16 engine's greedy tokens with the C ops agree with the all-torch engine's."""
+def test_silu_and_attention_weights_underflow_to_zero():
+    """exp of a very negative input is 0, not float32's smallest normal (which large values amplify)."""
+    gate_up = torch.tensor([[-1e30, -1e37, -3e38, 1.0, 1.0, 1.0]]).to(torch.bfloat16)
+    assert cpu_kernels.silu_mul_bf16(gate_up).tolist() == [[0.0, 0.0, 0.0]]
+    # One KV head, two rows: the second scores 200 below the first and carries a huge value.
+    k_cache = torch.zeros(1, 16, 1, 16)
+    v_cache = torch.zeros(1, 16, 1, 16)
+    k_cache[0, 0, 0, 0], k_cache[0, 1, 0, 0] = 1.0, -1.0
+    v_cache[0, 1, 0, :] = 1e30
+    query = torch.zeros(1, 1, 16)
+    query[0, 0, 0] = 100.0
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    lens = torch.tensor([2], dtype=torch.int32)
+    out = cpu_attention.paged_decode_attention_cpu(query, k_cache, v_cache, tables, lens, 1.0)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_rotary_refuses_mismatched_tables():
+    qk = torch.randn(3, 4, 8).to(torch.bfloat16)
+    cos = torch.randn(3, 1, 8).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_kernels.rotary_bf16(qk, cos, cos.float(), 2)
+    with pytest.raises(ValueError, match="must hold"):
+        cpu_kernels.rotary_bf16(qk, cos, cos[:2], 2)
+
+
+def test_cpu_backend_runs_the_c_ops_and_torch_backend_does_not(tiny_model_dir, monkeypatch):
+    """bf16 greedy tokens of the "cpu" backend (C ops) agree with the plain "torch" backend's, and
+    the "torch" backend calls no C kernel."""
     path = str(tiny_model_dir("llama"))
     prompts = [{"prompt_token_ids": [1 + i, 20 + 3 * i, 7, 300 + i] * (1 + i)} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    fused = [o.outputs[0].token_ids for o in LLM(path, dtype="bfloat16").generate(prompts, params)]
-    monkeypatch.setattr(cpu_kernels, "bf16_ops_apply", lambda x: False)
-    plain = [o.outputs[0].token_ids for o in LLM(path, dtype="bfloat16").generate(prompts, params)]
+    calls: list[str] = []
+    for name in ("add_rms_norm_bf16", "silu_mul_bf16", "rotary_bf16"):
+        original = getattr(cpu_kernels, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cpu_kernels, name, counted)
+    fused_llm = LLM(path, dtype="bfloat16", attention_backend="cpu")
+    fused = [o.outputs[0].token_ids for o in fused_llm.generate(prompts, params)]
+    assert {"add_rms_norm_bf16", "silu_mul_bf16", "rotary_bf16"} <= set(calls)
+    calls.clear()
+    plain_llm = LLM(path, dtype="bfloat16", attention_backend="torch")
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
+    assert calls == []
     same = sum(a == b for f, p in zip(fused, plain, strict=True) for a, b in zip(f, p, strict=True))
     # Rounding differences (about one bf16 ulp in a few values) may flip a near-tie late in a
     # sequence of a random-weight model, but not most tokens.
@@ -127,3 +167,35 @@ def test_disabled_by_environment(fresh_library, monkeypatch):
     monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
     assert cpu_kernels.load_library() is None
     assert select_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_a_corrupt_cached_library_is_rebuilt(fresh_library):
+    """A truncated library would crash dlopen (SIGBUS): it fails its checksum and is rebuilt."""
+    assert cpu_kernels.load_library() is not None
+    (built,) = (fresh_library / "batchgen" / "cpu_kernels").glob("batchgen_cpu-*.so")
+    good = built.read_bytes()
+    # A new file in its place (this process has the old one mapped: truncating that would crash it).
+    half = built.with_name("half.so")
+    half.write_bytes(good[: len(good) // 2])
+    half.replace(built)
+    cpu_kernels.load_library.cache_clear()
+    assert cpu_kernels.load_library() is not None
+    assert built.read_bytes() == good
+
+
+def test_cc_with_arguments(fresh_library, monkeypatch):
+    monkeypatch.setenv("CC", "env gcc")  # a wrapper command, as "ccache gcc"
+    if cpu_kernels.shutil.which("gcc") is None:
+        pytest.skip("no gcc here")
+    assert cpu_kernels._compiler() == ["env", "gcc"]
+    assert cpu_kernels.load_library() is not None
+
+
+def test_cache_dir_without_a_home(monkeypatch):
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(cpu_kernels.Path, "home", staticmethod(no_home))
+    assert str(cpu_kernels._cache_dir()).startswith(cpu_kernels.tempfile.gettempdir())

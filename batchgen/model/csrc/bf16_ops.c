@@ -61,9 +61,11 @@ void add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16_t *
   }
 }
 
-/* exp(x) for x <= 0: Cephes' expf (http://www.netlib.org/cephes/), about 2 ulp; vectorizable. */
+/* exp(x) for x <= 0: Cephes' expf (http://www.netlib.org/cephes/), about 2 ulp; vectorizable.
+ * Below -87.3 (where float32 exp underflows) the result is 0. */
 static inline float exp_nonpositive(float x) {
-  x = x < -87.3f ? -87.3f : x;
+  const int underflow = x < -87.3f;
+  x = underflow ? -87.3f : x;
   const float n = floorf(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -76,7 +78,7 @@ static inline float exp_nonpositive(float x) {
   int32_t e = ((int32_t)n + 127) << 23;
   float scale;
   memcpy(&scale, &e, sizeof scale);
-  return p * scale;
+  return underflow ? 0.f : p * scale;
 }
 
 /* out = bf16(silu(gate)) * up, rounded: SwiGLU's gate (Shazeer 2020) as torch's bf16 `F.silu(gate)

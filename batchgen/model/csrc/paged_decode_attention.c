@@ -83,9 +83,11 @@ static inline vf vselect(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) 
 
 /* exp(x) for the x <= 0 of a softmax after its maximum is subtracted: Cephes' expf range reduction
  * and polynomial (http://www.netlib.org/cephes/), in vector form; about 2 ulp. glibc's vector expf
- * is only offered under -ffast-math, which would change the whole process's float flags. */
+ * is only offered under -ffast-math, which would change the whole process's float flags. Below
+ * -87.3 (where float32 exp underflows) the result is 0. */
 static inline vf vexp(vf x) {
-  x = vselect(x < -87.3f, (vf){} - 87.3f, x);
+  const vi underflow = x < -87.3f;
+  x = vselect(underflow, (vf){} - 87.3f, x);
   vf fx = x * 1.44269504088896341f + 0.5f;
   vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
   n += __builtin_convertvector(n > fx, vf); /* truncation -> floor: the mask is -1 where n > fx */
@@ -97,7 +99,7 @@ static inline vf vexp(vf x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+  return vselect(underflow, (vf){}, p * (vf)((__builtin_convertvector(n, vi) + 127) << 23));
 }
 
 /* One sequence's KV heads [h0, h1): the scores of all its context rows for each head's query group,

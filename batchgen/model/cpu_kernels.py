@@ -31,6 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # Without -ffast-math (which would set flush-to-zero for the whole process when the library loads);
 # these two are enough for the compiler to vectorize the kernel's loops.
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
@@ -64,7 +65,7 @@ def _cache_dir() -> Path:
 def _machine_key(compiler: list[str]) -> str:
     """What the built library depends on: sources, compiler, flags and the CPU it was tuned for."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     try:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cephes_expf.h"
+
 /* Below this many elements a call runs on one thread: waking the pool costs more. */
 #define PARALLEL_MIN_ELEMENTS (1 << 16)
 
@@ -61,24 +63,17 @@ void add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16_t *
   }
 }
 
-/* exp(x) for x <= 0: Cephes' expf (http://www.netlib.org/cephes/), about 2 ulp; vectorizable.
- * Below -87.3 (where float32 exp underflows) the result is 0. */
+/* exp(x) for x <= 0 (cephes_expf.h), about 2 ulp; vectorizable. Below -87.3 (where float32 exp
+ * underflows) the result is 0. */
 static inline float exp_nonpositive(float x) {
-  const int underflow = x < -87.3f;
-  x = underflow ? -87.3f : x;
-  const float n = floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  const int underflow = x < CEPHES_EXPF_MIN_ARG;
+  x = underflow ? CEPHES_EXPF_MIN_ARG : x;
+  const float n = floorf(x * CEPHES_EXPF_LOG2E + 0.5f);
+  const float r = CEPHES_EXPF_REDUCE(x, n);
   int32_t e = ((int32_t)n + 127) << 23;
   float scale;
   memcpy(&scale, &e, sizeof scale);
-  return underflow ? 0.f : p * scale;
+  return underflow ? 0.f : CEPHES_EXPF_POLY(r) * scale;
 }
 
 /* out = bf16(silu(gate)) * up, rounded: SwiGLU's gate (Shazeer 2020) as torch's bf16 `F.silu(gate)

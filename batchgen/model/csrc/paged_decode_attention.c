@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cephes_expf.h"
+
 #define LANES 16
 #define MAX_GROUP 16 /* query heads per KV head */
 
@@ -81,25 +83,19 @@ static inline void prefetch_block(const void *block, size_t bytes) {
 
 static inline vf vselect(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
 
-/* exp(x) for the x <= 0 of a softmax after its maximum is subtracted: Cephes' expf range reduction
- * and polynomial (http://www.netlib.org/cephes/), in vector form; about 2 ulp. glibc's vector expf
+/* exp(x) for the x <= 0 of a softmax after its maximum is subtracted (cephes_expf.h), in vector
+ * form; about 2 ulp. glibc's vector expf
  * is only offered under -ffast-math, which would change the whole process's float flags. Below
  * -87.3 (where float32 exp underflows) the result is 0. */
 static inline vf vexp(vf x) {
-  const vi underflow = x < -87.3f;
-  x = vselect(underflow, (vf){} - 87.3f, x);
-  vf fx = x * 1.44269504088896341f + 0.5f;
+  const vi underflow = x < CEPHES_EXPF_MIN_ARG;
+  x = vselect(underflow, (vf){} + CEPHES_EXPF_MIN_ARG, x);
+  vf fx = x * CEPHES_EXPF_LOG2E + 0.5f;
   vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
   n += __builtin_convertvector(n > fx, vf); /* truncation -> floor: the mask is -1 where n > fx */
-  vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = (vf){} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  return vselect(underflow, (vf){}, p * (vf)((__builtin_convertvector(n, vi) + 127) << 23));
+  const vf r = CEPHES_EXPF_REDUCE(x, n);
+  const vf scale = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+  return vselect(underflow, (vf){}, CEPHES_EXPF_POLY(r) * scale);
 }
 
 /* One sequence's KV heads [h0, h1): the scores of all its context rows for each head's query group,

@@ -56,7 +56,10 @@ def bench_command(
     ] = None,
     ceiling: Annotated[bool, typer.Option(help="Measure the matmul rate for the compute ceiling.")] = True,
     repeat: Annotated[
-        int, typer.Option(help="Runs per configuration, interleaved; the median run is reported.")
+        int,
+        typer.Option(
+            help="Runs per configuration, interleaved (each round starts one configuration later); the median run is reported."
+        ),
     ] = 1,
     model: Annotated[
         str | None, typer.Option(help="HF directory, hub id or .gguf (default model if unset).")

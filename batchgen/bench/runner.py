@@ -339,7 +339,8 @@ def run_bench(
     Every configuration builds its own engine or model inside its `ResourceMonitor` (so its peak
     RSS includes loading) and frees it afterwards. A configuration that raises is recorded as
     failed (with the error) and the bench goes on; an unavailable baseline is recorded as skipped
-    with the reason.
+    with the reason. With `repeat` > 1 the configurations run round-robin, each round starting one
+    configuration later, and each configuration's median run is reported.
     """
     factory = engine_factory or default_engine_factory
     if settings.engine.num_threads is not None:
@@ -362,7 +363,10 @@ def run_bench(
     plans = plan_configs(settings)
     runs: dict[str, list[RunResult]] = {plan.name: [] for plan in plans}
     for round_index in range(settings.repeat):
-        for plan in plans:
+        # Each round starts one configuration later, so no configuration always runs first or always
+        # right after the Hugging Face baselines (whose memory and cache state the next run inherits).
+        shift = round_index % len(plans)
+        for plan in plans[shift:] + plans[:shift]:
             label = (
                 plan.name
                 if settings.repeat == 1

@@ -105,8 +105,9 @@ static inline vf vexp(vf x) {
  * `scores` holds (h1 - h0) * group * padded floats; `qv` and `acc` hold (h1 - h0) * group * D. */
 #define DEFINE_ITEM(SUFFIX, T, LOADV, STOREV, D)                                                      \
   static void item_##SUFFIX(const void *q_, const void *kc_, const void *vc_, const int32_t *table,  \
-                            int len, int h0, int h1, int num_kv_heads, int group, int64_t row_stride,                    \
-                            int64_t block_stride, int block_size, float scale, void *out_,             \
+                            int len, int h0, int h1, int num_kv_heads, int group,                      \
+                            int64_t row_stride, int64_t block_stride, int block_size, float scale,     \
+                            void *out_,                                                                \
                             float *scores, vf *qv, vf *acc) {                                          \
     enum { NV = D / LANES };                                                                           \
     const T *q = q_, *kc = kc_, *vc = vc_;                                                             \
@@ -118,12 +119,13 @@ static inline vf vexp(vf x) {
         acc[i * NV + j] = (vf){};                                                                      \
       }                                                                                                \
     const int padded = (len + LANES - 1) / LANES * LANES;                                              \
+    /* A block's bytes from head h0 of its first row to head h1 - 1 of its last. */                   \
+    const size_t span = ((size_t)block_stride - (size_t)(num_kv_heads - (h1 - h0)) * D) * sizeof(T);   \
     for (int t0 = 0; t0 < len; t0 += block_size) {                                                    \
       const T *block = kc + (int64_t)table[t0 / block_size] * block_stride;                            \
       const int rows = len - t0 < block_size ? len - t0 : block_size;                                  \
       if (t0 + block_size < len)                                                                       \
-        prefetch_block(kc + (int64_t)table[t0 / block_size + 1] * block_stride + h0 * D,               \
-                       ((size_t)block_stride - (num_kv_heads - h1 + h0) * D) * sizeof(T));             \
+        prefetch_block(kc + (int64_t)table[t0 / block_size + 1] * block_stride + h0 * D, span);        \
       for (int h = h0; h < h1; h++) {                                                                  \
         const T *kb = block + (int64_t)h * D;                                                          \
         const vf *qh = qv + (h - h0) * group * NV;                                                     \
@@ -184,8 +186,7 @@ static inline vf vexp(vf x) {
       const T *block = vc + (int64_t)table[t0 / block_size] * block_stride;                            \
       const int rows = len - t0 < block_size ? len - t0 : block_size;                                  \
       if (t0 + block_size < len)                                                                       \
-        prefetch_block(vc + (int64_t)table[t0 / block_size + 1] * block_stride + h0 * D,               \
-                       ((size_t)block_stride - (num_kv_heads - h1 + h0) * D) * sizeof(T));             \
+        prefetch_block(vc + (int64_t)table[t0 / block_size + 1] * block_stride + h0 * D, span);        \
       for (int h = h0; h < h1; h++) {                                                                  \
         const T *vb = block + (int64_t)h * D;                                                          \
         vf *ah = acc + (h - h0) * group * NV;                                                          \

@@ -7,8 +7,9 @@ torch headers are involved, so a build takes about two seconds. Where there is n
 
 Besides the paged decode attention (`batchgen.model.cpu_attention`), the library holds one-call
 versions of a decoder layer's bf16 element-wise chains (`csrc/bf16_ops.c`): RMSNorm with the
-residual add before it, SiLU-and-multiply, and the rotary embedding. On a decode step each replaces
-several ATen calls whose dispatch costs more than their arithmetic.
+residual add before it, SiLU-and-multiply, and the rotary embedding; and the write of a step's K/V
+rows into the paged cache (`csrc/kv_store.c`). On a decode step each replaces one or several ATen
+calls whose dispatch costs more than their arithmetic.
 """
 
 from __future__ import annotations
@@ -220,6 +221,8 @@ def load_library() -> ctypes.CDLL | None:
         ptr,
         ctypes.c_int,
     ]
+    lib.store_kv_rows.restype = i64
+    lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     return lib
 
 
@@ -344,3 +347,87 @@ def rotary_bf16(
         torch.get_num_threads(),
     )
     return q, k
+
+
+def _rows_layout(name: str, t: torch.Tensor, row_shape: tuple[int, ...]) -> None:
+    """Check `t` is `[T, *row_shape]` with each row's elements contiguous (rows may be strided)."""
+    if t.dim() != 1 + len(row_shape) or tuple(t.shape[1:]) != row_shape:
+        raise ValueError(f"{name} must be [T, {', '.join(map(str, row_shape))}]; got {tuple(t.shape)}")
+    expected = 1
+    for dim in range(t.dim() - 1, 0, -1):
+        if t.shape[dim] > 1 and t.stride(dim) != expected:
+            raise ValueError(f"{name} must have contiguous rows (a row's heads and dims in order)")
+        expected *= t.shape[dim]
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    check_layout: bool = True,
+) -> None:
+    """Write `key`/`value` rows into the paged caches at `slot_mapping`; slot -1 is skipped.
+
+    Args:
+        key / value: `[T, Hkv, D]` in the caches' dtype; each row contiguous, rows may be strided (a
+            slice of a fused QKV output).
+        k_cache / v_cache: contiguous `[num_blocks, block_size, Hkv, D]`.
+        slot_mapping: int64 `[T]`, `block_id * block_size + offset` per row, or -1.
+        check_layout: check the dtypes, shapes and strides (about 15 us). A caller that has checked
+            the same layout already in this step (the other layers) passes False; the slots are
+            always checked, in C.
+
+    Raises:
+        ValueError: a dtype, shape or layout the kernel does not take, or a slot outside the cache
+            (then nothing is written).
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if check_layout:
+        _check_store_layout(key, value, k_cache, v_cache, slot_mapping)
+    size = k_cache.element_size()
+    bad = load_library().store_kv_rows(
+        key.data_ptr(),
+        key.stride(0) * size,
+        value.data_ptr(),
+        value.stride(0) * size,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        key.shape[0],
+        num_kv_heads * head_dim * size,
+        num_blocks * block_size,
+        torch.get_num_threads(),
+    )
+    if bad >= 0:
+        raise ValueError(
+            f"slot_mapping[{bad}] = {int(slot_mapping[bad])} is outside the cache's "
+            f"{num_blocks * block_size} slots"
+        )
+
+
+def _check_store_layout(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    row_shape = tuple(k_cache.shape[2:])
+    for name, t in (("key", key), ("value", value)):
+        _rows_layout(name, t, row_shape)
+        if t.dtype != k_cache.dtype or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU {k_cache.dtype} tensor; got {t.dtype} on {t.device}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError("k_cache and v_cache must have the same shape and dtype")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    num_tokens = key.shape[0]
+    if value.shape[0] != num_tokens or slot_mapping.shape != (num_tokens,):
+        raise ValueError(
+            f"key, value and slot_mapping must have the same number of rows; got "
+            f"{num_tokens}, {value.shape[0]} and {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be a contiguous int64 tensor")

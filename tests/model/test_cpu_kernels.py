@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from batchgen import LLM, SamplingParams
 from batchgen.model import cpu_attention, cpu_kernels
-from batchgen.model.attention import TorchAttentionBackend, select_backend
+from batchgen.model.attention import TorchAttentionBackend, select_backend, store_kv_cache_torch
 from batchgen.model.layers import apply_rotary
 
 pytestmark = pytest.mark.skipif(
@@ -78,6 +78,52 @@ def test_bad_layouts_are_refused():
         cpu_kernels.silu_mul_bf16(torch.randn(2, 7).to(torch.bfloat16))
 
 
+def make_caches(
+    dtype: torch.dtype, num_blocks: int = 6, block_size: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    k_cache = torch.randn(num_blocks, block_size, 3, 64).to(dtype)
+    return k_cache, torch.randn_like(k_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 5, 800])  # 800 f32 rows (2.4 MB) run on all threads
+def test_store_kv_writes_the_rows_torch_writes(dtype, rows):
+    """Bitwise the torch path's cache after the write, from a strided value slice; -1 rows skipped."""
+    torch.manual_seed(0)
+    k_cache, v_cache = make_caches(dtype, num_blocks=256 if rows > 24 else 6)
+    qkv = torch.randn(rows, (9 + 2 * 3) * 64).to(dtype)
+    key = qkv[:, 9 * 64 : 12 * 64].view(rows, 3, 64)
+    value = qkv[:, 12 * 64 :].view(rows, 3, 64)  # rows 15 * 64 elements apart
+    slots = torch.randperm(k_cache.shape[0] * k_cache.shape[1])[:rows]
+    if rows > 1:
+        slots[1] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_kv_cache_torch(key, value, expected_k, expected_v, slots)
+    cpu_kernels.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert torch.equal(k_cache.view(-1, 3, 64)[slots[0]], key[0])
+
+
+def test_store_kv_refuses_bad_slots_and_layouts():
+    k_cache, v_cache = make_caches(torch.bfloat16)
+    before = k_cache.clone(), v_cache.clone()
+    key = torch.randn(3, 3, 64).to(torch.bfloat16)
+    for bad in (24, -2):  # 6 blocks x 4 slots
+        with pytest.raises(ValueError, match=rf"slot_mapping\[2\] = {bad} is outside the cache's 24 slots"):
+            cpu_kernels.store_kv(key, key, k_cache, v_cache, torch.tensor([0, 1, bad]))
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])  # nothing written
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cpu_kernels.store_kv(
+            key.transpose(1, 2).contiguous().transpose(1, 2), key, k_cache, v_cache, torch.arange(3)
+        )
+    with pytest.raises(ValueError, match="must be a CPU torch.bfloat16"):
+        cpu_kernels.store_kv(key.float(), key, k_cache, v_cache, torch.arange(3))
+    with pytest.raises(ValueError, match="int64"):
+        cpu_kernels.store_kv(key, key, k_cache, v_cache, torch.arange(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="same number of rows"):
+        cpu_kernels.store_kv(key, key[:2], k_cache, v_cache, torch.arange(3))
+
+
 def test_silu_and_attention_weights_underflow_to_zero():
     """exp of a very negative input is 0, not float32's smallest normal (which large values amplify)."""
     gate_up = torch.tensor([[-1e30, -1e37, -3e38, 1.0, 1.0, 1.0]]).to(torch.bfloat16)
@@ -111,7 +157,7 @@ def test_cpu_backend_runs_the_c_ops_and_torch_backend_does_not(tiny_model_dir, m
     prompts = [{"prompt_token_ids": [1 + i, 20 + 3 * i, 7, 300 + i] * (1 + i)} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     calls: list[str] = []
-    for name in ("add_rms_norm_bf16", "silu_mul_bf16", "rotary_bf16"):
+    for name in ("add_rms_norm_bf16", "silu_mul_bf16", "rotary_bf16", "store_kv"):
         original = getattr(cpu_kernels, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):
@@ -121,7 +167,7 @@ def test_cpu_backend_runs_the_c_ops_and_torch_backend_does_not(tiny_model_dir, m
         monkeypatch.setattr(cpu_kernels, name, counted)
     fused_llm = LLM(path, dtype="bfloat16", attention_backend="cpu")
     fused = [o.outputs[0].token_ids for o in fused_llm.generate(prompts, params)]
-    assert {"add_rms_norm_bf16", "silu_mul_bf16", "rotary_bf16"} <= set(calls)
+    assert {"add_rms_norm_bf16", "silu_mul_bf16", "rotary_bf16", "store_kv"} <= set(calls)
     calls.clear()
     plain_llm = LLM(path, dtype="bfloat16", attention_backend="torch")
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]

@@ -13,8 +13,8 @@ from typing import Annotated
 
 import typer
 
-from batchgen.cli_types import memory_size as parse_bytes
-from batchgen.config import ATTENTION_BACKENDS, DTYPES, POLICIES, PREEMPTION_MODES
+from batchgen import cli_types as opt
+from batchgen.config import POLICIES, EngineConfig
 
 app = typer.Typer(
     name="batchgen",
@@ -84,27 +84,23 @@ def run_command(
     window: Annotated[
         int, typer.Option(help="Look-ahead window in rows (the policy orders inside it)")
     ] = 1024,
-    # --- engine (vLLM spellings) ---
-    model: Annotated[
-        str | None, typer.Option(help="HF directory, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
-    ] = None,
-    dtype: Annotated[str, typer.Option(help=_choices(DTYPES))] = "auto",
-    max_num_seqs: Annotated[int, typer.Option(help="Most sequences per step")] = 256,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(help="Most tokens per step")] = None,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block")] = 16,
-    max_model_len: Annotated[int | None, typer.Option(help="Longest prompt + output in tokens")] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory to use (CUDA)")] = 0.9,
-    kv_cache_memory: Annotated[
-        int | None,
-        typer.Option(parser=parse_bytes, metavar="SIZE", help="CPU KV cache size: bytes or 2GiB, 512MiB"),
-    ] = None,
-    swap_space: Annotated[float, typer.Option(help="GiB of CPU swap space for preempted blocks")] = 4.0,
-    enable_prefix_caching: Annotated[
-        bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes")
-    ] = True,
-    preemption_mode: Annotated[str, typer.Option(help=_choices(PREEMPTION_MODES))] = "recompute",
-    attention_backend: Annotated[str, typer.Option(help=_choices(ATTENTION_BACKENDS))] = "auto",
-    num_threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    # --- engine (vLLM spellings; shared with `batchgen bench`) ---
+    model: opt.Model = EngineConfig.model,
+    dtype: opt.Dtype = EngineConfig.dtype,
+    max_num_seqs: opt.MaxNumSeqs = EngineConfig.max_num_seqs,
+    max_num_batched_tokens: opt.MaxNumBatchedTokens = EngineConfig.max_num_batched_tokens,
+    block_size: opt.BlockSize = EngineConfig.block_size,
+    max_model_len: opt.MaxModelLen = EngineConfig.max_model_len,
+    gpu_memory_utilization: opt.GpuMemoryUtilization = EngineConfig.gpu_memory_utilization,
+    kv_cache_memory: opt.KvCacheMemory = EngineConfig.kv_cache_memory,
+    swap_space: opt.SwapSpace = EngineConfig.swap_space,
+    enable_prefix_caching: opt.EnablePrefixCaching = EngineConfig.enable_prefix_caching,
+    enable_chunked_prefill: opt.EnableChunkedPrefill = EngineConfig.enable_chunked_prefill,
+    preemption_mode: opt.PreemptionMode = EngineConfig.preemption_mode,
+    aging_steps: opt.AgingSteps = EngineConfig.aging_steps,
+    attention_backend: opt.AttentionBackend = EngineConfig.attention_backend,
+    device: opt.Device = EngineConfig.device,
+    num_threads: opt.NumThreads = EngineConfig.num_threads,
     # --- job mechanics ---
     no_dashboard: Annotated[
         bool, typer.Option("--no-dashboard", help="Plain progress lines instead of the live view")
@@ -117,21 +113,7 @@ def run_command(
     from batchgen.jobs.reader import JobInputError
     from batchgen.jobs.runner import JobOptions, run_job
 
-    engine = {
-        "model": model,
-        "dtype": dtype,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "block_size": block_size,
-        "max_model_len": max_model_len,
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "kv_cache_memory": kv_cache_memory,
-        "swap_space": swap_space,
-        "enable_prefix_caching": enable_prefix_caching,
-        "preemption_mode": preemption_mode,
-        "attention_backend": attention_backend,
-        "num_threads": num_threads,
-    }
+    engine = opt.engine_options(locals())
     keep = tuple(c.strip() for item in keep_columns or () for c in item.split(",") if c.strip())
     resume_args = [a for a in sys.argv[1:] if a != "--overwrite"]
     options = JobOptions(

@@ -13,6 +13,7 @@ POLICIES = ("fcfs", "max-throughput", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
 
 GiB = 1 << 30
 
@@ -121,7 +122,7 @@ class EngineConfig:
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _check_positive_int("aging_steps", self.aging_steps)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("device", self.device, DEVICES)
         if self.num_threads is not None:
             _check_positive_int("num_threads", self.num_threads)
 

@@ -14,8 +14,8 @@ from typing import Annotated
 
 import typer
 
+from batchgen import cli_types as opt
 from batchgen.bench.workloads import DISTS, WorkloadSpec
-from batchgen.cli_types import memory_size as parse_size
 from batchgen.config import EngineConfig
 
 
@@ -61,26 +61,23 @@ def bench_command(
             help="Runs per configuration, interleaved (each round starts one configuration later); the median run is reported."
         ),
     ] = 1,
-    model: Annotated[
-        str | None, typer.Option(help="HF directory, hub id or .gguf (default model if unset).")
-    ] = None,
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
-    max_num_seqs: Annotated[int, typer.Option(help="Most sequences per step.")] = 256,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(help="Most tokens per step.")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Longest prompt + output.")] = None,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
-    kv_cache_memory: Annotated[
-        str | None, typer.Option(help="CPU KV cache: bytes or 2GiB, 1.5GiB, 512MiB.")
-    ] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option(help="CUDA memory fraction.")] = 0.9,
-    num_threads: Annotated[int | None, typer.Option(help="torch threads (all configurations).")] = None,
-    enable_prefix_caching: Annotated[bool, typer.Option(help="Prefix caching (off in static).")] = True,
-    enable_chunked_prefill: Annotated[bool, typer.Option(help="Chunked prefill.")] = True,
-    preemption_mode: Annotated[str, typer.Option(help="recompute or swap.")] = "recompute",
-    swap_space: Annotated[float, typer.Option(help="GiB of CPU swap space.")] = 4.0,
-    aging_steps: Annotated[int, typer.Option(help="max-throughput starvation bound in steps.")] = 256,
-    attention_backend: Annotated[str, typer.Option(help="auto, torch, cpu, triton.")] = "auto",
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda.")] = "auto",
+    # --- engine (vLLM spellings; shared with `batchgen run`) ---
+    model: opt.Model = EngineConfig.model,
+    dtype: opt.Dtype = EngineConfig.dtype,
+    max_num_seqs: opt.MaxNumSeqs = EngineConfig.max_num_seqs,
+    max_num_batched_tokens: opt.MaxNumBatchedTokens = EngineConfig.max_num_batched_tokens,
+    block_size: opt.BlockSize = EngineConfig.block_size,
+    max_model_len: opt.MaxModelLen = EngineConfig.max_model_len,
+    gpu_memory_utilization: opt.GpuMemoryUtilization = EngineConfig.gpu_memory_utilization,
+    kv_cache_memory: opt.KvCacheMemory = EngineConfig.kv_cache_memory,
+    swap_space: opt.SwapSpace = EngineConfig.swap_space,
+    enable_prefix_caching: opt.EnablePrefixCaching = EngineConfig.enable_prefix_caching,
+    enable_chunked_prefill: opt.EnableChunkedPrefill = EngineConfig.enable_chunked_prefill,
+    preemption_mode: opt.PreemptionMode = EngineConfig.preemption_mode,
+    aging_steps: opt.AgingSteps = EngineConfig.aging_steps,
+    attention_backend: opt.AttentionBackend = EngineConfig.attention_backend,
+    device: opt.Device = EngineConfig.device,
+    num_threads: opt.NumThreads = EngineConfig.num_threads,
 ) -> None:
     """Benchmark continuous against static batching and Hugging Face on one workload.
 
@@ -88,6 +85,8 @@ def bench_command(
     writes a JSON report and a PNG timeline. Exits 1 when a batchgen configuration failed.
     """
     from rich.console import Console
+
+    engine = opt.engine_options(locals())
 
     from batchgen.bench.report import plot as plot_report
     from batchgen.bench.report import render, write_json
@@ -114,24 +113,7 @@ def bench_command(
             policies=_split(policy),
             baselines=_split(baselines),
             static_batch_size=static_batch_size,
-            engine=EngineConfig(
-                model=model,
-                dtype=dtype,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                block_size=block_size,
-                max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization,
-                kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
-                swap_space=swap_space,
-                enable_prefix_caching=enable_prefix_caching,
-                enable_chunked_prefill=enable_chunked_prefill,
-                preemption_mode=preemption_mode,
-                aging_steps=aging_steps,
-                attention_backend=attention_backend,
-                device=device,
-                num_threads=num_threads,
-            ),
+            engine=EngineConfig(**engine),
             measure_ceiling=ceiling,
             repeat=repeat,
         )

@@ -14,7 +14,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from batchgen.bench.cli import bench_command, parse_size
+from batchgen.bench.cli import bench_command
+from batchgen.cli_types import memory_size as parse_size
 
 REPO = Path(__file__).parents[2]
 EXPECTED = ["continuous/fcfs", "continuous/max-throughput", "static/b4", "hf-static/b4", "hf-cb"]
@@ -153,6 +154,8 @@ def test_profile_engine_script_smoke(tiny_model_dir, tmp_path: Path) -> None:
         ("64M", 64 << 20),
         ("100B", 100),
         ("4096", 4096),
+        ("1.5GB", 1_500_000_000),
+        ("4g", 4 << 30),
     ],
 )
 def test_parse_size(text: str, size: int) -> None:

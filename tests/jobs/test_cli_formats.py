@@ -12,7 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from batchgen.cli import app, parse_bytes
+from batchgen.cli import app
+from batchgen.cli_types import ENGINE_OPTIONS
+from batchgen.config import EngineConfig
 
 SCHEMA = [
     "row_index",
@@ -100,11 +102,21 @@ def test_missing_model_exits_2(tmp_path):
     assert r.exit_code == 2 and "cannot start the engine" in r.stderr
 
 
-def test_parse_bytes():
-    assert (
-        parse_bytes("2GiB") == 2 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1024") == 1024
-    )
-    assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("4g") == 4 << 30
+def test_run_and_bench_take_the_same_engine_options():
+    """Every engine option has the same flag, default and help in `run` and `bench`."""
+    import typer.main
+
+    def options(name: str) -> dict[str, tuple]:
+        command = typer.main.get_command(app).commands[name]
+        return {
+            p.name: (tuple(p.opts), p.default, p.help) for p in command.params if p.name in ENGINE_OPTIONS
+        }
+
+    run, bench = options("run"), options("bench")
+    assert set(run) == set(bench) == set(ENGINE_OPTIONS)
+    assert run == bench
+    assert set(ENGINE_OPTIONS) <= set(EngineConfig.__dataclass_fields__)
+    assert run["max_num_seqs"][:2] == (("--max-num-seqs",), EngineConfig.max_num_seqs)
 
 
 # ----- real runs on a tiny model -----

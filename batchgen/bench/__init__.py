@@ -1,7 +1,9 @@
 """`batchgen bench`: workloads, configurations (continuous, static, Hugging Face baselines), metrics, report.
 
 Modules:
-    workloads     request lengths and prompts (longtail, uniform, fixed, Azure traces, job files), arrivals
+    workloads     request lengths and prompts (longtail, uniform, fixed, Azure traces), arrivals
+    traces        the Azure LLM inference traces and the log-normal fits of `longtail`
+    job_workload  `file:PATH` workloads from a job file
     static        padded static batching run through batchgen's own engine
     hf_baselines  transformers `generate` in static batches and transformers' continuous batching
     metrics       per-request / per-step records, latency and throughput summaries, compute ceiling

@@ -46,9 +46,6 @@ Arrivals: all requests at time 0 (offline) by default; `request_rate` R > 0 draw
 
 from __future__ import annotations
 
-import csv
-import datetime as _dt
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,133 +54,15 @@ from typing import Any
 
 import numpy as np
 
-TRACE_FILES = {
-    "azure-conv": "AzureLLMInferenceTrace_conv.csv",
-    "azure-code": "AzureLLMInferenceTrace_code.csv",
-}
+from batchgen.bench.traces import (
+    LONGTAIL_INPUT,
+    LONGTAIL_OUTPUT,
+    TRACE_FILES,
+    default_data_dir,
+    load_azure_trace,
+)
+
 DISTS = ("longtail", "uniform", "fixed", "azure-conv", "azure-code", "file:PATH")
-
-
-@dataclass(frozen=True)
-class LogNormal:
-    """A log-normal length distribution: exp(Normal(mu, sigma)), clipped at `max_value` tokens."""
-
-    mu: float
-    sigma: float
-    max_value: float
-
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """`n` lengths in tokens (float, before scaling and rounding)."""
-        return np.minimum(rng.lognormal(self.mu, self.sigma, n), self.max_value)
-
-    @property
-    def median(self) -> float:
-        return math.exp(self.mu)
-
-
-# Maximum-likelihood fit to AzureLLMInferenceTrace_conv.csv (see the module docstring);
-# tests/bench/test_workloads.py re-fits the trace and checks these numbers.
-LONGTAIL_INPUT = LogNormal(mu=6.633, sigma=0.985, max_value=14050)
-LONGTAIL_OUTPUT = LogNormal(mu=5.019, sigma=0.859, max_value=1000)
-
-
-def fit_lognormal(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
-    """Maximum-likelihood log-normal fit: (mean, standard deviation) of log(values).
-
-    Raises:
-        ValueError: when `values` is empty or holds a value <= 0.
-    """
-    x = np.asarray(values, dtype=np.float64)
-    if x.size == 0 or np.any(x <= 0):
-        raise ValueError("fit_lognormal needs a non-empty array of positive lengths")
-    logs = np.log(x)
-    return float(logs.mean()), float(logs.std())
-
-
-# --- Azure traces ---------------------------------------------------------------------------------
-
-TICKS_PER_SECOND = 10_000_000  # the traces' timestamps carry 7 fractional digits (100 ns)
-
-
-def parse_trace_timestamp(text: str) -> int:
-    """Parse `2023-11-16 18:15:46.6805900` into 100-ns ticks since 1970-01-01 (naive time).
-
-    Integer ticks keep all 7 fractional digits exactly (Python's `%f` takes only 6, and a float
-    of epoch seconds loses the 7th). Fractions shorter than 7 digits are accepted.
-
-    Raises:
-        ValueError: when the text is not `YYYY-MM-DD HH:MM:SS[.fraction]`.
-    """
-    text = text.strip()
-    whole, _, frac = text.partition(".")
-    try:
-        moment = _dt.datetime.strptime(whole, "%Y-%m-%d %H:%M:%S")
-    except ValueError as exc:
-        raise ValueError(f"bad trace timestamp {text!r}: expected 'YYYY-MM-DD HH:MM:SS.fffffff'") from exc
-    if frac and (not frac.isdigit() or len(frac) > 7):
-        raise ValueError(f"bad trace timestamp {text!r}: fraction must be 1-7 digits")
-    seconds = (moment - _dt.datetime(1970, 1, 1)) // _dt.timedelta(seconds=1)
-    return seconds * TICKS_PER_SECOND + int(frac.ljust(7, "0") or 0)
-
-
-@dataclass(frozen=True)
-class AzureTrace:
-    """One Azure LLM inference trace (Patel et al., "Splitwise", ISCA 2024).
-
-    Attributes:
-        times: arrival of each record in seconds since the first record, float64 `[n]`.
-        context_tokens: prompt lengths in tokens, int64 `[n]`.
-        generated_tokens: output lengths in tokens, int64 `[n]`.
-    """
-
-    times: np.ndarray
-    context_tokens: np.ndarray
-    generated_tokens: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.times.shape[0])
-
-
-def load_azure_trace(path: str | Path) -> AzureTrace:
-    """Read `TIMESTAMP,ContextTokens,GeneratedTokens` (CRLF or LF, with or without a final newline).
-
-    Raises:
-        FileNotFoundError: when the file is absent.
-        ValueError: naming the line of a malformed record, or when the file has no records.
-    """
-    path = Path(path)
-    ticks: list[int] = []
-    ctx: list[int] = []
-    gen: list[int] = []
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header] != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
-            raise ValueError(f"{path}: expected header TIMESTAMP,ContextTokens,GeneratedTokens, got {header}")
-        for lineno, row in enumerate(reader, start=2):
-            if not row or all(not c.strip() for c in row):
-                continue
-            if len(row) != 3:
-                raise ValueError(f"{path}:{lineno}: expected 3 fields, got {len(row)}")
-            try:
-                ticks.append(parse_trace_timestamp(row[0]))
-                ctx.append(int(row[1]))
-                gen.append(int(row[2]))
-            except ValueError as exc:
-                raise ValueError(f"{path}:{lineno}: {exc}") from exc
-    if not ticks:
-        raise ValueError(f"{path}: no records")
-    t = np.asarray(ticks, dtype=np.int64)
-    return AzureTrace(
-        times=(t - t[0]).astype(np.float64) / TICKS_PER_SECOND,
-        context_tokens=np.asarray(ctx, dtype=np.int64),
-        generated_tokens=np.asarray(gen, dtype=np.int64),
-    )
-
-
-def default_data_dir() -> Path:
-    """`../shared/data` next to the repository root (where the Azure traces live)."""
-    return Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 
 
 # --- workload specification -------------------------------------------------------------------------
@@ -260,7 +139,9 @@ def _rng(seed: int, stream: int) -> np.random.Generator:
     return np.random.default_rng([seed, stream])
 
 
-def _clip(inputs: np.ndarray, outputs: np.ndarray, max_model_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+def clip_lengths(
+    inputs: np.ndarray, outputs: np.ndarray, max_model_len: int
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Round and clip to input >= 1, output >= 1, input + output <= max_model_len; count changes."""
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -329,7 +210,7 @@ def sample_lengths(spec: WorkloadSpec, max_model_len: int) -> LengthPlan:
         params |= {"scale": spec.scale, "trace": path.name, "first_record": start}
     else:
         raise ValueError(f"sample_lengths cannot sample {spec.dist!r}; file workloads read their lengths")
-    inputs, outputs, clipped = _clip(np.asarray(raw_in), np.asarray(raw_out), max_model_len)
+    inputs, outputs, clipped = clip_lengths(np.asarray(raw_in), np.asarray(raw_out), max_model_len)
     params |= {"max_model_len": max_model_len, "num_clipped": clipped}
     return LengthPlan(inputs, outputs, trace_times, params)
 
@@ -463,7 +344,9 @@ def build_workload(
     if spec.dist.startswith("file:"):
         if encode is None:
             raise ValueError("file: workloads need an encoder for the prompts")
-        return _file_workload(spec, encode, max_model_len)
+        from batchgen.bench.job_workload import file_workload  # it builds on this module's types
+
+        return file_workload(spec, encode, max_model_len)
     plan = sample_lengths(spec, max_model_len)
     prompts = random_prompts(plan.input_lens, allowed_token_ids(vocab_size, special_token_ids), spec.seed)
     arrivals = arrival_times(spec, len(prompts), plan.trace_times)
@@ -471,109 +354,14 @@ def build_workload(
         BenchRequest(str(i), p, int(o), float(a))
         for i, (p, o, a) in enumerate(zip(prompts, plan.output_lens, arrivals, strict=True))
     ]
-    params = plan.params | _arrival_params(spec)
+    params = plan.params | arrival_params(spec)
     return Workload(spec.dist, requests, params)
 
 
-def _arrival_params(spec: WorkloadSpec) -> dict[str, Any]:
+def arrival_params(spec: WorkloadSpec) -> dict[str, Any]:
+    """How the requests arrive, for the report: offline, Poisson (with its rate) or the trace's times."""
     if spec.trace_arrivals:
         return {"arrivals": "trace"}
     if math.isfinite(spec.request_rate):
         return {"arrivals": "poisson", "request_rate": spec.request_rate}
     return {"arrivals": "offline"}
-
-
-# --- job files ----------------------------------------------------------------------------------------
-
-
-def read_job_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL (`.jsonl`, `.json`) or Parquet (`.parquet`) job file as dicts.
-
-    Raises:
-        FileNotFoundError: when the file is absent.
-        ValueError: naming the line of a JSONL record that is not a JSON object.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"job file {path} not found")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return rows
-
-
-def _row_prompt_and_max_tokens(row: dict[str, Any]) -> tuple[Any, int | None]:
-    body = row.get("body") if isinstance(row.get("body"), dict) else {}
-    sp = row.get("sampling_params") if isinstance(row.get("sampling_params"), dict) else {}
-    if row.get("prompt_token_ids") is not None:
-        prompt: Any = {"prompt_token_ids": list(row["prompt_token_ids"])}
-    elif row.get("messages") is not None:
-        prompt = list(row["messages"])
-    elif row.get("prompt") is not None:
-        prompt = row["prompt"]
-    elif body.get("messages") is not None:
-        prompt = list(body["messages"])
-    elif body.get("prompt") is not None:
-        prompt = body["prompt"]
-    else:
-        raise ValueError("row has no prompt, messages, prompt_token_ids or body.messages")
-    for value in (
-        row.get("max_tokens"),
-        sp.get("max_tokens"),
-        body.get("max_tokens"),
-        body.get("max_completion_tokens"),
-    ):
-        if value is not None:
-            return prompt, int(value)
-    return prompt, None
-
-
-def _file_workload(spec: WorkloadSpec, encode: PromptEncoder, max_model_len: int) -> Workload:
-    path = Path(spec.dist[5:])
-    rows = read_job_rows(path)
-    if spec.num_prompts:
-        rows = rows[: spec.num_prompts]
-    prompts: list[list[int]] = []
-    outs: list[int] = []
-    for i, row in enumerate(rows):
-        try:
-            prompt, max_tokens = _row_prompt_and_max_tokens(row)
-            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else encode(prompt)
-            if not ids:
-                raise ValueError("empty prompt")
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(f"{path}: row {i}: {exc}") from exc
-        prompts.append(list(ids))
-        outs.append(max_tokens if max_tokens is not None else spec.output_len)
-    inputs, outputs, clipped = _clip(
-        np.asarray([len(p) for p in prompts], dtype=np.float64),
-        np.asarray(outs, dtype=np.float64),
-        max_model_len,
-    )
-    arrivals = arrival_times(spec, len(prompts))
-    requests = [
-        BenchRequest(str(i), p[: int(k)], int(o), float(a))
-        for i, (p, k, o, a) in enumerate(zip(prompts, inputs, outputs, arrivals, strict=True))
-    ]
-    params = {
-        "dist": "file",
-        "path": str(path),
-        "num_prompts": len(requests),
-        "default_output_len": spec.output_len,
-        "max_model_len": max_model_len,
-        "num_clipped": clipped,
-    } | _arrival_params(spec)
-    return Workload(f"file:{path.name}", requests, params)

@@ -9,17 +9,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from batchgen.bench.workloads import (
+from batchgen.bench.traces import (
     LONGTAIL_INPUT,
     LONGTAIL_OUTPUT,
     TICKS_PER_SECOND,
+    fit_lognormal,
+    load_azure_trace,
+    parse_trace_timestamp,
+)
+from batchgen.bench.workloads import (
     WorkloadSpec,
     allowed_token_ids,
     arrival_times,
     build_workload,
-    fit_lognormal,
-    load_azure_trace,
-    parse_trace_timestamp,
     sample_lengths,
 )
 

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from batchgen import LLM, SamplingParams
-from batchgen.bench.workloads import read_job_rows
+from batchgen.bench.job_workload import read_job_rows
 from batchgen.model import cpu_attention
 
 XSUM = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "xsum" / "test.jsonl"

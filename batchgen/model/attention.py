@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from batchgen.model import cpu_attention, cpu_kernels
+from batchgen.model import cpu_attention, cpu_kernels, cpu_ops
 
 
 @dataclass
@@ -63,7 +63,7 @@ class AttentionBackend:
 
     name = "abstract"
     # Whether the model also runs its bf16 element-wise ops (RMSNorm, SiLU-and-multiply, rotary) as
-    # the C kernels of `cpu_kernels`; only the "cpu" backend does, so "torch" stays plain torch.
+    # the C kernels of `cpu_ops`; only the "cpu" backend does, so "torch" stays plain torch.
     fused_cpu_ops = False
 
     def forward(
@@ -199,12 +199,12 @@ class CPUAttentionBackend(TorchAttentionBackend):
     fused_cpu_ops = True
 
     def _store(self, key, value, k_cache, v_cache, meta):
-        # One memcpy a row in C (`cpu_kernels.store_kv`) instead of two `index_copy_` calls; the
+        # One memcpy a row in C (`cpu_ops.store_kv`) instead of two `index_copy_` calls; the
         # kernel checks the slots itself, so the step's validity scan is not needed either.
         if key.dtype == k_cache.dtype == value.dtype and cpu_kernels.load_library() is not None:
             first_layer = "kv_store_checked" not in meta.scratch  # same layouts in every layer
             meta.scratch["kv_store_checked"] = True
-            cpu_kernels.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, check_layout=first_layer)
+            cpu_ops.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, check_layout=first_layer)
         else:
             TorchAttentionBackend._store(key, value, k_cache, v_cache, meta)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.model import cpu_kernels
+from batchgen.model import cpu_ops
 from batchgen.model.attention import AttentionBackend, AttentionMetadata
 
 
@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
     `F.rms_norm` computes exactly Hugging Face's `weight * x * rsqrt(mean(x^2) + eps)`.
 
     With `c_ops` (the "cpu" attention backend), in bf16 on a CPU with the C kernels built
-    (`cpu_kernels`), the norm is one pass per row in C.
+    (`cpu_ops`), the norm is one pass per row in C.
     Otherwise, in 16-bit dtypes with many rows (prefill), it is one float32-accumulating reduction and two
     16-bit multiplies. On CPU, `F.rms_norm` widens the whole input to float32 and makes seven
     passes: 6.5 ms against 1.4 ms for 2048 x 576 bf16 rows on one thread. The price is one more
@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.c_ops and _c_rows(x):
-            return cpu_kernels.add_rms_norm_bf16(x, None, self.weight, self.eps)
+            return cpu_ops.add_rms_norm_bf16(x, None, self.weight, self.eps)
         if x.dtype == torch.float32 or x.numel() < self.FEW_PASSES_MIN_ROWS * x.shape[-1]:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
@@ -51,14 +51,14 @@ class RMSNorm(nn.Module):
     def add_forward(self, hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """`hidden += delta` in place (the residual add), then the norm of `hidden`; one C call for bf16 on CPU."""
         if self.c_ops and _c_rows(hidden) and _c_rows(delta):
-            return cpu_kernels.add_rms_norm_bf16(hidden, delta, self.weight, self.eps)
+            return cpu_ops.add_rms_norm_bf16(hidden, delta, self.weight, self.eps)
         hidden += delta
         return self(hidden)
 
 
 def _c_rows(x: torch.Tensor) -> bool:
     """Whether `x` goes to the C element-wise ops: bf16 on CPU (library built), 2-D, contiguous rows."""
-    return x.dim() == 2 and x.stride(1) == 1 and cpu_kernels.bf16_ops_apply(x)
+    return x.dim() == 2 and x.stride(1) == 1 and cpu_ops.bf16_ops_apply(x)
 
 
 def rope_parameters(config) -> dict:
@@ -187,8 +187,8 @@ class Attention(nn.Module):
             qk = torch.cat(
                 (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
             )
-        if self.backend.fused_cpu_ops and cpu_kernels.bf16_ops_apply(qk):
-            q, k = cpu_kernels.rotary_bf16(qk, *cos_sin, self.num_heads)
+        if self.backend.fused_cpu_ops and cpu_ops.bf16_ops_apply(qk):
+            q, k = cpu_ops.rotary_bf16(qk, *cos_sin, self.num_heads)
             return q, k, v
         # One rotation for queries and keys together: half the element-wise passes.
         qk = apply_rotary(qk, cos_sin)
@@ -232,6 +232,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.c_ops and _c_rows(gate_up):
-            return self.down_proj(cpu_kernels.silu_mul_bf16(gate_up))
+            return self.down_proj(cpu_ops.silu_mul_bf16(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

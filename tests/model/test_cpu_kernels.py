@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen import LLM, SamplingParams
-from batchgen.model import cpu_attention, cpu_kernels
+from batchgen.model import cpu_attention, cpu_kernels, cpu_ops
 from batchgen.model.attention import TorchAttentionBackend, select_backend, store_kv_cache_torch
 from batchgen.model.layers import apply_rotary
 
@@ -39,7 +39,7 @@ def test_add_rms_norm_matches_hf_formula(rows, with_delta):
     h = expected_hidden.float()
     normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
     expected = weight * normed  # LlamaRMSNorm: a bf16 product of the rounded normed value
-    got = cpu_kernels.add_rms_norm_bf16(hidden, delta if with_delta else None, weight, 1e-5)
+    got = cpu_ops.add_rms_norm_bf16(hidden, delta if with_delta else None, weight, 1e-5)
     assert torch.equal(hidden, expected_hidden)  # the residual add is in place, rounded like torch's
     within_one_ulp(got, expected)
 
@@ -49,7 +49,7 @@ def test_silu_mul_matches_torch(rows):
     torch.manual_seed(0)
     gate_up = (torch.randn(rows, 2 * 1536) * 4).to(torch.bfloat16)
     gate, up = gate_up.split(1536, dim=-1)
-    within_one_ulp(cpu_kernels.silu_mul_bf16(gate_up), F.silu(gate) * up)
+    within_one_ulp(cpu_ops.silu_mul_bf16(gate_up), F.silu(gate) * up)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 600])  # 600 rows run on all threads
@@ -62,7 +62,7 @@ def test_rotary_is_bitwise_the_torch_formula(rows):
     angles = torch.rand(rows, head_dim // 2) * 6.3
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(torch.bfloat16)[:, None, :], emb.sin().to(torch.bfloat16)[:, None, :]
-    q, k = cpu_kernels.rotary_bf16(qk, cos, sin, q_heads)
+    q, k = cpu_ops.rotary_bf16(qk, cos, sin, q_heads)
     expected = apply_rotary(qk, (cos, sin))
     assert q.is_contiguous() and k.is_contiguous()
     assert torch.equal(q, expected[:, :q_heads]) and torch.equal(k, expected[:, q_heads:])
@@ -71,11 +71,11 @@ def test_rotary_is_bitwise_the_torch_formula(rows):
 def test_bad_layouts_are_refused():
     x = torch.randn(4, 8).to(torch.bfloat16)
     with pytest.raises(ValueError, match="contiguous columns"):
-        cpu_kernels.add_rms_norm_bf16(x.t(), None, torch.ones(4, dtype=torch.bfloat16), 1e-5)
+        cpu_ops.add_rms_norm_bf16(x.t(), None, torch.ones(4, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(ValueError, match="weight"):
-        cpu_kernels.add_rms_norm_bf16(x, None, torch.ones(5, dtype=torch.bfloat16), 1e-5)
+        cpu_ops.add_rms_norm_bf16(x, None, torch.ones(5, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(ValueError, match="even width"):
-        cpu_kernels.silu_mul_bf16(torch.randn(2, 7).to(torch.bfloat16))
+        cpu_ops.silu_mul_bf16(torch.randn(2, 7).to(torch.bfloat16))
 
 
 def make_caches(
@@ -99,7 +99,7 @@ def test_store_kv_writes_the_rows_torch_writes(dtype, rows):
         slots[1] = -1
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     store_kv_cache_torch(key, value, expected_k, expected_v, slots)
-    cpu_kernels.store_kv(key, value, k_cache, v_cache, slots)
+    cpu_ops.store_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     assert torch.equal(k_cache.view(-1, 3, 64)[slots[0]], key[0])
 
@@ -110,24 +110,24 @@ def test_store_kv_refuses_bad_slots_and_layouts():
     key = torch.randn(3, 3, 64).to(torch.bfloat16)
     for bad in (24, -2):  # 6 blocks x 4 slots
         with pytest.raises(ValueError, match=rf"slot_mapping\[2\] = {bad} is outside the cache's 24 slots"):
-            cpu_kernels.store_kv(key, key, k_cache, v_cache, torch.tensor([0, 1, bad]))
+            cpu_ops.store_kv(key, key, k_cache, v_cache, torch.tensor([0, 1, bad]))
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])  # nothing written
     with pytest.raises(ValueError, match="contiguous rows"):
-        cpu_kernels.store_kv(
+        cpu_ops.store_kv(
             key.transpose(1, 2).contiguous().transpose(1, 2), key, k_cache, v_cache, torch.arange(3)
         )
     with pytest.raises(ValueError, match="must be a CPU torch.bfloat16"):
-        cpu_kernels.store_kv(key.float(), key, k_cache, v_cache, torch.arange(3))
+        cpu_ops.store_kv(key.float(), key, k_cache, v_cache, torch.arange(3))
     with pytest.raises(ValueError, match="int64"):
-        cpu_kernels.store_kv(key, key, k_cache, v_cache, torch.arange(3, dtype=torch.int32))
+        cpu_ops.store_kv(key, key, k_cache, v_cache, torch.arange(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="same number of rows"):
-        cpu_kernels.store_kv(key, key[:2], k_cache, v_cache, torch.arange(3))
+        cpu_ops.store_kv(key, key[:2], k_cache, v_cache, torch.arange(3))
 
 
 def test_silu_and_attention_weights_underflow_to_zero():
     """exp of a very negative input is 0, not float32's smallest normal (which large values amplify)."""
     gate_up = torch.tensor([[-1e30, -1e37, -3e38, 1.0, 1.0, 1.0]]).to(torch.bfloat16)
-    assert cpu_kernels.silu_mul_bf16(gate_up).tolist() == [[0.0, 0.0, 0.0]]
+    assert cpu_ops.silu_mul_bf16(gate_up).tolist() == [[0.0, 0.0, 0.0]]
     # One KV head, two rows: the second scores 200 below the first and carries a huge value.
     k_cache = torch.zeros(1, 16, 1, 16)
     v_cache = torch.zeros(1, 16, 1, 16)
@@ -145,9 +145,9 @@ def test_rotary_refuses_mismatched_tables():
     qk = torch.randn(3, 4, 8).to(torch.bfloat16)
     cos = torch.randn(3, 1, 8).to(torch.bfloat16)
     with pytest.raises(ValueError, match="bf16"):
-        cpu_kernels.rotary_bf16(qk, cos, cos.float(), 2)
+        cpu_ops.rotary_bf16(qk, cos, cos.float(), 2)
     with pytest.raises(ValueError, match="must hold"):
-        cpu_kernels.rotary_bf16(qk, cos, cos[:2], 2)
+        cpu_ops.rotary_bf16(qk, cos, cos[:2], 2)
 
 
 def test_cpu_backend_runs_the_c_ops_and_torch_backend_does_not(tiny_model_dir, monkeypatch):
@@ -158,13 +158,13 @@ def test_cpu_backend_runs_the_c_ops_and_torch_backend_does_not(tiny_model_dir, m
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     calls: list[str] = []
     for name in ("add_rms_norm_bf16", "silu_mul_bf16", "rotary_bf16", "store_kv"):
-        original = getattr(cpu_kernels, name)
+        original = getattr(cpu_ops, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):
             calls.append(_name)
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(cpu_kernels, name, counted)
+        monkeypatch.setattr(cpu_ops, name, counted)
     fused_llm = LLM(path, dtype="bfloat16", attention_backend="cpu")
     fused = [o.outputs[0].token_ids for o in fused_llm.generate(prompts, params)]
     assert {"add_rms_norm_bf16", "silu_mul_bf16", "rotary_bf16", "store_kv"} <= set(calls)
@@ -202,7 +202,7 @@ def test_no_compiler_falls_back_to_torch(fresh_library, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="batchgen.model.cpu_kernels"):
         assert cpu_kernels.load_library() is None
     assert "could not build" in caplog.text
-    assert not cpu_kernels.bf16_ops_apply(torch.ones(2, dtype=torch.bfloat16))
+    assert not cpu_ops.bf16_ops_apply(torch.ones(2, dtype=torch.bfloat16))
     assert isinstance(select_backend("auto", torch.device("cpu")), TorchAttentionBackend)
     assert select_backend("auto", torch.device("cpu")).name == "torch"
     with pytest.raises(ValueError, match="attention_backend='torch'"):

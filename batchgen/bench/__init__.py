@@ -6,7 +6,8 @@ Modules:
     job_workload  `file:PATH` workloads from a job file
     static        padded static batching run through batchgen's own engine
     hf_baselines  transformers `generate` in static batches and transformers' continuous batching
-    metrics       per-request / per-step records, latency and throughput summaries, compute ceiling
+    metrics       per-request / per-step records, latency and throughput summaries, resource use
+    ceiling       the workload's FLOPs and the measured matmul rate: the compute ceiling
     report        Rich table, JSON report, PNG plot
     runner        runs every configuration of one bench on one workload
     cli           `bench_command`, the Typer command registered as `batchgen bench`

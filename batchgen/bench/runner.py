@@ -8,7 +8,7 @@ Configurations, in this order (ratios in the report are against the first one th
     hf-cb                transformers' continuous batching
 `--mode static,continuous` puts static first. Every configuration gets a fresh engine or model, a
 short untimed warm-up, the same workload, dtype and thread count. The workload's compute ceiling
-(`metrics.workload_flops` / `metrics.measure_matmul_rate`) is measured once, before the runs.
+(`ceiling.workload_flops` / `ceiling.measure_matmul_rate`) is measured once, before the runs.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from batchgen.bench.ceiling import ModelShape, compute_ceiling, measure_matmul_rate, workload_flops
 from batchgen.bench.hf_baselines import (
     hf_cb_unavailable,
     load_hf_model,
@@ -30,16 +31,12 @@ from batchgen.bench.hf_baselines import (
     run_hf_static,
 )
 from batchgen.bench.metrics import (
-    ModelShape,
     RequestRecord,
     ResourceMonitor,
     RunResult,
     StepRecord,
-    compute_ceiling,
-    measure_matmul_rate,
     release_memory,
     summarize,
-    workload_flops,
 )
 from batchgen.bench.report import build_report
 from batchgen.bench.static import (

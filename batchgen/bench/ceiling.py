@@ -1,0 +1,170 @@
+"""The compute ceiling of a workload: its forward FLOPs over the measured matrix-product rate.
+
+`batchgen bench` prints the fastest the workload could possibly run on this machine, to show how
+much of the hardware each configuration uses: total FLOPs (`workload_flops`, the Kaplan et al. 2020
+count) divided by the best FLOP/s of the model's own linear layers at its own shapes
+(`measure_matmul_rate`, timed in the same run).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-family decoder that set its FLOPs."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a transformers `PretrainedConfig` (Llama, Mistral, Qwen2/3, SmolLM)."""
+        heads = int(config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+        return cls(
+            hidden_size=int(config.hidden_size),
+            intermediate_size=int(config.intermediate_size),
+            num_layers=int(config.num_hidden_layers),
+            num_heads=heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            vocab_size=int(config.vocab_size),
+        )
+
+    @property
+    def layer_linear_params(self) -> int:
+        """Weights of one layer's q, k, v, o, gate, up and down projections."""
+        d, hd, i = self.hidden_size, self.head_dim, self.intermediate_size
+        return d * hd * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * hd * d + 3 * d * i
+
+    @property
+    def non_embedding_params(self) -> int:
+        """Linear weights of all layers (norms, embeddings and the LM head excluded)."""
+        return self.num_layers * self.layer_linear_params
+
+
+def workload_flops(shape: ModelShape, lengths: list[tuple[int, int]]) -> dict[str, float]:
+    """Forward FLOPs to process a workload once, without padding or recomputation.
+
+    Per token: 2 x non-embedding parameters (one multiply-add per weight; Kaplan et al. 2020),
+    plus attention 4 x layers x (heads x head_dim) x context (QK^T and attention x V, each one
+    multiply-add per key), with context = the token's position + 1 (causal). The LM head
+    (2 x hidden x vocab) is counted once per output token: logits are needed only where a token is
+    sampled. Embedding lookups, norms, rotary and activations are left out (well under 1%).
+
+    Args:
+        lengths: (prompt tokens, output tokens) per request.
+
+    Returns:
+        dict with `tokens` (prompt + output), `linear`, `attention`, `lm_head`, `total` FLOPs and
+        `per_token` (total / tokens).
+    """
+    tokens = sum(p + o for p, o in lengths)
+    outputs = sum(o for _, o in lengths)
+    linear = 2.0 * shape.non_embedding_params * tokens
+    attn_width = shape.num_heads * shape.head_dim
+    # sum over positions 1..n of n = n(n+1)/2 keys attended to
+    attention = 4.0 * shape.num_layers * attn_width * sum((p + o) * (p + o + 1) / 2 for p, o in lengths)
+    lm_head = 2.0 * shape.hidden_size * shape.vocab_size * outputs
+    total = linear + attention + lm_head
+    return {
+        "tokens": tokens,
+        "linear": linear,
+        "attention": attention,
+        "lm_head": lm_head,
+        "total": total,
+        "per_token": total / tokens if tokens else 0.0,
+        "non_embedding_params": shape.non_embedding_params,
+    }
+
+
+def measure_matmul_rate(
+    shape: ModelShape,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    rows: tuple[int, ...] = (64, 128, 256, 512),
+    min_time_s: float = 0.15,
+) -> dict[str, Any]:
+    """Best FLOP/s of one decoder layer's linear layers (`F.linear`, the model's shapes) at `rows` rows.
+
+    Runs with the current torch thread count, after two warm-up rounds; each row count is timed
+    for at least `min_time_s`. The best row count is the rate the compute ceiling uses, so the
+    ceiling is an upper bound on what the model's matrix products can reach.
+
+    Returns:
+        {"flops_per_s": best rate, "by_rows": {rows: rate}, "dtype": str, "device": str, "threads": int}
+    """
+    d, hd, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def weight(out_f: int, in_f: int) -> torch.Tensor:
+        return (torch.randn(out_f, in_f, generator=gen) * 0.02).to(device=device, dtype=dtype)
+
+    w_qkv = weight(hd * (shape.num_heads + 2 * shape.num_kv_heads), d)
+    w_o = weight(d, shape.num_heads * hd)
+    w_gate_up = weight(2 * i, d)
+    w_down = weight(d, i)
+    flops_per_row = 2.0 * shape.layer_linear_params
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    linear = torch.nn.functional.linear
+
+    def layer(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor) -> None:
+        linear(x, w_qkv)
+        linear(a, w_o)
+        linear(x, w_gate_up)
+        linear(h, w_down)
+
+    by_rows: dict[int, float] = {}
+    with torch.inference_mode():
+        for m in rows:
+            acts = tuple(
+                torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+                for k in (d, shape.num_heads * hd, i)
+            )
+            for _ in range(2):
+                layer(*acts)
+            sync()
+            n, t0 = 0, time.perf_counter()
+            while True:
+                layer(*acts)
+                n += 1
+                if n % 4 == 0:
+                    sync()
+                    elapsed = time.perf_counter() - t0
+                    if elapsed >= min_time_s:
+                        break
+            by_rows[m] = flops_per_row * m * n / elapsed
+    best = max(by_rows.values())
+    return {
+        "flops_per_s": best,
+        "by_rows": by_rows,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def compute_ceiling(flops: dict[str, float], rate: dict[str, Any]) -> dict[str, Any]:
+    """The fastest the workload could run: its FLOPs at the measured matmul rate.
+
+    Returns:
+        {"seconds": total FLOPs / rate, "tokens_per_s": (prompt + output tokens) / seconds, ...}
+    """
+    seconds = flops["total"] / rate["flops_per_s"]
+    return {
+        "seconds": seconds,
+        "tokens_per_s": flops["tokens"] / seconds if seconds > 0 else None,
+        "flops": flops,
+        "matmul": rate,
+    }

@@ -4,7 +4,8 @@ Modules:
     workloads     request lengths and prompts (longtail, uniform, fixed, Azure traces), arrivals
     traces        the Azure LLM inference traces and the log-normal fits of `longtail`
     job_workload  `file:PATH` workloads from a job file
-    static        padded static batching run through batchgen's own engine
+    continuous    continuous batching through batchgen's engine
+    static        padded static batching through batchgen's own engine (and helpers both share)
     hf_baselines  transformers `generate` in static batches and transformers' continuous batching
     metrics       per-request / per-step records, latency and throughput summaries, resource use
     ceiling       the workload's FLOPs and the measured matmul rate: the compute ceiling

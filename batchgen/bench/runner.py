@@ -1,8 +1,8 @@
 """Run every configuration of one bench on one workload, in one process, and collect the report.
 
 Configurations, in this order (ratios in the report are against the first one that ran):
-    continuous/<policy>  batchgen's continuous batching (iteration-level scheduling, Orca: Yu et
-                         al., OSDI 2022), once per `--policy`, each in a fresh engine
+    continuous/<policy>  batchgen's continuous batching (`bench.continuous`), once per `--policy`,
+                         each in a fresh engine
     static/b<N>          padded static batches of N through batchgen's engine (`bench.static`)
     hf-static/b<N>       transformers `generate` in padded static batches of N (`bench.hf_baselines`)
     hf-cb                transformers' continuous batching
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from batchgen.bench.ceiling import ModelShape, compute_ceiling, measure_matmul_rate, workload_flops
+from batchgen.bench.continuous import run_continuous
 from batchgen.bench.hf_baselines import (
     hf_cb_unavailable,
     load_hf_model,
@@ -30,23 +31,9 @@ from batchgen.bench.hf_baselines import (
     run_hf_cb,
     run_hf_static,
 )
-from batchgen.bench.metrics import (
-    RequestRecord,
-    ResourceMonitor,
-    RunResult,
-    StepRecord,
-    release_memory,
-    summarize,
-)
+from batchgen.bench.metrics import ResourceMonitor, RunResult, release_memory, summarize
 from batchgen.bench.report import build_report
-from batchgen.bench.static import (
-    bench_sampling_params,
-    output_error,
-    run_static,
-    step_record,
-    warmup_engine,
-    warmup_prompt,
-)
+from batchgen.bench.static import run_static
 from batchgen.bench.workloads import Workload, WorkloadSpec, build_workload
 from batchgen.config import POLICIES, EngineConfig
 
@@ -140,77 +127,6 @@ def engine_config_for(settings: BenchSettings, plan: ConfigPlan) -> EngineConfig
     """The engine options of one batchgen configuration: the policy, and prefix caching off for static."""
     caching = settings.engine.enable_prefix_caching and plan.kind != "static"
     return dataclasses.replace(settings.engine, policy=plan.policy or "fcfs", enable_prefix_caching=caching)
-
-
-def run_continuous(
-    engine: Any,
-    workload: Workload,
-    name: str,
-    policy: str,
-    aging_steps: int | None,
-    monitor: ResourceMonitor | None = None,
-) -> RunResult:
-    """Continuous batching: hand each request to `engine` when its arrival time comes, step until done.
-
-    `aging_steps` (max-throughput) gives the starvation bound checked in the report: a request is
-    scheduled at most `aging_steps + 1` steps after it was queued. `monitor`: an open
-    `ResourceMonitor` to time the run in (see its docstring), else a new one.
-    """
-    reqs = sorted(workload.requests, key=lambda r: r.arrival_time)
-    by_id = {r.request_id: r for r in reqs}
-    if reqs:
-        warmup_engine(engine, warmup_prompt(reqs[0].prompt_token_ids))
-    records: list[RequestRecord] = []
-    steps: list[StepRecord] = []
-    queued: dict[str, float] = {}
-    monitor = monitor or ResourceMonitor()
-    with monitor:
-        t0 = time.perf_counter()
-        i = 0
-        while i < len(reqs) or engine.has_unfinished_requests():
-            now = time.perf_counter() - t0
-            while i < len(reqs) and reqs[i].arrival_time <= now:
-                r = reqs[i]
-                engine.add_request(
-                    r.request_id,
-                    {"prompt_token_ids": r.prompt_token_ids},
-                    bench_sampling_params(r.output_len),
-                    t0 + r.arrival_time,
-                )
-                queued[r.request_id] = time.perf_counter() - t0
-                i += 1
-            if not engine.has_unfinished_requests():
-                time.sleep(max(0.0, reqs[i].arrival_time - (time.perf_counter() - t0)))
-                continue
-            for out in engine.step():
-                records.append(_record(out, by_id[out.request_id], t0, queued))
-            if engine.last_step is not None:
-                steps.append(step_record(engine.last_step, t0))
-    result = RunResult(name, "continuous", policy, records, steps, monitor.result())
-    result.extra = {"prefix_caching": True}
-    if aging_steps is not None:
-        result.extra |= {"aging_steps": aging_steps, "aging_bound_steps": aging_steps + 1}
-    return result
-
-
-def _record(out: Any, req: Any, t0: float, queued: dict[str, float]) -> RequestRecord:
-    m = out.metrics
-    n = len(out.outputs[0].token_ids) if out.outputs else 0
-
-    def rel(t: float | None) -> float | None:
-        return None if t is None else t - t0
-
-    return RequestRecord(
-        request_id=req.request_id,
-        prompt_len=req.prompt_len,
-        output_len=n,
-        arrival=req.arrival_time,
-        first_scheduled=rel(m.first_scheduled_time),
-        first_token=rel(m.first_token_time),
-        finish=rel(m.finish_time),
-        error=output_error(out, req.output_len),
-        queued=queued.get(req.request_id),
-    )
 
 
 def _torch_dtype(requested: str, engine: Any | None, model_config: Any, device: str) -> torch.dtype:

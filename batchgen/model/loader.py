@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from batchgen.cache import cache_root
+
 if TYPE_CHECKING:
     import torch
     import transformers
@@ -93,12 +95,12 @@ class ModelFiles:
 
 
 def default_cache_dir() -> Path:
-    """Where batchgen keeps converted models: `$BATCHGEN_CACHE`, else `~/.cache/batchgen`.
+    """Where batchgen keeps converted models (under `models/`): `batchgen.cache.cache_root()`, that is
+    `$BATCHGEN_CACHE`, else `$XDG_CACHE_HOME/batchgen`, else `~/.cache/batchgen`.
 
     The directory is not created here.
     """
-    env = os.environ.get("BATCHGEN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchgen"
+    return cache_root()
 
 
 def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ModelFiles:
@@ -283,12 +285,37 @@ def _gguf_name(gguf: Path) -> str:
     return gguf.stem
 
 
-def _gguf_cache_key(gguf: Path) -> str:
-    """`<stem>-<hash>`: the hash covers the resolved path, size and mtime, so an edited file converts again."""
+def _gguf_cache_key(gguf: Path, models: Path) -> str:
+    """`<stem>-<hash>`, the hash taken over the file's bytes (and the conversion format).
+
+    So a copy of the same file at another path (each virtual environment installs its own) reuses
+    one conversion, and an edited file converts again. Hashing reads the whole file (about 0.3 s
+    for the default model's 98 MB); the digest is remembered per path, size and mtime in
+    `models/.digests/`, so each file is read once.
+    """
     resolved = gguf.resolve()
     stat = resolved.stat()
-    text = f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}\0{_GGUF_CACHE_FORMAT}"
-    return f"{gguf.stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    identity = f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    memo = models / ".digests" / hashlib.sha256(identity).hexdigest()[:24]
+    try:
+        digest = memo.read_text().strip()
+    except OSError:
+        digest = ""
+    if len(digest) != 64:
+        content = hashlib.sha256(f"{_GGUF_CACHE_FORMAT}\0".encode())
+        with resolved.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                content.update(chunk)
+        digest = content.hexdigest()
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=memo.parent, prefix=".tmp-")
+            with os.fdopen(fd, "w") as f:
+                f.write(digest)
+            os.replace(tmp, memo)
+        except OSError:  # a read-only cache still works, it just hashes again next time
+            pass
+    return f"{gguf.stem}-{digest[:12]}"
 
 
 def _cached_gguf(gguf: Path, cache_dir: Path) -> Path:
@@ -299,7 +326,7 @@ def _cached_gguf(gguf: Path, cache_dir: Path) -> Path:
     wins and the other's copy is discarded.
     """
     models = cache_dir / "models"
-    final = models / _gguf_cache_key(gguf)
+    final = models / _gguf_cache_key(gguf, models)
     if (final / "config.json").is_file():
         return final
     if final.exists():  # not written by us (renames are atomic): start over

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM, SamplingParams, cache
 from batchgen.model import cpu_attention, cpu_kernels, cpu_ops
 from batchgen.model.attention import TorchAttentionBackend, select_backend, store_kv_cache_torch
 from batchgen.model.layers import apply_rotary
@@ -183,7 +184,7 @@ def test_cpu_backend_runs_the_c_ops_and_torch_backend_does_not(tiny_model_dir, m
 @pytest.fixture
 def fresh_library(monkeypatch, tmp_path):
     """load_library() rebuilt from scratch into a temporary cache, and restored afterwards."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "batchgen"))
     cpu_kernels.load_library.cache_clear()
     cpu_attention.supports.cache_clear()
     yield tmp_path
@@ -260,9 +261,10 @@ def test_cc_with_arguments(fresh_library, monkeypatch):
 
 def test_cache_dir_without_a_home(monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("BATCHGEN_CACHE", raising=False)
 
     def no_home():
         raise RuntimeError("Could not determine home directory.")
 
-    monkeypatch.setattr(cpu_kernels.Path, "home", staticmethod(no_home))
-    assert str(cpu_kernels._cache_dir()).startswith(cpu_kernels.tempfile.gettempdir())
+    monkeypatch.setattr(cache.Path, "home", staticmethod(no_home))
+    assert str(cpu_kernels._cache_dir()).startswith(tempfile.gettempdir())

@@ -196,8 +196,11 @@ def test_load_tokenizer_missing(sharded_llama):
 
 def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_cache_dir() == tmp_path
     monkeypatch.delenv("BATCHGEN_CACHE")
+    assert default_cache_dir() == tmp_path / "xdg" / "batchgen"
+    monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_dir() == Path.home() / ".cache" / "batchgen"
 
 
@@ -270,9 +273,18 @@ def test_gguf_converted_once(fake_gguf, tmp_path):
     assert first.path.name.startswith("tiny-model.Q4_0-")
     assert first.name == "tiny-model.Q4_0"
     assert not conversions[0].exists()  # the temp dir was renamed into place
-    assert [p.name for p in (cache / "models").iterdir()] == [first.path.name]
+    assert [p.name for p in (cache / "models").iterdir() if p.name != ".digests"] == [first.path.name]
 
-    os.utime(gguf, ns=(0, 10**18))  # a changed file gets a new cache entry
+    copy = tmp_path / "other-venv" / gguf.name  # the same bytes elsewhere: no second conversion
+    copy.parent.mkdir()
+    shutil.copy(gguf, copy)
+    assert resolve_model(str(copy), cache_dir=cache).path == first.path
+    os.utime(gguf, ns=(0, 10**18))  # touched, not changed: still the same entry
+    assert resolve_model(str(gguf), cache_dir=cache).path == first.path
+    assert len(conversions) == 1
+
+    with gguf.open("ab") as f:  # a changed file gets a new cache entry
+        f.write(b"\0")
     third = resolve_model(str(gguf), cache_dir=cache)
     assert len(conversions) == 2 and third.path != first.path
 
@@ -289,7 +301,7 @@ def test_gguf_crash_leaves_no_cache(fake_gguf, tmp_path, monkeypatch, sharded_ll
     monkeypatch.setattr(loader, "_convert_gguf", crash)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(str(gguf), cache_dir=cache)
-    assert list((cache / "models").iterdir()) == []  # neither a half cache nor the temp dir
+    assert [p.name for p in (cache / "models").iterdir()] == [".digests"]  # no half cache, no temp dir
 
 
 def test_gguf_race_uses_winner(fake_gguf, tmp_path, monkeypatch, sharded_llama):
@@ -297,7 +309,7 @@ def test_gguf_race_uses_winner(fake_gguf, tmp_path, monkeypatch, sharded_llama):
     gguf, _ = fake_gguf
     path, _ = sharded_llama
     cache = tmp_path / "cache"
-    final = cache / "models" / loader._gguf_cache_key(gguf)
+    final = cache / "models" / loader._gguf_cache_key(gguf, cache / "models")
 
     def convert_while_other_wins(src: Path, out_dir: Path) -> None:
         shutil.copytree(path, out_dir, dirs_exist_ok=True)
@@ -306,7 +318,7 @@ def test_gguf_race_uses_winner(fake_gguf, tmp_path, monkeypatch, sharded_llama):
     monkeypatch.setattr(loader, "_convert_gguf", convert_while_other_wins)
     files = resolve_model(str(gguf), cache_dir=cache)
     assert files.path == final
-    assert [p.name for p in (cache / "models").iterdir()] == [final.name]
+    assert sorted(p.name for p in (cache / "models").iterdir()) == [".digests", final.name]
 
 
 def test_missing_default_package(monkeypatch, tmp_path):

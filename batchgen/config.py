@@ -109,7 +109,9 @@ class EngineConfig:
             _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size}")
+            raise ValueError(
+                f"block_size must be a power of two (1, 2, 4, 8, 16, ...), got {self.block_size}"
+            )
         if self.max_model_len is not None:
             _check_positive_int("max_model_len", self.max_model_len, minimum=2)
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:

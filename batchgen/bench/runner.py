@@ -264,6 +264,11 @@ def run_bench(
         f"workload {workload.name}: {len(workload.requests)} requests, {workload.total_prompt_tokens} prompt + "
         f"{workload.total_output_tokens} output tokens"
     )
+    if clipped := workload.params.get("num_clipped"):
+        log(
+            f"warning: {clipped} requests were shortened to fit max_model_len {facts.max_model_len} "
+            "(prompt + output tokens); raise --max-model-len or lower the lengths to run them whole"
+        )
     shape = ModelShape.from_config(facts.model_config)
     flops = workload_flops(shape, [(r.prompt_len, r.output_len) for r in workload.requests])
     ceiling = None

@@ -50,6 +50,11 @@ def detect_format(source: str) -> str:
             return "openai" if "custom_id" in rec and "body" in rec else "jsonl"
     if source.endswith((".jsonl", ".json", ".ndjson")):
         raise JobInputError(f"{source} has no valid JSON object line in its first {SNIFF_LINES} lines")
+    if source.endswith(".parquet"):
+        raise JobInputError(
+            f"{source} is not a Parquet file (it does not start with the PAR1 magic bytes): "
+            "the file is damaged or was not written as Parquet"
+        )
     raise JobInputError(f"unknown input format: {source}; {FORMATS_HELP}")
 
 

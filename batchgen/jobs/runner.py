@@ -129,6 +129,41 @@ def output_format(output_path: str, input_format: str) -> str:
     return "parquet"
 
 
+OUTPUT_SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson")
+
+
+def _check_output_path(output: str, source: str) -> None:
+    """Refuse an output that is the input file itself, or whose suffix names no output format."""
+    if not output.endswith(OUTPUT_SUFFIXES):
+        raise JobInputError(
+            f"--output {output}: the name must end in .parquet (or .jsonl for JSON lines), "
+            f"which is the format written"
+        )
+    if not source.startswith("hf://") and os.path.exists(output) and os.path.exists(source):
+        if os.path.samefile(output, source):
+            raise JobInputError(
+                f"--output {output} is the input file; choose another path "
+                f"(the default is {default_output_path(source, 'parquet')})"
+            )
+
+
+def _check_job_mechanics(options: JobOptions) -> None:
+    """The options that are not the engine's or the rows': column choices, commit and progress pace."""
+    if options.prompt_column and options.messages_column:
+        raise JobInputError(
+            f"--prompt-column {options.prompt_column} and --messages-column {options.messages_column}: "
+            "give one of them (text prompts or chat messages)"
+        )
+    if not isinstance(options.commit_rows, int) or options.commit_rows < 1:
+        raise JobInputError(f"--commit-every must be >= 1 row, got {options.commit_rows}")
+    for flag, value in (
+        ("--commit-interval", options.commit_seconds),
+        ("--progress-interval", options.progress_interval),
+    ):
+        if not value > 0:
+            raise JobInputError(f"{flag} must be > 0 seconds, got {value}")
+
+
 def default_engine_factory(config: EngineConfig) -> Any:
     """Build the real engine (imported here so pre-flight checks never load torch or a model).
 
@@ -278,6 +313,7 @@ def run_job(
         )
     if options.window < 1:
         raise JobInputError(f"--window must be >= 1 row, got {options.window}")
+    _check_job_mechanics(options)
     try:
         config = EngineConfig(**options.engine, policy=options.policy)
     except (TypeError, ValueError) as e:
@@ -302,6 +338,7 @@ def run_job(
         ),
     )
     output = options.output or default_output_path(options.input, reader.format)
+    _check_output_path(output, options.input)
     fmt = output_format(output, reader.format)
     header = make_header(reader.identity(), _model_label(options), _header_options(options, reader, fmt))
     if options.strict:

@@ -236,3 +236,20 @@ def test_median_run_prefers_failures_and_picks_the_lower_middle() -> None:
     assert runs[3].extra["runs_wall_s"] == [3.0, 1.0, 4.0, 2.0]
     failed = RunResult("c", "continuous", "fcfs", skipped="failed: boom")
     assert median_run([run(1.0), failed]) is failed
+
+
+def test_clipped_lengths_are_reported(tiny_model_dir, tmp_path: Path) -> None:
+    """Lengths over max_model_len are shortened, and the log says so (not only the JSON)."""
+    app = typer.Typer()
+    app.command()(bench_command)
+    args = [
+        "--model", str(tiny_model_dir("llama")),
+        "--dist", "fixed", "--input-len", "60", "--output-len", "8", "--num-prompts", "2",
+        "--max-model-len", "64", "--mode", "continuous", "--no-ceiling",
+        "--num-threads", "1", "--kv-cache-memory", "16MiB", "--output", str(tmp_path / "c.json"),
+    ]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "warning: 2 requests were shortened to fit max_model_len 64" in result.output
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert report["workload"]["total_output_tokens"] == 2 * 4  # 60 + 4 = 64

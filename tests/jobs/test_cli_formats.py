@@ -81,6 +81,42 @@ def test_unwritable_output_and_bad_options(tmp_path):
     assert not (tmp_path / "j.out.parquet.parts").exists()
 
 
+def test_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path):
+    src = tmp_path / "j.jsonl"
+    text = json.dumps({"prompt": "p"}) + "\n"
+    src.write_text(text)
+    for output in (str(src), str(tmp_path / "." / "j.jsonl")):
+        r = invoke(str(src), "--model", NO_MODEL, "--output", output, "--overwrite")
+        assert r.exit_code == 2 and "is the input file" in r.stderr and "j.out.parquet" in r.stderr
+    assert src.read_text() == text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--output", "out.csv"], "must end in .parquet"),
+        (["--prompt-column", "prompt", "--messages-column", "messages"], "give one of them"),
+        (["--commit-every", "0"], "--commit-every must be >= 1"),
+        (["--commit-interval", "-1"], "--commit-interval must be > 0"),
+        (["--progress-interval", "0"], "--progress-interval must be > 0"),
+        (["--block-size", "7"], "power of two (1, 2, 4"),
+    ],
+)
+def test_conflicting_or_meaningless_job_options_exit_2(tmp_path, args, message):
+    src = tmp_path / "j.jsonl"
+    src.write_text(json.dumps({"prompt": "p"}) + "\n")
+    args = [str(tmp_path / a) if a.endswith(".csv") else a for a in args]
+    r = invoke(str(src), "--model", NO_MODEL, *args)
+    assert r.exit_code == 2 and message in r.stderr, r.output
+    assert not list(tmp_path.glob("j.out*"))
+
+
+def test_damaged_parquet_input_is_named(tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"garbage")
+    r = invoke(str(tmp_path / "bad.parquet"), "--model", NO_MODEL)
+    assert r.exit_code == 2 and "is not a Parquet file" in r.stderr
+
+
 def test_invalid_sampling_flags_exit_2_before_the_model(tmp_path):
     src = tmp_path / "j.jsonl"
     src.write_text('{"prompt": "hi"}\n')

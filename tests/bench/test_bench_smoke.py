@@ -18,13 +18,28 @@ from batchgen.bench.cli import bench_command
 from batchgen.cli_types import memory_size as parse_size
 
 REPO = Path(__file__).parents[2]
+
+
+def invoke_bench(args: list[str]):
+    """`batchgen bench ARGS` through Typer's test runner."""
+    app = typer.Typer()
+    app.command()(bench_command)
+    return CliRunner().invoke(app, args)
+
+
+def tiny_run_args(model: Path, tmp_path: Path, *workload: str) -> list[str]:
+    """A continuous-only bench of the tiny model on one thread, its JSON report in tmp_path."""
+    return [
+        "--model", str(model), *workload, "--mode", "continuous", "--no-ceiling",
+        "--num-threads", "1", "--kv-cache-memory", "16MiB", "--output", str(tmp_path / "r.json"),
+    ]  # fmt: skip
+
+
 EXPECTED = ["continuous/fcfs", "continuous/max-throughput", "static/b4", "hf-static/b4", "hf-cb"]
 
 
 @pytest.fixture(scope="module")
 def bench_report(tiny_model_dir, tmp_path_factory) -> tuple[dict, Path]:
-    app = typer.Typer()
-    app.command()(bench_command)
     out = tmp_path_factory.mktemp("bench")
     args = [
         "--model", str(tiny_model_dir("llama")),
@@ -33,7 +48,7 @@ def bench_report(tiny_model_dir, tmp_path_factory) -> tuple[dict, Path]:
         "--static-batch-size", "4", "--num-threads", "1", "--kv-cache-memory", "64MiB",
         "--output", str(out / "bench.json"), "--plot", str(out / "bench.png"),
     ]  # fmt: skip
-    result = CliRunner().invoke(app, args)
+    result = invoke_bench(args)
     assert result.exit_code == 0, result.output
     assert "output tokens/s" in result.output and "compute ceiling" in result.output
     return json.loads((out / "bench.json").read_text()), out
@@ -163,8 +178,6 @@ def test_parse_size(text: str, size: int) -> None:
 
 
 def test_bad_options_are_usage_errors() -> None:
-    app = typer.Typer()
-    app.command()(bench_command)
     for args in (
         ["--mode", "dynamic"],
         ["--dist", "zipf"],
@@ -172,7 +185,7 @@ def test_bad_options_are_usage_errors() -> None:
         ["--kv-cache-memory", "lots"],
         ["--repeat", "0"],
     ):
-        result = CliRunner().invoke(app, args)
+        result = invoke_bench(args)
         assert result.exit_code == 2, (args, result.output)
 
 
@@ -197,15 +210,9 @@ def test_resource_monitor_nesting_times_only_the_inner_window() -> None:
 
 
 def test_repeat_interleaves_runs_and_reports_the_median(tiny_model_dir, tmp_path: Path) -> None:
-    app = typer.Typer()
-    app.command()(bench_command)
-    args = [
-        "--model", str(tiny_model_dir("llama")),
-        "--dist", "fixed", "--input-len", "8", "--output-len", "4", "--num-prompts", "3",
-        "--mode", "continuous", "--policy", "fcfs,max-throughput", "--repeat", "3", "--no-ceiling",
-        "--num-threads", "1", "--kv-cache-memory", "16MiB", "--output", str(tmp_path / "r.json"),
-    ]  # fmt: skip
-    result = CliRunner().invoke(app, args)
+    workload = ["--dist", "fixed", "--input-len", "8", "--output-len", "4", "--num-prompts", "3"]
+    args = tiny_run_args(tiny_model_dir("llama"), tmp_path, *workload)
+    result = invoke_bench([*args, "--policy", "fcfs,max-throughput", "--repeat", "3"])
     assert result.exit_code == 0, result.output
     runs = [line for line in result.output.splitlines() if line.startswith("running ")]
     # Round-robin, each round starting one configuration later.
@@ -240,16 +247,10 @@ def test_median_run_prefers_failures_and_picks_the_lower_middle() -> None:
 
 def test_clipped_lengths_are_reported(tiny_model_dir, tmp_path: Path) -> None:
     """Lengths over max_model_len are shortened, and the log says so (not only the JSON)."""
-    app = typer.Typer()
-    app.command()(bench_command)
-    args = [
-        "--model", str(tiny_model_dir("llama")),
-        "--dist", "fixed", "--input-len", "60", "--output-len", "8", "--num-prompts", "2",
-        "--max-model-len", "64", "--mode", "continuous", "--no-ceiling",
-        "--num-threads", "1", "--kv-cache-memory", "16MiB", "--output", str(tmp_path / "c.json"),
-    ]  # fmt: skip
-    result = CliRunner().invoke(app, args)
+    workload = ["--dist", "fixed", "--input-len", "60", "--output-len", "8", "--num-prompts", "2"]
+    args = tiny_run_args(tiny_model_dir("llama"), tmp_path, *workload)
+    result = invoke_bench([*args, "--max-model-len", "64"])
     assert result.exit_code == 0, result.output
     assert "warning: 2 requests were shortened to fit max_model_len 64" in result.output
-    report = json.loads((tmp_path / "c.json").read_text())
+    report = json.loads((tmp_path / "r.json").read_text())
     assert report["workload"]["total_output_tokens"] == 2 * 4  # 60 + 4 = 64

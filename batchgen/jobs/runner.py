@@ -13,96 +13,23 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from batchgen.config import EngineConfig
+from batchgen.jobs.options import (
+    JobOptions,
+    JobSummary,
+    check_job_options,
+    check_output_path,
+    default_output_path,
+    output_format,
+)
 from batchgen.jobs.reader import JobInputError, JobReader, JobRow, ReaderOptions
 from batchgen.jobs.resume import make_header, prepare_output
 from batchgen.jobs.window import LookaheadWindow
-from batchgen.jobs.writer import RESERVED_COLUMNS, PartWriter, finalize_output
+from batchgen.jobs.writer import PartWriter, finalize_output
 from batchgen.sampling_params import SamplingParams
-
-TRUNCATE_SIDES = ("left", "right")
-
-
-@dataclass
-class JobOptions:
-    """Everything `batchgen run` takes (see `batchgen run --help` for each flag).
-
-    Attributes:
-        input: job file, dataset directory, or "hf://NAME[:CONFIG]:SPLIT".
-        limit: run only the first `limit` rows of the input (None: all).
-        output: output path; None: "<input stem>.out.parquet" (".out.jsonl" for OpenAI batch input).
-        engine: EngineConfig keyword arguments (model, dtype, max_num_seqs, ...), without `policy`.
-        policy: "fcfs", "max-throughput" or "priority" (window order and engine scheduling).
-        window: look-ahead window size in rows.
-        max_tokens / temperature / top_p / top_k / seed / stop: sampling defaults; row columns override.
-        truncate_prompt: None (an over-long prompt is an error row), "left" or "right" (tokens cut there).
-        commit_rows / commit_seconds: commit a part at least this often (rows, seconds).
-        dashboard: show the Rich live view when stdout is a terminal.
-        resume_command: printed on SIGINT so the user can continue.
-    """
-
-    input: str
-    output: str | None = None
-    overwrite: bool = False
-    strict: bool = False
-    prompt_column: str | None = None
-    messages_column: str | None = None
-    id_column: str | None = None
-    template: str | None = None
-    system_prompt: str | None = None
-    chat_template: bool = True
-    keep_columns: tuple[str, ...] = ()
-    limit: int | None = None
-    max_tokens: int | None = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    truncate_prompt: str | None = None
-    policy: str = "fcfs"
-    window: int = 1024
-    engine: dict[str, Any] = field(default_factory=dict)
-    commit_rows: int = 1000
-    commit_seconds: float = 10.0
-    dashboard: bool = True
-    progress_interval: float = 5.0
-    resume_command: str | None = None
-
-    def sampling_defaults(self) -> dict[str, Any]:
-        """CLI sampling defaults as SamplingParams keyword arguments."""
-        return {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop": list(self.stop) or None,
-        }
-
-
-@dataclass
-class JobSummary:
-    """How a run ended. Counts cover the whole job (rows committed by earlier runs included)."""
-
-    output_path: str
-    rows_total: int
-    rows_ok: int = 0
-    rows_error: int = 0
-    rows_resumed: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    wall_s: float = 0.0
-    interrupted: bool = False
-    complete: bool = False
-    already_complete: bool = False
-
-    @property
-    def rows_done(self) -> int:
-        return self.rows_ok + self.rows_error + self.rows_resumed
 
 
 @dataclass(slots=True)
@@ -110,58 +37,6 @@ class _Prepared:
     row: JobRow
     token_ids: list[int] | None
     prompt_tokens: int
-
-
-def default_output_path(source: str, input_format: str) -> str:
-    """ "<input stem>.out.parquet" beside the input ("<stem>.out.jsonl" for OpenAI batch input)."""
-    suffix = ".out.jsonl" if input_format == "openai" else ".out.parquet"
-    if source.startswith("hf://"):
-        return source[len("hf://") :].replace("/", "_").replace(":", "_") + suffix
-    path = source.rstrip("/")
-    stem, ext = os.path.splitext(path)
-    return (stem if ext in (".jsonl", ".json", ".ndjson", ".parquet") else path) + suffix
-
-
-def output_format(output_path: str, input_format: str) -> str:
-    """ "openai" for a .jsonl output of OpenAI batch input, "jsonl" for other .jsonl, else "parquet"."""
-    if output_path.endswith((".jsonl", ".json", ".ndjson")):
-        return "openai" if input_format == "openai" else "jsonl"
-    return "parquet"
-
-
-OUTPUT_SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson")
-
-
-def _check_output_path(output: str, source: str) -> None:
-    """Refuse an output that is the input file itself, or whose suffix names no output format."""
-    if not output.endswith(OUTPUT_SUFFIXES):
-        raise JobInputError(
-            f"--output {output}: the name must end in .parquet (or .jsonl for JSON lines), "
-            f"which is the format written"
-        )
-    if not source.startswith("hf://") and os.path.exists(output) and os.path.exists(source):
-        if os.path.samefile(output, source):
-            raise JobInputError(
-                f"--output {output} is the input file; choose another path "
-                f"(the default is {default_output_path(source, 'parquet')})"
-            )
-
-
-def _check_job_mechanics(options: JobOptions) -> None:
-    """The options that are not the engine's or the rows': column choices, commit and progress pace."""
-    if options.prompt_column and options.messages_column:
-        raise JobInputError(
-            f"--prompt-column {options.prompt_column} and --messages-column {options.messages_column}: "
-            "give one of them (text prompts or chat messages)"
-        )
-    if not isinstance(options.commit_rows, int) or options.commit_rows < 1:
-        raise JobInputError(f"--commit-every must be >= 1 row, got {options.commit_rows}")
-    for flag, value in (
-        ("--commit-interval", options.commit_seconds),
-        ("--progress-interval", options.progress_interval),
-    ):
-        if not value > 0:
-            raise JobInputError(f"{flag} must be > 0 seconds, got {value}")
 
 
 def default_engine_factory(config: EngineConfig) -> Any:
@@ -304,16 +179,7 @@ def run_job(
             whose header changed (the CLI exits with code 2).
     """
     start = time.perf_counter()
-    if options.truncate_prompt not in (None, *TRUNCATE_SIDES):
-        raise JobInputError(f"--truncate-prompt must be left or right, got {options.truncate_prompt!r}")
-    bad = [c for c in options.keep_columns if c in RESERVED_COLUMNS]
-    if bad:
-        raise JobInputError(
-            f"--keep-columns {', '.join(bad)}: these names are output columns; keep other columns"
-        )
-    if options.window < 1:
-        raise JobInputError(f"--window must be >= 1 row, got {options.window}")
-    _check_job_mechanics(options)
+    check_job_options(options)
     try:
         config = EngineConfig(**options.engine, policy=options.policy)
     except (TypeError, ValueError) as e:
@@ -338,7 +204,7 @@ def run_job(
         ),
     )
     output = options.output or default_output_path(options.input, reader.format)
-    _check_output_path(output, options.input)
+    check_output_path(output, options.input)
     fmt = output_format(output, reader.format)
     header = make_header(reader.identity(), _model_label(options), _header_options(options, reader, fmt))
     if options.strict:

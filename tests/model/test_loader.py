@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, GPT2Config, LlamaConfig, LlamaForCausalLM
 
-from batchgen.model import loader
+from batchgen.model import gguf_cache, loader
 from batchgen.model.loader import (
     DEFAULT_MODEL_PACKAGE,
     SUPPORTED_ARCHITECTURES,
@@ -258,7 +258,7 @@ def fake_gguf(tmp_path, sharded_llama, monkeypatch):
         conversions.append(out_dir)
         shutil.copytree(path, out_dir, dirs_exist_ok=True)
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_cache, "convert_gguf", convert)
     return gguf, conversions
 
 
@@ -298,7 +298,7 @@ def test_gguf_crash_leaves_no_cache(fake_gguf, tmp_path, monkeypatch, sharded_ll
         shutil.copy2(path / "config.json", out_dir / "config.json")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loader, "_convert_gguf", crash)
+    monkeypatch.setattr(gguf_cache, "convert_gguf", crash)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(str(gguf), cache_dir=cache)
     assert [p.name for p in (cache / "models").iterdir()] == [".digests"]  # no half cache, no temp dir
@@ -309,13 +309,13 @@ def test_gguf_race_uses_winner(fake_gguf, tmp_path, monkeypatch, sharded_llama):
     gguf, _ = fake_gguf
     path, _ = sharded_llama
     cache = tmp_path / "cache"
-    final = cache / "models" / loader._gguf_cache_key(gguf, cache / "models")
+    final = cache / "models" / gguf_cache.gguf_cache_key(gguf, cache / "models")
 
     def convert_while_other_wins(src: Path, out_dir: Path) -> None:
         shutil.copytree(path, out_dir, dirs_exist_ok=True)
         shutil.copytree(path, final)
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert_while_other_wins)
+    monkeypatch.setattr(gguf_cache, "convert_gguf", convert_while_other_wins)
     files = resolve_model(str(gguf), cache_dir=cache)
     assert files.path == final
     assert sorted(p.name for p in (cache / "models").iterdir()) == [".digests", final.name]
@@ -340,7 +340,7 @@ def test_default_model_cache_reused(default_model_files: ModelFiles, monkeypatch
     def no_conversion(*args, **kwargs):
         raise AssertionError("the cached default model was converted again")
 
-    monkeypatch.setattr(loader, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(gguf_cache, "convert_gguf", no_conversion)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
     start = time.perf_counter()
     again = resolve_model(None)

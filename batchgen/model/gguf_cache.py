@@ -1,0 +1,162 @@
+"""GGUF files -> cached Hugging Face directories: dequantized once, reused by every later start.
+
+A GGUF file is dequantized through transformers into float32 safetensors with its tokenizer and
+configs, under `models/` of batchgen's cache (`batchgen.cache`), in a directory named after the
+file's content. Hugging Face can load the same directory, so it also serves as the fidelity baseline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Bump when the GGUF conversion changes what it writes, so old caches are not reused.
+_GGUF_CACHE_FORMAT = 1
+# A temporary conversion directory older than this belongs to a run that died.
+_STALE_TMP_SECONDS = 3600
+
+
+def gguf_cache_key(gguf: Path, models: Path) -> str:
+    """`<stem>-<hash>`, the hash taken over the file's bytes (and the conversion format).
+
+    So a copy of the same file at another path (each virtual environment installs its own) reuses
+    one conversion, and an edited file converts again. Hashing reads the whole file (about 0.3 s
+    for the default model's 98 MB); the digest is remembered per path, size and mtime in
+    `models/.digests/`, so each file is read once.
+    """
+    resolved = gguf.resolve()
+    stat = resolved.stat()
+    identity = f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    memo = models / ".digests" / hashlib.sha256(identity).hexdigest()[:24]
+    try:
+        digest = memo.read_text().strip()
+    except OSError:
+        digest = ""
+    if len(digest) != 64:
+        content = hashlib.sha256(f"{_GGUF_CACHE_FORMAT}\0".encode())
+        with resolved.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                content.update(chunk)
+        digest = content.hexdigest()
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=memo.parent, prefix=".tmp-")
+            with os.fdopen(fd, "w") as f:
+                f.write(digest)
+            os.replace(tmp, memo)
+        except OSError:  # a read-only cache still works, it just hashes again next time
+            pass
+    return f"{gguf.stem}-{digest[:12]}"
+
+
+def cached_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Return the converted directory of `gguf` under `cache_dir/models/`, converting it first when
+    no complete copy exists there.
+
+    The conversion writes into a temporary directory next to the final one and renames it into
+    place, so a crash never leaves a half-written cache; of two processes racing, the first rename
+    wins and the other's copy is discarded.
+    """
+    models = cache_dir / "models"
+    final = models / gguf_cache_key(gguf, models)
+    if (final / "config.json").is_file():
+        return final
+    if final.exists():  # not written by us (renames are atomic): start over
+        shutil.rmtree(final)
+    models.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(models)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=models))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide a shared $BATCHGEN_CACHE from other users
+        start = time.perf_counter()
+        logger.info("Dequantizing %s into %s (once; later runs reuse it)", gguf, final)
+        convert_gguf(gguf, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+            logger.info("Another process converted %s first; using its copy", gguf)
+        else:
+            logger.info("Converted %s in %.1f s", gguf.name, time.perf_counter() - start)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _remove_stale_tmp(models: Path) -> None:
+    """Delete temporary conversion directories left by runs that died."""
+    now = time.time()
+    for entry in models.glob(".tmp-*"):
+        try:
+            if now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(entry, ignore_errors=True)
+        except FileNotFoundError:
+            pass
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize `gguf` with transformers and save it into `out_dir` as float32 safetensors.
+
+    Writes the model (without `quantization_config`, with `architectures`), its generation config
+    and the tokenizer stored in the GGUF.
+
+    Raises:
+        UnsupportedModelError: the GGUF holds an architecture we do not implement.
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from batchgen.model.loader import check_architecture  # loader imports this module
+
+    kwargs: dict[str, Any] = {_dtype_kwarg(): torch.float32}
+    gguf_config_cls = getattr(transformers, "GgufConfig", None)
+    if gguf_config_cls is not None:
+        # Newer transformers may keep weights packed for its own kernels; we want plain tensors.
+        kwargs["quantization_config"] = gguf_config_cls(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
+    config = model.config
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__]
+    check_architecture({"architectures": config.architectures, "model_type": config.model_type})
+
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    not_dense = sorted({str(p.dtype) for p in model.parameters()} - {str(torch.float32)})
+    if not_dense:
+        raise RuntimeError(
+            f"dequantizing {gguf} left parameters of dtype {', '.join(not_dense)}, not float32"
+        )
+
+    model.save_pretrained(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(out_dir)
+    if not (out_dir / "generation_config.json").is_file() and model.generation_config is not None:
+        model.generation_config.save_pretrained(out_dir)
+    # save_pretrained may still copy the quantization config from elsewhere; the file is what counts.
+    config_file = out_dir / "config.json"
+    raw = json.loads(config_file.read_text())
+    if raw.pop("quantization_config", None) is not None or not raw.get("architectures"):
+        raw["architectures"] = config.architectures
+        config_file.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+
+
+def _dtype_kwarg() -> str:
+    """`from_pretrained`'s dtype keyword: `dtype` since transformers 4.56, `torch_dtype` before."""
+    from packaging.version import Version
+    from transformers import __version__
+
+    return "dtype" if Version(__version__) >= Version("4.56") else "torch_dtype"

@@ -61,6 +61,12 @@ def bench_command(
             help="Runs per configuration, interleaved (each round starts one configuration later); the median run is reported."
         ),
     ] = 1,
+    warmup_run: Annotated[
+        bool,
+        typer.Option(
+            help="Run the first batchgen configuration once, untimed, first (one-time process costs)."
+        ),
+    ] = True,
     # --- engine (vLLM spellings; shared with `batchgen run`) ---
     model: opt.Model = EngineConfig.model,
     dtype: opt.Dtype = EngineConfig.dtype,
@@ -116,6 +122,7 @@ def bench_command(
             engine=EngineConfig(**engine),
             measure_ceiling=ceiling,
             repeat=repeat,
+            warmup_run=warmup_run,
         )
     except (ValueError, TypeError) as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -143,6 +143,8 @@ def build_report(
         "model": model_info,
         "engine_options": dataclasses.asdict(settings.engine),
         "static_batch_size": settings.static_batch_size,
+        "repeat": settings.repeat,
+        "warmup_run": settings.warmup_run,
         "workload": workload.summary(),
         "sampled_output_tokens": workload.total_output_tokens,
         "sampled_prompt_tokens": workload.total_prompt_tokens,

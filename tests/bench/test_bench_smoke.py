@@ -51,6 +51,10 @@ def bench_report(tiny_model_dir, tmp_path_factory) -> tuple[dict, Path]:
     result = invoke_bench(args)
     assert result.exit_code == 0, result.output
     assert "output tokens/s" in result.output and "compute ceiling" in result.output
+    # The first batchgen configuration ran once untimed, before every timed run.
+    lines = result.output.splitlines()
+    warmup = lines.index("warm-up: continuous/fcfs once, untimed ...")
+    assert warmup < lines.index("running continuous/fcfs ...")
     return json.loads((out / "bench.json").read_text()), out
 
 
@@ -58,6 +62,7 @@ def test_every_configuration_present(bench_report) -> None:
     report, out = bench_report
     configs = {c["name"]: c for c in report["configurations"]}
     assert list(configs) == EXPECTED
+    assert report["warmup_run"] is True and report["repeat"] == 1
     for name, c in configs.items():
         if name == "hf-cb" and c["status"] == "skipped":
             assert c["reason"]  # transformers without continuous batching: skipped with the reason
@@ -212,8 +217,9 @@ def test_resource_monitor_nesting_times_only_the_inner_window() -> None:
 def test_repeat_interleaves_runs_and_reports_the_median(tiny_model_dir, tmp_path: Path) -> None:
     workload = ["--dist", "fixed", "--input-len", "8", "--output-len", "4", "--num-prompts", "3"]
     args = tiny_run_args(tiny_model_dir("llama"), tmp_path, *workload)
-    result = invoke_bench([*args, "--policy", "fcfs,max-throughput", "--repeat", "3"])
+    result = invoke_bench([*args, "--policy", "fcfs,max-throughput", "--repeat", "3", "--no-warmup-run"])
     assert result.exit_code == 0, result.output
+    assert "warm-up" not in result.output
     runs = [line for line in result.output.splitlines() if line.startswith("running ")]
     # Round-robin, each round starting one configuration later.
     rounds = [("fcfs", "max-throughput"), ("max-throughput", "fcfs"), ("fcfs", "max-throughput")]

@@ -285,8 +285,9 @@ def run_bench(
         )
     plans = plan_configs(settings)
     first_engine_plan = next((plan for plan in plans if plan.kind in MODES), None)
-    if settings.warmup_run and first_engine_plan is not None:
-        _warmup_run(first_engine_plan, settings, facts, workload, factory, log)
+    if settings.warmup_run and first_engine_plan is not None:  # its result is thrown away
+        label = f"{first_engine_plan.name} (warm-up, untimed)"
+        _run_logged(first_engine_plan, label, settings, facts, workload, factory, log)
     runs: dict[str, list[RunResult]] = {plan.name: [] for plan in plans}
     for round_index in range(settings.repeat):
         # Each round starts one configuration later, so no configuration always runs first or always
@@ -346,27 +347,6 @@ def _run_logged(
     summary = f"skipped: {result.skipped}" if result.skipped else f"{len(result.requests)} requests"
     log(f"  {label}: {summary} ({time.perf_counter() - started:.1f} s)")
     return result
-
-
-def _warmup_run(
-    plan: ConfigPlan,
-    settings: BenchSettings,
-    facts: ModelFacts,
-    workload: Workload,
-    factory: EngineFactory,
-    log: Callable[[str], None],
-) -> None:
-    """Run `plan` once and throw the result away (see `BenchSettings.warmup_run`)."""
-    log(f"warm-up: {plan.name} once, untimed ...")
-    started = time.perf_counter()
-    try:
-        with ResourceMonitor() as monitor:
-            _run_one(plan, settings, facts, workload, factory, monitor)
-    except Exception as exc:  # the timed run of the same configuration records the failure
-        log(f"  warm-up failed: {type(exc).__name__}: {exc}")
-    finally:
-        release_memory()
-    log(f"  warm-up: {time.perf_counter() - started:.1f} s")
 
 
 def median_run(runs: list[RunResult]) -> RunResult:

@@ -53,7 +53,7 @@ def bench_report(tiny_model_dir, tmp_path_factory) -> tuple[dict, Path]:
     assert "output tokens/s" in result.output and "compute ceiling" in result.output
     # The first batchgen configuration ran once untimed, before every timed run.
     lines = result.output.splitlines()
-    warmup = lines.index("warm-up: continuous/fcfs once, untimed ...")
+    warmup = lines.index("running continuous/fcfs (warm-up, untimed) ...")
     assert warmup < lines.index("running continuous/fcfs ...")
     return json.loads((out / "bench.json").read_text()), out
 

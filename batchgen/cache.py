@@ -1,4 +1,5 @@
-"""Where batchgen keeps what it builds once per machine: converted models and compiled CPU kernels."""
+"""Where batchgen keeps what it builds once per machine (converted models, compiled CPU kernels), and how
+it writes there."""
 
 from __future__ import annotations
 
@@ -22,3 +23,23 @@ def cache_root() -> Path:
         return Path.home() / ".cache" / "batchgen"
     except RuntimeError:  # no $HOME and no passwd entry
         return Path(tempfile.gettempdir()) / f"batchgen-{getattr(os, 'getuid', lambda: 'user')()}"
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a synced temporary file in the same folder and an atomic rename.
+
+    Concurrent writers and crashes leave either the old file or the whole new one, never a part.
+
+    Raises:
+        OSError: the folder is missing or not writable (the temporary file is removed).
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from batchgen.cache import cache_root
+from batchgen.cache import cache_root, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +80,6 @@ def _machine_key(compiler: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _write_durably(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a synced temporary file and an atomic rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _build(compiler: list[str], target: Path) -> dict:
     """Compile SOURCES into one library at `target` and record its checksum beside it.
 
@@ -118,8 +104,8 @@ def _build(compiler: list[str], target: Path) -> dict:
                 continue
             data = out.read_bytes()
         record = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "flags": flags}
-        _write_durably(target, data)
-        _write_durably(target.with_suffix(".json"), json.dumps(record).encode())
+        write_atomically(target, data)
+        write_atomically(target.with_suffix(".json"), json.dumps(record).encode())
         _prune_unused_builds(target.parent, keep=target)
         return record
     raise RuntimeError(f"{' '.join(compiler)} could not build the CPU kernels: {error}")

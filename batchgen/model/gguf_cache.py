@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchgen.cache import write_atomically
+
 logger = logging.getLogger(__name__)
 
 # Bump when the GGUF conversion changes what it writes, so old caches are not reused.
@@ -49,10 +51,7 @@ def gguf_cache_key(gguf: Path, models: Path) -> str:
         digest = content.hexdigest()
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=memo.parent, prefix=".tmp-")
-            with os.fdopen(fd, "w") as f:
-                f.write(digest)
-            os.replace(tmp, memo)
+            write_atomically(memo, digest.encode())
         except OSError:  # a read-only cache still works, it just hashes again next time
             pass
     return f"{gguf.stem}-{digest[:12]}"

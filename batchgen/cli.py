@@ -25,10 +25,6 @@ app = typer.Typer(
 )
 
 
-def _choices(values: tuple[str, ...]) -> str:
-    return " | ".join(values)
-
-
 @app.callback()
 def main() -> None:
     """batchgen: offline LLM batch inference with continuous batching over a paged KV cache."""
@@ -80,7 +76,7 @@ def run_command(
     seed: Annotated[int | None, typer.Option(help="Per-request sampling seed")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")] = None,
     # --- scheduling ---
-    policy: Annotated[str, typer.Option(help=_choices(POLICIES))] = "fcfs",
+    policy: Annotated[str, typer.Option(help=opt.choices(POLICIES))] = "fcfs",
     window: Annotated[
         int, typer.Option(help="Look-ahead window in rows (the policy orders inside it)")
     ] = 1024,

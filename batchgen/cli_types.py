@@ -35,14 +35,15 @@ def memory_size(text: str) -> int:
         raise typer.BadParameter(str(e)) from None
 
 
-def _choices(values: tuple[str, ...]) -> str:
+def choices(values: tuple[str, ...]) -> str:
+    """Help text listing the allowed values of an option: "a | b | c"."""
     return " | ".join(values)
 
 
 Model = Annotated[
     str | None, typer.Option(help="HF directory, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
 ]
-Dtype = Annotated[str, typer.Option(help=_choices(DTYPES))]
+Dtype = Annotated[str, typer.Option(help=choices(DTYPES))]
 MaxNumSeqs = Annotated[int, typer.Option(help="Most sequences per step")]
 MaxNumBatchedTokens = Annotated[int | None, typer.Option(help="Most tokens per step")]
 BlockSize = Annotated[int, typer.Option(help="Tokens per KV-cache block")]
@@ -55,12 +56,12 @@ KvCacheMemory = Annotated[
 SwapSpace = Annotated[float, typer.Option(help="GiB of CPU swap space for preempted blocks")]
 EnablePrefixCaching = Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes")]
 EnableChunkedPrefill = Annotated[bool, typer.Option(help="Split long prompts across steps")]
-PreemptionMode = Annotated[str, typer.Option(help=_choices(PREEMPTION_MODES))]
+PreemptionMode = Annotated[str, typer.Option(help=choices(PREEMPTION_MODES))]
 AgingSteps = Annotated[
     int, typer.Option(help="max-throughput: a request waiting this many steps is served next")
 ]
-AttentionBackend = Annotated[str, typer.Option(help=_choices(ATTENTION_BACKENDS))]
-Device = Annotated[str, typer.Option(help=_choices(DEVICES))]
+AttentionBackend = Annotated[str, typer.Option(help=choices(ATTENTION_BACKENDS))]
+Device = Annotated[str, typer.Option(help=choices(DEVICES))]
 NumThreads = Annotated[int | None, typer.Option(help="torch CPU threads")]
 
 # The parameter names above, as both commands spell them (EngineConfig's field names).

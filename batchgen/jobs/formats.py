@@ -16,6 +16,9 @@ FORMATS_HELP = (
     "supported inputs: .jsonl (one JSON object a line), OpenAI batch .jsonl, .parquet, "
     "a Hugging Face dataset directory (save_to_disk), or hf://NAME[:CONFIG]:SPLIT"
 )
+# File name endings of JSON-lines inputs and outputs, and of every job file batchgen reads or writes.
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+JOB_FILE_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
 SNIFF_LINES = 1000  # JSONL lines looked at to learn the columns
 
 
@@ -48,7 +51,7 @@ def detect_format(source: str) -> str:
     for _, rec, _ in sniff_jsonl(source):
         if rec is not None:
             return "openai" if "custom_id" in rec and "body" in rec else "jsonl"
-    if source.endswith((".jsonl", ".json", ".ndjson")):
+    if source.endswith(JSONL_SUFFIXES):
         raise JobInputError(f"{source} has no valid JSON object line in its first {SNIFF_LINES} lines")
     if source.endswith(".parquet"):
         raise JobInputError(

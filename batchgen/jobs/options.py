@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.jobs.formats import JOB_FILE_SUFFIXES, JSONL_SUFFIXES
 from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.writer import RESERVED_COLUMNS
 
@@ -100,17 +101,14 @@ def default_output_path(source: str, input_format: str) -> str:
         return source[len("hf://") :].replace("/", "_").replace(":", "_") + suffix
     path = source.rstrip("/")
     stem, ext = os.path.splitext(path)
-    return (stem if ext in (".jsonl", ".json", ".ndjson", ".parquet") else path) + suffix
+    return (stem if ext in JOB_FILE_SUFFIXES else path) + suffix
 
 
 def output_format(output_path: str, input_format: str) -> str:
     """ "openai" for a .jsonl output of OpenAI batch input, "jsonl" for other .jsonl, else "parquet"."""
-    if output_path.endswith((".jsonl", ".json", ".ndjson")):
+    if output_path.endswith(JSONL_SUFFIXES):
         return "openai" if input_format == "openai" else "jsonl"
     return "parquet"
-
-
-OUTPUT_SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson")
 
 
 def check_output_path(output: str, source: str) -> None:
@@ -119,7 +117,7 @@ def check_output_path(output: str, source: str) -> None:
     Raises:
         JobInputError: naming the output path and the fix.
     """
-    if not output.endswith(OUTPUT_SUFFIXES):
+    if not output.endswith(JOB_FILE_SUFFIXES):
         raise JobInputError(
             f"--output {output}: the name must end in .parquet (or .jsonl for JSON lines), "
             f"which is the format written"

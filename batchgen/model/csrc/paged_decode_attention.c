@@ -84,9 +84,8 @@ static inline void prefetch_block(const void *block, size_t bytes) {
 static inline vf vselect(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
 
 /* exp(x) for the x <= 0 of a softmax after its maximum is subtracted (cephes_expf.h), in vector
- * form; about 2 ulp. glibc's vector expf
- * is only offered under -ffast-math, which would change the whole process's float flags. Below
- * -87.3 (where float32 exp underflows) the result is 0. */
+ * form; about 2 ulp. glibc's vector expf is only offered under -ffast-math, which would change the
+ * whole process's float flags. Below -87.3 (where float32 exp underflows) the result is 0. */
 static inline vf vexp(vf x) {
   const vi underflow = x < CEPHES_EXPF_MIN_ARG;
   x = vselect(underflow, (vf){} + CEPHES_EXPF_MIN_ARG, x);

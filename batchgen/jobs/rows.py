@@ -1,0 +1,260 @@
+"""Turning one input record into a `JobRow`: prompt, id, sampling parameters, or the row's error.
+
+`RowParser` holds what the reader resolved from the schema (which column is the prompt, the messages,
+the id; the template's fields) and the CLI's sampling defaults. It knows nothing of files: the reader
+(`batchgen.jobs.reader`) streams records and hands each one here, so a malformed record becomes one
+error row naming the row, the field and the fix, never an exception that stops the job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.jobs.formats import check_messages
+from batchgen.sampling_params import SamplingParams
+
+SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority")
+_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "priority"})
+OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+@dataclass(slots=True)
+class JobRow:
+    """One input row, ready for the engine or carrying the reason it cannot run.
+
+    Attributes:
+        row_index: 0-based position among the input's rows (the output is in this order).
+        id: the row's id (`--id-column`, `id`, `custom_id`), else the row index as a string.
+        prompt: prompt text, chat messages (`[{"role": ..., "content": ...}]`), or None on error.
+        sampling_params: the CLI defaults with the row's overrides, or None on error.
+        error: message naming the row, the field and the fix; None for a valid row.
+        line_number: 1-based line of a JSONL input, None for columnar inputs.
+        keep: values of the `--keep-columns` columns (None when none were asked for).
+        row_hash: signed 64-bit hash of the row's input and parameters (resume identity).
+        endpoint: "chat" or "completion" for OpenAI batch rows, None otherwise.
+    """
+
+    row_index: int
+    id: str
+    prompt: str | list[dict] | None
+    sampling_params: SamplingParams | None
+    error: str | None = None
+    line_number: int | None = None
+    keep: dict[str, Any] | None = None
+    row_hash: int = 0
+    endpoint: str | None = None
+
+    @property
+    def where(self) -> str:
+        """How messages name this row, e.g. "row 5 (line 6)"."""
+        return row_label(self.row_index, self.line_number)
+
+
+def row_label(row_index: int, line_number: int | None) -> str:
+    """Human name of a row for messages: "row 5 (line 6)" or "row 5"."""
+    return f"row {row_index}" if line_number is None else f"row {row_index} (line {line_number})"
+
+
+def stable_hash(obj: Any) -> int:
+    """Signed 64-bit blake2b hash of `obj`'s canonical JSON (stable across runs and machines)."""
+    data = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
+
+
+class RowParser:
+    """Builds `JobRow`s from the records of one job input.
+
+    Args:
+        options: the reader's `ReaderOptions` (template, keep columns, sampling defaults).
+        prompt_column / messages_column / id_column: the columns the reader resolved (None: absent).
+        template_fields: the input columns `options.template` names, in order.
+    """
+
+    def __init__(
+        self,
+        options: Any,
+        prompt_column: str | None = None,
+        messages_column: str | None = None,
+        id_column: str | None = None,
+        template_fields: tuple[str, ...] = (),
+    ) -> None:
+        self.options = options
+        self.prompt_column = prompt_column
+        self.messages_column = messages_column
+        self.id_column = id_column
+        self.template_fields = template_fields
+        self._seen_custom_ids: dict[int, int] = {}
+        self._params_cache: dict[str, tuple[SamplingParams, int]] = {}
+
+    def start(self) -> None:
+        """Forget the custom_ids seen so far: a new pass over the input begins."""
+        self._seen_custom_ids = {}
+
+    def error_row(
+        self, row_index: int, line_number: int | None, row_id: Any, message: str, raw: Any, endpoint=None
+    ) -> JobRow:
+        """A row that will not run: `message` (naming the field and the fix) prefixed with the row's
+        name; `raw` is what is hashed as its resume identity."""
+        rid = str(row_index) if row_id is None else str(row_id)
+        return JobRow(
+            row_index=row_index,
+            id=rid,
+            prompt=None,
+            sampling_params=None,
+            error=f"{row_label(row_index, line_number)}: {message}",
+            line_number=line_number,
+            keep={c: None for c in self.options.keep_columns} if self.options.keep_columns else None,
+            row_hash=stable_hash(["error", raw]),
+            endpoint=endpoint,
+        )
+
+    def _sampling(self, values: dict[str, Any]) -> tuple[SamplingParams | None, int, str | None]:
+        """(params, hash of params, None) or (None, 0, error) for the defaults plus a row's overrides.
+
+        Rows with the same overrides share one (read-only) SamplingParams, so the common case of no
+        overrides costs a dict lookup instead of a validation per row."""
+        overrides = tuple((k, v) for k, v in values.items() if v is not None)
+        key = repr(overrides)
+        hit = self._params_cache.get(key)
+        if hit is not None:
+            return hit[0], hit[1], None
+        merged = dict(self.options.defaults)
+        for k, v in overrides:
+            if k in _INT_FIELDS and isinstance(v, float) and v.is_integer():
+                v = int(v)
+            merged[k] = v
+        try:
+            params = SamplingParams(**merged)
+        except (ValueError, TypeError) as e:
+            bad = [k for k, _ in overrides if k in str(e)]
+            fld = f"field '{bad[0]}'" if bad else "sampling fields"
+            return (
+                None,
+                0,
+                f"invalid sampling value in {fld}: {e}; fix the value or remove it to use the default",
+            )
+        if len(self._params_cache) >= 4096:  # bounded: per-row seeds would otherwise fill it
+            self._params_cache.clear()
+        self._params_cache[key] = (params, stable_hash(params.to_dict()))
+        return params, self._params_cache[key][1], None
+
+    def plain_row(self, row_index: int, line_number: int | None, rec: dict) -> JobRow:
+        """A row of a plain job (prompt / messages / template columns, optional sampling columns)."""
+        rid = rec.get(self.id_column) if self.id_column else None
+        keep = {c: rec.get(c) for c in self.options.keep_columns} or None
+        prompt, err = self._prompt_of(rec)
+        if err is not None:
+            return self.error_row(row_index, line_number, rid, err, raw=rec)
+        params, params_hash, err = self._sampling({k: rec.get(k) for k in SAMPLING_COLUMNS})
+        if err is not None:
+            return self.error_row(row_index, line_number, rid, err, raw=rec)
+        rid_s = str(row_index) if rid is None else str(rid)
+        return JobRow(
+            row_index=row_index,
+            id=rid_s,
+            prompt=prompt,
+            sampling_params=params,
+            line_number=line_number,
+            keep=keep,
+            row_hash=stable_hash([rid_s, prompt, params_hash, keep]),
+        )
+
+    def _prompt_of(self, rec: dict) -> tuple[str | list[dict] | None, str | None]:
+        if self.template_fields or self.options.template is not None:
+            for f in self.template_fields:
+                if rec.get(f) is None or rec.get(f) == "":
+                    return None, f"field '{f}' (used by --template) is null or empty; fill it or drop the row"
+            try:
+                return self.options.template.format(**{f: rec[f] for f in self.template_fields}), None
+            except (KeyError, IndexError, AttributeError, ValueError) as e:
+                return None, f"--template could not be filled from this row ({e!r}); check its placeholders"
+        msgs = self.messages_column
+        if msgs is not None and (self.prompt_column is None or rec.get(msgs) is not None):
+            return check_messages(rec.get(msgs), msgs)
+        col = self.prompt_column
+        value = rec.get(col)
+        if isinstance(value, list):
+            return check_messages(value, col)
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None, f"field '{col}' is null or empty; put the prompt text there or drop the row"
+        if not isinstance(value, str):
+            return None, f"field '{col}' must be a string, got {type(value).__name__}; quote the prompt"
+        return value, None
+
+    def openai_row(self, row_index: int, line_number: int, rec: dict) -> JobRow:
+        """A line of an OpenAI batch file (`custom_id`, `method`, `url`, `body`); custom_ids must be
+        unique within the pass (`start()` begins one)."""
+        cid = rec.get("custom_id")
+        body = rec.get("body")
+        url = rec.get("url")
+        endpoint = OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
+
+        def fail(msg: str) -> JobRow:
+            return self.error_row(row_index, line_number, cid, msg, raw=rec, endpoint=endpoint or "chat")
+
+        if not isinstance(cid, str) or not cid:
+            return fail(
+                "field 'custom_id' is missing or not a non-empty string; give each request a unique id"
+            )
+        key = stable_hash(cid)
+        first = self._seen_custom_ids.get(key)
+        if first is not None:
+            return fail(
+                f"duplicate custom_id '{cid}' (first used on line {first}); make each custom_id unique"
+            )
+        self._seen_custom_ids[key] = line_number
+        method = rec.get("method", "POST")
+        if method != "POST":
+            return fail(f"field 'method' is {method!r}; batch requests must use \"POST\"")
+        if endpoint is None:
+            return fail(f"field 'url' is {url!r}; use one of {', '.join(OPENAI_ENDPOINTS)}")
+        if not isinstance(body, dict):
+            return fail("field 'body' is missing or not an object; put the request parameters in 'body'")
+        if endpoint == "chat":
+            prompt, err = check_messages(body.get("messages"), "body.messages")
+        else:
+            prompt, err = body.get("prompt"), None
+            if not isinstance(prompt, str) or not prompt.strip():
+                err = "field 'body.prompt' must be a non-empty string (one prompt per request)"
+        if err is not None:
+            return fail(err)
+        unsupported = sorted(
+            k for k, v in body.items() if k not in OPENAI_BODY_FIELDS and v not in (None, False, 0, [], {})
+        )
+        if unsupported:
+            return fail(
+                f"field 'body.{unsupported[0]}' is not supported by batchgen (it would change the output); "
+                f"remove it (supported: {', '.join(sorted(OPENAI_BODY_FIELDS))})"
+            )
+        n = body.get("n")
+        if n not in (None, 1):
+            return fail(
+                f"field 'body.n' is {n!r}; only n=1 is supported, split the request into several lines"
+            )
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        values = {k: body.get(k) for k in SAMPLING_COLUMNS if k != "max_tokens"}
+        values["max_tokens"] = max_tokens
+        params, params_hash, err = self._sampling(values)
+        if err is not None:
+            return fail(err.replace("field '", "field 'body."))
+        return JobRow(
+            row_index=row_index,
+            id=cid,
+            prompt=prompt,
+            sampling_params=params,
+            line_number=line_number,
+            keep=None,
+            row_hash=stable_hash([cid, endpoint, prompt, params_hash]),
+            endpoint=endpoint,
+        )
+
+
+# Request fields honoured (or, like `model` and `user`, harmless to ignore). Anything else that is set
+# (logprobs, penalties, tools, response_format, ...) would silently change the meaning of the output.
+OPENAI_BODY_FIELDS = frozenset(
+    {"messages", "prompt", "model", "user", "metadata", "stream", "n", "max_tokens", "max_completion_tokens"}
+    | set(SAMPLING_COLUMNS)
+)

@@ -45,7 +45,7 @@ def test_prefix_chunk_attention_matches_one_masked_call(prefix: int, chunk: int)
     """The query tiles of a chunk after a cached prefix give the single masked SDPA call's output."""
     import torch.nn.functional as F
 
-    from batchgen.model.attention import _causal_attention
+    from batchgen.model.sdpa import causal_attention
 
     torch.manual_seed(0)
     total = prefix + chunk
@@ -60,4 +60,4 @@ def test_prefix_chunk_attention_matches_one_masked_call(prefix: int, chunk: int)
         scale=0.2,
         enable_gqa=True,
     )[0].transpose(0, 1)
-    torch.testing.assert_close(_causal_attention(q, k, v, 0.2), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(causal_attention(q, k, v, 0.2), expected, rtol=1e-5, atol=1e-5)

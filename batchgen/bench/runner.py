@@ -32,9 +32,10 @@ from batchgen.bench.hf_baselines import (
     run_hf_static,
 )
 from batchgen.bench.metrics import ResourceMonitor, RunResult, release_memory, summarize
+from batchgen.bench.model_facts import EngineFactory, ModelFacts, bench_workload, model_facts, pad_id
 from batchgen.bench.report import build_report
 from batchgen.bench.static import run_static
-from batchgen.bench.workloads import Workload, WorkloadSpec, build_workload
+from batchgen.bench.workloads import Workload, WorkloadSpec
 from batchgen.config import POLICIES, EngineConfig
 
 MODES = ("continuous", "static")
@@ -118,9 +119,6 @@ def plan_configs(settings: BenchSettings) -> list[ConfigPlan]:
     return plans
 
 
-EngineFactory = Callable[[EngineConfig], Any]
-
-
 def default_engine_factory(config: EngineConfig) -> Any:
     """A real `LLMEngine` (imported late so `batchgen bench --help` stays fast)."""
     from batchgen.engine.llm_engine import LLMEngine
@@ -132,119 +130,6 @@ def engine_config_for(settings: BenchSettings, plan: ConfigPlan) -> EngineConfig
     """The engine options of one batchgen configuration: the policy, and prefix caching off for static."""
     caching = settings.engine.enable_prefix_caching and plan.kind != "static"
     return dataclasses.replace(settings.engine, policy=plan.policy or "fcfs", enable_prefix_caching=caching)
-
-
-def _torch_dtype(requested: str, engine: Any | None, model_config: Any, device: str) -> torch.dtype:
-    """The dtype batchgen runs in: the engine's, else the engine's rule for `requested`."""
-    if isinstance(value := getattr(engine, "dtype", None), torch.dtype):
-        return value
-    from batchgen.engine.llm_engine import resolve_dtype
-
-    return resolve_dtype(requested, model_config, torch.device(device))
-
-
-def _engine_option(engine: Any, name: str, default: Any) -> Any:
-    """An engine option as the engine resolved it (e.g. `max_num_batched_tokens` when None was given)."""
-    if isinstance(value := getattr(engine, name, None), int):
-        return value
-    for holder_name in ("scheduler_config", "config", "engine_config"):
-        holder = getattr(engine, holder_name, None)
-        value = getattr(holder, name, None) if holder is not None else None
-        if value is not None:
-            return value
-    scheduler = getattr(engine, "scheduler", None)
-    for holder in (scheduler, getattr(scheduler, "config", None)):
-        value = getattr(holder, name, None) if holder is not None else None
-        if isinstance(value, int):
-            return value
-    return default
-
-
-def _special_ids(tokenizer: Any) -> set[int]:
-    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    ids |= set((getattr(tokenizer, "added_tokens_decoder", None) or {}).keys())
-    return ids
-
-
-def _pad_id(tokenizer: Any) -> int:
-    for value in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(value, int):
-            return value
-        if isinstance(value, list) and value:
-            return int(value[0])
-    return 0
-
-
-def _device(settings: BenchSettings) -> str:
-    if settings.engine.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return settings.engine.device
-
-
-@dataclass
-class ModelFacts:
-    """What the bench needs to know about the model and the engine before running anything."""
-
-    tokenizer: Any
-    model_config: Any
-    max_model_len: int
-    hf_dir: Any
-    dtype: torch.dtype
-    device: str
-    kv_cache_tokens: int | None
-    max_num_batched_tokens: int
-
-
-def model_facts(settings: BenchSettings, factory: EngineFactory) -> ModelFacts:
-    """Build one engine (for `max_model_len`, the KV capacity, the token budget, the dtype as the
-    engine resolves them) and drop it; without batchgen configurations, read the HF directory."""
-    device = _device(settings)
-    plans = [p for p in plan_configs(settings) if p.kind in MODES]
-    if not plans:
-        from transformers import AutoConfig, AutoTokenizer
-
-        hf_dir = resolve_hf_dir(settings.engine.model)
-        config = AutoConfig.from_pretrained(hf_dir)
-        return ModelFacts(
-            tokenizer=AutoTokenizer.from_pretrained(hf_dir),
-            model_config=config,
-            max_model_len=settings.engine.max_model_len or int(config.max_position_embeddings),
-            hf_dir=hf_dir,
-            dtype=_torch_dtype(settings.engine.dtype, None, config, device),
-            device=device,
-            kv_cache_tokens=None,
-            max_num_batched_tokens=settings.engine.max_num_batched_tokens or 2048,
-        )
-    engine = factory(engine_config_for(settings, plans[0]))
-    try:
-        return ModelFacts(
-            tokenizer=engine.tokenizer,
-            model_config=engine.model_config,
-            max_model_len=int(engine.max_model_len),
-            hf_dir=getattr(getattr(engine, "model_files", None), "path", None),
-            dtype=_torch_dtype(settings.engine.dtype, engine, engine.model_config, device),
-            device=device,
-            kv_cache_tokens=int(engine.num_gpu_blocks) * int(engine.block_size),
-            max_num_batched_tokens=_engine_option(
-                engine, "max_num_batched_tokens", settings.engine.max_num_batched_tokens or 2048
-            ),
-        )
-    finally:
-        del engine
-        release_memory()
-
-
-def bench_workload(spec: WorkloadSpec, tokenizer: Any, model_config: Any, max_model_len: int) -> Workload:
-    """The workload of `spec` for this model: token ids drawn from its vocabulary minus special tokens."""
-    from batchgen.engine.tokenize import encode_prompt
-
-    return build_workload(
-        spec,
-        vocab_size=min(len(tokenizer), int(model_config.vocab_size)),
-        special_token_ids=sorted(_special_ids(tokenizer)),
-        max_model_len=max_model_len,
-        encode=lambda prompt: list(encode_prompt(tokenizer, prompt)[1]),
-    )
 
 
 def run_bench(
@@ -263,7 +148,9 @@ def run_bench(
     factory = engine_factory or default_engine_factory
     if settings.engine.num_threads is not None:
         torch.set_num_threads(settings.engine.num_threads)
-    facts = model_facts(settings, factory)
+    batchgen_plans = [p for p in plan_configs(settings) if p.kind in MODES]
+    probe = engine_config_for(settings, batchgen_plans[0]) if batchgen_plans else None
+    facts = model_facts(settings.engine, factory, probe)
     workload = bench_workload(settings.workload, facts.tokenizer, facts.model_config, facts.max_model_len)
     log(
         f"workload {workload.name}: {len(workload.requests)} requests, {workload.total_prompt_tokens} prompt + "
@@ -377,7 +264,7 @@ def _run_one(
     monitor: ResourceMonitor,
 ) -> RunResult:
     """Build the engine or model of one configuration and run it (inside the open `monitor`)."""
-    pad = _pad_id(facts.tokenizer)
+    pad = pad_id(facts.tokenizer)
     if plan.kind in MODES:
         engine = factory(engine_config_for(settings, plan))
         if plan.kind == "continuous":

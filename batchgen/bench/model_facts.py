@@ -1,0 +1,138 @@
+"""What a bench needs to know about the model before any run: tokenizer, config, dtype, limits.
+
+`model_facts` builds one engine with the bench's options and reads back what the engine resolved
+(the maximum length, the KV-cache capacity, the token budget, the dtype), so every configuration
+and the workload agree with the engine; `bench_workload` draws the workload's token ids from the
+model's vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchgen.bench.hf_baselines import resolve_hf_dir
+from batchgen.bench.metrics import release_memory
+from batchgen.bench.workloads import Workload, WorkloadSpec, build_workload
+from batchgen.config import EngineConfig
+
+EngineFactory = Callable[[EngineConfig], Any]
+
+
+def _torch_dtype(requested: str, engine: Any | None, model_config: Any, device: str) -> torch.dtype:
+    """The dtype batchgen runs in: the engine's, else the engine's rule for `requested`."""
+    if isinstance(value := getattr(engine, "dtype", None), torch.dtype):
+        return value
+    from batchgen.engine.llm_engine import resolve_dtype
+
+    return resolve_dtype(requested, model_config, torch.device(device))
+
+
+def _engine_option(engine: Any, name: str, default: Any) -> Any:
+    """An engine option as the engine resolved it (e.g. `max_num_batched_tokens` when None was given)."""
+    if isinstance(value := getattr(engine, name, None), int):
+        return value
+    for holder_name in ("scheduler_config", "config", "engine_config"):
+        holder = getattr(engine, holder_name, None)
+        value = getattr(holder, name, None) if holder is not None else None
+        if value is not None:
+            return value
+    scheduler = getattr(engine, "scheduler", None)
+    for holder in (scheduler, getattr(scheduler, "config", None)):
+        value = getattr(holder, name, None) if holder is not None else None
+        if isinstance(value, int):
+            return value
+    return default
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """Ids of the tokenizer's special and added tokens (kept out of random bench prompts)."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids |= set((getattr(tokenizer, "added_tokens_decoder", None) or {}).keys())
+    return ids
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id static batches pad with: the tokenizer's pad token, else its (first) EOS, else 0."""
+    for value in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            return value
+        if isinstance(value, list) and value:
+            return int(value[0])
+    return 0
+
+
+def resolve_device(device: str) -> str:
+    """The `--device` option resolved: "auto" is cuda when torch sees a GPU, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+@dataclass
+class ModelFacts:
+    """What the bench needs to know about the model and the engine before running anything."""
+
+    tokenizer: Any
+    model_config: Any
+    max_model_len: int
+    hf_dir: Any
+    dtype: torch.dtype
+    device: str
+    kv_cache_tokens: int | None
+    max_num_batched_tokens: int
+
+
+def model_facts(options: EngineConfig, factory: EngineFactory, probe: EngineConfig | None) -> ModelFacts:
+    """Build one engine from `probe` (for `max_model_len`, the KV capacity, the token budget and the
+    dtype as the engine resolves them) and drop it; with no probe (a bench of Hugging Face baselines
+    only), read the model's Hugging Face directory instead. `options` are the bench's engine options."""
+    device = resolve_device(options.device)
+    if probe is None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        hf_dir = resolve_hf_dir(options.model)
+        config = AutoConfig.from_pretrained(hf_dir)
+        return ModelFacts(
+            tokenizer=AutoTokenizer.from_pretrained(hf_dir),
+            model_config=config,
+            max_model_len=options.max_model_len or int(config.max_position_embeddings),
+            hf_dir=hf_dir,
+            dtype=_torch_dtype(options.dtype, None, config, device),
+            device=device,
+            kv_cache_tokens=None,
+            max_num_batched_tokens=options.max_num_batched_tokens or 2048,
+        )
+    engine = factory(probe)
+    try:
+        return ModelFacts(
+            tokenizer=engine.tokenizer,
+            model_config=engine.model_config,
+            max_model_len=int(engine.max_model_len),
+            hf_dir=getattr(getattr(engine, "model_files", None), "path", None),
+            dtype=_torch_dtype(options.dtype, engine, engine.model_config, device),
+            device=device,
+            kv_cache_tokens=int(engine.num_gpu_blocks) * int(engine.block_size),
+            max_num_batched_tokens=_engine_option(
+                engine, "max_num_batched_tokens", options.max_num_batched_tokens or 2048
+            ),
+        )
+    finally:
+        del engine
+        release_memory()
+
+
+def bench_workload(spec: WorkloadSpec, tokenizer: Any, model_config: Any, max_model_len: int) -> Workload:
+    """The workload of `spec` for this model: token ids drawn from its vocabulary minus special tokens."""
+    from batchgen.engine.tokenize import encode_prompt
+
+    return build_workload(
+        spec,
+        vocab_size=min(len(tokenizer), int(model_config.vocab_size)),
+        special_token_ids=sorted(special_ids(tokenizer)),
+        max_model_len=max_model_len,
+        encode=lambda prompt: list(encode_prompt(tokenizer, prompt)[1]),
+    )

@@ -15,10 +15,12 @@ import fcntl
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from batchgen.cache import write_atomically
 from batchgen.jobs.reader import JobInputError
 
 MANIFEST = "manifest.jsonl"
@@ -188,14 +190,38 @@ class ResumeState:
             self.lock_fd = None
 
 
+def header_sidecar_path(output_path: str) -> str:
+    """Where a finished JSON-lines output keeps its run header (Parquet keeps it in its metadata):
+    a hidden `.NAME.batchgen.json` beside the output."""
+    folder, name = os.path.split(os.path.abspath(output_path))
+    return os.path.join(folder, f".{name}.batchgen.json")
+
+
+def write_header_sidecar(output_path: str, header: dict[str, Any]) -> None:
+    """Record `header` for a finished JSON-lines output, with the output's size in bytes, so a rerun
+    of the same job reports it complete (and an output changed since is not mistaken for ours)."""
+    record = {"header": header, "output_bytes": os.path.getsize(output_path)}
+    write_atomically(Path(header_sidecar_path(output_path)), json.dumps(record).encode())
+
+
 def _existing_output_header(output_path: str) -> dict[str, Any] | None:
+    """The header of a finished output of ours: from the Parquet metadata, else from the sidecar of a
+    JSON-lines output whose size still matches; None for any other file."""
     try:
         import pyarrow.parquet as pq
 
         meta = pq.read_schema(output_path).metadata or {}
         return json.loads(meta[HEADER_METADATA_KEY]) if HEADER_METADATA_KEY in meta else None
-    except Exception:  # not a Parquet file of ours
-        return None
+    except Exception:  # pyarrow raises several types for a file that is not Parquet
+        pass
+    try:
+        with open(header_sidecar_path(output_path), "rb") as f:
+            record = json.load(f)
+        if record.get("output_bytes") == os.path.getsize(output_path):
+            return record["header"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
 
 
 def _lock(parts_dir: str) -> int:
@@ -237,37 +263,14 @@ def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) ->
     if overwrite:
         return _start_fresh(output_path, parts_dir, header, empty)
     if os.path.exists(manifest_path):
-        manifest = Manifest(parts_dir)
-        old, entries = manifest.load()
-        diffs = header_differences(old, header)
-        if diffs:
-            raise JobInputError(
-                f"{output_path} has {sum(e.rows for e in entries)} committed rows from a run with other "
-                f"settings ({'; '.join(diffs)}). Pass --overwrite to discard them and start over, "
-                "or choose another --output"
-            )
+        # The lock comes before the manifest is read: loading may truncate a torn last line, which
+        # must not happen under a live run's append.
         lock_fd = _lock(parts_dir)
-        keep = {MANIFEST, LOCK} | {e.part for e in entries}
-        for name in os.listdir(parts_dir):
-            if name not in keep:  # temp files and parts renamed but never recorded
-                os.remove(os.path.join(parts_dir, name))
-        import pyarrow.parquet as pq
-
-        idx, hashes = [], []
-        for e in entries:
-            path = os.path.join(parts_dir, e.part)
-            if not os.path.exists(path):
-                os.close(lock_fd)
-                raise JobInputError(f"committed part {path} is missing; pass --overwrite to start over")
-            t = pq.read_table(path, columns=["row_index", "row_hash"])
-            idx.append(t.column("row_index").to_numpy())
-            hashes.append(t.column("row_hash").to_numpy())
-        committed = (
-            CommittedRows(np.concatenate(idx).astype(np.int64), np.concatenate(hashes).astype(np.int64))
-            if idx
-            else empty
-        )
-        return ResumeState(output_path, parts_dir, manifest, entries, committed, lock_fd=lock_fd)
+        try:
+            return _resume(output_path, parts_dir, header, lock_fd, empty)
+        except BaseException:
+            os.close(lock_fd)
+            raise
     if os.path.exists(output_path) and not overwrite:
         old = _existing_output_header(output_path)
         if old is not None and not header_differences(old, header):
@@ -281,6 +284,46 @@ def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) ->
     return _start_fresh(output_path, parts_dir, header, empty)
 
 
+def _resume(
+    output_path: str, parts_dir: str, header: dict[str, Any], lock_fd: int, empty: CommittedRows
+) -> ResumeState:
+    """Load the manifest and the committed rows of an interrupted run (the lock is held)."""
+    manifest = Manifest(parts_dir)
+    old, entries = manifest.load()
+    diffs = header_differences(old, header)
+    if diffs:
+        raise JobInputError(
+            f"{output_path} has {sum(e.rows for e in entries)} committed rows from a run with other "
+            f"settings ({'; '.join(diffs)}). Pass --overwrite to discard them and start over, "
+            "or choose another --output"
+        )
+    keep = {MANIFEST, LOCK} | {e.part for e in entries}
+    for name in os.listdir(parts_dir):
+        if name not in keep:  # temp files and parts renamed but never recorded
+            os.remove(os.path.join(parts_dir, name))
+    import pyarrow.parquet as pq
+
+    idx, hashes = [], []
+    for e in entries:
+        path = os.path.join(parts_dir, e.part)
+        if not os.path.exists(path):
+            raise JobInputError(f"committed part {path} is missing; pass --overwrite to start over")
+        try:
+            t = pq.read_table(path, columns=["row_index", "row_hash"])
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            raise JobInputError(
+                f"committed part {path} cannot be read ({e}); pass --overwrite to start over"
+            ) from e
+        idx.append(t.column("row_index").to_numpy())
+        hashes.append(t.column("row_hash").to_numpy())
+    committed = (
+        CommittedRows(np.concatenate(idx).astype(np.int64), np.concatenate(hashes).astype(np.int64))
+        if idx
+        else empty
+    )
+    return ResumeState(output_path, parts_dir, manifest, entries, committed, lock_fd=lock_fd)
+
+
 def _start_fresh(
     output_path: str, parts_dir: str, header: dict[str, Any], empty: CommittedRows
 ) -> ResumeState:
@@ -289,6 +332,7 @@ def _start_fresh(
     The lock comes first so that a run started with `--overwrite` beside a live run is refused
     before it deletes anything the live run committed.
     """
+    lock_fd = None
     try:
         os.makedirs(parts_dir, exist_ok=True)
         lock_fd = _lock(parts_dir)
@@ -297,8 +341,14 @@ def _start_fresh(
                 os.remove(os.path.join(parts_dir, name))
         manifest = Manifest.create(parts_dir, header)
     except OSError as e:
+        if lock_fd is not None:
+            os.close(lock_fd)
         raise JobInputError(
             f"cannot write the parts directory {parts_dir} beside --output {output_path}: {e.strerror or e}; "
             "pass an --output in a writable directory"
         ) from e
+    except BaseException:
+        if lock_fd is not None:
+            os.close(lock_fd)
+        raise
     return ResumeState(output_path, parts_dir, manifest, [], empty, lock_fd=lock_fd)

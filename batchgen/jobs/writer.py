@@ -9,6 +9,7 @@ the parts are removed. A crash at any point loses at most the uncommitted rows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -19,7 +20,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.jobs.resume import HEADER_METADATA_KEY, Manifest, PartEntry, ResumeState, fsync_dir
+from batchgen.jobs.resume import (
+    HEADER_METADATA_KEY,
+    Manifest,
+    PartEntry,
+    ResumeState,
+    fsync_dir,
+    write_header_sidecar,
+)
 
 OUTPUT_SCHEMA = pa.schema(
     [
@@ -243,37 +251,58 @@ def finalize_output(
     """
     out = state.output_path
     tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp")
-    with open(tmp, "wb") as f:
-        if output_format == "parquet":
-            writer = None
-            for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows):
-                if writer is None:
-                    meta = {HEADER_METADATA_KEY: json.dumps(header).encode()}
-                    writer = pq.ParquetWriter(f, schema.with_metadata(meta))
-                writer.write_table(t.select(schema.names).replace_schema_metadata(writer.schema.metadata))
-            if writer is None:  # an empty job: an empty file with the schema
-                schema = _unified_schema(
-                    [os.path.join(state.parts_dir, e.part) for e in state.entries], keep_columns
-                )
-                writer = pq.ParquetWriter(
-                    f, schema.with_metadata({HEADER_METADATA_KEY: json.dumps(header).encode()})
-                )
-            writer.close()
-        else:
-            for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows):
-                names = schema.names
-                for row in t.to_pylist():
-                    rec = (
-                        openai_record(row, model_name)
-                        if output_format == "openai"
-                        else {n: row[n] for n in names}
-                    )
-                    f.write(json.dumps(rec, ensure_ascii=False, default=str).encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "wb") as f:
+            if output_format == "parquet":
+                _write_parquet(f, state, total_rows, header, keep_columns, chunk_rows)
+            else:
+                for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows):
+                    names = schema.names
+                    for row in t.to_pylist():
+                        rec = (
+                            openai_record(row, model_name)
+                            if output_format == "openai"
+                            else {n: row[n] for n in names}
+                        )
+                        f.write(json.dumps(rec, ensure_ascii=False, default=str).encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        # The committed parts stay: a rerun assembles the output again.
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     fsync_dir(os.path.dirname(os.path.abspath(out)))
+    if output_format != "parquet":  # Parquet carries its header in its own metadata
+        write_header_sidecar(out, header)
     remove_parts(state)
+
+
+def _write_parquet(
+    f: Any,
+    state: ResumeState,
+    total_rows: int,
+    header: dict[str, Any],
+    keep_columns: tuple[str, ...],
+    chunk_rows: int,
+) -> None:
+    """The final Parquet output into the open file `f`, the run header in the schema metadata."""
+    meta = {HEADER_METADATA_KEY: json.dumps(header).encode()}
+    writer = None
+    try:
+        for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows):
+            if writer is None:
+                writer = pq.ParquetWriter(f, schema.with_metadata(meta))
+            writer.write_table(t.select(schema.names).replace_schema_metadata(writer.schema.metadata))
+        if writer is None:  # an empty job: an empty file with the schema
+            schema = _unified_schema(
+                [os.path.join(state.parts_dir, e.part) for e in state.entries], keep_columns
+            )
+            writer = pq.ParquetWriter(f, schema.with_metadata(meta))
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 def remove_parts(state: ResumeState) -> None:

@@ -164,16 +164,24 @@ def test_committed_row_with_another_hash_is_refused(tmp_path):
     again.release()
 
 
-def test_unwritable_output_location(tmp_path):
+def test_unwritable_output_location(tmp_path, monkeypatch):
     with pytest.raises(JobInputError, match="does not exist"):
         prepare_output(str(tmp_path / "nope" / "o.parquet"), header(), overwrite=False)
     with pytest.raises(JobInputError, match="is a directory"):
         prepare_output(str(tmp_path), header(), overwrite=False)
-    if os.geteuid() != 0:  # root ignores permission bits
-        ro = tmp_path / "ro"
-        ro.mkdir(mode=0o500)
-        with pytest.raises(JobInputError, match="not writable"):
-            prepare_output(str(ro / "o.parquet"), header(), overwrite=False)
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    real_access = os.access
+    # As root (CI here) permission bits do not stop writes; os.access is what the check asks.
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: False if str(path) == str(ro) else real_access(path, mode)
+    )
+    with pytest.raises(JobInputError, match="output directory .* is not writable"):
+        prepare_output(str(ro / "o.parquet"), header(), overwrite=False)
+    (tmp_path / "taken.parquet").write_bytes(b"")
+    monkeypatch.setattr(os, "access", lambda path, mode: not str(path).endswith("taken.parquet"))
+    with pytest.raises(JobInputError, match="output .*taken.parquet is not writable"):
+        prepare_output(str(tmp_path / "taken.parquet"), header(), overwrite=False)
 
 
 def test_manifest_header_is_atomic(tmp_path):
@@ -243,6 +251,56 @@ def test_full_job_then_rerun_is_already_complete(tmp_path):
     assert again.already_complete
     with pytest.raises(JobInputError, match="already exists from a run with other settings"):
         run(JobOptions(opts.input, temperature=0.5, engine={"max_num_seqs": 4}))
+
+
+def test_finished_jsonl_output_rerun_is_already_complete(tmp_path):
+    """JSON lines carry no metadata: the run header sits in a hidden sidecar beside the output."""
+    out = tmp_path / "job.out.jsonl"
+    opts = JobOptions(job_file(tmp_path), output=str(out), engine={"max_num_seqs": 4}, commit_rows=7)
+    assert run(opts).complete
+    lines = out.read_text().splitlines()
+    assert [json.loads(line)["row_index"] for line in lines] == list(range(40))
+    assert (tmp_path / ".job.out.jsonl.batchgen.json").exists()
+    assert run(opts).already_complete
+    with pytest.raises(JobInputError, match="already exists from a run with other settings"):
+        run(JobOptions(opts.input, output=str(out), temperature=0.5, engine={"max_num_seqs": 4}))
+    # An output edited since (its size changed) is no longer taken for the finished job.
+    out.write_text("\n".join(lines[:5]) + "\n")
+    with pytest.raises(JobInputError, match=r"already exists\. Pass --overwrite"):
+        run(opts)
+    assert run(JobOptions(opts.input, output=str(out), engine={"max_num_seqs": 4}, overwrite=True)).complete
+    assert len(out.read_text().splitlines()) == 40 and run(opts).already_complete
+
+
+def test_a_failed_final_assembly_leaves_no_temp_file_and_keeps_the_parts(tmp_path, monkeypatch):
+    import batchgen.jobs.writer as writer_module
+
+    opts = JobOptions(job_file(tmp_path), engine={"max_num_seqs": 4}, commit_rows=7)
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+        yield  # a generator, as the real one
+
+    monkeypatch.setattr(writer_module, "iter_ordered_chunks", broken)
+    with pytest.raises(OSError, match="disk full"):
+        run(opts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.jsonl", "job.out.parquet.parts"]
+    monkeypatch.undo()
+    s = run(opts)  # the rerun assembles the output from the committed parts
+    assert s.complete and s.rows_resumed == 40 and len(table_rows(str(tmp_path / "job.out.parquet"))) == 40
+
+
+def test_a_damaged_part_leaves_the_lock_free(tmp_path):
+    out = str(tmp_path / "o.parquet")
+    state = prepare_output(out, header(), overwrite=False)
+    writer = PartWriter(state, keep_columns=(), commit_rows=1, commit_seconds=60)
+    writer.add(row(0), None)
+    writer.commit()
+    state.release()
+    Path(state.parts_dir, state.entries[0].part).write_bytes(b"not parquet")  # a damaged part
+    for _ in range(2):  # the second call would say "another batchgen run is writing" if the lock leaked
+        with pytest.raises(JobInputError, match="cannot be read .* pass --overwrite"):
+            prepare_output(out, header(), overwrite=False)
 
 
 def test_crash_and_sigint_resume_match_an_uninterrupted_run(tmp_path):

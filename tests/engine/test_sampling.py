@@ -270,17 +270,32 @@ def test_stop_string_end_to_end(tiny_llm: LLM) -> None:
 # ---- EOS ----
 
 
-def test_check_stop_on_each_eos_id_unless_ignored(tokenizer) -> None:
+def test_ignore_eos_gives_the_request_no_eos_ids(tiny_llm: LLM, tokenizer) -> None:
+    """`ignore_eos` works by the engine giving the request an empty EOS set: an EOS token then runs
+    on to `max_tokens`."""
+    engine = tiny_llm.llm_engine
+    assert engine.eos_token_ids  # the tiny model has EOS ids to ignore
+    engine.add_request("keeps", {"prompt_token_ids": [1, 5, 6]}, SamplingParams(max_tokens=3))
+    engine.add_request(
+        "ignores", {"prompt_token_ids": [1, 5, 6]}, SamplingParams(max_tokens=3, ignore_eos=True)
+    )
+    keeps, ignores = engine.requests["keeps"], engine.requests["ignores"]
+    assert keeps.eos_token_ids == engine.eos_token_ids and ignores.eos_token_ids == frozenset()
+    for request_id in ("keeps", "ignores"):
+        engine.abort_request(request_id)
+    eos = min(engine.eos_token_ids)
+    for _ in range(2):
+        ignores.token_ids.append(eos)
+        assert check_stop(ignores, tokenizer, 4096) is None
+    ignores.token_ids.append(eos)
+    assert check_stop(ignores, tokenizer, 4096) == "length"
+
+
+def test_check_stop_on_each_eos_id(tokenizer) -> None:
     for eos in sorted(EOS_IDS):
         request = make_request(SamplingParams(), eos=EOS_IDS)
         request.token_ids.append(eos)
         assert check_stop(request, tokenizer, 4096) == "stop"
-        ignoring = make_request(SamplingParams(ignore_eos=True), max_tokens=3)  # engine: eos set empty
-        for _ in range(2):
-            ignoring.token_ids.append(eos)
-            assert check_stop(ignoring, tokenizer, 4096) is None
-        ignoring.token_ids.append(eos)
-        assert check_stop(ignoring, tokenizer, 4096) == "length"
         # min_tokens: an EOS before the minimum does not stop the request.
         early = make_request(SamplingParams(min_tokens=2), eos=EOS_IDS)
         early.token_ids.append(eos)

@@ -205,6 +205,25 @@ def test_parquet_input_with_template(tmp_path, tiny):
     assert t.schema.names == SCHEMA and t.num_rows == 5
     assert t["row_index"].to_pylist() == list(range(5)) and t["id"].to_pylist() == [str(i) for i in range(5)]
     assert not os.path.exists(str(out) + ".parts")
+    # The engine saw each document inside the template, after the system prompt, as a chat.
+    from transformers import AutoTokenizer
+
+    from batchgen.engine.tokenize import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    expected = [
+        len(
+            encode_prompt(
+                tok,
+                [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": f"Summarize in one sentence.\n\n{doc}"},
+                ],
+            )[1]
+        )
+        for doc in PROMPTS
+    ]
+    assert t["prompt_tokens"].to_pylist() == expected
 
 
 def test_openai_batch_input(tmp_path, tiny):

@@ -103,6 +103,7 @@ def interrupt_and_resume(setup, out: Path, sig: int, kills: int, seed: int) -> l
     return codes
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments(setup, tmp_path):
     out = tmp_path / "killed.parquet"
     codes = interrupt_and_resume(setup, out, signal.SIGKILL, kills=3, seed=7)
@@ -111,6 +112,7 @@ def test_sigkill_at_random_moments(setup, tmp_path):
     assert rows_of(out) == setup[2]
 
 
+@pytest.mark.slow
 def test_sigint_commits_and_resumes(setup, tmp_path):
     out = tmp_path / "interrupted.parquet"
     codes = interrupt_and_resume(setup, out, signal.SIGINT, kills=2, seed=11)

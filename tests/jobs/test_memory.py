@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pyarrow.parquet as pq
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIG_ROWS = 200_000
@@ -47,6 +48,7 @@ def peak_rss(cmd: list[str], timeout: float) -> tuple[int, subprocess.CompletedP
     return peak, subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+@pytest.mark.slow
 def test_200k_rows_bounded_rss(tmp_path, tiny_model_dir):
     model = tiny_model_dir("llama")
 

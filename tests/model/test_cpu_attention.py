@@ -140,7 +140,7 @@ def test_unsupported_shapes_are_refused():
 
 
 def test_engine_uses_the_kernel_by_default_on_cpu(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("llama")), dtype="float32")
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu")
     assert llm.llm_engine.runner.backend.name == "cpu"
 
 

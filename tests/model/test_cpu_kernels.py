@@ -168,11 +168,11 @@ def test_cpu_backend_runs_the_c_ops_and_torch_backend_does_not(tiny_model_dir, m
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(cpu_ops, name, counted)
-    fused_llm = LLM(path, dtype="bfloat16", attention_backend="cpu")
+    fused_llm = LLM(path, dtype="bfloat16", attention_backend="cpu", device="cpu")
     fused = [o.outputs[0].token_ids for o in fused_llm.generate(prompts, params)]
     assert {"add_rms_norm_bf16", "silu_mul_bf16", "rotary_bf16", "store_kv"} <= set(calls)
     calls.clear()
-    plain_llm = LLM(path, dtype="bfloat16", attention_backend="torch")
+    plain_llm = LLM(path, dtype="bfloat16", attention_backend="torch", device="cpu")
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)]
     assert calls == []
     same = sum(a == b for f, p in zip(fused, plain, strict=True) for a, b in zip(f, p, strict=True))

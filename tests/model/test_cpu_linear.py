@@ -54,13 +54,13 @@ def test_bf16_engine_prepacks_and_matches_the_unpacked_engine(tiny_model_dir, mo
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
-    llm = LLM(path, dtype="bfloat16", max_num_seqs=4)
+    llm = LLM(path, dtype="bfloat16", max_num_seqs=4, device="cpu")
     packed = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, PrepackedLinear)]
     assert len(packed) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down) + LM head
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
     monkeypatch.setattr(runner_module, "can_prepack", lambda dtype, device: False)
-    plain = LLM(path, dtype="bfloat16", max_num_seqs=4)
+    plain = LLM(path, dtype="bfloat16", max_num_seqs=4, device="cpu")
     assert not any(isinstance(m, PrepackedLinear) for m in plain.llm_engine.runner.model.modules())
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert got == expected

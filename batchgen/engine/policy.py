@@ -23,15 +23,19 @@ class Policy:
     name = "abstract"
 
     def push(self, request: Request) -> None:
+        """Add a new or preempted request to the waiting queue."""
         raise NotImplementedError
 
     def peek(self, step: int) -> Request | None:
+        """The request to admit next at scheduler step `step`, left in the queue (None: empty)."""
         raise NotImplementedError
 
     def pop(self, step: int) -> Request:
+        """Remove and return what `peek(step)` gives; the queue must not be empty."""
         raise NotImplementedError
 
     def remove(self, request: Request) -> bool:
+        """Drop a waiting request (an abort); False when it was not queued."""
         raise NotImplementedError
 
     def __len__(self) -> int:

@@ -11,6 +11,8 @@ from batchgen.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is: in the waiting queue, in the running batch, swapped to CPU, or done."""
+
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"

@@ -90,6 +90,7 @@ class Scheduler:
 
     # ---- queues ----
     def add_request(self, request: Request) -> None:
+        """Queue a new request (it keeps its arrival order in `seq_no` and step in `arrival_step`)."""
         request.seq_no = self._seq_counter
         self._seq_counter += 1
         request.arrival_step = self.step_index

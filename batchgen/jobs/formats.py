@@ -93,6 +93,12 @@ def iter_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
 
 
 def head_tail_sha256(path: str, span: int = 1 << 20) -> str:
+    """SHA-256 hex of a file's first and last `span` bytes (the whole file when it is shorter):
+    a cheap fingerprint of a large input for the resume check, with its size kept beside it.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     h = hashlib.sha256()
     size = os.path.getsize(path)
     with open(path, "rb") as f:

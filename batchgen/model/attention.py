@@ -82,6 +82,8 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        """Store the step's K/V rows, then attend; shapes as in the class docstring, `scale` is
+        the softmax scale (1/sqrt(head_dim) unless the model says otherwise)."""
         raise NotImplementedError
 
 

@@ -34,6 +34,7 @@ class PrepackedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PrepackedLinear:
+        """Pack a loaded bf16 `nn.Linear`'s weight `[out_features, in_features]` (the bias is kept)."""
         weight = linear.weight.detach()
         bias = linear.bias.detach() if linear.bias is not None else None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)

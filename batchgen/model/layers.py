@@ -145,6 +145,12 @@ class MergedLinear(nn.Linear):
         self.shard_sizes = shard_sizes
 
     def load_shard(self, index: int, name: str, tensor: torch.Tensor) -> None:
+        """Copy checkpoint tensor `tensor` (`[shard_sizes[index], in_features]` for "weight",
+        `[shard_sizes[index]]` for "bias") into its rows of the fused parameter.
+
+        Raises:
+            RuntimeError: from `copy_`, when the tensor's shape does not match the shard.
+        """
         start = sum(self.shard_sizes[:index])
         param = self.weight if name == "weight" else self.bias
         param.data[start : start + self.shard_sizes[index]].copy_(tensor)
@@ -218,7 +224,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020) with one fused gate/up matmul."""
+    """SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer") with one fused
+    gate/up matmul: `[T, hidden_size]` -> `[T, 2 * intermediate_size]` -> SiLU(gate) * up
+    `[T, intermediate_size]` -> `[T, hidden_size]`, in the input's dtype."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, bias: bool = False, c_ops: bool = False

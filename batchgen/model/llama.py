@@ -28,6 +28,9 @@ _FUSED = {
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer: RMSNorm -> attention -> residual add -> RMSNorm -> SwiGLU MLP ->
+    residual add, on `[T, hidden_size]` rows in the model's dtype."""
+
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
         self.self_attn = Attention(config, backend)

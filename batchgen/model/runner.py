@@ -46,7 +46,8 @@ class StepInput:
 
 
 def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block across all layers."""
+    """Bytes of one KV block: K and V, in every layer, `block_size` tokens x KV heads x head_dim x
+    the dtype's size."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size()
@@ -88,8 +89,7 @@ class ModelRunner:
         dtype: activation and weight dtype.
         device: torch device.
         block_size: tokens per KV block.
-        num_blocks: device KV blocks (None: from `memory_budget` bytes).
-        memory_budget: bytes for the KV cache when `num_blocks` is None.
+        num_blocks: device KV blocks (the engine sizes them from its memory budget).
         num_swap_blocks: CPU blocks for swapped-out requests.
         max_positions: rotary table length (>= max_model_len).
         attention_backend: "auto", "torch", "cpu" or "triton".

@@ -28,6 +28,7 @@ class SamplingBatch:
 
     @property
     def all_greedy(self) -> bool:
+        """Whether every row has temperature 0 (then the batch is one argmax)."""
         return all(t == 0.0 for t in self.temperatures)
 
 
@@ -46,6 +47,11 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Token ids int64 `[B]` from logits `[B, vocab]` (float32 or the model dtype).
+
+        `logits` is modified in place: banned ids (EOS before `min_tokens`) are set to -inf and
+        the filters mask rows; pass a copy to keep the original.
+        """
         for row, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits[row, banned] = float("-inf")

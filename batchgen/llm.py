@@ -57,7 +57,9 @@ class LLM:
         output has `finish_reason="error"` and the message in `error`.
 
         Raises:
-            ValueError: the number of sampling params does not match the number of prompts.
+            ValueError: the number of sampling params does not match the number of prompts, or a
+                sampling field is out of range.
+            TypeError: `sampling_params` is neither a `SamplingParams` nor a list of them.
             Whatever interrupts the loop (KeyboardInterrupt, an engine error) after this call's
             requests are aborted, so the engine is left empty for the next call.
         """
@@ -68,8 +70,13 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(sampling_params, list | tuple):
             params = list(sampling_params)
+        else:
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                f"{type(sampling_params).__name__}; write SamplingParams(max_tokens=...)"
+            )
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 _GREEDY_EPS = 1e-5
+# What `torch.Generator.manual_seed` takes: a signed or an unsigned 64-bit value.
+_SEED_RANGE = (-(2**63), 2**64)
 
 
 @dataclass
@@ -27,7 +29,9 @@ class SamplingParams:
         priority: used by the "priority" policy; lower value is served first (as in vLLM).
 
     Raises:
-        ValueError / TypeError: naming the field and the allowed range, at construction.
+        ValueError / TypeError: naming the field and the allowed range, at construction, and again
+            from `validate()` when the engine takes a request (fields may be changed in between,
+            as vLLM users do).
     """
 
     temperature: float = 1.0
@@ -42,18 +46,18 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     priority: int = 0
-    _stop_list: list[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._validate()
-        if self.stop is None:
-            self._stop_list = []
-        elif isinstance(self.stop, str):
-            self._stop_list = [self.stop]
-        else:
-            self._stop_list = list(self.stop)
+        self.validate()
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """Check every field (types and ranges).
+
+        Raises:
+            TypeError: a field of the wrong type, named.
+            ValueError: a value out of range, named with the allowed range.
+        """
+
         def number(name: str, value: object) -> float:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"{name} must be a number, got {value!r}")
@@ -74,8 +78,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
         if not 0.0 <= number("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None:
-            integer("seed", self.seed)
+        if self.seed is not None and not _SEED_RANGE[0] <= integer("seed", self.seed) < _SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64) (a 64-bit seed), got {self.seed}")
         if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if integer("min_tokens", self.min_tokens) < 0:
@@ -88,8 +92,13 @@ class SamplingParams:
         if any(s == "" for s in ([self.stop] if isinstance(self.stop, str) else self.stop or [])):
             raise ValueError("stop strings must not be empty")
         if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, list | tuple):
+                raise TypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
             for t in self.stop_token_ids:
                 integer("stop_token_ids[]", t)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         integer("priority", self.priority)
 
     @property
@@ -99,8 +108,10 @@ class SamplingParams:
 
     @property
     def stop_strings(self) -> list[str]:
-        """`stop` normalised to a list."""
-        return self._stop_list
+        """`stop` normalised to a list (read from the field each time, so a change is seen)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def to_dict(self) -> dict:
         """The public fields as a plain dict (for hashing job rows and for reports)."""

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from batchgen.config import EngineConfig
+from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.detokenizer import check_stop, final_text
 from batchgen.engine.policy import make_policy
@@ -60,11 +60,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = torch.device(
-            "cuda"
-            if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-            else "cpu"
-        )
+        # Before any model work: "cuda" without CUDA is a ValueError naming `device`, not torch's assert.
+        self.device = torch.device(resolve_device(config.device))
         files = loader.resolve_model(config.model)
         self.model_files = files
         self.model_config = files.config
@@ -89,8 +86,15 @@ class LLMEngine:
                 "or lower max_model_len"
             )
         self.max_model_len = min(config.max_model_len or model_len, capacity)
+        # Said wherever max_model_len is quoted, so a too-small cache is not mistaken for a limit
+        # the user set.
+        self.max_model_len_note = ""
         if self.max_model_len < model_len and config.max_model_len is None:
-            logger.info("the KV cache holds %d tokens: max_model_len set to that", capacity)
+            self.max_model_len_note = (
+                f" (lowered from the model's {model_len}: the KV cache holds only {capacity} tokens; "
+                "raise kv_cache_memory or gpu_memory_utilization)"
+            )
+            logger.warning("max_model_len is %d%s", self.max_model_len, self.max_model_len_note)
         self.max_num_batched_tokens = self._token_budget()
         num_swap_blocks = config.swap_bytes // per_block if config.preemption_mode == "swap" else 0
 
@@ -171,11 +175,18 @@ class LLMEngine:
         error output (finish_reason "error") instead of raising, so one bad row never stops a job.
 
         Raises:
-            ValueError: `request_id` is already live.
+            ValueError: `request_id` is already live, or a sampling field is out of range.
+            TypeError: `sampling_params` is not a `SamplingParams`, or a field has the wrong type.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}; "
+                "write SamplingParams(max_tokens=..., ...)"
+            )
+        params.validate()  # again: its fields may have been changed since it was built
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         try:
             text, token_ids = self.encode_prompt(prompt)
@@ -188,7 +199,8 @@ class LLMEngine:
                 text,
                 token_ids,
                 arrival,
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} (room is needed "
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}"
+                f"{self.max_model_len_note} (room is needed "
                 "for at least one output token): shorten or truncate the prompt, or raise max_model_len",
             )
             return

@@ -1,0 +1,70 @@
+"""SamplingParams: every field checked with a message naming it; changes after construction count."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen import LLM, SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"temperature": -0.1}, ValueError, "temperature must be >= 0"),
+        ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -2}, ValueError, "top_k must be -1, 0"),
+        ({"min_p": 1.5}, ValueError, r"min_p must be in \[0, 1\]"),
+        ({"max_tokens": 0}, ValueError, "max_tokens must be >= 1"),
+        ({"min_tokens": 5, "max_tokens": 2}, ValueError, "min_tokens .* must be <= max_tokens"),
+        ({"seed": 2**64}, ValueError, r"seed must be in \[-2\*\*63, 2\*\*64\)"),
+        ({"seed": -(2**63) - 1}, ValueError, "seed must be in"),
+        ({"seed": 1.5}, TypeError, "seed must be an integer"),
+        ({"stop": [""]}, ValueError, "stop strings must not be empty"),
+        ({"stop": 5}, TypeError, "stop must be a string or a list of strings"),
+        ({"stop_token_ids": 5}, TypeError, "stop_token_ids must be a list of token ids"),
+        ({"stop_token_ids": [1, "2"]}, TypeError, r"stop_token_ids\[\] must be an integer"),
+        ({"ignore_eos": "yes"}, TypeError, "ignore_eos must be True or False"),
+        ({"skip_special_tokens": None}, TypeError, "skip_special_tokens must be True or False"),
+        ({"priority": 1.0}, TypeError, "priority must be an integer"),
+    ],
+)
+def test_invalid_fields_are_named(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_extreme_seeds_are_accepted():
+    for seed in (0, 2**64 - 1, -(2**63)):
+        SamplingParams(seed=seed)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir("llama")), dtype="float32", num_threads=1)
+
+
+def test_the_largest_seed_samples(tiny_llm):
+    params = SamplingParams(temperature=1.0, seed=2**64 - 1, max_tokens=4, ignore_eos=True)
+    first, again = (tiny_llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0] for _ in range(2))
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids and len(first.outputs[0].token_ids) == 4
+
+
+def test_fields_changed_after_construction_are_used_and_checked(tiny_llm):
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = tiny_llm.generate(prompt, params)[0].outputs[0].token_ids
+    params.stop_token_ids = [tokens[2]]
+    params.max_tokens = 6
+    out = tiny_llm.generate(prompt, params)[0].outputs[0]
+    assert out.token_ids == tokens[:3] and out.finish_reason == "stop"
+    params.stop_token_ids, params.stop = None, "x"
+    assert params.stop_strings == ["x"]
+    params.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        tiny_llm.generate(prompt, params)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+
+
+def test_generate_refuses_sampling_params_of_another_type(tiny_llm):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
+        tiny_llm.generate("Hello", {"max_tokens": 3})

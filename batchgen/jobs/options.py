@@ -75,7 +75,8 @@ class JobOptions:
 
 @dataclass
 class JobSummary:
-    """How a run ended. Counts cover the whole job (rows committed by earlier runs included)."""
+    """How a run ended. Row counts cover the whole job (rows committed by earlier runs included);
+    `prompt_tokens` / `completion_tokens` count the tokens of rows that ran, not of error rows."""
 
     output_path: str
     rows_total: int

@@ -18,7 +18,7 @@ from batchgen.jobs.formats import (  # noqa: F401  (re-exported: the reader's pu
     SNIFF_LINES,
     JobInputError,
     detect_format,
-    head_tail_sha256,
+    file_sha256,
     iter_jsonl,
     parse_hf_reference,
     sniff_jsonl,
@@ -84,7 +84,12 @@ class JobReader:
         if self.format != "openai":
             self._resolve_schema()
         self.parser = RowParser(
-            self.options, self.prompt_column, self.messages_column, self.id_column, self.template_fields
+            self.options,
+            self.prompt_column,
+            self.messages_column,
+            self.id_column,
+            self.template_fields,
+            row_index_ids=self.format != "openai",
         )
 
     # ----- schema -----
@@ -141,7 +146,14 @@ class JobReader:
         cols = set(self.columns)
         if o.template is not None:
             fields_: list[str] = []
-            for _, name, _, _ in string.Formatter().parse(o.template):
+            try:
+                parsed = list(string.Formatter().parse(o.template))
+            except ValueError as e:
+                raise JobInputError(
+                    f"--template {o.template!r} is not a valid template ({e}); name columns in braces, "
+                    "e.g. 'Summarize: {document}', and double a literal brace ({{ or }})"
+                ) from e
+            for _, name, _, _ in parsed:
                 if name is None:
                     continue
                 if not name or name.isdigit():
@@ -188,8 +200,9 @@ class JobReader:
         return list(dict.fromkeys(n for n in names if n is not None))
 
     def identity(self) -> dict[str, Any]:
-        """What identifies the input for resume: path, size and a hash of its first and last MiB
-        (files), the file list with sizes and fingerprint (dataset dirs), or the hub reference."""
+        """What identifies the input for resume: path, size and the SHA-256 of its whole content
+        (files), the file list with sizes and the hash of its state.json (dataset dirs), or the hub
+        reference."""
         if self.format == "hf_hub":
             return {"hub": self.source}
         path = os.path.abspath(self.source)
@@ -200,9 +213,9 @@ class JobReader:
                     p = os.path.join(root, n)
                     files.append([os.path.relpath(p, path), os.path.getsize(p)])
             state = os.path.join(path, "state.json")
-            fp = head_tail_sha256(state) if os.path.exists(state) else None
+            fp = file_sha256(state) if os.path.exists(state) else None
             return {"path": path, "files": sorted(files), "state_sha256": fp}
-        return {"path": path, "size": os.path.getsize(path), "head_tail_sha256": head_tail_sha256(path)}
+        return {"path": path, "size": os.path.getsize(path), "sha256": file_sha256(path)}
 
     def count_rows(self) -> int | None:
         """Number of rows (streamed count for JSONL; metadata for Parquet / datasets; None if unknown),

@@ -25,7 +25,8 @@ from batchgen.jobs.reader import JobInputError
 
 MANIFEST = "manifest.jsonl"
 LOCK = "lock"
-HEADER_VERSION = 1
+# 2: the input is identified by the SHA-256 of its whole content (1: of its first and last MiB).
+HEADER_VERSION = 2
 HEADER_METADATA_KEY = b"batchgen.header"
 
 
@@ -273,11 +274,12 @@ def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) ->
             raise
     if os.path.exists(output_path) and not overwrite:
         old = _existing_output_header(output_path)
-        if old is not None and not header_differences(old, header):
+        diffs = header_differences(old, header) if old is not None else []
+        if old is not None and not diffs:
             return ResumeState(output_path, parts_dir, None, [], empty, complete=True)
         raise JobInputError(
             f"output {output_path} already exists"
-            + (" from a run with other settings" if old is not None else "")
+            + (f" from a run with other settings ({'; '.join(diffs)})" if old is not None else "")
             + ". Pass --overwrite to replace it, or choose another --output"
         )
     # No manifest: a new job, or a crash while the parts directory was being created.

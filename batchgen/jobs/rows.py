@@ -27,7 +27,8 @@ class JobRow:
 
     Attributes:
         row_index: 0-based position among the input's rows (the output is in this order).
-        id: the row's id (`--id-column`, `id`, `custom_id`), else the row index as a string.
+        id: the row's id (`--id-column`, `id`, `custom_id`), else the row index as a string; None
+            for an OpenAI batch line without a usable `custom_id` (a made-up one could equal a real one).
         prompt: prompt text, chat messages (`[{"role": ..., "content": ...}]`), or None on error.
         sampling_params: the CLI defaults with the row's overrides, or None on error.
         error: message naming the row, the field and the fix; None for a valid row.
@@ -38,7 +39,7 @@ class JobRow:
     """
 
     row_index: int
-    id: str
+    id: str | None
     prompt: str | list[dict] | None
     sampling_params: SamplingParams | None
     error: str | None = None
@@ -59,9 +60,44 @@ def row_label(row_index: int, line_number: int | None) -> str:
 
 
 def stable_hash(obj: Any) -> int:
-    """Signed 64-bit blake2b hash of `obj`'s canonical JSON (stable across runs and machines)."""
-    data = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()
+    """Signed 64-bit blake2b hash of `obj`'s canonical JSON (stable across runs and machines).
+
+    Lone surrogates (from JSON `\\ud800` escapes) are hashed as they are, never an error."""
+    data = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
+
+
+def printable(value: Any) -> Any:
+    """`value` with any lone surrogate in its strings written as a `\\udXXX` escape, so it can be
+    stored as UTF-8 (Parquet, JSON lines); other values are returned as they are."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8") if not _is_utf8(value) else value
+    return value
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def invalid_text_field(prompt: str | list[dict], field_name: str) -> str | None:
+    """An error message when the prompt (text or messages) holds a lone surrogate, which no
+    tokenizer can encode; None when it is valid Unicode."""
+    texts = (
+        [("", prompt)]
+        if isinstance(prompt, str)
+        else [(f"[{i}]", m["content"]) for i, m in enumerate(prompt)]
+    )
+    for where, text in texts:
+        if not _is_utf8(text):
+            return (
+                f"field '{field_name}{where}' holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                "which is not valid Unicode; fix or remove that escape"
+            )
+    return None
 
 
 class RowParser:
@@ -71,6 +107,8 @@ class RowParser:
         options: the reader's `ReaderOptions` (template, keep columns, sampling defaults).
         prompt_column / messages_column / id_column: the columns the reader resolved (None: absent).
         template_fields: the input columns `options.template` names, in order.
+        row_index_ids: a row without an id gets its row index as id (False for OpenAI batch
+            input, whose error lines without a custom_id get none).
     """
 
     def __init__(
@@ -80,8 +118,10 @@ class RowParser:
         messages_column: str | None = None,
         id_column: str | None = None,
         template_fields: tuple[str, ...] = (),
+        row_index_ids: bool = True,
     ) -> None:
         self.options = options
+        self.row_index_ids = row_index_ids
         self.prompt_column = prompt_column
         self.messages_column = messages_column
         self.id_column = id_column
@@ -94,11 +134,24 @@ class RowParser:
         self._seen_custom_ids = {}
 
     def error_row(
-        self, row_index: int, line_number: int | None, row_id: Any, message: str, raw: Any, endpoint=None
+        self,
+        row_index: int,
+        line_number: int | None,
+        row_id: Any,
+        message: str,
+        raw: Any,
+        endpoint=None,
+        keep: dict[str, Any] | None = None,
     ) -> JobRow:
         """A row that will not run: `message` (naming the field and the fix) prefixed with the row's
-        name; `raw` is what is hashed as its resume identity."""
-        rid = str(row_index) if row_id is None else str(row_id)
+        name; `raw` is what is hashed as its resume identity; `keep` holds the row's
+        `--keep-columns` values when the record could be read (so the row can still be joined)."""
+        if row_id is not None:
+            rid = printable(str(row_id))
+        else:
+            rid = str(row_index) if self.row_index_ids else None
+        if self.options.keep_columns:
+            keep = {c: printable((keep or {}).get(c)) for c in self.options.keep_columns}
         return JobRow(
             row_index=row_index,
             id=rid,
@@ -106,7 +159,7 @@ class RowParser:
             sampling_params=None,
             error=f"{row_label(row_index, line_number)}: {message}",
             line_number=line_number,
-            keep={c: None for c in self.options.keep_columns} if self.options.keep_columns else None,
+            keep=keep or None,
             row_hash=stable_hash(["error", raw]),
             endpoint=endpoint,
         )
@@ -146,12 +199,19 @@ class RowParser:
         rid = rec.get(self.id_column) if self.id_column else None
         keep = {c: rec.get(c) for c in self.options.keep_columns} or None
         prompt, err = self._prompt_of(rec)
+        if err is None:
+            err = invalid_text_field(prompt, self._prompt_field())
+        if err is None:
+            params, params_hash, err = self._sampling({k: rec.get(k) for k in SAMPLING_COLUMNS})
         if err is not None:
-            return self.error_row(row_index, line_number, rid, err, raw=rec)
-        params, params_hash, err = self._sampling({k: rec.get(k) for k in SAMPLING_COLUMNS})
-        if err is not None:
-            return self.error_row(row_index, line_number, rid, err, raw=rec)
+            return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
+        if keep is not None and not all(_is_utf8(v) for v in keep.values() if isinstance(v, str)):
+            err = "a --keep-columns value holds a lone surrogate (an unpaired \\ud800-\\udfff escape); fix it"
+            return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         rid_s = str(row_index) if rid is None else str(rid)
+        if not _is_utf8(rid_s):
+            err = f"the id holds a lone surrogate (an unpaired \\ud800-\\udfff escape); fix field '{self.id_column}'"
+            return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         return JobRow(
             row_index=row_index,
             id=rid_s,
@@ -161,6 +221,12 @@ class RowParser:
             keep=keep,
             row_hash=stable_hash([rid_s, prompt, params_hash, keep]),
         )
+
+    def _prompt_field(self) -> str:
+        """The name messages use for where a row's prompt came from."""
+        if self.template_fields or self.options.template is not None:
+            return "--template"
+        return self.prompt_column or self.messages_column or "prompt"
 
     def _prompt_of(self, rec: dict) -> tuple[str | list[dict] | None, str | None]:
         if self.template_fields or self.options.template is not None:
@@ -192,9 +258,17 @@ class RowParser:
         url = rec.get("url")
         endpoint = OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
 
-        def fail(msg: str) -> JobRow:
-            return self.error_row(row_index, line_number, cid, msg, raw=rec, endpoint=endpoint or "chat")
+        usable_cid = cid if isinstance(cid, str) and cid and _is_utf8(cid) else None
 
+        def fail(msg: str) -> JobRow:
+            return self.error_row(
+                row_index, line_number, usable_cid, msg, raw=rec, endpoint=endpoint or "chat"
+            )
+
+        if isinstance(cid, str) and cid and usable_cid is None:
+            return fail(
+                "field 'custom_id' holds a lone surrogate (an unpaired \\ud800-\\udfff escape); fix it"
+            )
         if not isinstance(cid, str) or not cid:
             return fail(
                 "field 'custom_id' is missing or not a non-empty string; give each request a unique id"
@@ -219,6 +293,8 @@ class RowParser:
             prompt, err = body.get("prompt"), None
             if not isinstance(prompt, str) or not prompt.strip():
                 err = "field 'body.prompt' must be a non-empty string (one prompt per request)"
+        if err is None:
+            err = invalid_text_field(prompt, "body.messages" if endpoint == "chat" else "body.prompt")
         if err is not None:
             return fail(err)
         unsupported = sorted(
@@ -234,7 +310,10 @@ class RowParser:
             return fail(
                 f"field 'body.n' is {n!r}; only n=1 is supported, split the request into several lines"
             )
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        # The newer name wins when it is set; a null one does not hide max_tokens.
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
         values = {k: body.get(k) for k in SAMPLING_COLUMNS if k != "max_tokens"}
         values["max_tokens"] = max_tokens
         params, params_hash, err = self._sampling(values)

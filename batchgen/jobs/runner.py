@@ -277,11 +277,11 @@ def _loop(
     def finish(result: dict[str, Any], keep: dict[str, Any] | None) -> None:
         writer.add(result, keep)
         if result["finish_reason"] == "error":
-            summary.rows_error += 1
+            summary.rows_error += 1  # its prompt (often a too-long one) never ran: not counted
         else:
             summary.rows_ok += 1
-        summary.prompt_tokens += result.get("prompt_tokens") or 0
-        summary.completion_tokens += result.get("completion_tokens") or 0
+            summary.prompt_tokens += result.get("prompt_tokens") or 0
+            summary.completion_tokens += result.get("completion_tokens") or 0
         if writer.due():
             writer.commit()
 
@@ -341,7 +341,8 @@ def _prepare(
     if n >= max_len:
         if options.truncate_prompt is None:
             return _Prepared(row, None, n), (
-                f"{row.where}: the prompt is {n} tokens but max_model_len is {max_len} (one output token "
+                f"{row.where}: the prompt is {n} tokens but max_model_len is {max_len}"
+                f"{getattr(engine, 'max_model_len_note', '')} (one output token "
                 "needs room); shorten the prompt, raise --max-model-len, or pass --truncate-prompt left|right"
             )
         room = min(row.sampling_params.max_tokens or 1, max_len // 2)

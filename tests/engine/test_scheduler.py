@@ -401,6 +401,8 @@ def test_request_larger_than_the_whole_cache_fails_alone(tiny_llama: Path) -> No
     outs = llm.generate(prompts, params)
     _check_isolated_failures(outs, {1}, 4, 64)
     assert engine.block_manager.num_used_blocks == 0
+    # The limit came from the cache, not from the user: the message says so and what to raise.
+    assert "the KV cache holds only 64 tokens; raise kv_cache_memory" in outs[1].error
 
 
 def test_explicit_max_model_len_larger_than_the_cache_is_refused(tiny_llama: Path) -> None:

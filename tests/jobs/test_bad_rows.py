@@ -80,6 +80,19 @@ def test_bad_rows_fake_engine(tmp_path):
     check_bad_job(tmp_path, fake_factory, engine={"max_model_len": 64})
 
 
+def test_the_token_summary_counts_only_rows_that_ran(tmp_path):
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("\n".join(bad_lines()) + "\n")
+    summary = run_job(
+        JobOptions(str(src), max_tokens=8, engine={"max_model_len": 64}), fake_factory(), dashboard=quiet()
+    )
+    rows = pq.read_table(tmp_path / "mixed.out.parquet").to_pylist()
+    ran = [r for r in rows if r["finish_reason"] != "error"]
+    assert rows[5]["prompt_tokens"] > 64  # the rejected long prompt keeps its count in its row
+    assert summary.prompt_tokens == sum(r["prompt_tokens"] for r in ran)
+    assert summary.completion_tokens == sum(r["completion_tokens"] for r in ran)
+
+
 def test_bad_rows_tiny_model(tmp_path, tiny_model_dir):
     from batchgen.jobs.runner import default_engine_factory
 
@@ -132,3 +145,53 @@ def test_strict_fails_before_model_work(tmp_path):
     ):
         run_job(JobOptions(str(src), strict=True), factory, dashboard=quiet())
     assert factory.engines == [] and not (tmp_path / "bad.out.parquet.parts").exists()
+
+
+def test_unicode_and_seed_errors_are_rows_and_keep_columns_survive(tmp_path):
+    """A lone surrogate (valid JSON, invalid Unicode) and a seed torch cannot take fail their row only;
+    error rows keep their --keep-columns values so they can still be joined."""
+    lines = [
+        json.dumps({"id": "a", "prompt": "fine", "doc": "D0"}),
+        '{"id": "b", "prompt": "\\u0000\\ud800 broken", "doc": "D1"}',
+        json.dumps({"id": "c", "prompt": "fine", "doc": "D2", "seed": 2**64, "temperature": 1.0}),
+        json.dumps({"id": "d", "prompt": "", "doc": "D3"}),
+        '{"id": "\\udfff", "prompt": "fine", "doc": "D4"}',
+        json.dumps({"id": "f", "prompt": "fine too", "doc": "D5"}),
+    ]
+    rows = run_lines(tmp_path, "uni", lines, fake_factory(), keep_columns=("doc",))
+    assert [r["doc"] for r in rows] == [f"D{i}" for i in range(6)]
+    assert [r["finish_reason"] == "error" for r in rows] == [False, True, True, True, True, False]
+    assert rows[1]["error"].startswith("row 1 (line 2): field 'prompt' holds a lone surrogate")
+    assert rows[2]["error"].startswith("row 2 (line 3): invalid sampling value in field 'seed'")
+    assert rows[4]["error"].startswith("row 4 (line 5): the id holds a lone surrogate")
+    assert rows[4]["id"] == "\\udfff"  # stored as a visible escape
+
+
+def test_openai_lines_without_a_usable_custom_id_get_none(tmp_path):
+    """A made-up custom_id (the row index) could equal a real one: such error lines get null."""
+
+    def req(cid, **body) -> str:
+        body = {"messages": [{"role": "user", "content": "hi"}], **body}
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+    lines = [
+        req("1", max_completion_tokens=None, max_tokens=3),
+        '{"custom_id": "2", oops',
+        req(7),
+        req("4", max_completion_tokens=2, max_tokens=5),
+    ]
+    src = tmp_path / "oa.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    run_job(JobOptions(str(src), max_tokens=8), fake_factory(), dashboard=quiet())
+    out = [json.loads(x) for x in (tmp_path / "oa.out.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in out] == ["1", None, None, "4"]
+    assert [x["response"]["status_code"] for x in out] == [200, 400, 400, 200]
+    # max_completion_tokens wins when set; a null one leaves max_tokens in force.
+    assert [out[i]["response"]["body"]["usage"]["completion_tokens"] for i in (0, 3)] == [3, 2]
+
+
+def test_an_unparsable_template_is_a_usage_error(tmp_path):
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps({"document": "x"}) + "\n")
+    with pytest.raises(JobInputError, match=r"--template '\{document' is not a valid template"):
+        run_job(JobOptions(str(src), template="{document"), fake_factory(), dashboard=quiet())

@@ -356,3 +356,18 @@ def test_empty_job(tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
     s = run(JobOptions(str(path)))
     assert s.complete and pq.read_table(tmp_path / "e.out.parquet").num_rows == 0
+
+
+def test_a_same_size_edit_anywhere_in_a_finished_input_is_noticed(tmp_path):
+    """The input is identified by its whole content: an edit in the middle of a file larger than
+    any sample (same size, same first and last bytes) is not taken for the finished job."""
+    src = tmp_path / "big.jsonl"
+    lines = [json.dumps({"id": f"q{i}", "prompt": f"say {i:05d} " + "x" * 700}) for i in range(4000)]
+    src.write_text("\n".join(lines) + "\n")
+    assert src.stat().st_size > 2 * (1 << 20)
+    opts = JobOptions(str(src), engine={"max_num_seqs": 8}, commit_rows=1000, max_tokens=2)
+    assert run(opts).complete and run(opts).already_complete
+    lines[2000] = lines[2000].replace("say 02000", "say 0200X")
+    src.write_text("\n".join(lines) + "\n")
+    with pytest.raises(JobInputError, match=r"from a run with other settings \(the input file changed"):
+        run(opts)

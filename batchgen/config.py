@@ -38,6 +38,27 @@ def parse_memory_size(text: str) -> int:
     return value
 
 
+def resolve_device(device: str) -> str:
+    """The `device` option resolved to "cuda" or "cpu": "auto" is cuda when torch sees a GPU.
+
+    Imports torch on first use (importing this module stays light for the CLIs' `--help`).
+
+    Raises:
+        ValueError: `device` is "cuda" but `torch.cuda.is_available()` is False (a CPU-only torch
+            build, or no visible GPU), naming the option and the fix.
+    """
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device is 'cuda' but torch.cuda.is_available() is False (torch {torch.__version__}: "
+            "a CPU-only build, or no GPU visible); use --device cpu or --device auto"
+        )
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def _check_positive_int(name: str, value: object, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")

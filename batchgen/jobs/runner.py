@@ -27,6 +27,7 @@ from batchgen.jobs.options import (
 )
 from batchgen.jobs.reader import JobInputError, JobReader, JobRow, ReaderOptions
 from batchgen.jobs.resume import make_header, prepare_output
+from batchgen.jobs.truncate import truncate_chat, truncate_ids
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, finalize_output
 from batchgen.sampling_params import SamplingParams
@@ -333,8 +334,9 @@ def _prepare(
     row: JobRow, engine: Any, options: JobOptions, chat: bool, bos: int | None, max_len: int
 ) -> tuple[_Prepared | None, str | None]:
     """Tokenize a row and apply --truncate-prompt; (prepared, None) or (prepared or None, error)."""
+    prompt = engine_prompt(row, options.system_prompt, chat)
     try:
-        _, ids = engine.encode_prompt(engine_prompt(row, options.system_prompt, chat))
+        _, ids = engine.encode_prompt(prompt)
     except Exception as e:  # tokenizer and chat-template errors are this row's problem only
         return None, f"{row.where}: the prompt could not be tokenized ({e}); fix the prompt field"
     n = len(ids)
@@ -347,12 +349,17 @@ def _prepare(
             )
         room = min(row.sampling_params.max_tokens or 1, max_len // 2)
         keep = max_len - room
-        if options.truncate_prompt == "right":
-            ids = ids[:keep]
-        elif bos is not None and ids[0] == bos:  # keep exactly one BOS in front
-            ids = [bos, *ids[n - keep + 1 :]]
+        if isinstance(prompt, list) and getattr(engine, "tokenizer", None) is not None:
+            ids = truncate_chat(
+                prompt, options.truncate_prompt, keep, lambda m: engine.encode_prompt(m)[1], engine.tokenizer
+            )
+            if ids is None:
+                return _Prepared(row, None, n), (
+                    f"{row.where}: the chat prompt cannot be cut to {keep} tokens: its system prompt and "
+                    "template alone are longer; shorten the system prompt or raise --max-model-len"
+                )
         else:
-            ids = ids[n - keep :]
+            ids = truncate_ids(ids, options.truncate_prompt, keep, bos)
     row.prompt = None  # free the text: only the token ids travel on
     return _Prepared(row, ids, len(ids)), None
 

@@ -66,7 +66,11 @@ def run_command(
     ] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="Run only the first N rows of the input")] = None,
     truncate_prompt: Annotated[
-        str | None, typer.Option(help="Cut over-long prompts on the left or right instead of an error row")
+        str | None,
+        typer.Option(
+            help="Cut over-long prompts on the left or right instead of an error row "
+            "(chat prompts are cut inside the message text; the template stays whole)",
+        ),
     ] = None,
     # --- sampling defaults (row columns override) ---
     max_tokens: Annotated[int, typer.Option(help="Most tokens generated per row")] = 256,

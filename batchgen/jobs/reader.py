@@ -177,9 +177,17 @@ class JobReader:
             self.messages_column = "messages" if "messages" in cols else None
         else:
             avail = ", ".join(self.columns) or "(none)"
+            hint = ""
+            if {"custom_id", "url", "method", "body"} & cols:
+                # An OpenAI batch file is recognised by its first request line holding both
+                # custom_id and body; a typo there makes the whole file read as plain JSONL.
+                hint = (
+                    " It looks like an OpenAI batch file: check that its first line has both "
+                    "'custom_id' and 'body' (spelled so)."
+                )
             raise JobInputError(
                 f"no prompt column in {self.source}; available columns: {avail}. Pass --prompt-column NAME, "
-                "--messages-column NAME, or --template 'text with {column} placeholders'"
+                f"--messages-column NAME, or --template 'text with {{column}} placeholders'.{hint}"
             )
         if o.id_column is not None:
             if o.id_column not in cols:

@@ -195,3 +195,12 @@ def test_an_unparsable_template_is_a_usage_error(tmp_path):
     src.write_text(json.dumps({"document": "x"}) + "\n")
     with pytest.raises(JobInputError, match=r"--template '\{document' is not a valid template"):
         run_job(JobOptions(str(src), template="{document"), fake_factory(), dashboard=quiet())
+
+
+def test_a_typo_in_the_first_openai_line_is_pointed_out(tmp_path):
+    good = {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}
+    first = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "bdy": {"messages": []}}
+    src = tmp_path / "oa.jsonl"
+    src.write_text(json.dumps(first) + "\n" + json.dumps(good) + "\n")
+    with pytest.raises(JobInputError, match=r"no prompt column .* looks like an OpenAI batch file.*'body'"):
+        run_job(JobOptions(str(src)), fake_factory(), dashboard=quiet())

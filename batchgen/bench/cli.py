@@ -9,18 +9,40 @@ Example (the comparison of issue 4, on a CPU, default model in bf16)::
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from batchgen import cli_types as opt
-from batchgen.bench.workloads import DISTS, WorkloadSpec
-from batchgen.config import EngineConfig
+from batchgen.bench.workloads import DISTS, BenchInputError, WorkloadSpec
+from batchgen.config import EngineConfig, resolve_device
 
 
 def _split(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip() and p.strip().lower() != "none"]
+
+
+def check_output_file(option: str, path: Path) -> None:
+    """Check, before the bench runs, that `path` can be written: its folder exists and is writable,
+    and `path` is not a folder.
+
+    Raises:
+        typer.BadParameter: naming `option` (e.g. "--output"), the path and the fix (exit 2).
+    """
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        problem = "is a folder; give a file path"
+    elif not parent.is_dir():
+        problem = f"cannot be written: the folder {parent} does not exist; create it or give another path"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        problem = f"cannot be written: the folder {parent} is not writable; give another path"
+    elif path.exists() and not os.access(path, os.W_OK):
+        problem = "exists and is not writable; give another path"
+    else:
+        return
+    raise typer.BadParameter(f"{option} {path} {problem}")
 
 
 def bench_command(
@@ -88,14 +110,17 @@ def bench_command(
     """Benchmark continuous against static batching and Hugging Face on one workload.
 
     Prints a table (ratios against the first configuration), the compute ceiling, and optionally
-    writes a JSON report and a PNG timeline. Exits 1 when a batchgen configuration failed.
+    writes a JSON report and a PNG timeline. Exits 2 for bad options or inputs (unwritable
+    --output / --plot, a missing job file or trace, --device cuda without CUDA: all found before any
+    model work; a job file without a usable row: found before any timed run), 1 when a batchgen
+    configuration failed.
     """
     from rich.console import Console
 
     engine = opt.engine_options(locals())
 
     from batchgen.bench.report import plot as plot_report
-    from batchgen.bench.report import render, write_json
+    from batchgen.bench.report import render, require_matplotlib, write_json
     from batchgen.bench.runner import BenchSettings, run_bench
 
     console = Console()
@@ -124,10 +149,24 @@ def bench_command(
             repeat=repeat,
             warmup_run=warmup_run,
         )
+        # Everything that can fail without the model fails now, not after minutes of benchmarking.
+        resolve_device(settings.engine.device)
+        settings.workload.check_inputs()
     except (ValueError, TypeError) as exc:
         raise typer.BadParameter(str(exc)) from exc
+    for option, path in (("--output", output), ("--plot", plot)):
+        if path is not None:
+            check_output_file(option, path)
+    if plot is not None:
+        try:
+            require_matplotlib()
+        except RuntimeError as exc:
+            raise typer.BadParameter(str(exc)) from exc
 
-    report = run_bench(settings, log=lambda msg: console.print(msg, markup=False, highlight=False))
+    try:
+        report = run_bench(settings, log=lambda msg: console.print(msg, markup=False, highlight=False))
+    except BenchInputError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     render(report, console)
     if output is not None:
         write_json(report, output)

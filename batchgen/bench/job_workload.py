@@ -1,14 +1,21 @@
-"""`file:PATH` bench workloads: a job file's prompts, with output lengths from each row's `max_tokens`."""
+"""`file:PATH` bench workloads: a job file's prompts, with output lengths from each row's `max_tokens`.
+
+As `batchgen run` turns a bad row into an error row, the bench skips rows it cannot use (a line
+that is not a JSON object, no prompt, an empty prompt, a bad `max_tokens`) and says so in one
+warning; only a file with no usable row is an error.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from batchgen.bench.workloads import (
+    BenchInputError,
     BenchRequest,
     PromptEncoder,
     Workload,
@@ -29,23 +36,41 @@ def read_job_rows(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"job file {path} not found")
+    rows = []
+    for number, row, reason in iter_job_records(path):
+        if row is None:
+            raise ValueError(f"{path}:{number}: {reason}")
+        rows.append(row)
+    return rows
+
+
+def iter_job_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
+    """Each record of a job file as `(number, row, None)`, or `(number, None, reason)` for a JSONL
+    line that is not a JSON object. `number` counts from 1: the line of a JSONL file (blank lines
+    are skipped), the row of a Parquet file.
+
+    Raises:
+        OSError: the file cannot be read (pyarrow errors for a damaged Parquet file).
+    """
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+        for number, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield number, row, None
+        return
+    with path.open("rb") as f:  # bytes: one line that is not UTF-8 is one bad record, not a crash
+        for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
+            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+                yield number, None, f"not JSON ({getattr(exc, 'msg', None) or exc})"
+                continue
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return rows
+                yield number, None, f"expected a JSON object, got {type(row).__name__}"
+                continue
+            yield number, row, None
 
 
 def _row_prompt_and_max_tokens(row: dict[str, Any]) -> tuple[Any, int | None]:
@@ -70,36 +95,69 @@ def _row_prompt_and_max_tokens(row: dict[str, Any]) -> tuple[Any, int | None]:
         body.get("max_completion_tokens"),
     ):
         if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+                raise ValueError(f"max_tokens must be an integer, got {value!r}")
+            if value < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {value}")
             return prompt, int(value)
     return prompt, None
 
 
+def _row_request(row: dict[str, Any], encode: PromptEncoder, output_len: int) -> tuple[list[int], int]:
+    """A row's prompt token ids and output length (`output_len` when the row has no `max_tokens`).
+
+    Raises:
+        ValueError / TypeError / KeyError: the row cannot be benched (no prompt, an empty one, bad
+            token ids or max_tokens), saying why.
+    """
+    prompt, max_tokens = _row_prompt_and_max_tokens(row)
+    if isinstance(prompt, dict):
+        ids = prompt["prompt_token_ids"]
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError("prompt_token_ids must be a list of non-negative integers")
+    else:
+        ids = encode(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return list(ids), max_tokens if max_tokens is not None else output_len
+
+
 def file_workload(spec: WorkloadSpec, encode: PromptEncoder, max_model_len: int) -> Workload:
-    """The first `spec.num_prompts` rows (0 = all) of the job file `spec.dist[5:]` as a workload.
+    """The first `spec.num_prompts` usable rows (0 = all) of the job file `spec.dist[5:]` as a workload.
 
     Prompts are tokenized by `encode` (rows with `prompt_token_ids` are taken as they are); a row
     without `max_tokens` runs `spec.output_len` tokens. Lengths are clipped to `max_model_len`.
+    Unusable rows are skipped: `params["num_skipped"]` counts them and `params["first_skipped"]`
+    names the first ("line 3: not JSON (...)"); `Workload.warnings` turns that into a log line.
 
     Raises:
-        FileNotFoundError: the file is absent.
-        ValueError: naming the row that has no prompt or an empty one.
+        BenchInputError: the file is absent, or has no usable row (naming the first bad one).
     """
+    spec.check_inputs()
     path = Path(spec.dist[5:])
-    rows = read_job_rows(path)
-    if spec.num_prompts:
-        rows = rows[: spec.num_prompts]
+    unit = "row" if path.suffix == ".parquet" else "line"
     prompts: list[list[int]] = []
     outs: list[int] = []
-    for i, row in enumerate(rows):
-        try:
-            prompt, max_tokens = _row_prompt_and_max_tokens(row)
-            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else encode(prompt)
-            if not ids:
-                raise ValueError("empty prompt")
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(f"{path}: row {i}: {exc}") from exc
-        prompts.append(list(ids))
-        outs.append(max_tokens if max_tokens is not None else spec.output_len)
+    skipped: list[str] = []
+    for number, row, reason in iter_job_records(path):
+        if spec.num_prompts and len(prompts) == spec.num_prompts:
+            break
+        if row is not None:
+            try:
+                ids, out = _row_request(row, encode, spec.output_len)
+            except (ValueError, TypeError, KeyError) as exc:
+                reason = str(exc)
+        if reason is not None:
+            skipped.append(f"{unit} {number}: {reason}")
+            continue
+        prompts.append(ids)
+        outs.append(out)
+    if not prompts:
+        found = f"all {len(skipped)} rows are unusable (first: {skipped[0]})" if skipped else "it has no rows"
+        raise BenchInputError(
+            f"--dist {spec.dist}: no usable row in {path}: {found}; "
+            "give rows with a prompt, messages or prompt_token_ids"
+        )
     inputs, outputs, clipped = clip_lengths(
         np.asarray([len(p) for p in prompts], dtype=np.float64),
         np.asarray(outs, dtype=np.float64),
@@ -117,5 +175,7 @@ def file_workload(spec: WorkloadSpec, encode: PromptEncoder, max_model_len: int)
         "default_output_len": spec.output_len,
         "max_model_len": max_model_len,
         "num_clipped": clipped,
+        "num_skipped": len(skipped),
+        "first_skipped": skipped[0] if skipped else None,
     } | arrival_params(spec)
     return Workload(f"file:{path.name}", requests, params)

@@ -17,7 +17,7 @@ import torch
 from batchgen.bench.hf_baselines import resolve_hf_dir
 from batchgen.bench.metrics import release_memory
 from batchgen.bench.workloads import Workload, WorkloadSpec, build_workload
-from batchgen.config import EngineConfig
+from batchgen.config import EngineConfig, resolve_device
 
 EngineFactory = Callable[[EngineConfig], Any]
 
@@ -63,13 +63,6 @@ def pad_id(tokenizer: Any) -> int:
         if isinstance(value, list) and value:
             return int(value[0])
     return 0
-
-
-def resolve_device(device: str) -> str:
-    """The `--device` option resolved: "auto" is cuda when torch sees a GPU, else cpu."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 @dataclass

@@ -252,13 +252,11 @@ def render(report: dict[str, Any], console: Any = None) -> None:
             console.print(f"note: {note}")
 
 
-def plot(report: dict[str, Any], path: str | Path, bin_s: float | None = None) -> None:
-    """PNG: running batch size (top) and output tokens/s (bottom) over time, one line per configuration.
-
-    Tokens/s is binned in `bin_s`-second bins (default: the longest wall time / 60).
+def require_matplotlib() -> Any:
+    """`matplotlib.pyplot` with the non-interactive Agg backend (the `plot` extra).
 
     Raises:
-        RuntimeError: when matplotlib is not installed (`pip install 'batchgen[plot]'`).
+        RuntimeError: when matplotlib is not installed, saying how to install it.
     """
     try:
         import matplotlib
@@ -267,6 +265,18 @@ def plot(report: dict[str, Any], path: str | Path, bin_s: float | None = None) -
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("--plot needs matplotlib: pip install 'batchgen[plot]' (or matplotlib)") from exc
+    return plt
+
+
+def plot(report: dict[str, Any], path: str | Path, bin_s: float | None = None) -> None:
+    """PNG: running batch size (top) and output tokens/s (bottom) over time, one line per configuration.
+
+    Tokens/s is binned in `bin_s`-second bins (default: the longest wall time / 60).
+
+    Raises:
+        RuntimeError: when matplotlib is not installed (`pip install 'batchgen[plot]'`).
+    """
+    plt = require_matplotlib()
     import numpy as np
 
     ok = [c for c in report["configurations"] if c["status"] == "ok" and c["timeline"]["t"]]

@@ -35,7 +35,7 @@ from batchgen.bench.metrics import ResourceMonitor, RunResult, release_memory, s
 from batchgen.bench.model_facts import EngineFactory, ModelFacts, bench_workload, model_facts, pad_id
 from batchgen.bench.report import build_report
 from batchgen.bench.static import run_static
-from batchgen.bench.workloads import Workload, WorkloadSpec
+from batchgen.bench.workloads import BenchInputError, Workload, WorkloadSpec
 from batchgen.config import POLICIES, EngineConfig
 
 MODES = ("continuous", "static")
@@ -144,23 +144,34 @@ def run_bench(
     failed (with the error) and the bench goes on; an unavailable baseline is recorded as skipped
     with the reason. With `repeat` > 1 the configurations run round-robin, each round starting one
     configuration later, and each configuration's median run is reported.
+
+    Raises:
+        BenchInputError: before any timed run, when the engine cannot start with these options
+            (e.g. `device` cuda without CUDA, a missing model) or the workload cannot be built
+            (a missing job file or trace, a job file without a usable row).
     """
+    from batchgen.model.loader import ModelNotFoundError
+
     factory = engine_factory or default_engine_factory
     if settings.engine.num_threads is not None:
         torch.set_num_threads(settings.engine.num_threads)
     batchgen_plans = [p for p in plan_configs(settings) if p.kind in MODES]
     probe = engine_config_for(settings, batchgen_plans[0]) if batchgen_plans else None
-    facts = model_facts(settings.engine, factory, probe)
-    workload = bench_workload(settings.workload, facts.tokenizer, facts.model_config, facts.max_model_len)
+    try:
+        facts = model_facts(settings.engine, factory, probe)
+    except (ModelNotFoundError, ValueError) as exc:  # as `batchgen run` does: a usage error
+        model = settings.engine.model or "(default)"
+        raise BenchInputError(f"cannot start the engine for model {model}: {exc}") from exc
+    try:
+        workload = bench_workload(settings.workload, facts.tokenizer, facts.model_config, facts.max_model_len)
+    except FileNotFoundError as exc:
+        raise BenchInputError(f"--dist {settings.workload.dist}: {exc}") from exc
     log(
         f"workload {workload.name}: {len(workload.requests)} requests, {workload.total_prompt_tokens} prompt + "
         f"{workload.total_output_tokens} output tokens"
     )
-    if clipped := workload.params.get("num_clipped"):
-        log(
-            f"warning: {clipped} requests were shortened to fit max_model_len {facts.max_model_len} "
-            "(prompt + output tokens); raise --max-model-len or lower the lengths to run them whole"
-        )
+    for warning in workload.warnings():
+        log(warning)
     shape = ModelShape.from_config(facts.model_config)
     flops = workload_flops(shape, [(r.prompt_len, r.output_len) for r in workload.requests])
     ceiling = None

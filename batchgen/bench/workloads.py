@@ -65,6 +65,10 @@ from batchgen.bench.traces import (
 DISTS = ("longtail", "uniform", "fixed", "azure-conv", "azure-code", "file:PATH")
 
 
+class BenchInputError(ValueError):
+    """A bench option or input that cannot work, found before any timed run (the CLI exits 2)."""
+
+
 # --- workload specification -------------------------------------------------------------------------
 
 
@@ -123,6 +127,31 @@ class WorkloadSpec:
     def trace_dir(self) -> Path:
         return self.data_dir if self.data_dir is not None else default_data_dir()
 
+    def check_inputs(self) -> None:
+        """Check that the files the workload reads exist (cheap; run before any model work).
+
+        Raises:
+            BenchInputError: the `file:` job file or the Azure trace is missing, naming the option,
+                the path and the fix.
+        """
+        if self.dist.startswith("file:"):
+            path = Path(self.dist[5:])
+            if not path.is_file():
+                what = "is a folder" if path.is_dir() else "does not exist"
+                raise BenchInputError(
+                    f"--dist {self.dist}: the job file {path} {what}; give the path of a .jsonl or .parquet file"
+                )
+        elif self.dist in TRACE_FILES:
+            path = self.trace_dir / TRACE_FILES[self.dist]
+            if not path.is_file():
+                where = (
+                    f"--data-dir {self.data_dir}" if self.data_dir is not None else "the default data folder"
+                )
+                raise BenchInputError(
+                    f"--dist {self.dist}: {where} has no {TRACE_FILES[self.dist]} ({path} does not exist); "
+                    "pass --data-dir FOLDER holding the Azure traces"
+                )
+
 
 @dataclass
 class LengthPlan:
@@ -142,15 +171,22 @@ def _rng(seed: int, stream: int) -> np.random.Generator:
 def clip_lengths(
     inputs: np.ndarray, outputs: np.ndarray, max_model_len: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Round and clip to input >= 1, output >= 1, input + output <= max_model_len; count changes."""
+    """Round to input >= 1 and output >= 1 tokens, then clip to input + output <= max_model_len.
+
+    Returns:
+        The input and output lengths (int64 `[n]` each) and how many requests were shortened to fit
+        `max_model_len` (a length of 0 raised to 1 does not count).
+
+    Raises:
+        ValueError: `max_model_len` below 2.
+    """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-    i0 = np.rint(inputs).astype(np.int64)
-    o0 = np.rint(outputs).astype(np.int64)
-    i = np.clip(i0, 1, max_model_len - 1)
-    o = np.clip(o0, 1, None)
-    o = np.minimum(o, max_model_len - i)
-    clipped = int(np.count_nonzero((i != i0) | (o != o0)))
+    i0 = np.maximum(np.rint(inputs).astype(np.int64), 1)
+    o0 = np.maximum(np.rint(outputs).astype(np.int64), 1)
+    i = np.minimum(i0, max_model_len - 1)
+    o = np.minimum(o0, max_model_len - i)
+    clipped = int(np.count_nonzero((i < i0) | (o < o0)))
     return i, o, clipped
 
 
@@ -287,6 +323,24 @@ class Workload:
     @property
     def total_output_tokens(self) -> int:
         return sum(r.output_len for r in self.requests)
+
+    def warnings(self) -> list[str]:
+        """What the workload changed from what was asked, one log line each: requests shortened to
+        fit `max_model_len` (their count and the limit) and unusable job-file rows skipped (their
+        count and the first one's row and reason)."""
+        p = self.params
+        lines = []
+        if clipped := p.get("num_clipped"):
+            lines.append(
+                f"warning: {clipped} requests were shortened to fit max_model_len {p['max_model_len']} "
+                "(prompt + output tokens); raise --max-model-len or lower the lengths to run them whole"
+            )
+        if skipped := p.get("num_skipped"):
+            lines.append(
+                f"warning: skipped {skipped} unusable rows of {p['path']} (first: {p['first_skipped']}); "
+                "fix them to bench them"
+            )
+        return lines
 
     def summary(self) -> dict[str, Any]:
         """Request count, token totals and length percentiles (for the report)."""

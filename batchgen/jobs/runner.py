@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.config import EngineConfig
+from batchgen.config import EngineConfig, resolve_device
 from batchgen.jobs.options import (
     JobOptions,
     JobSummary,
@@ -183,6 +183,7 @@ def run_job(
     check_job_options(options)
     try:
         config = EngineConfig(**options.engine, policy=options.policy)
+        resolve_device(config.device)  # "cuda" without CUDA fails here, before the output is touched
     except (TypeError, ValueError) as e:
         raise JobInputError(f"invalid engine option: {e}") from e
     try:

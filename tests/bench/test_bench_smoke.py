@@ -24,7 +24,7 @@ def invoke_bench(args: list[str]):
     """`batchgen bench ARGS` through Typer's test runner."""
     app = typer.Typer()
     app.command()(bench_command)
-    return CliRunner().invoke(app, args)
+    return CliRunner().invoke(app, args, env={"COLUMNS": "1000"})  # wide: no message wraps
 
 
 def tiny_run_args(model: Path, tmp_path: Path, *workload: str) -> list[str]:
@@ -261,3 +261,87 @@ def test_clipped_lengths_are_reported(tiny_model_dir, tmp_path: Path) -> None:
     assert "warning: 2 requests were shortened to fit max_model_len 64" in result.output
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["workload"]["total_output_tokens"] == 2 * 4  # 60 + 4 = 64
+
+
+def no_model_args(tmp_path: Path) -> list[str]:
+    """A model path that does not exist: any model work would fail, with exit 1 and another message."""
+    return ["--model", str(tmp_path / "no-model"), "--mode", "continuous", "--no-ceiling"]
+
+
+def test_unwritable_output_and_plot_are_usage_errors_before_any_model_work(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import os
+
+    missing = tmp_path / "missing"
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    for args, expected in (
+        (["--output", "/proc/nope/b.json"], "--output /proc/nope/b.json cannot be written"),
+        (["--plot", "/proc/nope/x.png"], "--plot /proc/nope/x.png cannot be written"),
+        (["--output", str(missing / "b.json")], f"the folder {missing} does not exist"),
+        (["--output", str(tmp_path / "r.json"), "--plot", str(missing / "x.png")], f"--plot {missing}"),
+        (["--output", str(tmp_path)], f"--output {tmp_path} is a folder"),
+    ):
+        result = invoke_bench([*no_model_args(tmp_path), *args])
+        assert result.exit_code == 2 and expected in result.output, (args, result.output)
+    # As root permission bits do not stop writes; os.access is what the check asks.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: str(p) != str(ro) and real_access(p, mode))
+    result = invoke_bench([*no_model_args(tmp_path), "--output", str(ro / "b.json")])
+    assert result.exit_code == 2 and f"the folder {ro} is not writable" in result.output, result.output
+
+
+def test_plot_without_matplotlib_is_a_usage_error_before_the_run(tmp_path: Path, monkeypatch) -> None:
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    result = invoke_bench([*no_model_args(tmp_path), "--plot", str(tmp_path / "x.png")])
+    assert result.exit_code == 2, result.output
+    assert "--plot needs matplotlib: pip install 'batchgen[plot]'" in result.output
+
+
+def test_missing_job_file_and_trace_are_usage_errors(tmp_path: Path) -> None:
+    job = tmp_path / "nonexistent.jsonl"
+    data = tmp_path / "nonexistent"
+    for args, expected in (
+        (["--dist", f"file:{job}"], f"the job file {job} does not exist"),
+        (["--dist", f"file:{tmp_path}"], f"the job file {tmp_path} is a folder"),
+        (
+            ["--dist", "azure-conv", "--data-dir", str(data)],
+            f"--data-dir {data} has no AzureLLMInferenceTrace_conv.csv",
+        ),
+    ):
+        result = invoke_bench([*no_model_args(tmp_path), *args])
+        assert result.exit_code == 2 and expected in result.output, (args, result.output)
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_device_cuda_without_cuda_is_a_usage_error(tmp_path: Path, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for extra in ([], ["--baselines", "hf-static", "--mode", "none"]):  # with and without a batchgen engine
+        result = invoke_bench([*no_model_args(tmp_path), "--device", "cuda", *extra])
+        text = result.output
+        assert result.exit_code == 2, (extra, text)
+        assert "device is 'cuda' but torch.cuda.is_available() is False" in text and "--device cpu" in text
+
+
+def test_job_file_bad_rows_are_skipped_with_one_warning(tiny_model_dir, tmp_path: Path) -> None:
+    job = tmp_path / "job.jsonl"
+    job.write_text('{"prompt": "hello", "max_tokens": 3}\nnot json\n{"prompt": ""}\n{"prompt": "hi"}\n')
+    args = tiny_run_args(tiny_model_dir("llama"), tmp_path, "--dist", f"file:{job}", "--output-len", "2")
+    result = invoke_bench(args)
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning: skipped")]
+    assert len(warnings) == 1 and "skipped 2 unusable rows" in warnings[0], result.output
+    assert "line 2: not JSON" in warnings[0]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["workload"]["num_requests"] == 2 and report["workload"]["total_output_tokens"] == 5
+
+    job.write_text('not json\n{"prompt": ""}\n')
+    result = invoke_bench(args)
+    text = result.output
+    assert result.exit_code == 2, result.output
+    assert "no usable row" in text and "all 2 rows are unusable (first: line 1: not JSON" in text

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from batchgen.bench.job_workload import read_job_rows
 from batchgen.bench.traces import (
     LONGTAIL_INPUT,
     LONGTAIL_OUTPUT,
@@ -18,6 +19,7 @@ from batchgen.bench.traces import (
     parse_trace_timestamp,
 )
 from batchgen.bench.workloads import (
+    BenchInputError,
     WorkloadSpec,
     allowed_token_ids,
     arrival_times,
@@ -273,7 +275,98 @@ def test_file_workload(tmp_path: Path) -> None:
     )
     path.write_text('{"prompt": "a"}\nnot json\n')
     with pytest.raises(ValueError, match=":2:"):
-        build_workload(WorkloadSpec(dist=f"file:{path}"), vocab_size=0, max_model_len=64, encode=encode)
+        read_job_rows(path)  # strict, for scripts that read a data set
+
+
+def test_file_workload_skips_unusable_rows(tmp_path: Path) -> None:
+    """As `batchgen run` turns bad rows into error rows, the bench skips them: one warning, a count."""
+    path = tmp_path / "job.jsonl"
+    lines = [
+        '{"prompt": "ok", "max_tokens": 2}',
+        "not json",
+        '{"prompt": ""}',
+        "[1, 2]",
+        '{"prompt": "x", "max_tokens": 0}',
+        '{"prompt_token_ids": ["a"]}',
+        '{"other": 1}',
+        '{"prompt": "fine"}',
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    spec = WorkloadSpec(dist=f"file:{path}", num_prompts=0, output_len=4)
+    w = build_workload(spec, vocab_size=0, max_model_len=64, encode=encode_chars)
+    assert [r.prompt_token_ids for r in w.requests] == [encode_chars("ok"), encode_chars("fine")]
+    assert w.params["num_skipped"] == 6 and w.params["first_skipped"].startswith("line 2: not JSON")
+    (warning,) = w.warnings()
+    assert f"skipped 6 unusable rows of {path} (first: line 2: not JSON" in warning
+    # num_prompts counts usable rows: the first one is enough, and nothing after it is read
+    first = build_workload(
+        WorkloadSpec(dist=f"file:{path}", num_prompts=1), vocab_size=0, max_model_len=64, encode=encode_chars
+    )
+    assert len(first.requests) == 1 and first.params["num_skipped"] == 0 and first.warnings() == []
+
+    path.write_text('{"prompt": ""}\nnot json\n')
+    with pytest.raises(
+        BenchInputError, match=r"no usable row .*all 2 rows are unusable \(first: line 1: the prompt is empty"
+    ):
+        build_workload(spec, vocab_size=0, max_model_len=64, encode=encode_chars)
+    path.write_text("\n")
+    with pytest.raises(BenchInputError, match="no usable row .* it has no rows"):
+        build_workload(spec, vocab_size=0, max_model_len=64, encode=encode_chars)
+
+
+def test_missing_workload_files_name_the_option_and_path(tmp_path: Path) -> None:
+    job = tmp_path / "nonexistent.jsonl"
+    with pytest.raises(BenchInputError, match=f"--dist file:{job}: the job file {job} does not exist"):
+        WorkloadSpec(dist=f"file:{job}").check_inputs()
+    with pytest.raises(
+        BenchInputError, match=f"--data-dir {tmp_path} has no AzureLLMInferenceTrace_code.csv"
+    ):
+        WorkloadSpec(dist="azure-code", data_dir=tmp_path).check_inputs()
+    WorkloadSpec(dist="fixed", data_dir=tmp_path).check_inputs()  # reads no file
+
+
+def encode_chars(prompt) -> list[int]:
+    """A stand-in tokenizer: one id per character (of the text or of the messages' contents)."""
+    text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
+    return [ord(c) for c in text]
+
+
+CLIPPING_SPECS = {
+    "fixed": dict(dist="fixed", input_len=9000, output_len=2),
+    "uniform": dict(dist="uniform", input_len=100, output_len=10, range_ratio=0.3),
+    "longtail": dict(dist="longtail", scale=1.0),
+    "azure-conv": pytest.param(dict(dist="azure-conv", scale=1.0, data_dir=DATA_DIR), marks=needs_data),
+}
+
+
+@pytest.mark.parametrize("kw", list(CLIPPING_SPECS.values()), ids=list(CLIPPING_SPECS))
+def test_every_clipping_distribution_warns_with_the_count_and_the_limit(kw: dict) -> None:
+    w = build_workload(WorkloadSpec(num_prompts=8, **kw), vocab_size=50, max_model_len=64)
+    clipped = sum(r.prompt_len + r.output_len == 64 for r in w.requests)
+    assert clipped > 0 and w.params["num_clipped"] == clipped
+    assert w.warnings() == [
+        f"warning: {clipped} requests were shortened to fit max_model_len 64 (prompt + output tokens); "
+        "raise --max-model-len or lower the lengths to run them whole"
+    ]
+
+
+def test_file_workload_clipping_warns(tmp_path: Path) -> None:
+    path = tmp_path / "job.jsonl"
+    path.write_text('{"prompt_token_ids": [1, 2, 3], "max_tokens": 100}\n{"prompt": "ab", "max_tokens": 3}\n')
+    w = build_workload(WorkloadSpec(dist=f"file:{path}"), vocab_size=0, max_model_len=16, encode=encode_chars)
+    assert [(r.prompt_len, r.output_len) for r in w.requests] == [(3, 13), (2, 3)]
+    assert w.warnings() == [
+        "warning: 1 requests were shortened to fit max_model_len 16 (prompt + output tokens); "
+        "raise --max-model-len or lower the lengths to run them whole"
+    ]
+
+
+@pytest.mark.parametrize("dist", ["longtail", pytest.param("azure-code", marks=needs_data)])
+def test_lengths_raised_to_one_token_are_not_counted_as_clipped(dist: str) -> None:
+    """A tiny scale rounds some lengths to 0, raised to 1 token: nothing was shortened, no warning."""
+    plan = sample_lengths(WorkloadSpec(dist=dist, num_prompts=500, scale=0.01, data_dir=DATA_DIR), BIG)
+    assert plan.output_lens.min() == 1 and plan.input_lens.min() >= 1
+    assert plan.params["num_clipped"] == 0
 
 
 def test_summary_reports_token_totals() -> None:

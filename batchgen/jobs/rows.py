@@ -18,6 +18,8 @@ from batchgen.sampling_params import SamplingParams
 
 SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority")
 _INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "priority"})
+# Why a string cannot be stored or tokenized: JSON allows "\\ud800" escapes that UTF-8 does not.
+LONE_SURROGATE = "holds a lone surrogate (an unpaired \\ud800-\\udfff escape)"
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -94,8 +96,8 @@ def invalid_text_field(prompt: str | list[dict], field_name: str) -> str | None:
     for where, text in texts:
         if not _is_utf8(text):
             return (
-                f"field '{field_name}{where}' holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
-                "which is not valid Unicode; fix or remove that escape"
+                f"field '{field_name}{where}' {LONE_SURROGATE}, which is not valid Unicode; "
+                "fix or remove that escape"
             )
     return None
 
@@ -206,11 +208,11 @@ class RowParser:
         if err is not None:
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         if keep is not None and not all(_is_utf8(v) for v in keep.values() if isinstance(v, str)):
-            err = "a --keep-columns value holds a lone surrogate (an unpaired \\ud800-\\udfff escape); fix it"
+            err = f"a --keep-columns value {LONE_SURROGATE}; fix it"
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         rid_s = str(row_index) if rid is None else str(rid)
         if not _is_utf8(rid_s):
-            err = f"the id holds a lone surrogate (an unpaired \\ud800-\\udfff escape); fix field '{self.id_column}'"
+            err = f"the id {LONE_SURROGATE}; fix field '{self.id_column}'"
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         return JobRow(
             row_index=row_index,
@@ -266,9 +268,7 @@ class RowParser:
             )
 
         if isinstance(cid, str) and cid and usable_cid is None:
-            return fail(
-                "field 'custom_id' holds a lone surrogate (an unpaired \\ud800-\\udfff escape); fix it"
-            )
+            return fail(f"field 'custom_id' {LONE_SURROGATE}; fix it")
         if not isinstance(cid, str) or not cid:
             return fail(
                 "field 'custom_id' is missing or not a non-empty string; give each request a unique id"

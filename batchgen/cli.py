@@ -52,7 +52,13 @@ def run_command(
     ] = False,
     # --- prompts ---
     template: Annotated[str | None, typer.Option(help="Prompt template with {column} placeholders")] = None,
-    system_prompt: Annotated[str | None, typer.Option(help="System message added to every prompt")] = None,
+    system_prompt: Annotated[
+        str | None,
+        typer.Option(
+            help="System message for every chat prompt that has none (plain text prompts without a "
+            "chat template get it as a first paragraph; OpenAI /v1/completions lines are left as they are)"
+        ),
+    ] = None,
     no_chat_template: Annotated[
         bool,
         typer.Option("--no-chat-template", help="Send plain prompts as raw text, not as a chat user turn"),
@@ -150,6 +156,13 @@ def run_command(
     except JobInputError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    except OSError as e:  # the disk, not the input: the output folder vanished, the disk filled up
+        typer.echo(
+            f"error: cannot write the job's output: {e}. Rows committed before this are kept; fix the "
+            f"cause and resume with:\n  {options.resume_command}",
+            err=True,
+        )
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:  # a second Ctrl-C, or one during model loading: committed rows are kept
         typer.echo(
             f"interrupted; committed rows are kept. Resume with:\n  {options.resume_command}", err=True

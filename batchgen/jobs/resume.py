@@ -276,6 +276,8 @@ def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) ->
         old = _existing_output_header(output_path)
         diffs = header_differences(old, header) if old is not None else []
         if old is not None and not diffs:
+            if os.path.isdir(parts_dir):
+                _remove_leftover_parts(parts_dir)
             return ResumeState(output_path, parts_dir, None, [], empty, complete=True)
         raise JobInputError(
             f"output {output_path} already exists"
@@ -284,6 +286,20 @@ def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) ->
         )
     # No manifest: a new job, or a crash while the parts directory was being created.
     return _start_fresh(output_path, parts_dir, header, empty)
+
+
+def _remove_leftover_parts(parts_dir: str) -> None:
+    """Delete what a finished job's cleanup left when it was killed (parts, no manifest), under the
+    lock so that nothing a live run writes is touched."""
+    lock_fd = _lock(parts_dir)
+    try:
+        for name in os.listdir(parts_dir):
+            if name != LOCK:
+                os.remove(os.path.join(parts_dir, name))
+        os.remove(os.path.join(parts_dir, LOCK))
+        os.rmdir(parts_dir)
+    finally:
+        os.close(lock_fd)
 
 
 def _resume(

@@ -8,6 +8,7 @@ final file is written once every row is committed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -223,6 +224,7 @@ def run_job(
         summary = JobSummary(output, total or 0, rows_resumed=len(state.committed))
         if len(state.committed):
             dashboard.log(f"resuming: {len(state.committed)} rows already committed in {state.parts_dir}")
+            dashboard.update(summary.rows_done, 0, None, None)  # progress starts from what is committed
         engine = (engine_factory or default_engine_factory)(config)
         writer = PartWriter(state, tuple(options.keep_columns), options.commit_rows, options.commit_seconds)
         with _Interrupt() as interrupt:
@@ -232,9 +234,15 @@ def run_job(
                     options, config, engine, reader, state, writer, dashboard, summary, interrupt
                 )
                 summary.interrupted = not finished
-            finally:
-                writer.commit()  # rows that finished are always kept, whatever stopped the loop
+            except BaseException:
+                # Rows that finished are kept whatever stopped the loop; a failure to write them
+                # (say the output folder is gone) must not hide the error that stopped it.
+                with contextlib.suppress(OSError):
+                    writer.commit()
                 dashboard.stop()
+                raise
+            writer.commit()
+            dashboard.stop()
         if not summary.interrupted:
             summary.rows_total = rows_read
             files = getattr(engine, "model_files", None)

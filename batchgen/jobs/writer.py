@@ -9,7 +9,9 @@ the parts are removed. A crash at any point loses at most the uncommitted rows.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import datetime
 import json
 import os
 import time
@@ -22,6 +24,7 @@ import pyarrow.parquet as pq
 
 from batchgen.jobs.resume import (
     HEADER_METADATA_KEY,
+    MANIFEST,
     Manifest,
     PartEntry,
     ResumeState,
@@ -48,12 +51,30 @@ RESERVED_COLUMNS = frozenset(OUTPUT_SCHEMA.names) | frozenset(INTERNAL_SCHEMA.na
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
 
 
+def json_default(value: Any) -> Any:
+    """`json.dumps` fallback for values Arrow hands back: bytes as base64 text, dates and times in
+    ISO 8601, anything else as its `str`."""
+    if isinstance(value, bytes | bytearray):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, datetime.date | datetime.time):
+        return value.isoformat()
+    return str(value)
+
+
+def as_text(value: Any) -> str | None:
+    """One text form for a kept value that must go into a string column: a string as it is,
+    anything else as JSON (the same whichever commit the row landed in)."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=json_default)
+
+
 def _keep_array(values: list[Any]) -> pa.Array:
-    """Arrow array of a kept input column; mixed-type values fall back to their JSON text."""
+    """Arrow array of a kept input column; mixed-type values fall back to text (`as_text`)."""
     try:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
-        return pa.array([None if v is None else json.dumps(v, default=str) for v in values], pa.string())
+        return pa.array([as_text(v) for v in values], pa.string())
 
 
 class PartWriter:
@@ -164,7 +185,7 @@ def _cast_column(col: pa.ChunkedArray, t: pa.DataType) -> pa.ChunkedArray:
     try:
         return col.cast(t)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-        return pa.chunked_array([pa.array([None if v is None else str(v) for v in col.to_pylist()], t)])
+        return pa.chunked_array([pa.array([as_text(v) for v in col.to_pylist()], t)])
 
 
 def iter_ordered_chunks(
@@ -264,7 +285,7 @@ def finalize_output(
                             if output_format == "openai"
                             else {n: row[n] for n in names}
                         )
-                        f.write(json.dumps(rec, ensure_ascii=False, default=str).encode() + b"\n")
+                        f.write(json.dumps(rec, ensure_ascii=False, default=json_default).encode() + b"\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
@@ -306,9 +327,18 @@ def _write_parquet(
 
 
 def remove_parts(state: ResumeState) -> None:
-    """Delete the parts directory (after the final output is durable) and release the lock."""
+    """Delete the parts directory (after the final output is durable) and release the lock.
+
+    The manifest goes first, durably: a kill part-way through leaves parts without a manifest,
+    which a rerun treats as the leftovers of a finished job (the output is complete), never as a
+    run to resume with parts missing.
+    """
     d = state.parts_dir
     if os.path.isdir(d):
+        manifest = os.path.join(d, MANIFEST)
+        if os.path.exists(manifest):
+            os.remove(manifest)
+            fsync_dir(d)
         for name in os.listdir(d):
             os.remove(os.path.join(d, name))
         os.rmdir(d)

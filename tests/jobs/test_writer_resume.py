@@ -371,3 +371,114 @@ def test_a_same_size_edit_anywhere_in_a_finished_input_is_noticed(tmp_path):
     src.write_text("\n".join(lines) + "\n")
     with pytest.raises(JobInputError, match=r"from a run with other settings \(the input file changed"):
         run(opts)
+
+
+def test_a_kill_during_the_final_cleanup_leaves_a_finished_job(tmp_path, monkeypatch):
+    """The manifest is deleted first: parts left by a kill mid-cleanup are leftovers of a finished
+    job (the rerun says complete and removes them), not a resume with parts missing."""
+    import batchgen.jobs.writer as writer_module
+
+    opts = JobOptions(job_file(tmp_path), engine={"max_num_seqs": 4}, commit_rows=5)
+    real_remove = os.remove
+    removed: list[str] = []
+
+    def remove_then_die(path):
+        real_remove(path)
+        removed.append(os.path.basename(path))
+        if len(removed) == 3:  # the manifest and two parts are gone
+            raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(writer_module.os, "remove", remove_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(opts)
+    monkeypatch.undo()
+    assert removed[0] == "manifest.jsonl"
+    parts = tmp_path / "job.out.parquet.parts"
+    assert parts.is_dir() and not (parts / "manifest.jsonl").exists()
+    again = run(opts)
+    assert again.already_complete and not parts.exists()
+    assert [r["row_index"] for r in table_rows(str(tmp_path / "job.out.parquet"))] == list(range(40))
+
+
+@pytest.mark.parametrize("commit_rows", [1, 100])
+def test_mixed_type_kept_values_have_one_text_form_whatever_the_commits(tmp_path, commit_rows):
+    src = tmp_path / "mixed.jsonl"
+    metas = [1, "two", {"x": [1]}, [1, "a"], None, 3.5]
+    src.write_text("\n".join(json.dumps({"prompt": f"p{i}", "meta": m}) for i, m in enumerate(metas)) + "\n")
+    run(JobOptions(str(src), keep_columns=["meta"], commit_rows=commit_rows, engine={"max_num_seqs": 1}))
+    got = pq.read_table(tmp_path / "mixed.out.parquet")["meta"].to_pylist()
+    assert got == ["1", "two", '{"x": [1]}', '[1, "a"]', None, "3.5"]
+
+
+def test_jsonl_output_writes_bytes_as_base64_and_times_in_iso_8601(tmp_path):
+    import datetime
+
+    src = tmp_path / "odd.parquet"
+    when = datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc)
+    pq.write_table(pa.table({"prompt": ["a"], "bin": [b"\x00\xff"], "ts": [when]}), src)
+    out = tmp_path / "odd.jsonl"
+    run(JobOptions(str(src), output=str(out), keep_columns=["bin", "ts"]))
+    (line,) = out.read_text().splitlines()
+    rec = json.loads(line)
+    assert rec["bin"] == "AP8=" and rec["ts"] == "2020-01-01T00:00:00+00:00"
+
+
+def test_an_output_folder_removed_mid_run_is_one_clear_error(tmp_path):
+    import shutil
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    opts = JobOptions(
+        job_file(tmp_path), output=str(out_dir / "x.parquet"), engine={"max_num_seqs": 2}, commit_rows=3
+    )
+
+    def remove_folder(step):
+        if step == 6:
+            shutil.rmtree(out_dir)
+
+    with pytest.raises(OSError) as info:
+        run(opts, on_step=remove_folder)
+    assert info.value.__context__ is None  # the final commit's own failure does not pile on
+
+
+def test_the_cli_reports_a_write_failure_without_a_traceback(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import batchgen.jobs.runner as runner_module
+    from batchgen.cli import app
+
+    def failing_run(options, *args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", "out/x.parquet.parts/part-000001.parquet")
+
+    monkeypatch.setattr(runner_module, "run_job", failing_run)
+    src = job_file(tmp_path)
+    result = CliRunner().invoke(app, ["run", src, "--no-dashboard"])
+    assert result.exit_code == 1
+    assert "error: cannot write the job's output" in result.stderr and "resume with" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_progress_of_a_resumed_run_starts_from_the_committed_rows(tmp_path):
+    opts = JobOptions(job_file(tmp_path), engine={"max_num_seqs": 2}, commit_rows=4)
+
+    def stop(step):
+        if step == 12:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(opts, on_step=stop)
+    dashboard = quiet()
+    seen: list[int] = []
+    real_update = dashboard.update
+
+    def record(rows_done, *args):
+        seen.append(rows_done)
+        real_update(rows_done, *args)
+
+    dashboard.update = record
+    updates_before_step: list[int] = []
+    summary = run_job(
+        opts, fake_factory(on_step=lambda step: updates_before_step.append(len(seen))), dashboard=dashboard
+    )
+    # The view shows the committed rows before the first step (model loading can take a while).
+    assert summary.rows_resumed > 0 and updates_before_step[0] == 1 and seen[0] == summary.rows_resumed

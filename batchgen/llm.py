@@ -72,6 +72,11 @@ class LLM:
             params = [sampling_params or SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, list | tuple):
             params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"the lengths of prompts ({len(prompts)}) and sampling_params ({len(params)}) must be "
+                    "the same: give one SamplingParams for all, or one per prompt"
+                )
         else:
             raise TypeError(
                 "sampling_params must be a SamplingParams or a list of them (one per prompt), got "

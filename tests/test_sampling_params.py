@@ -68,3 +68,10 @@ def test_fields_changed_after_construction_are_used_and_checked(tiny_llm):
 def test_generate_refuses_sampling_params_of_another_type(tiny_llm):
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
         tiny_llm.generate("Hello", {"max_tokens": 3})
+
+
+def test_generate_needs_one_sampling_params_per_prompt(tiny_llm):
+    with pytest.raises(
+        ValueError, match=r"lengths of prompts \(2\) and sampling_params \(1\) must be the same"
+    ):
+        tiny_llm.generate(["a", "b"], [SamplingParams(max_tokens=2)])

@@ -140,6 +140,9 @@ class LLMEngine:
                 _num_parameters(model_config) * torch.empty((), dtype=self.dtype).element_size() * 1.5
             )
             return max(budget // per_block, 1)
+        if self.device.type == "cpu":
+            swap = self.config.swap_bytes if self.config.preemption_mode == "swap" else 0
+            _check_fits_in_memory(self.config.kv_cache_bytes + swap)
         return max(self.config.kv_cache_bytes // per_block, 1)
 
     def _token_budget(self) -> int:
@@ -358,6 +361,23 @@ class LLMEngine:
         )
         self.last_step = stats
         self.totals.add(stats)
+
+
+def _check_fits_in_memory(cache_bytes: int) -> None:
+    """Refuse a CPU KV cache (plus swap space) larger than the memory available now, before
+    allocating it: the allocation would fail with a bare OSError, or push the machine into swap.
+
+    Raises:
+        ValueError: naming kv_cache_memory / swap_space, both sizes in GiB, and the fix.
+    """
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if cache_bytes > available:
+        raise ValueError(
+            f"kv_cache_memory plus swap_space is {cache_bytes / 2**30:.1f} GiB but only "
+            f"{available / 2**30:.1f} GiB of memory is available; lower --kv-cache-memory (or --swap-space)"
+        )
 
 
 def _model_max_len(config) -> int:

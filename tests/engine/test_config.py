@@ -46,3 +46,13 @@ def test_run_with_cuda_unavailable_is_a_usage_error(no_cuda, tmp_path: Path) -> 
     assert MESSAGE in result.stderr and "--device cpu" in result.stderr
     assert "Traceback" not in result.output and not isinstance(result.exception, AssertionError)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.jsonl"]  # nothing written beside it
+
+
+def test_a_cpu_kv_cache_larger_than_memory_is_refused_before_allocating(tiny_model_dir) -> None:
+    import psutil
+
+    from batchgen import LLM
+
+    too_big = psutil.virtual_memory().total * 2
+    with pytest.raises(ValueError, match=r"kv_cache_memory plus swap_space is .* GiB but only .* GiB"):
+        LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", kv_cache_memory=too_big)

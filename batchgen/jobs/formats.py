@@ -109,11 +109,27 @@ def file_sha256(path: str, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def _content_text(content: Any) -> str | None:
+    """A message's content as text: a string, or OpenAI's list of content parts when every part is
+    `{"type": "text", "text": str}` (joined with newlines, as vLLM does); None otherwise."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
+        if all(isinstance(t, str) for t in parts):
+            return "\n".join(parts)
+    return None
+
+
 def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]:
-    """Validate chat messages: a non-empty list of {"role": str, "content": str}.
+    """Validate chat messages: a non-empty list of {"role": str, "content": str or text parts}.
+
+    Content given as OpenAI content parts (`[{"type": "text", "text": ...}, ...]`) becomes one
+    string; other part types (images, audio) are refused, as this is a text-only engine.
 
     Returns:
-        (messages, None) when valid, (None, message naming the field and the fix) otherwise.
+        (messages with string contents, None) when valid, (None, message naming the field and the
+        fix) otherwise.
     """
     if value is None or (isinstance(value, list) and not value):
         return None, f'field \'{col}\' is null or empty; give a list of {{"role", "content"}} messages'
@@ -121,13 +137,13 @@ def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]
         return None, f"field '{col}' must be a list of messages, got {type(value).__name__}"
     out = []
     for i, m in enumerate(value):
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            return None, f"field '{col}[{i}]' must be an object with string 'role' and 'content'"
-        out.append({"role": m["role"], "content": m["content"]})
+        text = _content_text(m.get("content")) if isinstance(m, dict) else None
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or text is None:
+            return None, (
+                f"field '{col}[{i}]' must be an object with a string 'role' and a 'content' that is a "
+                'string or a list of {"type": "text", "text": ...} parts (text only)'
+            )
+        out.append({"role": m["role"], "content": text})
     if not any(m["content"].strip() for m in out):
         return None, f"field '{col}' has only empty message contents; put the prompt in a message"
     return out, None

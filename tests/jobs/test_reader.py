@@ -114,13 +114,25 @@ def test_template_fills_columns_and_checks_them(tmp_path):
 
 def test_messages_column(tmp_path):
     msgs = [{"role": "user", "content": "Hello"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "yo"}]}]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     p = write_jsonl(
-        tmp_path / "a.jsonl", [{"messages": msgs}, {"messages": [{"role": "user"}]}, {"messages": []}]
+        tmp_path / "a.jsonl",
+        [
+            {"messages": msgs},
+            {"messages": [{"role": "user"}]},
+            {"messages": []},
+            {"messages": parts},
+            {"messages": image},
+        ],
     )
-    a, b, c = read(p)
+    a, b, c, d, e = read(p)
     assert a.prompt == msgs
-    assert "'messages[0]' must be an object with string 'role' and 'content'" in b.error
+    assert "'messages[0]' must be an object with a string 'role' and a 'content'" in b.error
     assert "null or empty" in c.error
+    # OpenAI content parts: text parts become one string (joined by newlines, as vLLM does).
+    assert d.error is None and d.prompt == [{"role": "user", "content": "Say\nyo"}]
+    assert "(text only)" in e.error
 
 
 def test_row_hash_is_stable_and_tracks_parameters(tmp_path):

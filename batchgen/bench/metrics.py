@@ -168,7 +168,9 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "preemptions": _sum_or_none([s.num_preemptions for s in result.steps]),
         "prefix_cache_hit_rate": (hits / queries if queries else 0.0) if queries is not None else None,
         "max_wait_s": max(waits) if waits else None,
-        "max_wait_steps": max(wait_steps) if wait_steps else None,
+        # Steps waited is the starvation check of a continuous policy; static batches and the
+        # baselines admit whole batches, so a count of their steps would say nothing (shown as "-").
+        "max_wait_steps": max(wait_steps) if wait_steps and result.kind == "continuous" else None,
     }
     bound = result.extra.get("aging_bound_steps")
     out["aging_bound_steps"] = bound

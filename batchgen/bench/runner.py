@@ -243,7 +243,7 @@ def _run_logged(
     finally:
         release_memory()
     summary = f"skipped: {result.skipped}" if result.skipped else f"{len(result.requests)} requests"
-    log(f"  {label}: {summary} ({time.perf_counter() - started:.1f} s)")
+    log(f"  {label}: {summary} ({time.perf_counter() - started:.1f} s in all, model load included)")
     return result
 
 
@@ -260,8 +260,10 @@ def median_run(runs: list[RunResult]) -> RunResult:
     order = sorted(range(len(runs)), key=walls.__getitem__)
     chosen = runs[order[(len(runs) - 1) // 2]]
     chosen.extra["runs_wall_s"] = [round(w, 3) for w in walls]
+    which = "median" if len(runs) % 2 else "lower of the two middle"
     chosen.notes.append(
-        f"median of {len(runs)} runs by wall time; every run: {', '.join(f'{w:.1f}' for w in walls)} s"
+        f"{chosen.name}: {which} of {len(runs)} runs by wall time; every run: "
+        f"{', '.join(f'{w:.1f}' for w in walls)} s"
     )
     return chosen
 

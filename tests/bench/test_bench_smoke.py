@@ -119,6 +119,8 @@ def test_engine_metrics_and_starvation_check(bench_report) -> None:
     assert mt["aging_bound_steps"] == report["engine_options"]["aging_steps"] + 1
     assert mt["aging_bound_held"] is True and mt["max_wait_steps"] <= mt["aging_bound_steps"]
     assert configs["continuous/fcfs"]["metrics"]["aging_bound_held"] is None  # no bound under fcfs
+    assert configs["continuous/fcfs"]["metrics"]["max_wait_steps"] >= 0
+    assert configs["static/b4"]["metrics"]["max_wait_steps"] is None  # whole batches: not a step count
     for name in ("continuous/fcfs", "static/b4"):
         m = configs[name]["metrics"]
         assert 0 < m["kv_cache_peak"] <= 1 and m["preemptions"] == 0

@@ -281,7 +281,11 @@ def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) ->
             return ResumeState(output_path, parts_dir, None, [], empty, complete=True)
         raise JobInputError(
             f"output {output_path} already exists"
-            + (f" from a run with other settings ({'; '.join(diffs)})" if old is not None else "")
+            + (
+                f" from a run with other settings ({'; '.join(diffs)})"
+                if old is not None
+                else " and is not a finished batchgen output (another file, a damaged one, or one changed since)"
+            )
             + ". Pass --overwrite to replace it, or choose another --output"
         )
     # No manifest: a new job, or a crash while the parts directory was being created.

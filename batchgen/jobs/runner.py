@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import threading
 import time
@@ -53,7 +54,18 @@ def default_engine_factory(config: EngineConfig) -> Any:
     try:
         return LLMEngine(config)
     except (ModelNotFoundError, ValueError) as e:
-        raise JobInputError(f"cannot start the engine for model {config.model or '(default)'}: {e}") from e
+        raise JobInputError(
+            f"cannot start the engine for model {config.model or '(default)'}: {e}{_flag_hint(str(e))}"
+        ) from e
+
+
+def _flag_hint(message: str) -> str:
+    """The hint ' (flag --max-model-len)' for the first engine option a message names by its field
+    name: the engine speaks in `EngineConfig` fields, the command line in flags."""
+    for name in EngineConfig.__dataclass_fields__:
+        if re.search(rf"\b{name}\b", message):
+            return f" (flag --{name.replace('_', '-')})"
+    return ""
 
 
 def engine_prompt(row: JobRow, system_prompt: str | None, chat: bool) -> str | list[dict]:
@@ -186,7 +198,7 @@ def run_job(
         config = EngineConfig(**options.engine, policy=options.policy)
         resolve_device(config.device)  # "cuda" without CUDA fails here, before the output is touched
     except (TypeError, ValueError) as e:
-        raise JobInputError(f"invalid engine option: {e}") from e
+        raise JobInputError(f"invalid engine option: {e}{_flag_hint(str(e))}") from e
     try:
         # The job-wide defaults apply to every row: a bad one is the command's error, not the rows'.
         SamplingParams(**options.sampling_defaults())

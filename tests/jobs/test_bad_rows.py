@@ -204,3 +204,10 @@ def test_a_typo_in_the_first_openai_line_is_pointed_out(tmp_path):
     src.write_text(json.dumps(first) + "\n" + json.dumps(good) + "\n")
     with pytest.raises(JobInputError, match=r"no prompt column .* looks like an OpenAI batch file.*'body'"):
         run_job(JobOptions(str(src)), fake_factory(), dashboard=quiet())
+
+
+def test_engine_option_errors_name_the_flag(tmp_path):
+    src = tmp_path / "j.jsonl"
+    src.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(JobInputError, match=r"max_model_len must be >= 2.*\(flag --max-model-len\)"):
+        run_job(JobOptions(str(src), engine={"max_model_len": 1}), fake_factory(), dashboard=quiet())

@@ -266,7 +266,9 @@ def test_finished_jsonl_output_rerun_is_already_complete(tmp_path):
         run(JobOptions(opts.input, output=str(out), temperature=0.5, engine={"max_num_seqs": 4}))
     # An output edited since (its size changed) is no longer taken for the finished job.
     out.write_text("\n".join(lines[:5]) + "\n")
-    with pytest.raises(JobInputError, match=r"already exists\. Pass --overwrite"):
+    with pytest.raises(
+        JobInputError, match=r"already exists and is not a finished batchgen output .*Pass --overwrite"
+    ):
         run(opts)
     assert run(JobOptions(opts.input, output=str(out), engine={"max_num_seqs": 4}, overwrite=True)).complete
     assert len(out.read_text().splitlines()) == 40 and run(opts).already_complete

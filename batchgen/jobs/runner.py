@@ -15,7 +15,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from batchgen.config import EngineConfig, resolve_device
@@ -27,19 +26,12 @@ from batchgen.jobs.options import (
     default_output_path,
     output_format,
 )
-from batchgen.jobs.reader import JobInputError, JobReader, JobRow, ReaderOptions
+from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions
+from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
 from batchgen.jobs.resume import make_header, prepare_output
-from batchgen.jobs.truncate import truncate_chat, truncate_ids
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, finalize_output
 from batchgen.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class _Prepared:
-    row: JobRow
-    token_ids: list[int] | None
-    prompt_tokens: int
 
 
 def default_engine_factory(config: EngineConfig) -> Any:
@@ -66,22 +58,6 @@ def _flag_hint(message: str) -> str:
         if re.search(rf"\b{name}\b", message):
             return f" (flag --{name.replace('_', '-')})"
     return ""
-
-
-def engine_prompt(row: JobRow, system_prompt: str | None, chat: bool) -> str | list[dict]:
-    """What the engine encodes for a row: messages (system prompt added unless present), a plain
-    prompt wrapped as a user message when `chat`, or the text (OpenAI completions stay raw)."""
-    p = row.prompt
-    if isinstance(p, list):
-        if system_prompt and not any(m["role"] == "system" for m in p):
-            return [{"role": "system", "content": system_prompt}, *p]
-        return p
-    if row.endpoint == "completion":
-        return p
-    if chat:
-        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        return [*system, {"role": "user", "content": p}]
-    return f"{system_prompt}\n\n{p}" if system_prompt else p
 
 
 def _model_label(options: JobOptions) -> str:
@@ -131,24 +107,6 @@ def validate_job(reader: JobReader, limit: int = 10) -> None:
             + more
             + "\nFix them, or run without --strict to get an error row for each"
         )
-
-
-def _result(row: JobRow, **values: Any) -> dict[str, Any]:
-    base = {
-        "row_index": row.row_index,
-        "id": row.id,
-        "row_hash": row.row_hash,
-        "endpoint": row.endpoint,
-        "created": int(time.time()),
-    }
-    base.update(values)
-    return base
-
-
-def _error_result(row: JobRow, message: str, prompt_tokens: int | None = None) -> dict[str, Any]:
-    return _result(
-        row, finish_reason="error", error=message, prompt_tokens=prompt_tokens, completion_tokens=0
-    )
 
 
 class _Interrupt:
@@ -290,8 +248,8 @@ def _loop(
     bos = getattr(tokenizer, "bos_token_id", None)
     max_len: int = engine.max_model_len
     inflight_limit = max(2 * config.max_num_seqs, 8)
-    window: LookaheadWindow[_Prepared] = LookaheadWindow(options.policy, options.window)
-    pending: dict[str, _Prepared] = {}
+    window: LookaheadWindow[Prepared] = LookaheadWindow(options.policy, options.window)
+    pending: dict[str, Prepared] = {}
     rows = iter(reader)
     rows_read = 0
     exhausted = False
@@ -317,11 +275,11 @@ def _loop(
             if state.committed.is_committed(row.row_index, row.row_hash, row.where):
                 continue
             if row.error is not None:
-                finish(_error_result(row, row.error), row.keep)
+                finish(error_result(row, row.error), row.keep)
                 continue
-            prepared, error = _prepare(row, engine, options, chat, bos, max_len)
+            prepared, error = prepare_row(row, engine, options, chat, bos, max_len)
             if error is not None:
-                finish(_error_result(row, error, prepared and prepared.prompt_tokens), row.keep)
+                finish(error_result(row, error, prepared and prepared.prompt_tokens), row.keep)
                 continue
             sp = row.sampling_params
             work = prepared.prompt_tokens + (sp.max_tokens or max_len - prepared.prompt_tokens)
@@ -335,7 +293,7 @@ def _loop(
         if engine.has_unfinished_requests():
             for out in engine.step():
                 p = pending.pop(out.request_id)
-                finish(_output_result(p, out), p.row.keep)
+                finish(output_result(p, out), p.row.keep)
         elif exhausted and not window:
             break
         dashboard.update(
@@ -349,54 +307,3 @@ def _loop(
         for rid in pending:
             engine.abort_request(rid)
     return rows_read, finished
-
-
-def _prepare(
-    row: JobRow, engine: Any, options: JobOptions, chat: bool, bos: int | None, max_len: int
-) -> tuple[_Prepared | None, str | None]:
-    """Tokenize a row and apply --truncate-prompt; (prepared, None) or (prepared or None, error)."""
-    prompt = engine_prompt(row, options.system_prompt, chat)
-    try:
-        _, ids = engine.encode_prompt(prompt)
-    except Exception as e:  # tokenizer and chat-template errors are this row's problem only
-        return None, f"{row.where}: the prompt could not be tokenized ({e}); fix the prompt field"
-    n = len(ids)
-    if n >= max_len:
-        if options.truncate_prompt is None:
-            return _Prepared(row, None, n), (
-                f"{row.where}: the prompt is {n} tokens but max_model_len is {max_len}"
-                f"{getattr(engine, 'max_model_len_note', '')} (one output token "
-                "needs room); shorten the prompt, raise --max-model-len, or pass --truncate-prompt left|right"
-            )
-        room = min(row.sampling_params.max_tokens or 1, max_len // 2)
-        keep = max_len - room
-        if isinstance(prompt, list) and getattr(engine, "tokenizer", None) is not None:
-            ids = truncate_chat(
-                prompt, options.truncate_prompt, keep, lambda m: engine.encode_prompt(m)[1], engine.tokenizer
-            )
-            if ids is None:
-                return _Prepared(row, None, n), (
-                    f"{row.where}: the chat prompt cannot be cut to {keep} tokens: its system prompt and "
-                    "template alone are longer; shorten the system prompt or raise --max-model-len"
-                )
-        else:
-            ids = truncate_ids(ids, options.truncate_prompt, keep, bos)
-    row.prompt = None  # free the text: only the token ids travel on
-    return _Prepared(row, ids, len(ids)), None
-
-
-def _output_result(p: _Prepared, out: Any) -> dict[str, Any]:
-    c = out.outputs[0]
-    metrics = out.metrics
-    values: dict[str, Any] = {
-        "prompt_tokens": len(out.prompt_token_ids) or p.prompt_tokens,
-        "completion_tokens": len(c.token_ids),
-        "finish_reason": c.finish_reason or "length",
-        "ttft_s": metrics.ttft,
-        "latency_s": metrics.latency,
-    }
-    if c.finish_reason == "error":
-        values["error"] = f"{p.row.where}: {out.error or 'the engine rejected the request'}"
-    else:
-        values["output"] = c.text
-    return _result(p.row, **values)

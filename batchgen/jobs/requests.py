@@ -1,0 +1,113 @@
+"""A job row's trip through the engine: the prompt it sends, its token ids, the output row it gets.
+
+`prepare_row` renders and tokenizes a row (chat template, system prompt) and applies
+`--truncate-prompt`; `output_result` turns the engine's `RequestOutput` into the row written to the
+output; `error_result` is the row written for a row that never ran.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.jobs.options import JobOptions
+from batchgen.jobs.rows import JobRow
+from batchgen.jobs.truncate import truncate_chat, truncate_ids
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A row ready for the engine: its token ids (None when it cannot run) and their count."""
+
+    row: JobRow
+    token_ids: list[int] | None
+    prompt_tokens: int
+
+
+def engine_prompt(row: JobRow, system_prompt: str | None, chat: bool) -> str | list[dict]:
+    """What the engine encodes for a row: messages (system prompt added unless present), a plain
+    prompt wrapped as a user message when `chat`, or the text (OpenAI completions stay raw)."""
+    p = row.prompt
+    if isinstance(p, list):
+        if system_prompt and not any(m["role"] == "system" for m in p):
+            return [{"role": "system", "content": system_prompt}, *p]
+        return p
+    if row.endpoint == "completion":
+        return p
+    if chat:
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        return [*system, {"role": "user", "content": p}]
+    return f"{system_prompt}\n\n{p}" if system_prompt else p
+
+
+def prepare_row(
+    row: JobRow, engine: Any, options: JobOptions, chat: bool, bos: int | None, max_len: int
+) -> tuple[Prepared | None, str | None]:
+    """Tokenize a row and apply --truncate-prompt; (prepared, None) or (prepared or None, error)."""
+    prompt = engine_prompt(row, options.system_prompt, chat)
+    try:
+        _, ids = engine.encode_prompt(prompt)
+    except Exception as e:  # tokenizer and chat-template errors are this row's problem only
+        return None, f"{row.where}: the prompt could not be tokenized ({e}); fix the prompt field"
+    n = len(ids)
+    if n >= max_len:
+        if options.truncate_prompt is None:
+            return Prepared(row, None, n), (
+                f"{row.where}: the prompt is {n} tokens but max_model_len is {max_len}"
+                f"{getattr(engine, 'max_model_len_note', '')} (one output token "
+                "needs room); shorten the prompt, raise --max-model-len, or pass --truncate-prompt left|right"
+            )
+        room = min(row.sampling_params.max_tokens or 1, max_len // 2)
+        keep = max_len - room
+        if isinstance(prompt, list) and getattr(engine, "tokenizer", None) is not None:
+            ids = truncate_chat(
+                prompt, options.truncate_prompt, keep, lambda m: engine.encode_prompt(m)[1], engine.tokenizer
+            )
+            if ids is None:
+                return Prepared(row, None, n), (
+                    f"{row.where}: the chat prompt cannot be cut to {keep} tokens: its system prompt and "
+                    "template alone are longer; shorten the system prompt or raise --max-model-len"
+                )
+        else:
+            ids = truncate_ids(ids, options.truncate_prompt, keep, bos)
+    row.prompt = None  # free the text: only the token ids travel on
+    return Prepared(row, ids, len(ids)), None
+
+
+def result_row(row: JobRow, **values: Any) -> dict[str, Any]:
+    """The output row of `row` with `values` (output, finish_reason, token counts, times) set."""
+    base = {
+        "row_index": row.row_index,
+        "id": row.id,
+        "row_hash": row.row_hash,
+        "endpoint": row.endpoint,
+        "created": int(time.time()),
+    }
+    base.update(values)
+    return base
+
+
+def error_result(row: JobRow, message: str, prompt_tokens: int | None = None) -> dict[str, Any]:
+    """The output row of a row that did not run: finish_reason "error" and `message`."""
+    return result_row(
+        row, finish_reason="error", error=message, prompt_tokens=prompt_tokens, completion_tokens=0
+    )
+
+
+def output_result(p: Prepared, out: Any) -> dict[str, Any]:
+    """The output row of a prepared row from the engine's `RequestOutput` `out`."""
+    c = out.outputs[0]
+    metrics = out.metrics
+    values: dict[str, Any] = {
+        "prompt_tokens": len(out.prompt_token_ids) or p.prompt_tokens,
+        "completion_tokens": len(c.token_ids),
+        "finish_reason": c.finish_reason or "length",
+        "ttft_s": metrics.ttft,
+        "latency_s": metrics.latency,
+    }
+    if c.finish_reason == "error":
+        values["error"] = f"{p.row.where}: {out.error or 'the engine rejected the request'}"
+    else:
+        values["output"] = c.text
+    return result_row(p.row, **values)

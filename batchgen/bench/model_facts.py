@@ -26,7 +26,7 @@ def _torch_dtype(requested: str, engine: Any | None, model_config: Any, device: 
     """The dtype batchgen runs in: the engine's, else the engine's rule for `requested`."""
     if isinstance(value := getattr(engine, "dtype", None), torch.dtype):
         return value
-    from batchgen.engine.llm_engine import resolve_dtype
+    from batchgen.engine.sizing import resolve_dtype
 
     return resolve_dtype(requested, model_config, torch.device(device))
 

@@ -13,6 +13,7 @@ from batchgen.engine.detokenizer import check_stop, final_text
 from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.sizing import model_max_len, num_kv_blocks, resolve_dtype
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt
 from batchgen.model import loader
@@ -21,27 +22,6 @@ from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
-    """The compute dtype for `--dtype name`.
-
-    "auto" runs 16-bit, as vLLM's "auto" does (it downcasts float32 checkpoints too): float16 for a
-    float16 checkpoint on CUDA, bfloat16 for everything else, float32 checkpoints included (the
-    default model's GGUF file is dequantized to float32 but was trained in 16-bit). Pass "float32"
-    for full precision.
-
-    Raises:
-        KeyError: `name` is not "auto", "float32", "bfloat16" or "float16" (`EngineConfig` checks it first).
-    """
-    if name != "auto":
-        return _DTYPES[name]
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if str(stored).replace("torch.", "") == "float16" and device.type == "cuda":
-        return torch.float16
-    return torch.bfloat16
 
 
 class LLMEngine:
@@ -70,9 +50,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, files.config, self.device)
         self.block_size = config.block_size
 
-        model_len = _model_max_len(files.config)
+        model_len = model_max_len(files.config)
         per_block = kv_cache_bytes_per_block(files.config, self.block_size, self.dtype)
-        num_blocks = self._num_blocks(per_block, files.config)
+        num_blocks = num_kv_blocks(config, self.device, self.dtype, per_block, files.config)
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's limit of {model_len} tokens"
@@ -126,24 +106,6 @@ class LLMEngine:
         self._rejected: list[RequestOutput] = []
         self.last_step: StepStats | None = None
         self.totals = EngineTotals()
-
-    # ---- sizing ----
-    def _num_blocks(self, per_block: int, model_config) -> int:
-        """KV blocks of `per_block` bytes: an explicit `kv_cache_memory` on any device (as vLLM's
-        `kv_cache_memory_bytes` overrides `gpu_memory_utilization`), else the CUDA memory budget,
-        else 1 GiB on a CPU."""
-        if self.device.type == "cuda" and self.config.kv_cache_memory is None:
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
-            # Leave room for the weights and activations: estimated as parameters x dtype size x 1.5.
-            budget -= int(
-                _num_parameters(model_config) * torch.empty((), dtype=self.dtype).element_size() * 1.5
-            )
-            return max(budget // per_block, 1)
-        if self.device.type == "cpu":
-            swap = self.config.swap_bytes if self.config.preemption_mode == "swap" else 0
-            _check_fits_in_memory(self.config.kv_cache_bytes + swap)
-        return max(self.config.kv_cache_bytes // per_block, 1)
 
     def _token_budget(self) -> int:
         cfg = self.config
@@ -361,39 +323,3 @@ class LLMEngine:
         )
         self.last_step = stats
         self.totals.add(stats)
-
-
-def _check_fits_in_memory(cache_bytes: int) -> None:
-    """Refuse a CPU KV cache (plus swap space) larger than the memory available now, before
-    allocating it: the allocation would fail with a bare OSError, or push the machine into swap.
-
-    Raises:
-        ValueError: naming kv_cache_memory / swap_space, both sizes in GiB, and the fix.
-    """
-    import psutil
-
-    available = psutil.virtual_memory().available
-    if cache_bytes > available:
-        raise ValueError(
-            f"kv_cache_memory plus swap_space is {cache_bytes / 2**30:.1f} GiB but only "
-            f"{available / 2**30:.1f} GiB of memory is available; lower --kv-cache-memory (or --swap-space)"
-        )
-
-
-def _model_max_len(config) -> int:
-    limit = getattr(config, "max_position_embeddings", None) or 2048
-    # Sliding-window attention is not implemented: stay inside the window so outputs stay exact.
-    window = getattr(config, "sliding_window", None)
-    if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
-        limit = min(limit, window)
-    return int(limit)
-
-
-def _num_parameters(config) -> int:
-    h, i, layers, vocab = (
-        config.hidden_size,
-        config.intermediate_size,
-        config.num_hidden_layers,
-        config.vocab_size,
-    )
-    return layers * (4 * h * h + 3 * h * i) + 2 * vocab * h

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from batchgen.engine.llm_engine import resolve_dtype
+from batchgen.engine.sizing import resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

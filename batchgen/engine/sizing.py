@@ -1,0 +1,94 @@
+"""How big things are: the compute dtype, the model's usable length and the KV cache's block count.
+
+The engine's sizing decisions, apart from the step loop: what `--dtype auto` means, how long a
+sequence the model serves exactly, and how many KV blocks a memory budget holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.config import EngineConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+    """The compute dtype for `--dtype name`.
+
+    "auto" runs 16-bit, as vLLM's "auto" does (it downcasts float32 checkpoints too): float16 for a
+    float16 checkpoint on CUDA, bfloat16 for everything else, float32 checkpoints included (the
+    default model's GGUF file is dequantized to float32 but was trained in 16-bit). Pass "float32"
+    for full precision.
+
+    Raises:
+        KeyError: `name` is not "auto", "float32", "bfloat16" or "float16" (`EngineConfig` checks it first).
+    """
+    if name != "auto":
+        return _DTYPES[name]
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if str(stored).replace("torch.", "") == "float16" and device.type == "cuda":
+        return torch.float16
+    return torch.bfloat16
+
+
+def num_kv_blocks(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, per_block: int, model_config
+) -> int:
+    """KV blocks of `per_block` bytes: an explicit `kv_cache_memory` on any device (as vLLM's
+    `kv_cache_memory_bytes` overrides `gpu_memory_utilization`), else the CUDA memory budget,
+    else 1 GiB on a CPU.
+
+    Raises:
+        ValueError: a CPU cache (plus swap space) larger than the memory available.
+    """
+    if device.type == "cuda" and config.kv_cache_memory is None:
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * config.gpu_memory_utilization) - (total - free)
+        # Leave room for the weights and activations: estimated as parameters x dtype size x 1.5.
+        budget -= int(num_parameters(model_config) * torch.empty((), dtype=dtype).element_size() * 1.5)
+        return max(budget // per_block, 1)
+    if device.type == "cpu":
+        swap = config.swap_bytes if config.preemption_mode == "swap" else 0
+        check_fits_in_memory(config.kv_cache_bytes + swap)
+    return max(config.kv_cache_bytes // per_block, 1)
+
+
+def check_fits_in_memory(cache_bytes: int) -> None:
+    """Refuse a CPU KV cache (plus swap space) larger than the memory available now, before
+    allocating it: the allocation would fail with a bare OSError, or push the machine into swap.
+
+    Raises:
+        ValueError: naming kv_cache_memory / swap_space, both sizes in GiB, and the fix.
+    """
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if cache_bytes > available:
+        raise ValueError(
+            f"kv_cache_memory plus swap_space is {cache_bytes / 2**30:.1f} GiB but only "
+            f"{available / 2**30:.1f} GiB of memory is available; lower --kv-cache-memory (or --swap-space)"
+        )
+
+
+def model_max_len(config) -> int:
+    """The longest sequence the model serves exactly: `max_position_embeddings` (2048 if unset),
+    within a Mistral sliding window (sliding-window attention is not implemented)."""
+    limit = getattr(config, "max_position_embeddings", None) or 2048
+    # Sliding-window attention is not implemented: stay inside the window so outputs stay exact.
+    window = getattr(config, "sliding_window", None)
+    if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+        limit = min(limit, window)
+    return int(limit)
+
+
+def num_parameters(config) -> int:
+    """Approximate parameter count of a Llama-family config (attention as 4 x hidden^2, the MLP,
+    untied embeddings): the weights' share of a CUDA memory budget."""
+    h, i, layers, vocab = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_hidden_layers,
+        config.vocab_size,
+    )
+    return layers * (4 * h * h + 3 * h * i) + 2 * vocab * h

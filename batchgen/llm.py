@@ -82,8 +82,6 @@ class LLM:
                 "sampling_params must be a SamplingParams or a list of them (one per prompt), got "
                 f"{type(sampling_params).__name__}; write SamplingParams(max_tokens=...)"
             )
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
         self._calls += 1
         ids = [f"gen-{self._calls}-{i}" for i in range(len(prompts))]

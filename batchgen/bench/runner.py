@@ -155,8 +155,9 @@ def run_bench(
     factory = engine_factory or default_engine_factory
     if settings.engine.num_threads is not None:
         torch.set_num_threads(settings.engine.num_threads)
-    batchgen_plans = [p for p in plan_configs(settings) if p.kind in MODES]
-    probe = engine_config_for(settings, batchgen_plans[0]) if batchgen_plans else None
+    plans = plan_configs(settings)
+    first_engine_plan = next((plan for plan in plans if plan.kind in MODES), None)
+    probe = engine_config_for(settings, first_engine_plan) if first_engine_plan is not None else None
     try:
         facts = model_facts(settings.engine, factory, probe)
     except (ModelNotFoundError, ValueError) as exc:  # as `batchgen run` does: a usage error
@@ -181,8 +182,6 @@ def run_bench(
             f"compute ceiling: {ceiling['tokens_per_s']:.0f} tokens/s "
             f"({ceiling['matmul']['flops_per_s'] / 1e9:.0f} GFLOP/s {ceiling['matmul']['dtype']} matmul)"
         )
-    plans = plan_configs(settings)
-    first_engine_plan = next((plan for plan in plans if plan.kind in MODES), None)
     if settings.warmup_run and first_engine_plan is not None:  # its result is thrown away
         label = f"{first_engine_plan.name} (warm-up, untimed)"
         _run_logged(first_engine_plan, label, settings, facts, workload, factory, log)

@@ -20,6 +20,8 @@ FORMATS_HELP = (
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 JOB_FILE_SUFFIXES = (*JSONL_SUFFIXES, ".parquet")
 SNIFF_LINES = 1000  # JSONL lines looked at to learn the columns
+# Why a string cannot be stored or tokenized: JSON allows "\\ud800" escapes that UTF-8 does not.
+LONE_SURROGATE = "holds a lone surrogate (an unpaired \\ud800-\\udfff escape)"
 
 
 class JobInputError(Exception):
@@ -109,6 +111,23 @@ def file_sha256(path: str, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` can be written as UTF-8 (it holds no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def text_error(text: str, field: str) -> str | None:
+    """The error for prompt text in `field` that no tokenizer can encode (a lone surrogate); None
+    when it is valid Unicode."""
+    if is_utf8(text):
+        return None
+    return f"field '{field}' {LONE_SURROGATE}, which is not valid Unicode; fix or remove that escape"
+
+
 def _content_text(content: Any) -> str | None:
     """A message's content as text: a string, or OpenAI's list of content parts when every part is
     `{"type": "text", "text": str}` (joined with newlines, as vLLM does); None otherwise."""
@@ -129,7 +148,7 @@ def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]
 
     Returns:
         (messages with string contents, None) when valid, (None, message naming the field and the
-        fix) otherwise.
+        fix) otherwise: also for a content that is not valid Unicode (`text_error`).
     """
     if value is None or (isinstance(value, list) and not value):
         return None, f'field \'{col}\' is null or empty; give a list of {{"role", "content"}} messages'
@@ -143,6 +162,8 @@ def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]
                 f"field '{col}[{i}]' must be an object with a string 'role' and a 'content' that is a "
                 'string or a list of {"type": "text", "text": ...} parts (text only)'
             )
+        if err := text_error(text, f"{col}[{i}]"):
+            return None, err
         out.append({"role": m["role"], "content": text})
     if not any(m["content"].strip() for m in out):
         return None, f"field '{col}' has only empty message contents; put the prompt in a message"

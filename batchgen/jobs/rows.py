@@ -13,13 +13,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.jobs.formats import check_messages
+from batchgen.jobs.formats import LONE_SURROGATE, check_messages, is_utf8, text_error
 from batchgen.sampling_params import SamplingParams
 
 SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority")
 _INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "priority"})
-# Why a string cannot be stored or tokenized: JSON allows "\\ud800" escapes that UTF-8 does not.
-LONE_SURROGATE = "holds a lone surrogate (an unpaired \\ud800-\\udfff escape)"
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -73,33 +71,8 @@ def printable(value: Any) -> Any:
     """`value` with any lone surrogate in its strings written as a `\\udXXX` escape, so it can be
     stored as UTF-8 (Parquet, JSON lines); other values are returned as they are."""
     if isinstance(value, str):
-        return value.encode("utf-8", "backslashreplace").decode("utf-8") if not _is_utf8(value) else value
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
     return value
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def invalid_text_field(prompt: str | list[dict], field_name: str) -> str | None:
-    """An error message when the prompt (text or messages) holds a lone surrogate, which no
-    tokenizer can encode; None when it is valid Unicode."""
-    texts = (
-        [("", prompt)]
-        if isinstance(prompt, str)
-        else [(f"[{i}]", m["content"]) for i, m in enumerate(prompt)]
-    )
-    for where, text in texts:
-        if not _is_utf8(text):
-            return (
-                f"field '{field_name}{where}' {LONE_SURROGATE}, which is not valid Unicode; "
-                "fix or remove that escape"
-            )
-    return None
 
 
 class RowParser:
@@ -202,16 +175,14 @@ class RowParser:
         keep = {c: rec.get(c) for c in self.options.keep_columns} or None
         prompt, err = self._prompt_of(rec)
         if err is None:
-            err = invalid_text_field(prompt, self._prompt_field())
-        if err is None:
             params, params_hash, err = self._sampling({k: rec.get(k) for k in SAMPLING_COLUMNS})
         if err is not None:
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
-        if keep is not None and not all(_is_utf8(v) for v in keep.values() if isinstance(v, str)):
+        if keep is not None and not all(is_utf8(v) for v in keep.values() if isinstance(v, str)):
             err = f"a --keep-columns value {LONE_SURROGATE}; fix it"
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         rid_s = str(row_index) if rid is None else str(rid)
-        if not _is_utf8(rid_s):
+        if not is_utf8(rid_s):
             err = f"the id {LONE_SURROGATE}; fix field '{self.id_column}'"
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         return JobRow(
@@ -224,21 +195,16 @@ class RowParser:
             row_hash=stable_hash([rid_s, prompt, params_hash, keep]),
         )
 
-    def _prompt_field(self) -> str:
-        """The name messages use for where a row's prompt came from."""
-        if self.template_fields or self.options.template is not None:
-            return "--template"
-        return self.prompt_column or self.messages_column or "prompt"
-
     def _prompt_of(self, rec: dict) -> tuple[str | list[dict] | None, str | None]:
         if self.template_fields or self.options.template is not None:
             for f in self.template_fields:
                 if rec.get(f) is None or rec.get(f) == "":
                     return None, f"field '{f}' (used by --template) is null or empty; fill it or drop the row"
             try:
-                return self.options.template.format(**{f: rec[f] for f in self.template_fields}), None
+                text = self.options.template.format(**{f: rec[f] for f in self.template_fields})
             except (KeyError, IndexError, AttributeError, ValueError) as e:
                 return None, f"--template could not be filled from this row ({e!r}); check its placeholders"
+            return text, text_error(text, "--template")
         msgs = self.messages_column
         if msgs is not None and (self.prompt_column is None or rec.get(msgs) is not None):
             return check_messages(rec.get(msgs), msgs)
@@ -250,7 +216,7 @@ class RowParser:
             return None, f"field '{col}' is null or empty; put the prompt text there or drop the row"
         if not isinstance(value, str):
             return None, f"field '{col}' must be a string, got {type(value).__name__}; quote the prompt"
-        return value, None
+        return value, text_error(value, col)
 
     def openai_row(self, row_index: int, line_number: int, rec: dict) -> JobRow:
         """A line of an OpenAI batch file (`custom_id`, `method`, `url`, `body`); custom_ids must be
@@ -260,7 +226,7 @@ class RowParser:
         url = rec.get("url")
         endpoint = OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
 
-        usable_cid = cid if isinstance(cid, str) and cid and _is_utf8(cid) else None
+        usable_cid = cid if isinstance(cid, str) and cid and is_utf8(cid) else None
 
         def fail(msg: str) -> JobRow:
             return self.error_row(
@@ -293,8 +259,8 @@ class RowParser:
             prompt, err = body.get("prompt"), None
             if not isinstance(prompt, str) or not prompt.strip():
                 err = "field 'body.prompt' must be a non-empty string (one prompt per request)"
-        if err is None:
-            err = invalid_text_field(prompt, "body.messages" if endpoint == "chat" else "body.prompt")
+            else:
+                err = text_error(prompt, "body.prompt")
         if err is not None:
             return fail(err)
         unsupported = sorted(

@@ -285,3 +285,16 @@ def test_hf_reference_streams_with_datasets(tmp_path):
     reader = JobReader(f"hf://{data}:train", ReaderOptions(prompt_column="question"))
     assert reader.format == "hf_hub" and reader.identity() == {"hub": f"hf://{data}:train"}
     assert [(r.id, r.prompt) for r in reader] == [("x", "a?"), ("y", "b?")]
+
+
+def test_a_lone_surrogate_is_named_in_the_field_it_came_from(tmp_path):
+    """Checked where text enters (messages validation, the prompt column), so a job with both a
+    prompt and a messages column names the one the row used."""
+    p = tmp_path / "a.jsonl"
+    p.write_text(
+        '{"prompt": null, "messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\\ud800"}]}\n'
+        '{"prompt": "bad \\udfff", "messages": null}\n'
+    )
+    a, b = read(str(p))
+    assert "field 'messages[1]' holds a lone surrogate" in a.error
+    assert "field 'prompt' holds a lone surrogate" in b.error

@@ -292,16 +292,29 @@ def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) ->
     return _start_fresh(output_path, parts_dir, header, empty)
 
 
+def delete_parts_dir(parts_dir: str) -> None:
+    """Delete a parts directory with everything in it (its lock file included).
+
+    The manifest goes first, durably: a kill part-way through leaves parts without a manifest,
+    which a rerun treats as the leftovers of a finished job (the output is complete), never as a
+    run to resume with parts missing.
+    """
+    manifest = os.path.join(parts_dir, MANIFEST)
+    if os.path.exists(manifest):
+        os.remove(manifest)
+        fsync_dir(parts_dir)
+    for name in os.listdir(parts_dir):
+        os.remove(os.path.join(parts_dir, name))
+    os.rmdir(parts_dir)
+    fsync_dir(os.path.dirname(os.path.abspath(parts_dir)))
+
+
 def _remove_leftover_parts(parts_dir: str) -> None:
     """Delete what a finished job's cleanup left when it was killed (parts, no manifest), under the
     lock so that nothing a live run writes is touched."""
     lock_fd = _lock(parts_dir)
     try:
-        for name in os.listdir(parts_dir):
-            if name != LOCK:
-                os.remove(os.path.join(parts_dir, name))
-        os.remove(os.path.join(parts_dir, LOCK))
-        os.rmdir(parts_dir)
+        delete_parts_dir(parts_dir)
     finally:
         os.close(lock_fd)
 
@@ -362,15 +375,13 @@ def _start_fresh(
             if name != LOCK:
                 os.remove(os.path.join(parts_dir, name))
         manifest = Manifest.create(parts_dir, header)
-    except OSError as e:
+    except BaseException as e:
         if lock_fd is not None:
             os.close(lock_fd)
-        raise JobInputError(
-            f"cannot write the parts directory {parts_dir} beside --output {output_path}: {e.strerror or e}; "
-            "pass an --output in a writable directory"
-        ) from e
-    except BaseException:
-        if lock_fd is not None:
-            os.close(lock_fd)
+        if isinstance(e, OSError):
+            raise JobInputError(
+                f"cannot write the parts directory {parts_dir} beside --output {output_path}: "
+                f"{e.strerror or e}; pass an --output in a writable directory"
+            ) from e
         raise
     return ResumeState(output_path, parts_dir, manifest, [], empty, lock_fd=lock_fd)

@@ -24,10 +24,10 @@ import pyarrow.parquet as pq
 
 from batchgen.jobs.resume import (
     HEADER_METADATA_KEY,
-    MANIFEST,
     Manifest,
     PartEntry,
     ResumeState,
+    delete_parts_dir,
     fsync_dir,
     write_header_sidecar,
 )
@@ -327,20 +327,8 @@ def _write_parquet(
 
 
 def remove_parts(state: ResumeState) -> None:
-    """Delete the parts directory (after the final output is durable) and release the lock.
-
-    The manifest goes first, durably: a kill part-way through leaves parts without a manifest,
-    which a rerun treats as the leftovers of a finished job (the output is complete), never as a
-    run to resume with parts missing.
-    """
-    d = state.parts_dir
-    if os.path.isdir(d):
-        manifest = os.path.join(d, MANIFEST)
-        if os.path.exists(manifest):
-            os.remove(manifest)
-            fsync_dir(d)
-        for name in os.listdir(d):
-            os.remove(os.path.join(d, name))
-        os.rmdir(d)
-        fsync_dir(os.path.dirname(os.path.abspath(d)))
+    """Delete the parts directory (after the final output is durable; `delete_parts_dir`) and
+    release the lock."""
+    if os.path.isdir(state.parts_dir):
+        delete_parts_dir(state.parts_dir)
     state.release()

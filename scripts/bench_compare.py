@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from batchgen.bench.report import plot, render, write_json  # noqa: E402
 from batchgen.bench.runner import BenchSettings, run_bench  # noqa: E402
-from batchgen.bench.workloads import WorkloadSpec  # noqa: E402
+from batchgen.bench.spec import WorkloadSpec  # noqa: E402
 from batchgen.config import EngineConfig, GiB  # noqa: E402
 
 GB = 1e9

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from batchgen.bench.model_facts import bench_workload  # noqa: E402
+from batchgen.bench.spec import WorkloadSpec  # noqa: E402
 from batchgen.bench.static import bench_sampling_params, warmup_engine, warmup_prompt  # noqa: E402
-from batchgen.bench.workloads import WorkloadSpec  # noqa: E402
 from batchgen.config import EngineConfig  # noqa: E402
 from batchgen.engine.llm_engine import LLMEngine  # noqa: E402
 

@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from batchgen import cli_types as opt
-from batchgen.bench.workloads import DISTS, BenchInputError, WorkloadSpec
+from batchgen.bench.spec import DISTS, BenchInputError, WorkloadSpec
 from batchgen.config import EngineConfig, resolve_device
 
 

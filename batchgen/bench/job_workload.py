@@ -14,12 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from batchgen.bench.spec import BenchInputError, WorkloadSpec
 from batchgen.bench.workloads import (
-    BenchInputError,
     BenchRequest,
     PromptEncoder,
     Workload,
-    WorkloadSpec,
     arrival_params,
     arrival_times,
     clip_lengths,

@@ -16,7 +16,8 @@ import torch
 
 from batchgen.bench.hf_baselines import resolve_hf_dir
 from batchgen.bench.metrics import release_memory
-from batchgen.bench.workloads import Workload, WorkloadSpec, build_workload
+from batchgen.bench.spec import WorkloadSpec
+from batchgen.bench.workloads import Workload, build_workload
 from batchgen.config import EngineConfig, resolve_device
 
 EngineFactory = Callable[[EngineConfig], Any]

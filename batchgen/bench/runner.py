@@ -34,8 +34,9 @@ from batchgen.bench.hf_baselines import (
 from batchgen.bench.metrics import ResourceMonitor, RunResult, release_memory, summarize
 from batchgen.bench.model_facts import EngineFactory, ModelFacts, bench_workload, model_facts, pad_id
 from batchgen.bench.report import build_report
+from batchgen.bench.spec import BenchInputError, WorkloadSpec
 from batchgen.bench.static import run_static
-from batchgen.bench.workloads import BenchInputError, Workload, WorkloadSpec
+from batchgen.bench.workloads import Workload
 from batchgen.config import POLICIES, EngineConfig
 
 MODES = ("continuous", "static")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from batchgen.bench.job_workload import read_job_rows
+from batchgen.bench.spec import BenchInputError, WorkloadSpec
 from batchgen.bench.traces import (
     LONGTAIL_INPUT,
     LONGTAIL_OUTPUT,
@@ -19,8 +20,6 @@ from batchgen.bench.traces import (
     parse_trace_timestamp,
 )
 from batchgen.bench.workloads import (
-    BenchInputError,
-    WorkloadSpec,
     allowed_token_ids,
     arrival_times,
     build_workload,

@@ -1,4 +1,4 @@
-"""Run header and manifest: what makes a job resumable exactly once.
+"""Run header, lock and start: what makes a job resumable exactly once (the manifest: `jobs.manifest`).
 
 Beside the output `out.parquet` a run keeps `out.parquet.parts/`:
     manifest.jsonl   line 1: {"header": {...}}; then one {"part": name, "rows", "min_row", "max_row"}
@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from batchgen.cache import write_atomically
+from batchgen.jobs.manifest import MANIFEST, CommittedRows, Manifest, PartEntry, fsync_dir
 from batchgen.jobs.reader import JobInputError
 
-MANIFEST = "manifest.jsonl"
 LOCK = "lock"
 # 2: the input is identified by the SHA-256 of its whole content (1: of its first and last MiB).
 HEADER_VERSION = 2
@@ -54,122 +54,6 @@ def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if o.get(k) != n.get(k):
             diffs.append(f"{k} {o.get(k)!r} -> {n.get(k)!r}")
     return diffs
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory so a rename or unlink inside it is durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@dataclass(slots=True)
-class PartEntry:
-    """One committed part: file name, row count and row-index range (inclusive)."""
-
-    part: str
-    rows: int
-    min_row: int
-    max_row: int
-
-
-class Manifest:
-    """Append-only, fsynced record of a run's header and committed parts.
-
-    Args:
-        parts_dir: the run's parts directory (see `parts_dir_for`).
-    """
-
-    def __init__(self, parts_dir: str) -> None:
-        self.parts_dir = parts_dir
-        self.path = os.path.join(parts_dir, MANIFEST)
-
-    @classmethod
-    def create(cls, parts_dir: str, header: dict[str, Any]) -> Manifest:
-        """Make `parts_dir` and write a manifest holding only `header` (atomically)."""
-        os.makedirs(parts_dir, exist_ok=True)
-        m = cls(parts_dir)
-        tmp = m.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"header": header}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, m.path)
-        fsync_dir(parts_dir)
-        fsync_dir(os.path.dirname(os.path.abspath(parts_dir)))
-        return m
-
-    def load(self) -> tuple[dict[str, Any], list[PartEntry]]:
-        """Read the header and part entries; a torn (unterminated) last line is cut off.
-
-        Raises:
-            JobInputError: the manifest has no readable header.
-        """
-        with open(self.path, "rb") as f:
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):  # a crash mid-append: drop the partial line
-            with open(self.path, "r+b") as f:
-                f.truncate(end)
-                os.fsync(f.fileno())
-        lines = data[:end].splitlines()
-        try:
-            header = json.loads(lines[0])["header"]
-        except (IndexError, KeyError, ValueError) as e:
-            raise JobInputError(f"{self.path} has no valid header; pass --overwrite to start over") from e
-        entries = [PartEntry(**json.loads(line)) for line in lines[1:] if line.strip()]
-        return header, entries
-
-    def append(self, entry: PartEntry) -> None:
-        """Append one part entry and fsync it (the commit point of that part's rows)."""
-        line = json.dumps(
-            {"part": entry.part, "rows": entry.rows, "min_row": entry.min_row, "max_row": entry.max_row}
-        )
-        with open(self.path, "ab") as f:
-            f.write(line.encode() + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-
-class CommittedRows:
-    """Row indices and hashes already committed, as sorted int64 arrays (16 bytes a row).
-
-    `is_committed` is called with increasing row indices (the reader's order) and walks forward,
-    so a check is O(1) amortized and no per-row Python object is kept.
-    """
-
-    def __init__(self, row_index: np.ndarray, row_hash: np.ndarray) -> None:
-        order = np.argsort(row_index, kind="stable")
-        self.row_index = row_index[order]
-        self.row_hash = row_hash[order]
-        if len(self.row_index) > 1 and np.any(self.row_index[1:] == self.row_index[:-1]):
-            raise JobInputError(
-                "committed parts hold a row twice; the parts directory is corrupt, pass --overwrite"
-            )
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return len(self.row_index)
-
-    def is_committed(self, row_index: int, row_hash: int, where: str = "") -> bool:
-        """True when the row was committed by an earlier run (row indices must come in increasing order).
-
-        Raises:
-            JobInputError: the committed row has another hash, i.e. the input changed underneath.
-        """
-        idx = self.row_index
-        while self._pos < len(idx) and idx[self._pos] < row_index:
-            self._pos += 1
-        if self._pos < len(idx) and idx[self._pos] == row_index:
-            if int(self.row_hash[self._pos]) != row_hash:
-                raise JobInputError(
-                    f"{where or f'row {row_index}'} differs from the committed result of an earlier run "
-                    "(the input or its parameters changed); pass --overwrite to start over"
-                )
-            return True
-        return False
 
 
 @dataclass

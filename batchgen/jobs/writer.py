@@ -22,15 +22,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.jobs.resume import (
-    HEADER_METADATA_KEY,
-    Manifest,
-    PartEntry,
-    ResumeState,
-    delete_parts_dir,
-    fsync_dir,
-    write_header_sidecar,
-)
+from batchgen.jobs.manifest import Manifest, PartEntry, fsync_dir
+from batchgen.jobs.resume import HEADER_METADATA_KEY, ResumeState, delete_parts_dir, write_header_sidecar
 
 OUTPUT_SCHEMA = pa.schema(
     [

@@ -12,8 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.dashboard import Dashboard
+from batchgen.jobs.manifest import Manifest
 from batchgen.jobs.reader import JobInputError
-from batchgen.jobs.resume import Manifest, make_header, parts_dir_for, prepare_output
+from batchgen.jobs.resume import make_header, parts_dir_for, prepare_output
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, finalize_output, openai_record

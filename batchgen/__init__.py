@@ -1,9 +1,25 @@
 """batchgen: offline LLM batch inference with continuous batching over a paged KV cache."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from batchgen.config import EngineConfig
-from batchgen.llm import LLM
 from batchgen.outputs import CompletionOutput, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from batchgen.llm import LLM
+
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # `LLM` pulls in torch (about 2 s): imported on first use, so `batchgen --help` and the CLI's
+    # argument checks answer at once and a Ctrl-C at start-up lands where the CLI handles it.
+    if name == "LLM":
+        from batchgen.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

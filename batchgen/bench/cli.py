@@ -167,6 +167,9 @@ def bench_command(
         report = run_bench(settings, log=lambda msg: console.print(msg, markup=False, highlight=False))
     except BenchInputError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    except KeyboardInterrupt:
+        console.print("interrupted: no report written")
+        raise typer.Exit(130) from None
     render(report, console)
     if output is not None:
         write_json(report, output)

@@ -6,6 +6,7 @@ No timing assertions: only structure, token accounting and orderings that hold o
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -347,3 +348,25 @@ def test_job_file_bad_rows_are_skipped_with_one_warning(tiny_model_dir, tmp_path
     text = result.output
     assert result.exit_code == 2, result.output
     assert "no usable row" in text and "all 2 rows are unusable (first: line 1: not JSON" in text
+
+
+def test_ctrl_c_during_the_bench_exits_130_without_a_report(tiny_model_dir, tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    cmd = [
+        sys.executable, "-m", "batchgen", "bench", "--model", str(tiny_model_dir("llama")),
+        "--dist", "fixed", "--input-len", "32", "--output-len", "64", "--num-prompts", "5000",
+        "--mode", "continuous", "--no-ceiling", "--num-threads", "1", "--kv-cache-memory", "16MiB",
+        "--output", str(report),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("running continuous/fcfs"):  # the (warm-up) run has started
+            proc.send_signal(signal.SIGINT)
+            break
+    output = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output
+    assert "interrupted: no report written" in output
+    assert "Traceback" not in output
+    assert not report.exists()

@@ -1,0 +1,31 @@
+"""The command line starts without torch: `--help` and option errors answer at once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+
+
+def test_importing_the_cli_does_not_import_torch() -> None:
+    code = "import sys, batchgen, batchgen.cli; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def test_llm_is_still_importable_from_the_package() -> None:
+    from batchgen import LLM
+    from batchgen.llm import LLM as LLMClass
+
+    assert LLM is LLMClass
+
+
+def test_help_runs_through_the_console_entry_point() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchgen", "--help"], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "run" in proc.stdout and "bench" in proc.stdout

@@ -51,6 +51,8 @@ _ROWS: list[tuple[str, str, str, float, bool]] = [
     ("e2e latency p99 (s)", "e2e_p99_s", "{:.2f}", 1, True),
     ("TPOT mean (ms)", "tpot_mean_s", "{:.1f}", 1000, True),
     ("TPOT p99 (ms)", "tpot_p99_s", "{:.1f}", 1000, False),
+    # Equal step counts mean equal work: then a wall-time gap is the machine's noise, not the policy.
+    ("steps (forward passes)", "num_steps", "{:d}", 1, False),
     ("batch size mean / max", ("batch_size_mean", "batch_size_max"), "{:.1f}", 1, False),
     ("KV cache peak", "kv_cache_peak", "{:.1%}", 1, False),
     ("preemptions", "preemptions", "{:d}", 1, False),

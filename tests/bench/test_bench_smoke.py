@@ -52,6 +52,7 @@ def bench_report(tiny_model_dir, tmp_path_factory) -> tuple[dict, Path]:
     result = invoke_bench(args)
     assert result.exit_code == 0, result.output
     assert "output tokens/s" in result.output and "compute ceiling" in result.output
+    assert "steps (forward passes)" in result.output
     # The first batchgen configuration ran once untimed, before every timed run.
     lines = result.output.splitlines()
     warmup = lines.index("running continuous/fcfs (warm-up, untimed) ...")
@@ -129,6 +130,8 @@ def test_engine_metrics_and_starvation_check(bench_report) -> None:
             m["prefix_cache_hit_rate"] == 0.0
         )  # random prompts share no block with each other or the warm-up
     assert configs["static/b4"]["metrics"]["batch_size_max"] <= 4
+    for c in report["configurations"]:  # one step record per forward pass, shown as its own row
+        assert c["metrics"]["num_steps"] == len(c["timeline"]["t"]) > 0
     assert configs["static/b4"]["extra"]["padded_output_tokens"] >= report["sampled_output_tokens"]
     ceiling = report["ceiling"]
     assert ceiling["flops"]["tokens"] == report["sampled_prompt_tokens"] + report["sampled_output_tokens"]

@@ -77,16 +77,19 @@ class DecoderLayer(nn.Module):
 def prefill_row_chunk(config, dtype: torch.dtype, device: torch.device) -> int:
     """Rows per slice for the non-attention work of a large CPU step; 0 = no slicing (GPU).
 
-    On CPU the element-wise passes of a 2048-token prefill step (norms, SiLU, products, residual
-    adds) are memory-bound: the gate/up activations alone are 12 MiB for the default model. Slices
-    whose gate/up output is about 3 MiB stay in the core's L2/L3 caches: on the default model, bf16,
-    one thread, all 30 layers without attention took 1.44-1.76 s a 2048-token step whole, and
-    0.79-0.91 s in 512-row slices (256: 0.82-0.96 s; 128: 1.03 s).
+    The element-wise passes of a big step (norms, SiLU, products, residual adds) are memory-bound,
+    so slicing keeps their activations in cache; the matrix products, though, want many rows: with
+    oneDNN on two threads the model's linears ran at 974 GFLOP/s at 512 rows against 2,165 at 2,048.
+    Slices whose gate/up output is about 12 MiB (2,048 rows of the default model) balance the two:
+    a 2,048-token prefill step (6 prompts, bf16, 2 threads) took a median 0.73-0.78x the time of
+    512-row slices (10 and 13 of 15 interleaved rounds faster;
+    `python scripts/row_chunk_bench.py --rows 512 2048`), and 1,024-row slices fell in between.
+    Steps above the slice (a raised `max_num_batched_tokens`) are still sliced.
     """
     if device.type != "cpu":
         return 0
     row_bytes = 2 * config.intermediate_size * torch.empty((), dtype=dtype).element_size()
-    return max(64, (3 * 2**20 // row_bytes) // 64 * 64)
+    return max(64, (12 * 2**20 // row_bytes) // 64 * 64)
 
 
 class LlamaModel(nn.Module):

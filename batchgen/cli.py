@@ -120,7 +120,10 @@ def run_command(
     from batchgen.jobs.runner import JobOptions, run_job
 
     engine = opt.engine_options(locals())
-    keep = tuple(c.strip() for item in keep_columns or () for c in item.split(",") if c.strip())
+    # A name given twice is kept once (dict keys keep the first order).
+    keep = tuple(
+        dict.fromkeys(c.strip() for item in keep_columns or () for c in item.split(",") if c.strip())
+    )
     resume_args = [a for a in sys.argv[1:] if a != "--overwrite"]
     options = JobOptions(
         input=input,

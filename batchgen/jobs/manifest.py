@@ -82,7 +82,17 @@ class Manifest:
             header = json.loads(lines[0])["header"]
         except (IndexError, KeyError, ValueError) as e:
             raise JobInputError(f"{self.path} has no valid header; pass --overwrite to start over") from e
-        entries = [PartEntry(**json.loads(line)) for line in lines[1:] if line.strip()]
+        entries = []
+        for number, line in enumerate(lines[1:], start=2):
+            if not line.strip():
+                continue
+            try:
+                entries.append(PartEntry(**json.loads(line)))
+            except (TypeError, ValueError) as e:  # not JSON, or not a part entry's fields
+                raise JobInputError(
+                    f"{self.path} line {number} is not a part entry, so the parts directory is damaged; "
+                    "pass --overwrite to start over"
+                ) from e
         return header, entries
 
     def append(self, entry: PartEntry) -> None:

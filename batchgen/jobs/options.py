@@ -144,6 +144,9 @@ def check_job_options(options: JobOptions) -> None:
         raise JobInputError(
             f"--keep-columns {', '.join(bad)}: these names are output columns; keep other columns"
         )
+    twice = sorted({c for c in options.keep_columns if options.keep_columns.count(c) > 1})
+    if twice:
+        raise JobInputError(f"--keep-columns names {', '.join(twice)} more than once; name each column once")
     if options.window < 1:
         raise JobInputError(f"--window must be >= 1 row, got {options.window}")
     if options.prompt_column and options.messages_column:

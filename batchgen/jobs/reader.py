@@ -159,6 +159,11 @@ class JobReader:
                 if not name or name.isdigit():
                     raise JobInputError("--template placeholders must name columns, e.g. {document}; got {}")
                 base = name.split(".")[0].split("[")[0]
+                if "." in name.split("[")[0]:  # {doc.upper} would put a method's repr in the prompt
+                    raise JobInputError(
+                        f"--template placeholder {{{name}}} reads an attribute; placeholders name columns "
+                        "and may index them ({tags[0]}, {meta[key]}), nothing else"
+                    )
                 if base not in cols:
                     raise self._missing("template column", base, "--template")
                 fields_.append(base)

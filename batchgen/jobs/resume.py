@@ -28,6 +28,9 @@ LOCK = "lock"
 # 2: the input is identified by the SHA-256 of its whole content (1: of its first and last MiB).
 HEADER_VERSION = 2
 HEADER_METADATA_KEY = b"batchgen.header"
+# The rows a finished Parquet output was written with: tools that rewrite a file keep its metadata,
+# so the header alone would vouch for a file filtered in place.
+NUM_ROWS_METADATA_KEY = b"batchgen.num_rows"
 
 
 def parts_dir_for(output_path: str) -> str:
@@ -90,13 +93,19 @@ def write_header_sidecar(output_path: str, header: dict[str, Any]) -> None:
 
 
 def _existing_output_header(output_path: str) -> dict[str, Any] | None:
-    """The header of a finished output of ours: from the Parquet metadata, else from the sidecar of a
-    JSON-lines output whose size still matches; None for any other file."""
+    """The header of a finished output of ours: from the metadata of a Parquet output that still has
+    its rows, else from the sidecar of a JSON-lines output whose size still matches; None for any
+    other file."""
     try:
         import pyarrow.parquet as pq
 
-        meta = pq.read_schema(output_path).metadata or {}
-        return json.loads(meta[HEADER_METADATA_KEY]) if HEADER_METADATA_KEY in meta else None
+        parquet = pq.read_metadata(output_path)
+        meta = parquet.schema.to_arrow_schema().metadata or {}
+        if HEADER_METADATA_KEY not in meta:
+            return None
+        if NUM_ROWS_METADATA_KEY in meta and int(meta[NUM_ROWS_METADATA_KEY]) != parquet.num_rows:
+            return None  # rows were added or removed since
+        return json.loads(meta[HEADER_METADATA_KEY])
     except Exception:  # pyarrow raises several types for a file that is not Parquet
         pass
     try:
@@ -210,6 +219,10 @@ def _resume(
     manifest = Manifest(parts_dir)
     old, entries = manifest.load()
     diffs = header_differences(old, header)
+    if diffs and not entries:
+        # A run that stopped before committing a row (say its model failed to load) holds nothing
+        # worth keeping, so its settings do not bind the next run.
+        return _replace_empty_run(output_path, parts_dir, header, lock_fd, empty)
     if diffs:
         raise JobInputError(
             f"{output_path} has {sum(e.rows for e in entries)} committed rows from a run with other "
@@ -243,6 +256,28 @@ def _resume(
     return ResumeState(output_path, parts_dir, manifest, entries, committed, lock_fd=lock_fd)
 
 
+def _replace_empty_run(
+    output_path: str, parts_dir: str, header: dict[str, Any], lock_fd: int, empty: CommittedRows
+) -> ResumeState:
+    """A parts directory without committed rows, from a run with other settings (the lock is held):
+    beside a finished output of these settings it is removed and the output is complete; otherwise
+    it starts over with this run's header."""
+    finished = _existing_output_header(output_path) if os.path.exists(output_path) else None
+    if finished is not None and not header_differences(finished, header):
+        delete_parts_dir(parts_dir)
+        return ResumeState(output_path, parts_dir, None, [], empty, complete=True, lock_fd=lock_fd)
+    manifest = _new_manifest(parts_dir, header)
+    return ResumeState(output_path, parts_dir, manifest, [], empty, lock_fd=lock_fd)
+
+
+def _new_manifest(parts_dir: str, header: dict[str, Any]) -> Manifest:
+    """Empty a parts directory whose lock is held (the lock file stays) and write a new manifest."""
+    for name in os.listdir(parts_dir):
+        if name != LOCK:
+            os.remove(os.path.join(parts_dir, name))
+    return Manifest.create(parts_dir, header)
+
+
 def _start_fresh(
     output_path: str, parts_dir: str, header: dict[str, Any], empty: CommittedRows
 ) -> ResumeState:
@@ -255,10 +290,7 @@ def _start_fresh(
     try:
         os.makedirs(parts_dir, exist_ok=True)
         lock_fd = _lock(parts_dir)
-        for name in os.listdir(parts_dir):
-            if name != LOCK:
-                os.remove(os.path.join(parts_dir, name))
-        manifest = Manifest.create(parts_dir, header)
+        manifest = _new_manifest(parts_dir, header)
     except BaseException as e:
         if lock_fd is not None:
             os.close(lock_fd)

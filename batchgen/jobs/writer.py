@@ -23,7 +23,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.jobs.manifest import Manifest, PartEntry, fsync_dir
-from batchgen.jobs.resume import HEADER_METADATA_KEY, ResumeState, delete_parts_dir, write_header_sidecar
+from batchgen.jobs.resume import (
+    HEADER_METADATA_KEY,
+    NUM_ROWS_METADATA_KEY,
+    ResumeState,
+    delete_parts_dir,
+    write_header_sidecar,
+)
 
 OUTPUT_SCHEMA = pa.schema(
     [
@@ -301,8 +307,9 @@ def _write_parquet(
     keep_columns: tuple[str, ...],
     chunk_rows: int,
 ) -> None:
-    """The final Parquet output into the open file `f`, the run header in the schema metadata."""
-    meta = {HEADER_METADATA_KEY: json.dumps(header).encode()}
+    """The final Parquet output into the open file `f`, the run header and row count in the schema
+    metadata."""
+    meta = {HEADER_METADATA_KEY: json.dumps(header).encode(), NUM_ROWS_METADATA_KEY: str(total_rows).encode()}
     writer = None
     try:
         for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows):

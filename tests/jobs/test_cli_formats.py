@@ -168,7 +168,11 @@ def test_jsonl_input(tmp_path, tiny):
     src.write_text(
         "\n".join(json.dumps({"id": f"r{i}", "prompt": p, "topic": i}) for i, p in enumerate(PROMPTS)) + "\n"
     )
-    r = invoke(str(src), *engine_args(tiny), "--keep-columns", "topic", "--policy", "max-throughput")
+    # A column named twice is kept once.
+    r = invoke(
+        str(src), *engine_args(tiny), "--keep-columns", "topic,topic", "--keep-columns", "topic",
+        "--policy", "max-throughput",
+    )  # fmt: skip
     assert r.exit_code == 0, r.output
     t = pq.read_table(tmp_path / "job.out.parquet")
     assert t.schema.names == [*SCHEMA, "topic"]

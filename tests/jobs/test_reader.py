@@ -110,6 +110,18 @@ def test_template_fills_columns_and_checks_them(tmp_path):
         JobReader(str(p), ReaderOptions(template="{body}"))
     with pytest.raises(JobInputError, match="placeholders must name columns"):
         JobReader(str(p), ReaderOptions(template="{}"))
+    with pytest.raises(JobInputError, match=r"placeholder \{document.upper\} reads an attribute"):
+        JobReader(str(p), ReaderOptions(template="{document.upper}"))
+
+
+def test_a_template_that_fails_on_one_row_fails_that_row(tmp_path):
+    """Indexing a number or formatting an object is that row's error, not the job's."""
+    p = write_jsonl(tmp_path / "a.jsonl", [{"tags": ["fruit"], "q": "x"}, {"tags": 5, "q": {"a": 1}}])
+    ok, bad = read(p, template="About {tags[0]}.")
+    assert ok.prompt == "About fruit." and ok.error is None
+    assert "--template could not be filled from this row" in bad.error and "subscriptable" in bad.error
+    first, second = read(p, template="{q:x}")
+    assert "could not be filled" in first.error and "could not be filled" in second.error
 
 
 def test_messages_column(tmp_path):

@@ -485,3 +485,49 @@ def test_progress_of_a_resumed_run_starts_from_the_committed_rows(tmp_path):
     )
     # The view shows the committed rows before the first step (model loading can take a while).
     assert summary.rows_resumed > 0 and updates_before_step[0] == 1 and seen[0] == summary.rows_resumed
+
+
+def test_a_parquet_output_filtered_in_place_is_not_taken_for_complete(tmp_path):
+    """pyarrow keeps a file's metadata when it rewrites it, so the header alone cannot vouch for the rows."""
+    opts = JobOptions(job_file(tmp_path), engine={"max_num_seqs": 4}, commit_rows=7)
+    assert run(opts).complete
+    out = str(tmp_path / "job.out.parquet")
+    pq.write_table(pq.read_table(out).slice(0, 39), out)
+    with pytest.raises(JobInputError, match="is not a finished batchgen output"):
+        run(opts)
+
+
+def failing_factory(config):
+    raise RuntimeError("the model could not be loaded")
+
+
+def test_a_run_that_failed_before_committing_a_row_does_not_bind_the_next_one(tmp_path):
+    job = job_file(tmp_path)
+    with pytest.raises(RuntimeError, match="could not be loaded"):
+        run_job(JobOptions(job, temperature=0.5), failing_factory, dashboard=quiet())
+    assert (tmp_path / "job.out.parquet.parts").is_dir()
+    opts = JobOptions(job, engine={"max_num_seqs": 4}, commit_rows=7)  # the corrected command
+    s = run(opts)
+    assert s.complete and s.rows_ok == 40 and not s.rows_resumed
+    # A failed --overwrite with other settings leaves the finished output, and the original
+    # command still finds it complete.
+    with pytest.raises(RuntimeError, match="could not be loaded"):
+        run_job(JobOptions(job, temperature=0.5, overwrite=True), failing_factory, dashboard=quiet())
+    again = run(opts)
+    assert again.already_complete and not (tmp_path / "job.out.parquet.parts").exists()
+    assert len(table_rows(str(tmp_path / "job.out.parquet"))) == 40
+
+
+def test_a_garbage_manifest_line_is_a_clear_error(tmp_path):
+    out = str(tmp_path / "o.parquet")
+    prepare_output(out, header(), overwrite=False).release()
+    with open(os.path.join(parts_dir_for(out), "manifest.jsonl"), "a") as f:
+        f.write("garbage{\n")
+    with pytest.raises(JobInputError, match=r"line 2 is not a part entry.*--overwrite"):
+        prepare_output(out, header(), overwrite=False)
+
+
+def test_a_keep_column_named_twice_is_refused_before_any_work(tmp_path):
+    with pytest.raises(JobInputError, match="names topic more than once"):
+        run(JobOptions(job_file(tmp_path), keep_columns=("topic", "id2", "topic")))
+    assert not (tmp_path / "job.out.parquet.parts").exists()

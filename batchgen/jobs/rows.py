@@ -202,7 +202,13 @@ class RowParser:
                     return None, f"field '{f}' (used by --template) is null or empty; fill it or drop the row"
             try:
                 text = self.options.template.format(**{f: rec[f] for f in self.template_fields})
-            except (KeyError, IndexError, AttributeError, ValueError, TypeError) as e:  # e.g. {tags[0]} on a number
+            except (
+                KeyError,
+                IndexError,
+                AttributeError,
+                ValueError,
+                TypeError,
+            ) as e:  # e.g. {tags[0]} on a number
                 return None, f"--template could not be filled from this row ({e!r}); check its placeholders"
             return text, text_error(text, "--template")
         msgs = self.messages_column

@@ -154,6 +154,15 @@ def run_command(
         progress_interval=progress_interval,
         resume_command="batchgen " + shlex.join(resume_args),
     )
+    last_signal = [signal.SIGINT]
+
+    def stop_on_sigterm(signum: int, frame: object) -> None:
+        # Outside the job loop (model loading, the final assembly) SIGTERM stops the run as Ctrl-C
+        # does, instead of killing it without a word; inside it, `run_job` handles both itself.
+        last_signal[0] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         summary = run_job(options)
     except JobInputError as e:
@@ -166,20 +175,21 @@ def run_command(
             err=True,
         )
         raise typer.Exit(1) from None
-    except KeyboardInterrupt:  # a second Ctrl-C, or one during model loading: committed rows are kept
+    except KeyboardInterrupt:  # a second Ctrl-C, one during model loading, or SIGTERM: rows are kept
         typer.echo(
             f"interrupted; committed rows are kept. Resume with:\n  {options.resume_command}", err=True
         )
-        raise typer.Exit(130) from None
-    # Everything is committed (or the run stopped cleanly): a Ctrl-C from here to the end of the
-    # process has nothing left to stop, and must not kill it with a KeyboardInterrupt traceback.
+        raise typer.Exit(128 + last_signal[0]) from None
+    # Everything is committed (or the run stopped cleanly): a Ctrl-C or SIGTERM from here to the end
+    # of the process has nothing left to stop, and must not kill it with a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if summary.already_complete:
         typer.echo(
             f"{summary.output_path} is already complete (same input and settings); --overwrite redoes it"
         )
-    if summary.interrupted:
-        raise typer.Exit(130)
+    if summary.interrupted:  # the shell's convention: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM)
+        raise typer.Exit(128 + (summary.stop_signal or signal.SIGINT))
 
 
 # ----- `batchgen bench`: registered by the bench package when it is present -----

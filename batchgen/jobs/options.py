@@ -87,6 +87,7 @@ class JobSummary:
     completion_tokens: int = 0
     wall_s: float = 0.0
     interrupted: bool = False
+    stop_signal: int | None = None  # the signal that interrupted the run (SIGINT or SIGTERM)
     complete: bool = False
     already_complete: bool = False
 

@@ -110,25 +110,31 @@ def validate_job(reader: JobReader, limit: int = 10) -> None:
 
 
 class _Interrupt:
-    """SIGINT handler: the first signal asks the loop to stop, a second raises KeyboardInterrupt."""
+    """SIGINT and SIGTERM handler: the first signal asks the loop to stop (finished rows are
+    committed), a second raises KeyboardInterrupt. SIGTERM is what `timeout`, `docker stop`,
+    systemd and Slurm send, so it is handled as Ctrl-C is."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Interrupt:
         if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        self.signum = signum
 
     def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
 
 
 def run_job(
@@ -144,7 +150,8 @@ def run_job(
         dashboard: a `batchgen.dashboard.Dashboard` (default: one chosen from `options.dashboard`).
 
     Returns:
-        JobSummary; `interrupted` is True when SIGINT stopped the run (committed rows are kept).
+        JobSummary; `interrupted` is True when SIGINT or SIGTERM stopped the run (committed rows are
+        kept; `stop_signal` says which).
 
     Raises:
         JobInputError: before any model work, for a bad input, schema, output location or a resume
@@ -204,6 +211,7 @@ def run_job(
                     options, config, engine, reader, state, writer, dashboard, summary, interrupt
                 )
                 summary.interrupted = not finished
+                summary.stop_signal = interrupt.signum if summary.interrupted else None
             except BaseException:
                 # Rows that finished are kept whatever stopped the loop; a failure to write them
                 # (say the output folder is gone) must not hide the error that stopped it.

@@ -13,6 +13,7 @@ import base64
 import contextlib
 import datetime
 import json
+import math
 import os
 import time
 from typing import Any
@@ -60,12 +61,29 @@ def json_default(value: Any) -> Any:
     return str(value)
 
 
+def _finite(value: Any) -> Any:
+    """`value` with NaN and infinite floats (at any depth) as None: JSON has no literal for them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_json(value: Any) -> str:
+    """Strict JSON text of an output value: non-finite floats as null, other non-JSON values by
+    `json_default`, non-ASCII text as it is."""
+    return json.dumps(_finite(value), ensure_ascii=False, default=json_default, allow_nan=False)
+
+
 def as_text(value: Any) -> str | None:
     """One text form for a kept value that must go into a string column: a string as it is,
     anything else as JSON (the same whichever commit the row landed in)."""
     if value is None or isinstance(value, str):
         return value
-    return json.dumps(value, ensure_ascii=False, default=json_default)
+    return to_json(value)
 
 
 def _keep_array(values: list[Any]) -> pa.Array:
@@ -284,7 +302,7 @@ def finalize_output(
                             if output_format == "openai"
                             else {n: row[n] for n in names}
                         )
-                        f.write(json.dumps(rec, ensure_ascii=False, default=json_default).encode() + b"\n")
+                        f.write(to_json(rec).encode() + b"\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)

@@ -531,3 +531,21 @@ def test_a_keep_column_named_twice_is_refused_before_any_work(tmp_path):
     with pytest.raises(JobInputError, match="names topic more than once"):
         run(JobOptions(job_file(tmp_path), keep_columns=("topic", "id2", "topic")))
     assert not (tmp_path / "job.out.parquet.parts").exists()
+
+
+def test_jsonl_output_is_strict_json_when_kept_floats_are_not_finite(tmp_path):
+    src = tmp_path / "floats.parquet"
+    pq.write_table(
+        pa.table(
+            {"prompt": ["a", "b"], "f": [float("nan"), float("inf")], "v": [[1.0, float("-inf")], [2.0]]}
+        ),
+        src,
+    )
+    out = tmp_path / "floats.jsonl"
+    run(JobOptions(str(src), output=str(out), keep_columns=["f", "v"]))
+
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+
+    recs = [json.loads(line, parse_constant=refuse) for line in out.read_text().splitlines()]
+    assert [r["f"] for r in recs] == [None, None] and [r["v"] for r in recs] == [[1.0, None], [2.0]]

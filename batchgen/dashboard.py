@@ -224,7 +224,8 @@ class Dashboard:
         """Print the end-of-run summary to the console (stdout): rows ok / error, tokens, wall time,
         throughput, output path."""
         wall = summary.wall_s or (time.perf_counter() - self._start)
-        gen = self.totals.generation_tokens
+        # The finished rows' tokens, as on the line above: an interrupted run drops unfinished rows.
+        gen = summary.completion_tokens
         state = "interrupted" if summary.interrupted else "done"
         lines = [
             f"{state}: {summary.rows_done}/{summary.rows_total} rows "

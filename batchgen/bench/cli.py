@@ -21,7 +21,10 @@ from batchgen.config import EngineConfig, resolve_device
 
 
 def _split(text: str) -> list[str]:
-    return [p.strip() for p in text.split(",") if p.strip() and p.strip().lower() != "none"]
+    """The items of a comma list, each once, in order ("none" and blanks dropped)."""
+    return list(
+        dict.fromkeys(p.strip() for p in text.split(",") if p.strip() and p.strip().lower() != "none")
+    )
 
 
 def check_output_file(option: str, path: Path) -> None:

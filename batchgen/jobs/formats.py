@@ -53,9 +53,9 @@ def detect_format(source: str) -> str:
     for _, rec, _ in sniff_jsonl(source):
         if rec is not None:
             return "openai" if "custom_id" in rec and "body" in rec else "jsonl"
-    if source.endswith(JSONL_SUFFIXES):
+    if source.lower().endswith(JSONL_SUFFIXES):
         raise JobInputError(f"{source} has no valid JSON object line in its first {SNIFF_LINES} lines")
-    if source.endswith(".parquet"):
+    if source.lower().endswith(".parquet"):
         raise JobInputError(
             f"{source} is not a Parquet file (it does not start with the PAR1 magic bytes): "
             "the file is damaged or was not written as Parquet"

@@ -103,12 +103,12 @@ def default_output_path(source: str, input_format: str) -> str:
         return source[len("hf://") :].replace("/", "_").replace(":", "_") + suffix
     path = source.rstrip("/")
     stem, ext = os.path.splitext(path)
-    return (stem if ext in JOB_FILE_SUFFIXES else path) + suffix
+    return (stem if ext.lower() in JOB_FILE_SUFFIXES else path) + suffix
 
 
 def output_format(output_path: str, input_format: str) -> str:
     """ "openai" for a .jsonl output of OpenAI batch input, "jsonl" for other .jsonl, else "parquet"."""
-    if output_path.endswith(JSONL_SUFFIXES):
+    if output_path.lower().endswith(JSONL_SUFFIXES):  # suffixes are matched in any case
         return "openai" if input_format == "openai" else "jsonl"
     return "parquet"
 
@@ -119,10 +119,10 @@ def check_output_path(output: str, source: str) -> None:
     Raises:
         JobInputError: naming the output path and the fix.
     """
-    if not output.endswith(JOB_FILE_SUFFIXES):
+    if not output.lower().endswith(JOB_FILE_SUFFIXES):
         raise JobInputError(
-            f"--output {output}: the name must end in .parquet (or .jsonl for JSON lines), "
-            f"which is the format written"
+            f"--output {output}: the name must end in .parquet, or in .jsonl, .ndjson or .json for JSON "
+            "lines: the suffix picks the format written"
         )
     if not source.startswith("hf://") and os.path.exists(output) and os.path.exists(source):
         if os.path.samefile(output, source):

@@ -373,3 +373,9 @@ def test_ctrl_c_during_the_bench_exits_130_without_a_report(tiny_model_dir, tmp_
     assert "interrupted: no report written" in output
     assert "Traceback" not in output
     assert not report.exists()
+
+
+def test_a_configuration_named_twice_runs_once() -> None:
+    from batchgen.bench.cli import _split
+
+    assert _split("continuous, continuous,static,none,") == ["continuous", "static"]

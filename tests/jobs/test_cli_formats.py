@@ -275,3 +275,17 @@ def test_rerun_after_completion_and_changed_settings(tmp_path, tiny):
         invoke(str(src), *engine_args(tiny), "--temperature", "0.8", "--seed", "1", "--overwrite").exit_code
         == 0
     )
+
+
+def test_output_suffixes_are_matched_in_any_case():
+    from batchgen.jobs.options import check_output_path, output_format
+
+    check_output_path("OUT.PARQUET", "in.jsonl")
+    check_output_path("out.NDJSON", "in.jsonl")
+    assert (
+        output_format("OUT.JSONL", "jsonl") == "jsonl" and output_format("OUT.PARQUET", "jsonl") == "parquet"
+    )
+    from batchgen.jobs.reader import JobInputError
+
+    with pytest.raises(JobInputError, match=r"\.jsonl, \.ndjson or \.json"):
+        check_output_path("out.csv", "in.jsonl")

@@ -102,6 +102,9 @@ def test_plain_lines_without_a_terminal():
         and "output: out.parquet" in summary
         and "wall time: 2.0s" in summary
     )
+    # Throughput counts the finished rows' tokens (the line above it), not the tokens of rows an
+    # interrupt dropped: the steps fed above generated far more than 7.
+    assert "tokens: 9 prompt, 7 generated" in summary and "throughput: 3.5 generated tok/s" in summary
 
 
 def test_helpers():

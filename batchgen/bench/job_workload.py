@@ -45,8 +45,8 @@ def read_job_rows(path: str | Path) -> list[dict[str, Any]]:
 
 def iter_job_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
     """Each record of a job file as `(number, row, None)`, or `(number, None, reason)` for a JSONL
-    line that is not a JSON object. `number` counts from 1: the line of a JSONL file (blank lines
-    are skipped), the row of a Parquet file.
+    line that is not a JSON object. `number` is the line of a JSONL file (from 1; blank lines are
+    skipped) or the row of a Parquet file (from 0, as `batchgen run` counts rows).
 
     Raises:
         OSError: the file cannot be read (pyarrow errors for a damaged Parquet file).
@@ -54,7 +54,7 @@ def iter_job_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, s
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for number, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+        for number, row in enumerate(pq.read_table(path).to_pylist()):
             yield number, row, None
         return
     with path.open("rb") as f:  # bytes: one line that is not UTF-8 is one bad record, not a crash
@@ -70,6 +70,9 @@ def iter_job_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, s
                 yield number, None, f"expected a JSON object, got {type(row).__name__}"
                 continue
             yield number, row, None
+
+
+MAX_TOKENS_LIMIT = 2**31 - 1
 
 
 def _row_prompt_and_max_tokens(row: dict[str, Any]) -> tuple[Any, int | None]:
@@ -96,8 +99,8 @@ def _row_prompt_and_max_tokens(row: dict[str, Any]) -> tuple[Any, int | None]:
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
                 raise ValueError(f"max_tokens must be an integer, got {value!r}")
-            if value < 1:
-                raise ValueError(f"max_tokens must be >= 1, got {value}")
+            if not 1 <= value <= MAX_TOKENS_LIMIT:  # 1e20 would overflow the int64 lengths
+                raise ValueError(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {value}")
             return prompt, int(value)
     return prompt, None
 

@@ -286,6 +286,7 @@ def test_file_workload_skips_unusable_rows(tmp_path: Path) -> None:
         '{"prompt": ""}',
         "[1, 2]",
         '{"prompt": "x", "max_tokens": 0}',
+        '{"prompt": "x", "max_tokens": 1e20}',
         '{"prompt_token_ids": ["a"]}',
         '{"other": 1}',
         '{"prompt": "fine"}',
@@ -294,9 +295,9 @@ def test_file_workload_skips_unusable_rows(tmp_path: Path) -> None:
     spec = WorkloadSpec(dist=f"file:{path}", num_prompts=0, output_len=4)
     w = build_workload(spec, vocab_size=0, max_model_len=64, encode=encode_chars)
     assert [r.prompt_token_ids for r in w.requests] == [encode_chars("ok"), encode_chars("fine")]
-    assert w.params["num_skipped"] == 6 and w.params["first_skipped"].startswith("line 2: not JSON")
+    assert w.params["num_skipped"] == 7 and w.params["first_skipped"].startswith("line 2: not JSON")
     (warning,) = w.warnings()
-    assert f"skipped 6 unusable rows of {path} (first: line 2: not JSON" in warning
+    assert f"skipped 7 unusable rows of {path} (first: line 2: not JSON" in warning
     # num_prompts counts usable rows: the first one is enough, and nothing after it is read
     first = build_workload(
         WorkloadSpec(dist=f"file:{path}", num_prompts=1), vocab_size=0, max_model_len=64, encode=encode_chars
@@ -378,3 +379,16 @@ def test_summary_reports_token_totals() -> None:
     assert s["total_prompt_tokens"] == 40 and s["total_output_tokens"] == 12
     assert s["params"]["arrivals"] == "offline"
     assert math.isclose(s["input_len"]["mean"], 10)
+
+
+def test_parquet_job_rows_are_numbered_from_0_as_batchgen_run_numbers_them(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "job.parquet"
+    pq.write_table(pa.table({"prompt": ["", "fine"]}), path)
+    w = build_workload(
+        WorkloadSpec(dist=f"file:{path}", num_prompts=0, output_len=4), vocab_size=0, max_model_len=64,
+        encode=encode_chars,
+    )  # fmt: skip
+    assert w.params["first_skipped"].startswith("row 0: the prompt is empty")

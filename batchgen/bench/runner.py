@@ -87,6 +87,12 @@ class BenchSettings:
             raise ValueError("nothing to run: give at least one --mode or --baselines")
         if "continuous" in self.modes and not self.policies:
             raise ValueError("mode continuous needs at least one --policy")
+        if "continuous" not in self.modes and [p for p in self.policies if p != "fcfs"]:
+            # Static batches and the baselines run in arrival order: the policy would be ignored.
+            raise ValueError(
+                f"--policy {','.join(self.policies)} applies to --mode continuous only; add continuous "
+                "to --mode or drop --policy"
+            )
         if self.static_batch_size < 1:
             raise ValueError(f"static_batch_size must be >= 1, got {self.static_batch_size}")
         if self.repeat < 1:

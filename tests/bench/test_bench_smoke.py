@@ -195,6 +195,7 @@ def test_bad_options_are_usage_errors() -> None:
         (["--policy", "lifo"], "policy must be a comma list"),
         (["--kv-cache-memory", "lots"], "is not a memory size"),
         (["--repeat", "0"], "repeat must be >= 1"),
+        (["--mode", "static", "--policy", "max-throughput"], "applies to --mode continuous only"),
     ):
         result = invoke_bench(args)
         # The message, not only the exit code: typer also exits 2 for a flag that does not exist.

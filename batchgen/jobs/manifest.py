@@ -68,7 +68,8 @@ class Manifest:
         """Read the header and part entries; a torn (unterminated) last line is cut off.
 
         Raises:
-            JobInputError: the manifest has no readable header.
+            JobInputError: the manifest has no readable header, or a line after it is not a part
+                entry (the parts directory is damaged).
         """
         with open(self.path, "rb") as f:
             data = f.read()

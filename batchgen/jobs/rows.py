@@ -202,13 +202,8 @@ class RowParser:
                     return None, f"field '{f}' (used by --template) is null or empty; fill it or drop the row"
             try:
                 text = self.options.template.format(**{f: rec[f] for f in self.template_fields})
-            except (
-                KeyError,
-                IndexError,
-                AttributeError,
-                ValueError,
-                TypeError,
-            ) as e:  # e.g. {tags[0]} on a number
+            # TypeError: e.g. {tags[0]} on a number, or {q:x} on an object.
+            except (KeyError, IndexError, AttributeError, ValueError, TypeError) as e:
                 return None, f"--template could not be filled from this row ({e!r}); check its placeholders"
             return text, text_error(text, "--template")
         msgs = self.messages_column

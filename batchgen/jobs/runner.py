@@ -111,8 +111,9 @@ def validate_job(reader: JobReader, limit: int = 10) -> None:
 
 class _Interrupt:
     """SIGINT and SIGTERM handler: the first signal asks the loop to stop (finished rows are
-    committed), a second raises KeyboardInterrupt. SIGTERM is what `timeout`, `docker stop`,
-    systemd and Slurm send, so it is handled as Ctrl-C is."""
+    committed), a second goes to the handler that was there before (the CLI's, which records the
+    signal for the exit code; Python's KeyboardInterrupt for SIGINT), else raises KeyboardInterrupt.
+    SIGTERM is what `timeout`, `docker stop`, systemd and Slurm send, so it is handled as Ctrl-C is."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -128,6 +129,9 @@ class _Interrupt:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
+            previous = self._previous.get(signum)
+            if callable(previous):
+                previous(signum, frame)
             raise KeyboardInterrupt
         self.requested = True
         self.signum = signum

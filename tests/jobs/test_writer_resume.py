@@ -549,3 +549,29 @@ def test_jsonl_output_is_strict_json_when_kept_floats_are_not_finite(tmp_path):
 
     recs = [json.loads(line, parse_constant=refuse) for line in out.read_text().splitlines()]
     assert [r["f"] for r in recs] == [None, None] and [r["v"] for r in recs] == [[1.0, None], [2.0]]
+
+
+def test_a_second_signal_goes_to_the_handler_that_was_there_before():
+    """The CLI's SIGTERM handler records the signal for the exit code (143), also when a second
+    SIGTERM arrives during the job loop."""
+    import signal
+
+    from batchgen.jobs.runner import _Interrupt
+
+    seen = []
+
+    def before(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        with _Interrupt() as interrupt:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert interrupt.requested and interrupt.signum == signal.SIGTERM and not seen
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is before  # restored on exit
+    finally:
+        signal.signal(signal.SIGTERM, previous)

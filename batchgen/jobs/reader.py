@@ -177,7 +177,8 @@ class JobReader:
                 raise self._missing("messages column", o.messages_column, "--messages-column")
             self.messages_column = o.messages_column
         elif "prompt" in cols or "messages" in cols:
-            # Both present: each row uses its non-null one (a job may mix plain and chat rows).
+            # Both present: each row uses the one it fills (a job may mix plain and chat rows;
+            # a row that fills both is an error row).
             self.prompt_column = "prompt" if "prompt" in cols else None
             self.messages_column = "messages" if "messages" in cols else None
         else:

@@ -207,6 +207,14 @@ class RowParser:
                 return None, f"--template could not be filled from this row ({e!r}); check its placeholders"
             return text, text_error(text, "--template")
         msgs = self.messages_column
+        if msgs is not None and self.prompt_column is not None:
+            # Both columns found in the file: a job may mix plain and chat rows, but a row that
+            # fills both is ambiguous (which one did the user mean to run?).
+            if rec.get(msgs) is not None and rec.get(self.prompt_column) is not None:
+                return None, (
+                    f"fields '{self.prompt_column}' and '{msgs}' are both set; keep one of them "
+                    "(or pass --prompt-column / --messages-column to choose one for the whole file)"
+                )
         if msgs is not None and (self.prompt_column is None or rec.get(msgs) is not None):
             return check_messages(rec.get(msgs), msgs)
         col = self.prompt_column

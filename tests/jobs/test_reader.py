@@ -275,6 +275,20 @@ def test_mixed_prompt_and_messages_rows(tmp_path):
     assert a.prompt == "plain" and b.prompt == msgs and "field 'prompt' is null or empty" in c.error
 
 
+def test_row_with_both_prompt_and_messages_fails_that_row(tmp_path):
+    msgs = [{"role": "user", "content": "Hi"}]
+    p = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "plain", "messages": msgs}, {"prompt": "ok"}])
+    both, ok = read(p)
+    assert both.prompt is None and ok.prompt == "ok"
+    assert both.error == (
+        "row 0 (line 1): fields 'prompt' and 'messages' are both set; keep one of them "
+        "(or pass --prompt-column / --messages-column to choose one for the whole file)"
+    )
+    # Naming one column for the whole file settles it.
+    only = read(p, messages_column="messages")[0]
+    assert only.prompt == msgs and only.error is None
+
+
 def test_example_job_parses():
     rows = list(JobReader(str(Path(__file__).parents[2] / "jobs" / "example.jsonl")))
     assert len(rows) >= 30 and all(r.error is None for r in rows)

@@ -83,6 +83,8 @@ class JobReader:
         self.template_fields: tuple[str, ...] = ()
         if self.format != "openai":
             self._resolve_schema()
+        else:
+            self._refuse_schema_options()
         self.parser = RowParser(
             self.options,
             self.prompt_column,
@@ -134,6 +136,28 @@ class JobReader:
             return datasets.load_dataset(name, config, split=split, streaming=True)
         except Exception as e:
             raise JobInputError(f"cannot load {self.source} with datasets.load_dataset: {e}") from e
+
+    def _refuse_schema_options(self) -> None:
+        """An OpenAI batch line has its prompt in `body`, its id in `custom_id` and an output line
+        with no room for extra columns: the column options would be silently ignored."""
+        o = self.options
+        given = [
+            flag
+            for flag, value in (
+                ("--prompt-column", o.prompt_column),
+                ("--messages-column", o.messages_column),
+                ("--template", o.template),
+                ("--id-column", o.id_column),
+                ("--keep-columns", o.keep_columns or None),
+            )
+            if value is not None
+        ]
+        if given:
+            raise JobInputError(
+                f"{self.source} is an OpenAI batch file (prompt in 'body', id in 'custom_id'), so "
+                f"{', '.join(given)} {'do' if len(given) > 1 else 'does'} not apply to it; "
+                f"drop {'them' if len(given) > 1 else 'it'}"
+            )
 
     def _missing(self, what: str, name: str, flag: str) -> JobInputError:
         avail = ", ".join(self.columns) or "(none)"

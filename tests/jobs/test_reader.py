@@ -229,6 +229,19 @@ def test_openai_batch_chat_and_completion(tmp_path):
     assert "field 'body.logprobs' is not supported" in logprobs.error
 
 
+def test_openai_batch_refuses_column_options(tmp_path):
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p"}}
+    p = write_jsonl(tmp_path / "batch.jsonl", [line])
+    with pytest.raises(JobInputError) as e:
+        JobReader(str(p), ReaderOptions(keep_columns=("custom_id",), id_column="custom_id"))
+    assert str(e.value) == (
+        f"{p} is an OpenAI batch file (prompt in 'body', id in 'custom_id'), so --id-column, "
+        "--keep-columns do not apply to it; drop them"
+    )
+    with pytest.raises(JobInputError, match="so --template does not apply to it; drop it"):
+        JobReader(str(p), ReaderOptions(template="{body}"))
+
+
 def test_hf_dataset_dir(tmp_path):
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_dict({"text": ["one", "two", "three"], "label": [1, 2, 3]})

@@ -27,8 +27,9 @@ class JobRow:
 
     Attributes:
         row_index: 0-based position among the input's rows (the output is in this order).
-        id: the row's id (`--id-column`, `id`, `custom_id`), else the row index as a string; None
-            for an OpenAI batch line without a usable `custom_id` (a made-up one could equal a real one).
+        id: the row's id (`--id-column`, `id`, `custom_id`); the row index as a string when the input
+            has no id column; None for a row whose id is null in an input that has one, and for an
+            OpenAI batch line without a usable `custom_id` (a made-up id could equal a real one).
         prompt: prompt text, chat messages (`[{"role": ..., "content": ...}]`), or None on error.
         sampling_params: the CLI defaults with the row's overrides, or None on error.
         error: message naming the row, the field and the fix; None for a valid row.
@@ -82,8 +83,8 @@ class RowParser:
         options: the reader's `ReaderOptions` (template, keep columns, sampling defaults).
         prompt_column / messages_column / id_column: the columns the reader resolved (None: absent).
         template_fields: the input columns `options.template` names, in order.
-        row_index_ids: a row without an id gets its row index as id (False for OpenAI batch
-            input, whose error lines without a custom_id get none).
+        row_index_ids: rows get their row index as id when the input has no id column (False for
+            OpenAI batch input, whose error lines without a custom_id get none).
     """
 
     def __init__(
@@ -121,10 +122,7 @@ class RowParser:
         """A row that will not run: `message` (naming the field and the fix) prefixed with the row's
         name; `raw` is what is hashed as its resume identity; `keep` holds the row's
         `--keep-columns` values when the record could be read (so the row can still be joined)."""
-        if row_id is not None:
-            rid = printable(str(row_id))
-        else:
-            rid = str(row_index) if self.row_index_ids else None
+        rid = printable(str(row_id)) if row_id is not None else self._made_up_id(row_index)
         if self.options.keep_columns:
             keep = {c: printable((keep or {}).get(c)) for c in self.options.keep_columns}
         return JobRow(
@@ -138,6 +136,11 @@ class RowParser:
             row_hash=stable_hash(["error", raw]),
             endpoint=endpoint,
         )
+
+    def _made_up_id(self, row_index: int) -> str | None:
+        """The id of a row without one: its index when the input has no id column at all; None when
+        it has one (the index could equal another row's real id)."""
+        return str(row_index) if self.row_index_ids and self.id_column is None else None
 
     def _sampling(self, values: dict[str, Any]) -> tuple[SamplingParams | None, int, str | None]:
         """(params, hash of params, None) or (None, 0, error) for the defaults plus a row's overrides.
@@ -181,8 +184,8 @@ class RowParser:
         if keep is not None and not all(is_utf8(v) for v in keep.values() if isinstance(v, str)):
             err = f"a --keep-columns value {LONE_SURROGATE}; fix it"
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
-        rid_s = str(row_index) if rid is None else str(rid)
-        if not is_utf8(rid_s):
+        rid_s = self._made_up_id(row_index) if rid is None else str(rid)
+        if rid_s is not None and not is_utf8(rid_s):
             err = f"the id {LONE_SURROGATE}; fix field '{self.id_column}'"
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         return JobRow(

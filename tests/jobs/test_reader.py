@@ -288,6 +288,17 @@ def test_mixed_prompt_and_messages_rows(tmp_path):
     assert a.prompt == "plain" and b.prompt == msgs and "field 'prompt' is null or empty" in c.error
 
 
+def test_row_without_id_gets_its_index_only_when_the_input_has_no_ids(tmp_path):
+    """A made-up id could equal another row's real one ("1" here), so it is only made up when the
+    input has no id column at all."""
+    with_ids = write_jsonl(
+        tmp_path / "a.jsonl", [{"id": "1", "prompt": "a"}, {"prompt": "b"}, {"id": None, "prompt": ""}]
+    )
+    assert [(r.id, r.error is None) for r in read(with_ids)] == [("1", True), (None, True), (None, False)]
+    without = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "a"}, {"prompt": ""}])
+    assert [(r.id, r.error is None) for r in read(without)] == [("0", True), ("1", False)]
+
+
 def test_row_with_both_prompt_and_messages_fails_that_row(tmp_path):
     msgs = [{"role": "user", "content": "Hi"}]
     p = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "plain", "messages": msgs}, {"prompt": "ok"}])

@@ -1,9 +1,9 @@
 """run_job: a job file through the engine into committed parts and the final output.
 
 Everything that can fail without a model is checked first (input, schema, output location, resume
-header, `--strict` validation); then the engine is built, rows stream through the look-ahead window
-into it, finished rows are committed every `commit_rows` rows or `commit_seconds` seconds, and the
-final file is written once every row is committed.
+header, `--strict` validation); then the engine is built (unless no row is left to run), rows
+stream through the look-ahead window into it, finished rows are committed every `commit_rows` rows
+or `commit_seconds` seconds, and the final file is written once every row is committed.
 """
 
 from __future__ import annotations
@@ -206,14 +206,20 @@ def run_job(
         if len(state.committed):
             dashboard.log(f"resuming: {len(state.committed)} rows already committed in {state.parts_dir}")
             dashboard.update(summary.rows_done, 0, None, None)  # progress starts from what is committed
-        engine = (engine_factory or default_engine_factory)(config)
+        # An empty input, or one whose rows were all committed before a crash stopped the final
+        # write, needs no model: loading one (a GGUF conversion on first use) would be wasted time.
+        nothing_left = total is not None and len(state.committed) >= total
+        engine = None if nothing_left else (engine_factory or default_engine_factory)(config)
         writer = PartWriter(state, tuple(options.keep_columns), options.commit_rows, options.commit_seconds)
         with _Interrupt() as interrupt:
             dashboard.start()
             try:
-                rows_read, finished = _loop(
-                    options, config, engine, reader, state, writer, dashboard, summary, interrupt
-                )
+                if engine is None:
+                    rows_read, finished = total or 0, True
+                else:
+                    rows_read, finished = _loop(
+                        options, config, engine, reader, state, writer, dashboard, summary, interrupt
+                    )
                 summary.interrupted = not finished
                 summary.stop_signal = interrupt.signum if summary.interrupted else None
             except BaseException:

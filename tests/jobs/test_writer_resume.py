@@ -354,11 +354,33 @@ def test_keep_columns_and_jsonl_output(tmp_path):
         run(JobOptions(str(path), keep_columns=("output",)))
 
 
-def test_empty_job(tmp_path):
+def no_engine(config):
+    raise AssertionError("the engine was built for a job with no rows left to run")
+
+
+def test_empty_job_needs_no_engine(tmp_path):
     path = tmp_path / "e.parquet"
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
-    s = run(JobOptions(str(path)))
+    s = run_job(JobOptions(str(path)), no_engine, dashboard=quiet())
     assert s.complete and pq.read_table(tmp_path / "e.out.parquet").num_rows == 0
+
+
+def test_a_crash_before_the_final_write_resumes_without_an_engine(tmp_path, monkeypatch):
+    """Every row committed, then the final write failed: the rerun only writes the output."""
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(5)))
+    opts = JobOptions(str(src), commit_rows=2)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr("batchgen.jobs.runner.finalize_output", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        run(opts)
+    monkeypatch.undo()
+    s = run_job(opts, no_engine, dashboard=quiet())
+    assert s.complete and s.rows_resumed == 5
+    assert [r["row_index"] for r in table_rows(str(tmp_path / "a.out.parquet"))] == list(range(5))
 
 
 def test_a_same_size_edit_anywhere_in_a_finished_input_is_noticed(tmp_path):

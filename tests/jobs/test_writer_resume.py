@@ -12,12 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.dashboard import Dashboard
+from batchgen.jobs.json_lines import openai_record
 from batchgen.jobs.manifest import Manifest
 from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.resume import make_header, parts_dir_for, prepare_output
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.jobs.window import LookaheadWindow
-from batchgen.jobs.writer import PartWriter, finalize_output, openai_record
+from batchgen.jobs.writer import PartWriter, finalize_output
 from tests.jobs.fake_engine import fake_factory
 
 COMPARED = ["row_index", "id", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error"]

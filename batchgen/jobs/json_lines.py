@@ -1,0 +1,79 @@
+"""JSON-lines output: strict JSON text of output values, and OpenAI batch output lines.
+
+The final JSONL and OpenAI batch outputs are written by `batchgen.jobs.writer.finalize_output`
+through these helpers; `as_text` also gives mixed-type kept columns one text form in Parquet.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import math
+from typing import Any
+
+
+def json_default(value: Any) -> Any:
+    """`json.dumps` fallback for values Arrow hands back: bytes as base64 text, dates and times in
+    ISO 8601, anything else as its `str`."""
+    if isinstance(value, bytes | bytearray):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, datetime.date | datetime.time):
+        return value.isoformat()
+    return str(value)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with NaN and infinite floats (at any depth) as None: JSON has no literal for them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_json(value: Any) -> str:
+    """Strict JSON text of an output value: non-finite floats as null, other non-JSON values by
+    `json_default`, non-ASCII text as it is."""
+    return json.dumps(_finite(value), ensure_ascii=False, default=json_default, allow_nan=False)
+
+
+def as_text(value: Any) -> str | None:
+    """One text form for a kept value that must go into a string column: a string as it is,
+    anything else as JSON (the same whichever commit the row landed in)."""
+    if value is None or isinstance(value, str):
+        return value
+    return to_json(value)
+
+
+def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
+    """One OpenAI batch output line for a finished row (chat.completion or text_completion body,
+    with usage; error rows get status 400 and an `error` object). Ids derive from the row hash, so
+    a resumed run writes the same lines."""
+    suffix = f"{row['row_hash'] & 0xFFFFFFFFFFFFFFFF:016x}"
+    request_id = f"req_{suffix}"
+    record: dict[str, Any] = {"id": f"batch_req_{suffix}", "custom_id": row["id"]}
+    if row["finish_reason"] == "error":
+        message = row["error"] or "request failed"
+        err = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+        record["response"] = {"status_code": 400, "request_id": request_id, "body": {"error": err}}
+        record["error"] = {"code": "invalid_request", "message": message}
+        return record
+    usage = {
+        "prompt_tokens": row["prompt_tokens"] or 0,
+        "completion_tokens": row["completion_tokens"] or 0,
+        "total_tokens": (row["prompt_tokens"] or 0) + (row["completion_tokens"] or 0),
+    }
+    if row["endpoint"] == "completion":
+        choice = {"index": 0, "text": row["output"], "logprobs": None, "finish_reason": row["finish_reason"]}
+        body = {"id": f"cmpl-{suffix}", "object": "text_completion"}
+    else:
+        message = {"role": "assistant", "content": row["output"]}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": row["finish_reason"]}
+        body = {"id": f"chatcmpl-{suffix}", "object": "chat.completion"}
+    body.update({"created": row["created"], "model": model, "choices": [choice], "usage": usage})
+    record["response"] = {"status_code": 200, "request_id": request_id, "body": body}
+    record["error"] = None
+    return record

@@ -3,6 +3,7 @@ it writes there."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -43,3 +44,35 @@ def write_atomically(path: Path, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def file_digest(path: Path, memo_dir: Path, salt: str = "") -> str:
+    """SHA-256 (64 hex digits) of `salt` then the bytes of the file at `path`.
+
+    The digest is remembered in `memo_dir` per resolved path, size and modification time, so a large
+    file (a model's weights: about 1 s a GB) is read once; an edited file has a new size or mtime
+    and is read again. A memo folder that cannot be written only costs the reread.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    resolved = path.resolve()
+    stat = resolved.stat()
+    identity = f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    memo = memo_dir / hashlib.sha256(salt.encode() + b"\0" + identity).hexdigest()[:24]
+    try:
+        digest = memo.read_text().strip()
+    except OSError:
+        digest = ""
+    if len(digest) != 64:
+        content = hashlib.sha256(salt.encode())
+        with resolved.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                content.update(chunk)
+        digest = content.hexdigest()
+        try:
+            memo_dir.mkdir(parents=True, exist_ok=True)
+            write_atomically(memo, digest.encode())
+        except OSError:
+            pass
+    return digest

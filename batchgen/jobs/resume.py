@@ -38,9 +38,21 @@ def parts_dir_for(output_path: str) -> str:
     return output_path + ".parts"
 
 
-def make_header(input_identity: dict[str, Any], model: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The run header: input identity, model, and every option that changes the output rows."""
-    return {"version": HEADER_VERSION, "input": input_identity, "model": model, "options": options}
+def make_header(
+    input_identity: dict[str, Any],
+    model: str,
+    options: dict[str, Any],
+    model_fingerprint: str | None = None,
+) -> dict[str, Any]:
+    """The run header: input identity, model (its name or path, and the digest of its files from
+    `batchgen.model.fingerprint`), and every option that changes the output rows."""
+    return {
+        "version": HEADER_VERSION,
+        "input": input_identity,
+        "model": model,
+        "model_fingerprint": model_fingerprint,
+        "options": options,
+    }
 
 
 def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -52,6 +64,10 @@ def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         diffs.append("the input file changed (path, size or content)")
     if old.get("model") != new.get("model"):
         diffs.append(f"model {old.get('model')!r} -> {new.get('model')!r}")
+    elif old.get("model_fingerprint") != new.get("model_fingerprint"):
+        diffs.append(
+            f"the files of model {new.get('model')!r} changed (weights, configs, tokenizer or chat template)"
+        )
     o, n = old.get("options", {}), new.get("options", {})
     for k in sorted(set(o) | set(n)):
         if o.get(k) != n.get(k):

@@ -31,6 +31,7 @@ from batchgen.jobs.requests import Prepared, error_result, output_result, prepar
 from batchgen.jobs.resume import make_header, prepare_output
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, finalize_output
+from batchgen.model.fingerprint import model_fingerprint
 from batchgen.sampling_params import SamplingParams
 
 
@@ -190,7 +191,12 @@ def run_job(
     output = options.output or default_output_path(options.input, reader.format)
     check_output_path(output, options.input)
     fmt = output_format(output, reader.format)
-    header = make_header(reader.identity(), _model_label(options), _header_options(options, reader, fmt))
+    header = make_header(
+        reader.identity(),
+        _model_label(options),
+        _header_options(options, reader, fmt),
+        model_fingerprint(options.engine.get("model")),
+    )
     if options.strict:
         validate_job(reader)
     state = prepare_output(output, header, options.overwrite)

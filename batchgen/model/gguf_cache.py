@@ -7,7 +7,6 @@ file's content. Hugging Face can load the same directory, so it also serves as t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -17,12 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchgen.cache import write_atomically
+from batchgen.cache import file_digest
 
 logger = logging.getLogger(__name__)
 
 # Bump when the GGUF conversion changes what it writes, so old caches are not reused.
 _GGUF_CACHE_FORMAT = 1
+# Mixed into GGUF digests, so a new conversion format gets new cache keys.
+GGUF_DIGEST_SALT = f"{_GGUF_CACHE_FORMAT}\0"
 # A temporary conversion directory older than this belongs to a run that died.
 _STALE_TMP_SECONDS = 3600
 
@@ -35,25 +36,7 @@ def gguf_cache_key(gguf: Path, models: Path) -> str:
     for the default model's 98 MB); the digest is remembered per path, size and mtime in
     `models/.digests/`, so each file is read once.
     """
-    resolved = gguf.resolve()
-    stat = resolved.stat()
-    identity = f"{resolved}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
-    memo = models / ".digests" / hashlib.sha256(identity).hexdigest()[:24]
-    try:
-        digest = memo.read_text().strip()
-    except OSError:
-        digest = ""
-    if len(digest) != 64:
-        content = hashlib.sha256(f"{_GGUF_CACHE_FORMAT}\0".encode())
-        with resolved.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                content.update(chunk)
-        digest = content.hexdigest()
-        try:
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(memo, digest.encode())
-        except OSError:  # a read-only cache still works, it just hashes again next time
-            pass
+    digest = file_digest(gguf, models / ".digests", salt=GGUF_DIGEST_SALT)
     return f"{gguf.stem}-{digest[:12]}"
 
 

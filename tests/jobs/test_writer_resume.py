@@ -355,6 +355,24 @@ def test_keep_columns_and_jsonl_output(tmp_path):
         run(JobOptions(str(path), keep_columns=("output",)))
 
 
+def test_resume_refuses_a_model_whose_files_changed(tmp_path):
+    """Same --model path, edited chat template: the rows so far came from other model files."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "chat_template.jinja").write_text("{{ messages }}")
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
+    opts = JobOptions(str(src), engine={"model": str(model)})
+    assert run(opts).complete and run(opts).already_complete
+    (model / "chat_template.jinja").write_text("{{ messages }} with a system line")
+    with pytest.raises(JobInputError) as e:
+        run(opts)
+    assert f"the files of model {str(model)!r} changed (weights, configs, tokenizer or chat template)" in str(
+        e.value
+    )
+
+
 def no_engine(config):
     raise AssertionError("the engine was built for a job with no rows left to run")
 

@@ -1,7 +1,8 @@
 """The `batchgen` command line (Typer). Thin: parses options and calls `batchgen.jobs.run_job`.
 
 Exit codes of `batchgen run`: 0 done (error rows included), 2 bad input or options (before any model
-work), 130 interrupted by SIGINT (committed rows kept; the same command resumes).
+work), 1 the output could not be written, 130 / 143 / 129 interrupted by SIGINT / SIGTERM / SIGHUP
+(committed rows kept; the same command resumes).
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ def run_command(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop_on_sigterm)
+    if hasattr(signal, "SIGHUP"):  # a closed terminal: stop as for SIGTERM, rows kept (exit 129)
+        signal.signal(signal.SIGHUP, stop_on_sigterm)
     try:
         summary = run_job(options)
     except JobInputError as e:
@@ -184,6 +187,8 @@ def run_command(
     # of the process has nothing left to stop, and must not kill it with a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if summary.already_complete:
         typer.echo(
             f"{summary.output_path} is already complete (same input and settings); --overwrite redoes it"

@@ -14,7 +14,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from batchgen.config import EngineConfig, resolve_device
@@ -111,17 +111,31 @@ def validate_job(reader: JobReader, limit: int = 10) -> None:
 
 
 class _Interrupt:
-    """SIGINT and SIGTERM handler: the first signal asks the loop to stop (finished rows are
+    """SIGINT, SIGTERM and SIGHUP handler: the first signal asks the loop to stop (finished rows are
     committed), a second goes to the handler that was there before (the CLI's, which records the
     signal for the exit code; Python's KeyboardInterrupt for SIGINT), else raises KeyboardInterrupt.
-    SIGTERM is what `timeout`, `docker stop`, systemd and Slurm send, so it is handled as Ctrl-C is."""
+    SIGTERM is what `timeout`, `docker stop`, systemd and Slurm send, and SIGHUP what a closed
+    terminal sends, so both are handled as Ctrl-C is. Inside `shielded()` (a commit) signals are
+    only recorded, so a burst of Ctrl-C cannot stop a commit half-way and lose its rows."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = tuple(
+        s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None
+    )
 
     def __init__(self) -> None:
         self.requested = False
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._shielded = False
+
+    @contextlib.contextmanager
+    def shielded(self) -> Iterator[None]:
+        """Signals that arrive inside only set `requested` (the caller then stops)."""
+        self._shielded = True
+        try:
+            yield
+        finally:
+            self._shielded = False
 
     def __enter__(self) -> _Interrupt:
         if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
@@ -129,6 +143,10 @@ class _Interrupt:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self._shielded:
+            self.requested = True
+            self.signum = self.signum or signum
+            return
         if self.requested:
             previous = self._previous.get(signum)
             if callable(previous):
@@ -231,11 +249,12 @@ def run_job(
             except BaseException:
                 # Rows that finished are kept whatever stopped the loop; a failure to write them
                 # (say the output folder is gone) must not hide the error that stopped it.
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError), interrupt.shielded():
                     writer.commit()
                 dashboard.stop()
                 raise
-            writer.commit()
+            with interrupt.shielded():
+                writer.commit()
             dashboard.stop()
         if not summary.interrupted:
             summary.rows_total = rows_read

@@ -95,7 +95,7 @@ def interrupt_and_resume(setup, out: Path, sig: int, kills: int, seed: int) -> l
         codes.append(proc.returncode)
         if proc.returncode == 0:  # finished before the signal landed
             break
-        if sig in (signal.SIGINT, signal.SIGTERM):  # a clean stop: 130 / 143, as a shell reports them
+        if sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a clean stop: 130 / 143 / 129
             assert proc.returncode == 128 + sig, stderr
             assert "Resume with:" in stderr and "batchgen run" in stderr, stderr
     proc = subprocess.run(command(src, out, model), cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -113,9 +113,12 @@ def test_sigkill_at_random_moments(setup, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_sigint_and_sigterm_commit_and_resume(setup, tmp_path, sig):
-    """SIGTERM (timeout, docker stop, Slurm) stops a run as Ctrl-C does: finished rows are committed."""
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"]
+)
+def test_sigint_sigterm_and_sighup_commit_and_resume(setup, tmp_path, sig):
+    """SIGTERM (timeout, docker stop, Slurm) and SIGHUP (a closed terminal) stop a run as Ctrl-C
+    does: finished rows are committed."""
     out = tmp_path / "interrupted.parquet"
     codes = interrupt_and_resume(setup, out, sig, kills=2, seed=11)
     assert codes and codes[0] == 128 + sig

@@ -616,3 +616,19 @@ def test_a_second_signal_goes_to_the_handler_that_was_there_before():
         assert signal.getsignal(signal.SIGTERM) is before  # restored on exit
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_signals_during_a_commit_are_only_recorded():
+    """A burst of Ctrl-C must not stop a commit half-way: inside `shielded()` a signal only asks
+    the run to stop, however many arrive."""
+    import signal
+
+    from batchgen.jobs.runner import _Interrupt
+
+    with _Interrupt() as interrupt:
+        with interrupt.shielded():
+            for _ in range(3):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert interrupt.requested and interrupt.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):  # outside the shield a second signal stops at once
+            os.kill(os.getpid(), signal.SIGINT)

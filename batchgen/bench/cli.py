@@ -122,8 +122,8 @@ def bench_command(
 
     engine = opt.engine_options(locals())
 
+    from batchgen.bench.report import check_plot_format, render, require_matplotlib, write_json
     from batchgen.bench.report import plot as plot_report
-    from batchgen.bench.report import render, require_matplotlib, write_json
     from batchgen.bench.runner import BenchSettings, run_bench
 
     console = Console()
@@ -162,8 +162,8 @@ def bench_command(
             check_output_file(option, path)
     if plot is not None:
         try:
-            require_matplotlib()
-        except RuntimeError as exc:
+            check_plot_format(require_matplotlib(), plot)
+        except (RuntimeError, ValueError) as exc:
             raise typer.BadParameter(str(exc)) from exc
 
     try:

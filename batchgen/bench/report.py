@@ -254,6 +254,23 @@ def render(report: dict[str, Any], console: Any = None) -> None:
             console.print(f"note: {note}")
 
 
+def check_plot_format(plt: Any, path: str | Path) -> None:
+    """Check that matplotlib can write `path`'s format (its suffix: png, pdf, svg, ...).
+
+    Raises:
+        ValueError: no suffix, or one matplotlib cannot write; the message lists the formats.
+    """
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        given = f"'.{suffix}'" if suffix else "no suffix"
+        raise ValueError(
+            f"--plot {path} has {given}; name a file ending in .png (or one of: "
+            f"{', '.join('.' + f for f in sorted(formats))})"
+        )
+
+
 def require_matplotlib() -> Any:
     """`matplotlib.pyplot` with the non-interactive Agg backend (the `plot` extra).
 

@@ -308,6 +308,14 @@ def test_plot_without_matplotlib_is_a_usage_error_before_the_run(tmp_path: Path,
     assert "--plot needs matplotlib: pip install 'batchgen[plot]'" in result.output
 
 
+def test_plot_format_matplotlib_cannot_write_is_a_usage_error_before_the_run(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    for name, given in (("x.txt", "'.txt'"), ("noext", "no suffix")):
+        result = invoke_bench([*no_model_args(tmp_path), "--plot", str(tmp_path / name)])
+        assert result.exit_code == 2, result.output
+        assert f"has {given}; name a file ending in .png" in " ".join(result.output.split()), result.output
+
+
 def test_missing_job_file_and_trace_are_usage_errors(tmp_path: Path) -> None:
     job = tmp_path / "nonexistent.jsonl"
     data = tmp_path / "nonexistent"

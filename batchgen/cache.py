@@ -36,6 +36,12 @@ def write_atomically(path: Path, data: bytes) -> None:
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
+        # mkstemp makes the file private (0o600); give it what open() would (0o666 less the umask),
+        # so other users of a shared folder can read it as they read the files beside it.
+        if hasattr(os, "fchmod"):
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

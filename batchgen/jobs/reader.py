@@ -181,7 +181,9 @@ class JobReader:
                 if name is None:
                     continue
                 if not name or name.isdigit():
-                    raise JobInputError("--template placeholders must name columns, e.g. {document}; got {}")
+                    raise JobInputError(
+                        f"--template placeholders must name columns, e.g. {{document}}; got {{{name}}}"
+                    )
                 base = name.split(".")[0].split("[")[0]
                 if "." in name.split("[")[0]:  # {doc.upper} would put a method's repr in the prompt
                     raise JobInputError(

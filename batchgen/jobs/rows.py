@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.jobs.formats import LONE_SURROGATE, check_messages, is_utf8, text_error
+from batchgen.jobs.json_lines import to_json
 from batchgen.sampling_params import SamplingParams
 
 SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority")
@@ -66,6 +67,16 @@ def stable_hash(obj: Any) -> int:
     Lone surrogates (from JSON `\\ud800` escapes) are hashed as they are, never an error."""
     data = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
+
+
+def id_text(value: Any) -> str:
+    """The output `id` of an input id: text as it is, a number as written, anything else (true,
+    an object, a list) as JSON rather than Python's repr."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return to_json(value)
 
 
 def printable(value: Any) -> Any:
@@ -122,7 +133,7 @@ class RowParser:
         """A row that will not run: `message` (naming the field and the fix) prefixed with the row's
         name; `raw` is what is hashed as its resume identity; `keep` holds the row's
         `--keep-columns` values when the record could be read (so the row can still be joined)."""
-        rid = printable(str(row_id)) if row_id is not None else self._made_up_id(row_index)
+        rid = printable(id_text(row_id)) if row_id is not None else self._made_up_id(row_index)
         if self.options.keep_columns:
             keep = {c: printable((keep or {}).get(c)) for c in self.options.keep_columns}
         return JobRow(
@@ -184,7 +195,7 @@ class RowParser:
         if keep is not None and not all(is_utf8(v) for v in keep.values() if isinstance(v, str)):
             err = f"a --keep-columns value {LONE_SURROGATE}; fix it"
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
-        rid_s = self._made_up_id(row_index) if rid is None else str(rid)
+        rid_s = self._made_up_id(row_index) if rid is None else id_text(rid)
         if rid_s is not None and not is_utf8(rid_s):
             err = f"the id {LONE_SURROGATE}; fix field '{self.id_column}'"
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)

@@ -55,7 +55,8 @@ def default_engine_factory(config: EngineConfig) -> Any:
 def _flag_hint(message: str) -> str:
     """The hint ' (flag --max-model-len)' for the first engine option a message names by its field
     name: the engine speaks in `EngineConfig` fields, the command line in flags."""
-    for name in EngineConfig.__dataclass_fields__:
+    # Longest names first: "max_model_len" must win over the "model" in "the model's limit".
+    for name in sorted(EngineConfig.__dataclass_fields__, key=len, reverse=True):
         if re.search(rf"\b{name}\b", message):
             return f" (flag --{name.replace('_', '-')})"
     return ""

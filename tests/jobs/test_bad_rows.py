@@ -12,7 +12,7 @@ from rich.console import Console
 
 from batchgen.dashboard import Dashboard
 from batchgen.jobs.reader import JobInputError
-from batchgen.jobs.runner import JobOptions, run_job
+from batchgen.jobs.runner import JobOptions, _flag_hint, run_job
 from tests.jobs.fake_engine import fake_factory
 
 GOOD = [
@@ -211,3 +211,6 @@ def test_engine_option_errors_name_the_flag(tmp_path):
     src.write_text(json.dumps({"prompt": "hi"}) + "\n")
     with pytest.raises(JobInputError, match=r"max_model_len must be >= 2.*\(flag --max-model-len\)"):
         run_job(JobOptions(str(src), engine={"max_model_len": 1}), fake_factory(), dashboard=quiet())
+    # The engine's own message also says "model": the longer field name is the flag meant.
+    message = "max_model_len 1000000000 exceeds the model's limit of 8192 tokens"
+    assert _flag_hint(message) == " (flag --max-model-len)"

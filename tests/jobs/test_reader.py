@@ -108,8 +108,10 @@ def test_template_fills_columns_and_checks_them(tmp_path):
     assert "field 'document' (used by --template) is null" in rows[1].error
     with pytest.raises(JobInputError, match="template column 'body' not found"):
         JobReader(str(p), ReaderOptions(template="{body}"))
-    with pytest.raises(JobInputError, match="placeholders must name columns"):
+    with pytest.raises(JobInputError, match=r"placeholders must name columns, e.g. \{document\}; got \{\}$"):
         JobReader(str(p), ReaderOptions(template="{}"))
+    with pytest.raises(JobInputError, match=r"must name columns, e.g. \{document\}; got \{0\}$"):
+        JobReader(str(p), ReaderOptions(template="Say {0}"))
     with pytest.raises(JobInputError, match=r"placeholder \{document.upper\} reads an attribute"):
         JobReader(str(p), ReaderOptions(template="{document.upper}"))
 
@@ -297,6 +299,14 @@ def test_row_without_id_gets_its_index_only_when_the_input_has_no_ids(tmp_path):
     assert [(r.id, r.error is None) for r in read(with_ids)] == [("1", True), (None, True), (None, False)]
     without = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "a"}, {"prompt": ""}])
     assert [(r.id, r.error is None) for r in read(without)] == [("0", True), ("1", False)]
+
+
+def test_ids_that_are_not_text_are_written_as_json(tmp_path):
+    p = write_jsonl(
+        tmp_path / "a.jsonl",
+        [{"id": {"x": 1}, "prompt": "a"}, {"id": True, "prompt": "b"}, {"id": 3, "prompt": "c"}, {"id": 2.5}],
+    )
+    assert [r.id for r in read(p)] == ['{"x": 1}', "true", "3", "2.5"]
 
 
 def test_row_with_both_prompt_and_messages_fails_that_row(tmp_path):

@@ -120,13 +120,23 @@ def model_facts(options: EngineConfig, factory: EngineFactory, probe: EngineConf
 
 
 def bench_workload(spec: WorkloadSpec, tokenizer: Any, model_config: Any, max_model_len: int) -> Workload:
-    """The workload of `spec` for this model: token ids drawn from its vocabulary minus special tokens."""
+    """The workload of `spec` for this model: token ids drawn from its vocabulary minus special tokens.
+
+    A job file's text prompts are encoded as `batchgen run` encodes them: wrapped as a user message
+    in the chat template when the tokenizer has one, so the bench prefills what the job would."""
     from batchgen.engine.tokenize import encode_prompt
+
+    chat = bool(getattr(tokenizer, "chat_template", None))
+
+    def encode(prompt: Any) -> list[int]:
+        if chat and isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        return list(encode_prompt(tokenizer, prompt)[1])
 
     return build_workload(
         spec,
         vocab_size=min(len(tokenizer), int(model_config.vocab_size)),
         special_token_ids=sorted(special_ids(tokenizer)),
         max_model_len=max_model_len,
-        encode=lambda prompt: list(encode_prompt(tokenizer, prompt)[1]),
+        encode=encode,
     )

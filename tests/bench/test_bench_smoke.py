@@ -354,6 +354,17 @@ def test_job_file_bad_rows_are_skipped_with_one_warning(tiny_model_dir, tmp_path
     assert "line 2: not JSON" in warnings[0]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["workload"]["num_requests"] == 2 and report["workload"]["total_output_tokens"] == 5
+    # Text prompts are encoded as `batchgen run` encodes them: in the chat template when there is one.
+    from transformers import AutoTokenizer
+
+    from batchgen.engine.tokenize import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    assert tokenizer.chat_template
+    expected = sum(
+        len(encode_prompt(tokenizer, [{"role": "user", "content": t}])[1]) for t in ("hello", "hi")
+    )
+    assert report["workload"]["total_prompt_tokens"] == expected > 2 * 5
 
     job.write_text('not json\n{"prompt": ""}\n')
     result = invoke_bench(args)

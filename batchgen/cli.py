@@ -10,12 +10,15 @@ from __future__ import annotations
 import shlex
 import signal
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from batchgen import cli_types as opt
 from batchgen.config import POLICIES, EngineConfig
+
+if TYPE_CHECKING:
+    from batchgen.jobs.options import JobOptions
 
 app = typer.Typer(
     name="batchgen",
@@ -23,6 +26,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's plain help: rich's option tables cut long option names ("--max-num-batche…") at 80
+    # columns, which is what `batchgen run --help | less` gets.
+    rich_markup_mode=None,
 )
 
 
@@ -117,8 +123,7 @@ def run_command(
     progress_interval: Annotated[float, typer.Option(help="Seconds between plain progress lines")] = 5.0,
 ) -> None:
     """Run a job file through the engine into an output file; rerun the same command to resume."""
-    from batchgen.jobs.reader import JobInputError
-    from batchgen.jobs.runner import JobOptions, run_job
+    from batchgen.jobs.runner import JobOptions
 
     engine = opt.engine_options(locals())
     # A name given twice is kept once (dict keys keep the first order).
@@ -155,6 +160,29 @@ def run_command(
         progress_interval=progress_interval,
         resume_command="batchgen " + shlex.join(resume_args),
     )
+    _run_and_exit(options)
+
+
+# Signals that stop a run with its finished rows committed (SIGHUP: a closed terminal).
+_STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s)
+
+
+def _run_and_exit(options: JobOptions) -> None:
+    """`run_job` with the command's signal handling and exit codes. The process's handlers are
+    restored on the way out, so an in-process caller (a test runner, say) does not inherit ignored
+    signals, nor pass them on to the processes it starts."""
+    previous = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    try:
+        _run_with_stop_handlers(options)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run_with_stop_handlers(options: JobOptions) -> None:
+    from batchgen.jobs.reader import JobInputError
+    from batchgen.jobs.runner import run_job
+
     last_signal = [signal.SIGINT]
 
     def stop_on_sigterm(signum: int, frame: object) -> None:

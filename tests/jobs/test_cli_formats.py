@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pyarrow as pa
@@ -169,11 +170,15 @@ def test_jsonl_input(tmp_path, tiny):
         "\n".join(json.dumps({"id": f"r{i}", "prompt": p, "topic": i}) for i, p in enumerate(PROMPTS)) + "\n"
     )
     # A column named twice is kept once.
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     r = invoke(
         str(src), *engine_args(tiny), "--keep-columns", "topic,topic", "--keep-columns", "topic",
         "--policy", "max-throughput",
     )  # fmt: skip
     assert r.exit_code == 0, r.output
+    # The command ignores these signals once its rows are committed; an in-process caller gets its
+    # own handlers back (processes it starts later would inherit the ignored ones).
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
     t = pq.read_table(tmp_path / "job.out.parquet")
     assert t.schema.names == [*SCHEMA, "topic"]
     rows = t.to_pylist()

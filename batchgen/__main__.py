@@ -1,5 +1,6 @@
 """The `batchgen` command (`python -m batchgen` too)."""
 
+import signal
 import sys
 
 
@@ -13,6 +14,12 @@ def main() -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    finally:
+        # The command is over (its rows committed, its exit code chosen): a Ctrl-C or SIGTERM while
+        # the interpreter shuts down (torch takes a while) must not turn exit 0 into a kill.
+        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 if __name__ == "__main__":

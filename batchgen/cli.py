@@ -170,7 +170,8 @@ _STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal,
 def _run_and_exit(options: JobOptions) -> None:
     """`run_job` with the command's signal handling and exit codes. The process's handlers are
     restored on the way out, so an in-process caller (a test runner, say) does not inherit ignored
-    signals, nor pass them on to the processes it starts."""
+    signals, nor pass them on to the processes it starts; the `batchgen` command itself ignores
+    them again until it exits (`batchgen.__main__.main`)."""
     previous = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
     try:
         _run_with_stop_handlers(options)

@@ -17,9 +17,10 @@ def main() -> None:
     finally:
         # The command is over (its rows committed, its exit code chosen): a Ctrl-C or SIGTERM while
         # the interpreter shuts down (torch takes a while) must not turn exit 0 into a kill.
-        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-            if hasattr(signal, name):
-                signal.signal(getattr(signal, name), signal.SIG_IGN)
+        from batchgen.stop_signals import STOP_SIGNALS
+
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import typer
 
 from batchgen import cli_types as opt
 from batchgen.config import POLICIES, EngineConfig
+from batchgen.stop_signals import STOP_SIGNALS
 
 if TYPE_CHECKING:
     from batchgen.jobs.options import JobOptions
@@ -163,16 +164,12 @@ def run_command(
     _run_and_exit(options)
 
 
-# Signals that stop a run with its finished rows committed (SIGHUP: a closed terminal).
-_STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s)
-
-
 def _run_and_exit(options: JobOptions) -> None:
     """`run_job` with the command's signal handling and exit codes. The process's handlers are
     restored on the way out, so an in-process caller (a test runner, say) does not inherit ignored
     signals, nor pass them on to the processes it starts; the `batchgen` command itself ignores
     them again until it exits (`batchgen.__main__.main`)."""
-    previous = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     try:
         _run_with_stop_handlers(options)
     finally:
@@ -192,9 +189,9 @@ def _run_with_stop_handlers(options: JobOptions) -> None:
         last_signal[0] = signum
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop_on_sigterm)
-    if hasattr(signal, "SIGHUP"):  # a closed terminal: stop as for SIGTERM, rows kept (exit 129)
-        signal.signal(signal.SIGHUP, stop_on_sigterm)
+    for s in STOP_SIGNALS:  # SIGINT keeps Python's KeyboardInterrupt, and its exit code 130
+        if s != signal.SIGINT:
+            signal.signal(s, stop_on_sigterm)
     try:
         summary = run_job(options)
     except JobInputError as e:
@@ -214,10 +211,8 @@ def _run_with_stop_handlers(options: JobOptions) -> None:
         raise typer.Exit(128 + last_signal[0]) from None
     # Everything is committed (or the run stopped cleanly): a Ctrl-C or SIGTERM from here to the end
     # of the process has nothing left to stop, and must not kill it with a KeyboardInterrupt traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
     if summary.already_complete:
         typer.echo(
             f"{summary.output_path} is already complete (same input and settings); --overwrite redoes it"

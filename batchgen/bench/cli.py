@@ -162,7 +162,8 @@ def bench_command(
             check_output_file(option, path)
     if plot is not None:
         try:
-            check_plot_format(require_matplotlib(), plot)
+            require_matplotlib()
+            check_plot_format(plot)
         except (RuntimeError, ValueError) as exc:
             raise typer.BadParameter(str(exc)) from exc
 

@@ -254,14 +254,16 @@ def render(report: dict[str, Any], console: Any = None) -> None:
             console.print(f"note: {note}")
 
 
-def check_plot_format(plt: Any, path: str | Path) -> None:
-    """Check that matplotlib can write `path`'s format (its suffix: png, pdf, svg, ...).
+def check_plot_format(path: str | Path) -> None:
+    """Check that matplotlib can write `path`'s format (its suffix: png, pdf, svg, ...); call
+    `require_matplotlib` first.
 
     Raises:
         ValueError: no suffix, or one matplotlib cannot write; the message lists the formats.
     """
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
     suffix = Path(path).suffix.lower().lstrip(".")
     if suffix not in formats:
         given = f"'.{suffix}'" if suffix else "no suffix"

@@ -33,6 +33,7 @@ from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, finalize_output
 from batchgen.model.fingerprint import model_fingerprint
 from batchgen.sampling_params import SamplingParams
+from batchgen.stop_signals import STOP_SIGNALS
 
 
 def default_engine_factory(config: EngineConfig) -> Any:
@@ -119,9 +120,7 @@ class _Interrupt:
     terminal sends, so both are handled as Ctrl-C is. Inside `shielded()` (a commit) signals are
     only recorded, so a burst of Ctrl-C cannot stop a commit half-way and lose its rows."""
 
-    SIGNALS = tuple(
-        s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None
-    )
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self) -> None:
         self.requested = False

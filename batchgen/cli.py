@@ -1,8 +1,9 @@
 """The `batchgen` command line (Typer). Thin: parses options and calls `batchgen.jobs.run_job`.
 
-Exit codes of `batchgen run`: 0 done (error rows included), 2 bad input or options (before any model
-work), 1 the output could not be written, 130 / 143 / 129 interrupted by SIGINT / SIGTERM / SIGHUP
-(committed rows kept; the same command resumes).
+Exit codes of `batchgen run`: 0 done (error rows included), 3 done but every row of the job failed
+(the output holds the error rows), 2 bad input or options (before any model work), 1 the output could
+not be written, 130 / 143 / 129 interrupted by SIGINT / SIGTERM / SIGHUP (committed rows kept; the
+same command resumes).
 """
 
 from __future__ import annotations
@@ -219,6 +220,15 @@ def _run_with_stop_handlers(options: JobOptions) -> None:
         )
     if summary.interrupted:  # the shell's convention: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM)
         raise typer.Exit(128 + (summary.stop_signal or signal.SIGINT))
+    if summary.every_row_failed:
+        # A script that checks the exit code must not take an output of nothing but errors for a
+        # finished job; the rows stay recorded, so a fixed command reruns with --overwrite.
+        typer.echo(
+            f"error: every one of the {summary.rows_error} rows failed; the first: {summary.first_error}\n"
+            "The error rows are in the output. Fix the cause, then rerun with --overwrite",
+            err=True,
+        )
+        raise typer.Exit(3)
 
 
 # ----- `batchgen bench`: registered by the bench package when it is present -----

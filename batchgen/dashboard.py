@@ -235,5 +235,10 @@ class Dashboard:
             f"{(summary.rows_ok + summary.rows_error) / wall if wall > 0 else 0.0:.2f} rows/s",
             f"output: {summary.output_path}" + ("" if summary.complete else " (not complete yet)"),
         ]
+        if summary.rows_error:
+            lines.append(
+                f"error rows: {summary.rows_error} this run (their `error` column says why); the first: "
+                f"{summary.first_error}"
+            )
         for line in lines:
             self.console.print(line, highlight=False, markup=False, soft_wrap=True)

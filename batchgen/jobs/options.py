@@ -90,10 +90,17 @@ class JobSummary:
     stop_signal: int | None = None  # the signal that interrupted the run (SIGINT or SIGTERM)
     complete: bool = False
     already_complete: bool = False
+    first_error: str | None = None  # this run's first error row's message, for the summary
 
     @property
     def rows_done(self) -> int:
         return self.rows_ok + self.rows_error + self.rows_resumed
+
+    @property
+    def every_row_failed(self) -> bool:
+        """A finished job none of whose rows ran: almost always the command's fault (a KV cache too
+        small for any prompt, a wrong column, a template that fits no row), not the rows'."""
+        return self.complete and self.rows_error > 0 and self.rows_ok == 0 and self.rows_resumed == 0
 
 
 def default_output_path(source: str, input_format: str) -> str:

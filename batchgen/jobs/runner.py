@@ -301,6 +301,7 @@ def _loop(
         writer.add(result, keep)
         if result["finish_reason"] == "error":
             summary.rows_error += 1  # its prompt (often a too-long one) never ran: not counted
+            summary.first_error = summary.first_error or result.get("error")
         else:
             summary.rows_ok += 1
             summary.prompt_tokens += result.get("prompt_tokens") or 0

@@ -282,6 +282,25 @@ def test_rerun_after_completion_and_changed_settings(tmp_path, tiny):
     )
 
 
+def test_error_rows_are_summarised_and_a_job_of_only_errors_exits_3(tmp_path, tiny):
+    src = tmp_path / "job.jsonl"
+    src.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n" + json.dumps({"prompt": ""}) + "\n")
+    r = invoke(str(src), *engine_args(tiny))
+    assert r.exit_code == 0, r.output
+    assert "error rows: 1 this run" in r.stdout and "row 1 (line 2)" in r.stdout
+    # A 4 KiB KV cache (16 tokens of the tiny model) holds none of these prompts: every row fails, the
+    # command's problem, so a script checking the exit code must see it. The output is still written.
+    src.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:3]) + "\n")
+    args = [a if a != "64MiB" else "4KiB" for a in engine_args(tiny)] + ["--block-size", "16"]
+    r = invoke(str(src), *args, "--overwrite")
+    assert r.exit_code == 3, r.output
+    assert "every one of the 3 rows failed" in r.stderr and "max_model_len" in r.stderr
+    rows = pq.read_table(tmp_path / "job.out.parquet").to_pylist()
+    assert [x["finish_reason"] for x in rows] == ["error"] * 3
+    # Rerunning the finished job reports it complete, not a failure.
+    assert invoke(str(src), *args).exit_code == 0
+
+
 def test_output_suffixes_are_matched_in_any_case():
     from batchgen.jobs.options import check_output_path, output_format
 

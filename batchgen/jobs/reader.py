@@ -27,6 +27,7 @@ from batchgen.jobs.rows import (  # noqa: F401  (re-exported)
     OPENAI_BODY_FIELDS,
     OPENAI_ENDPOINTS,
     SAMPLING_COLUMNS,
+    UNAPPLIED_COLUMNS,
     JobRow,
     RowParser,
     row_label,
@@ -235,7 +236,9 @@ class JobReader:
     def needed_columns(self) -> list[str]:
         """Input columns the reader uses (the others are never read from columnar inputs)."""
         names = [self.prompt_column, self.messages_column, self.id_column, *self.template_fields]
-        names += [c for c in SAMPLING_COLUMNS if c in self.columns]
+        names += [
+            c for c in (*SAMPLING_COLUMNS, *UNAPPLIED_COLUMNS, "max_completion_tokens") if c in self.columns
+        ]
         names += list(self.options.keep_columns)
         return list(dict.fromkeys(n for n in names if n is not None))
 

@@ -17,8 +17,34 @@ from batchgen.jobs.formats import LONE_SURROGATE, check_messages, is_utf8, text_
 from batchgen.jobs.json_lines import to_json
 from batchgen.sampling_params import SamplingParams
 
-SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "priority")
-_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "priority"})
+SAMPLING_COLUMNS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "ignore_eos",
+    "priority",
+)
+_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority"})
+# Generation parameters of vLLM's SamplingParams and OpenAI's API that batchgen does not apply. A row
+# of a plain job that sets one (to anything but its neutral value) is an error row: ignoring it would
+# silently give another output than the row asks for. Names that are as likely to be data (`n`,
+# `tools`) are left out here; OpenAI batch bodies check every field (`OPENAI_BODY_FIELDS`).
+UNAPPLIED_COLUMNS = {
+    "best_of": 1,
+    "logprobs": None,
+    "top_logprobs": None,
+    "prompt_logprobs": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "logit_bias": None,
+}
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -87,6 +113,27 @@ def printable(value: Any) -> Any:
     return value
 
 
+def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset()) -> str | None:
+    """The error for a record that sets a generation parameter batchgen does not apply (see
+    `UNAPPLIED_COLUMNS`), or None. Null, false, empty and neutral values (n=1, penalties 0) pass, and
+    so do `data_columns`: the columns the job uses as data (template fields, kept columns)."""
+    for name, neutral in UNAPPLIED_COLUMNS.items():
+        if name in data_columns:
+            continue
+        value = rec.get(name)
+        if value is None or value is False or value == neutral or (value == 0 and neutral is None):
+            continue
+        if isinstance(value, list | dict) and not value:
+            continue
+        return (
+            f"field '{name}' is {to_json(value)}, but batchgen does not apply {name} (the output would "
+            f"not be what the row asks for); remove the column, set it to null"
+            + (f" or {neutral}" if neutral is not None else "")
+            + f", or pass --keep-columns {name} if it is data, not a parameter"
+        )
+    return None
+
+
 class RowParser:
     """Builds `JobRow`s from the records of one job input.
 
@@ -114,6 +161,8 @@ class RowParser:
         self.id_column = id_column
         self.template_fields = template_fields
         self._seen_custom_ids: dict[int, int] = {}
+        used = (prompt_column, messages_column, id_column, *template_fields, *options.keep_columns)
+        self._data_columns = frozenset(c for c in used if c is not None)
         self._params_cache: dict[str, tuple[SamplingParams, int]] = {}
 
     def start(self) -> None:
@@ -189,7 +238,12 @@ class RowParser:
         keep = {c: rec.get(c) for c in self.options.keep_columns} or None
         prompt, err = self._prompt_of(rec)
         if err is None:
-            params, params_hash, err = self._sampling({k: rec.get(k) for k in SAMPLING_COLUMNS})
+            err = unapplied_field_error(rec, self._data_columns)
+        if err is None:
+            values = {k: rec.get(k) for k in SAMPLING_COLUMNS}
+            if values["max_tokens"] is None:  # OpenAI's newer name, as in batch lines
+                values["max_tokens"] = rec.get("max_completion_tokens")
+            params, params_hash, err = self._sampling(values)
         if err is not None:
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         if keep is not None and not all(is_utf8(v) for v in keep.values() if isinstance(v, str)):

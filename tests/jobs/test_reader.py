@@ -67,6 +67,42 @@ def test_sampling_overrides_on_top_of_defaults(tmp_path):
     assert (c.stop, c.priority, c.max_tokens) == (["\n"], 2, 4)
 
 
+def test_vllm_sampling_columns_and_max_completion_tokens(tmp_path):
+    p = write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"prompt": "a", "min_p": 0.1, "min_tokens": 2.0, "ignore_eos": True, "stop_token_ids": [7, 9]},
+            {"prompt": "b", "max_completion_tokens": 5},
+            {"prompt": "c", "max_completion_tokens": 5, "max_tokens": 3},
+        ],
+    )
+    a, b, c = (r.sampling_params for r in read(p, defaults={"max_tokens": 32}))
+    assert (a.min_p, a.min_tokens, a.ignore_eos, a.stop_token_ids) == (0.1, 2, True, [7, 9])
+    assert (b.max_tokens, c.max_tokens) == (5, 3)
+
+
+def test_a_set_parameter_that_batchgen_does_not_apply_fails_the_row(tmp_path):
+    rows = [
+        {"prompt": "a", "best_of": 1, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": None},
+        {"prompt": "b", "best_of": 3},
+        {"prompt": "c", "presence_penalty": 0.5},
+        {"prompt": "d", "logprobs": 5},
+        {"prompt": "e", "n": 3},  # `n` is as likely a data column as a parameter in a plain job
+    ]
+    a, b, c, d, e = read(write_jsonl(tmp_path / "a.jsonl", rows))
+    assert a.error is None and e.error is None  # neutral values change nothing
+    assert b.error == (
+        "row 1 (line 2): field 'best_of' is 3, but batchgen does not apply best_of (the output would "
+        "not be what the row asks for); remove the column, set it to null or 1, or pass --keep-columns "
+        "best_of if it is data, not a parameter"
+    )
+    assert "field 'presence_penalty' is 0.5" in c.error and "field 'logprobs' is 5" in d.error
+    # A column the job uses as data (a template field, a kept column) is not a parameter.
+    p = write_jsonl(tmp_path / "b.jsonl", [{"q": "x", "logprobs": 4, "logit_bias": {"1": 2}}])
+    (r,) = read(p, template="{q} ({logprobs})", keep_columns=("logit_bias",))
+    assert r.error is None and r.prompt == "x (4)"
+
+
 @pytest.mark.parametrize(
     "row, field",
     [

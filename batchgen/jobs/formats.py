@@ -50,9 +50,13 @@ def detect_format(source: str) -> str:
         head = f.read(4)
     if head == b"PAR1":
         return "parquet"
+    lines = 0
     for _, rec, _ in sniff_jsonl(source):
+        lines += 1
         if rec is not None:
             return "openai" if "custom_id" in rec and "body" in rec else "jsonl"
+    if lines == 0 and source.lower().endswith(JSONL_SUFFIXES):
+        raise JobInputError(f"{source} is empty (no JSON lines): there is nothing to run; check the file")
     if source.lower().endswith(JSONL_SUFFIXES):
         raise JobInputError(f"{source} has no valid JSON object line in its first {SNIFF_LINES} lines")
     if source.lower().endswith(".parquet"):

@@ -301,6 +301,13 @@ def test_bad_sources(tmp_path):
     (tmp_path / "x.bin").write_bytes(b"\x00\x01garbage")
     with pytest.raises(JobInputError, match="unknown input format"):
         JobReader(str(tmp_path / "x.bin"))
+    for name, text in [("e.jsonl", ""), ("blank.jsonl", "\n \n")]:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(JobInputError, match=r"is empty \(no JSON lines\): there is nothing to run"):
+            JobReader(str(tmp_path / name))
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    with pytest.raises(JobInputError, match="has no valid JSON object line in its first"):
+        JobReader(str(tmp_path / "bad.jsonl"))
     (tmp_path / "d").mkdir()
     with pytest.raises(JobInputError, match="not a dataset"):
         JobReader(str(tmp_path / "d"))

@@ -244,10 +244,18 @@ def test_openai_batch_chat_and_completion(tmp_path):
             "url": "/v1/completions",
             "body": {"prompt": "p", "logprobs": True, "presence_penalty": 0},
         },
+        {  # vLLM's extra sampling fields are honoured, as its OpenAI server does
+            "custom_id": "g",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "p", "min_p": 0.2, "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [5]},
+        },
     ]
     p = write_jsonl(tmp_path / "batch.jsonl", lines)
     assert detect_format(str(p)) == "openai"
-    a, b, c, dup, n2, bad, logprobs = read(p)
+    a, b, c, dup, n2, bad, logprobs, extra = read(p)
+    sp = extra.sampling_params
+    assert (sp.min_p, sp.min_tokens, sp.ignore_eos, sp.stop_token_ids) == (0.2, 2, True, [5])
     assert (a.id, a.endpoint, a.prompt, a.sampling_params.max_tokens) == (
         "a",
         "chat",

@@ -2,10 +2,12 @@
 
 JSON layout (`schema` "batchgen-bench/1"):
     command, created, hardware, software, model, engine_options, workload (summary and the
-    distribution's parameters), ceiling (FLOPs, measured matmul rate, seconds, tokens/s),
+    distribution's parameters), ceiling (FLOPs, the median measured matmul rate and every
+    measurement in `matmul.samples_flops_per_s`, seconds, tokens/s),
     ratio_base (name of the first configuration that ran), and `configurations`: one entry each
     with name, kind, policy, status ("ok", "skipped", "failed"), reason, metrics
-    (`metrics.summarize` plus `ceiling_fraction`), ratios (metric / the base's metric, for the
+    (`metrics.summarize` plus `ceiling_fraction`, against the matmul rate measured around that run,
+    `matmul_flops_per_s`), ratios (metric / the base's metric, for the
     keys in `RATIO_KEYS`), extra, notes, and the per-step timeline.
 """
 
@@ -42,6 +44,8 @@ _ROWS: list[tuple[str, str, str, float, bool]] = [
     ("total tokens/s", "total_tokens_per_s", "{:.1f}", 1, True),
     ("requests/s", "requests_per_s", "{:.3f}", 1, True),
     ("compute ceiling reached", "ceiling_fraction", "{:.1%}", 1, False),
+    # The machine's matmul rate measured on either side of the run: a slow phase shows here.
+    ("matmul GFLOP/s around run", "matmul_flops_per_s", "{:.0f}", 1e-9, False),
     ("wall time (s)", "wall_s", "{:.1f}", 1, True),
     ("TTFT mean (s)", "ttft_mean_s", "{:.2f}", 1, True),
     ("TTFT p50 / p90", ("ttft_p50_s", "ttft_p90_s"), "{:.2f}", 1, False),
@@ -124,9 +128,12 @@ def build_report(
         }
         if not r.skipped:
             m = summarize(r)
-            m["ceiling_fraction"] = (
-                ceiling["seconds"] / m["wall_s"] if ceiling is not None and m["wall_s"] else None
-            )
+            m["ceiling_fraction"] = None
+            m["matmul_flops_per_s"] = r.extra.get("matmul_flops_per_s")
+            if ceiling is not None and m["wall_s"]:
+                # Against the rate measured around this run when there is one (see bench.runner).
+                rate = m["matmul_flops_per_s"] or ceiling["matmul"]["flops_per_s"]
+                m["ceiling_fraction"] = ceiling["flops"]["total"] / rate / m["wall_s"]
             entry["metrics"] = m
         configs.append(entry)
     base = next((c for c in configs if c["status"] == "ok"), None)
@@ -187,11 +194,18 @@ def ceiling_line(report: dict[str, Any]) -> str:
     if not c:
         return "compute ceiling: not measured"
     f, mm = c["flops"], c["matmul"]
+    samples = mm.get("samples_flops_per_s") or [mm["flops_per_s"]]
+    spread = (
+        f"median of {len(samples)} measurements between runs, {min(samples) / 1e9:.0f}-{max(samples) / 1e9:.0f}; "
+        if len(samples) > 1
+        else ""
+    )
     return (
         f"compute ceiling: {f['tokens']:,} tokens x {f['per_token'] / 1e9:.3f} GFLOP/token "
         f"(2 x {f['non_embedding_params'] / 1e6:.1f}M non-embedding params + attention + LM head on outputs) "
-        f"/ {mm['flops_per_s'] / 1e9:.0f} GFLOP/s ({mm['dtype']} matmul at the model's shapes, measured, "
-        f"{mm['threads']} threads) = {c['seconds']:.1f} s, {c['tokens_per_s']:.0f} tokens/s"
+        f"/ {mm['flops_per_s'] / 1e9:.0f} GFLOP/s ({spread}{mm['dtype']} matmul at the model's shapes, "
+        f"{mm['threads']} threads) = {c['seconds']:.1f} s, {c['tokens_per_s']:.0f} tokens/s; each run's "
+        "share is against the rate measured around it"
     )
 
 

@@ -8,7 +8,9 @@ Configurations, in this order (ratios in the report are against the first one th
     hf-cb                transformers' continuous batching
 `--mode static,continuous` puts static first. Every configuration gets a fresh engine or model, a
 short untimed warm-up, the same workload, dtype and thread count. The workload's compute ceiling
-(`ceiling.workload_flops` / `ceiling.measure_matmul_rate`) is measured once, before the runs.
+(`ceiling.workload_flops` / `ceiling.measure_matmul_rate`) uses the matmul rate measured before the
+first run and again after every run: on a shared machine the rate moves by 2x within minutes, so each
+run's share of the ceiling is taken against the rate measured on either side of it.
 """
 
 from __future__ import annotations
@@ -182,16 +184,27 @@ def run_bench(
         log(warning)
     shape = ModelShape.from_config(facts.model_config)
     flops = workload_flops(shape, [(r.prompt_len, r.output_len) for r in workload.requests])
-    ceiling = None
-    if settings.measure_ceiling:
-        ceiling = compute_ceiling(flops, measure_matmul_rate(shape, facts.dtype, facts.device))
+    first_rate = measure_matmul_rate(shape, facts.dtype, facts.device) if settings.measure_ceiling else None
+    rates: list[float] = []  # matmul FLOP/s: first, after the warm-up, then after every timed run
+
+    def measure_rate() -> float | None:
+        if first_rate is None:
+            return None
+        rates.append(measure_matmul_rate(shape, facts.dtype, facts.device)["flops_per_s"])
+        return rates[-1]
+
+    if first_rate is not None:
+        rates.append(first_rate["flops_per_s"])
+        first = compute_ceiling(flops, first_rate)
         log(
-            f"compute ceiling: {ceiling['tokens_per_s']:.0f} tokens/s "
-            f"({ceiling['matmul']['flops_per_s'] / 1e9:.0f} GFLOP/s {ceiling['matmul']['dtype']} matmul)"
+            f"compute ceiling: {first['tokens_per_s']:.0f} tokens/s ({first_rate['flops_per_s'] / 1e9:.0f} "
+            f"GFLOP/s {first_rate['dtype']} matmul, first of the measurements between runs)"
         )
+    before = rates[-1] if rates else None
     if settings.warmup_run and first_engine_plan is not None:  # its result is thrown away
         label = f"{first_engine_plan.name} (warm-up, untimed)"
         _run_logged(first_engine_plan, label, settings, facts, workload, factory, log)
+        before = measure_rate()
     runs: dict[str, list[RunResult]] = {plan.name: [] for plan in plans}
     for round_index in range(settings.repeat):
         # Each round starts one configuration later, so no configuration always runs first or always
@@ -203,8 +216,20 @@ def run_bench(
                 if settings.repeat == 1
                 else f"{plan.name} (run {round_index + 1}/{settings.repeat})"
             )
-            runs[plan.name].append(_run_logged(plan, label, settings, facts, workload, factory, log))
+            result = _run_logged(plan, label, settings, facts, workload, factory, log)
+            after = measure_rate()
+            if before is not None and after is not None:
+                result.extra["matmul_flops_per_s"] = (before + after) / 2
+            before = after
+            runs[plan.name].append(result)
     results = [median_run(runs[plan.name]) for plan in plans]
+    ceiling = None
+    if first_rate is not None:
+        # The headline ceiling: the median of every measurement (each run's own rate is in its extra).
+        rates_sorted = sorted(rates)
+        median_rate = dict(first_rate, flops_per_s=rates_sorted[(len(rates_sorted) - 1) // 2])
+        median_rate["samples_flops_per_s"] = rates
+        ceiling = compute_ceiling(flops, median_rate)
 
     return build_report(
         settings=settings,

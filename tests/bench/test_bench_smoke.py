@@ -136,6 +136,18 @@ def test_engine_metrics_and_starvation_check(bench_report) -> None:
     ceiling = report["ceiling"]
     assert ceiling["flops"]["tokens"] == report["sampled_prompt_tokens"] + report["sampled_output_tokens"]
     assert ceiling["matmul"]["flops_per_s"] > 0 and ceiling["seconds"] > 0
+    # The rate is measured first, after the warm-up and after each of the five runs; the headline is
+    # their median, and each run's share of the ceiling is against the mean of its two neighbours.
+    samples = ceiling["matmul"]["samples_flops_per_s"]
+    assert len(samples) == 2 + len(report["configurations"]) and min(samples) > 0
+    assert ceiling["matmul"]["flops_per_s"] == sorted(samples)[(len(samples) - 1) // 2]
+    for i, c in enumerate(report["configurations"]):
+        m = c["metrics"]
+        if c["status"] == "ok":
+            assert m["matmul_flops_per_s"] == pytest.approx((samples[i + 1] + samples[i + 2]) / 2)
+            assert m["ceiling_fraction"] == pytest.approx(
+                ceiling["flops"]["total"] / m["matmul_flops_per_s"] / m["wall_s"]
+            )
 
 
 def test_bench_compare_script_smoke(tiny_model_dir, tmp_path: Path) -> None:

@@ -55,14 +55,38 @@ def make_header(
     }
 
 
+def _same_input(old: dict[str, Any] | None, new: dict[str, Any] | None) -> bool:
+    """Whether two input identities name the same rows. A file is its size and content hash
+    wherever it lies, so a job file moved or mounted elsewhere (a job restarted on another node)
+    resumes; a dataset directory or hub reference, identified by less than its content, must also
+    keep its path."""
+    if old and new and old.get("sha256") and "path" in old and "path" in new:
+        return {k: v for k, v in old.items() if k != "path"} == {k: v for k, v in new.items() if k != "path"}
+    return old == new
+
+
+def _same_model(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether two headers name the same model: the same content digest (a local model, wherever
+    it lies now), else the same name or path (a hub id, whose files are not hashed)."""
+    if old.get("model_fingerprint") and new.get("model_fingerprint"):
+        return old["model_fingerprint"] == new["model_fingerprint"]
+    return old.get("model") == new.get("model") and old.get("model_fingerprint") == new.get(
+        "model_fingerprint"
+    )
+
+
 def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Human-readable list of what changed between two headers (empty when equal)."""
+    """Human-readable list of what changed between two headers (empty when equal). The input and
+    model are compared by content where their content is hashed, not by path (`_same_input`,
+    `_same_model`)."""
     diffs = []
     if old.get("version") != new.get("version"):
         diffs.append(f"header version {old.get('version')} -> {new.get('version')}")
-    if old.get("input") != new.get("input"):
-        diffs.append("the input file changed (path, size or content)")
-    if old.get("model") != new.get("model"):
+    if not _same_input(old.get("input"), new.get("input")):
+        diffs.append("the input file changed (its size or content)")
+    if _same_model(old, new):
+        pass
+    elif old.get("model") != new.get("model"):
         diffs.append(f"model {old.get('model')!r} -> {new.get('model')!r}")
     elif old.get("model_fingerprint") != new.get("model_fingerprint"):
         diffs.append(

@@ -373,6 +373,44 @@ def test_resume_refuses_a_model_whose_files_changed(tmp_path):
     )
 
 
+def test_a_moved_input_and_model_resume_by_content(tmp_path):
+    """A job restarted where its files are mounted at other paths (another node, another folder)
+    resumes: the input and a local model are known by their content, not their paths."""
+    first, second = tmp_path / "node1", tmp_path / "node2"
+    first.mkdir()
+    src = job_file(first)
+    model = first / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    out = str(tmp_path / "out.parquet")
+    ref = JobOptions(
+        src, output=str(tmp_path / "ref.parquet"), engine={"max_num_seqs": 3, "model": str(model)}
+    )
+    run(ref)
+
+    def crash(step):
+        if step == 6:
+            raise RuntimeError("simulated crash")
+
+    opts = dict(output=out, commit_rows=4, commit_seconds=60)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(JobOptions(src, engine={"max_num_seqs": 3, "model": str(model)}, **opts), on_step=crash)
+    committed = sum(e.rows for e in Manifest(parts_dir_for(out)).load()[1])
+    assert committed > 0
+    first.rename(second)
+    moved = JobOptions(
+        str(second / "job.jsonl"), engine={"max_num_seqs": 3, "model": str(second / "m")}, **opts
+    )
+    s = run(moved)
+    assert s.complete and s.rows_resumed == committed
+    assert table_rows(out) == table_rows(ref.output)
+    assert run(moved).already_complete
+    # The same path with other content is still another input.
+    (second / "job.jsonl").write_text(json.dumps({"prompt": "another job"}) + "\n")
+    with pytest.raises(JobInputError, match="the input file changed"):
+        run(moved)
+
+
 def no_engine(config):
     raise AssertionError("the engine was built for a job with no rows left to run")
 

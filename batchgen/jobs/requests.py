@@ -53,10 +53,12 @@ def prepare_row(
     n = len(ids)
     if n >= max_len:
         if options.truncate_prompt is None:
+            note = getattr(engine, "max_model_len_note", "")
+            # A limit the KV cache lowered is raised by more cache memory, not by --max-model-len.
+            raise_limit = "give the KV cache more memory" if note else "raise --max-model-len"
             return Prepared(row, None, n), (
-                f"{row.where}: the prompt is {n} tokens but max_model_len is {max_len}"
-                f"{getattr(engine, 'max_model_len_note', '')} (one output token "
-                "needs room); shorten the prompt, raise --max-model-len, or pass --truncate-prompt left|right"
+                f"{row.where}: the prompt is {n} tokens but max_model_len is {max_len}{note} (one output "
+                f"token needs room); shorten the prompt, {raise_limit}, or pass --truncate-prompt left|right"
             )
         room = min(row.sampling_params.max_tokens or 1, max_len // 2)
         keep = max_len - room

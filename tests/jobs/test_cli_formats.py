@@ -294,7 +294,8 @@ def test_error_rows_are_summarised_and_a_job_of_only_errors_exits_3(tmp_path, ti
     args = [a if a != "64MiB" else "4KiB" for a in engine_args(tiny)] + ["--block-size", "16"]
     r = invoke(str(src), *args, "--overwrite")
     assert r.exit_code == 3, r.output
-    assert "every one of the 3 rows failed" in r.stderr and "max_model_len" in r.stderr
+    assert "every one of the 3 rows failed" in r.stderr and "max_model_len is 16 (lowered" in r.stderr
+    assert "give the KV cache more memory" in r.stderr and "raise --max-model-len" not in r.stderr
     rows = pq.read_table(tmp_path / "job.out.parquet").to_pylist()
     assert [x["finish_reason"] for x in rows] == ["error"] * 3
     # Rerunning the finished job reports it complete, not a failure.

@@ -7,6 +7,7 @@ file's content. Hugging Face can load the same directory, so it also serves as t
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -24,8 +25,11 @@ logger = logging.getLogger(__name__)
 _GGUF_CACHE_FORMAT = 1
 # Mixed into GGUF digests, so a new conversion format gets new cache keys.
 GGUF_DIGEST_SALT = f"{_GGUF_CACHE_FORMAT}\0"
-# A temporary conversion directory older than this belongs to a run that died.
+# A temporary conversion directory without an owner lock older than this belongs to a run that died.
 _STALE_TMP_SECONDS = 3600
+# Held (flock) by the converting process inside its temporary directory; the kernel drops it when
+# the process dies, however it dies, so a directory whose lock can be taken is a dead run's.
+_OWNER_LOCK = ".owner.lock"
 
 
 def gguf_cache_key(gguf: Path, models: Path) -> str:
@@ -57,11 +61,14 @@ def cached_gguf(gguf: Path, cache_dir: Path) -> Path:
     models.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(models)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=models))
+    owner = os.open(tmp / _OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        fcntl.flock(owner, fcntl.LOCK_EX)
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide a shared $BATCHGEN_CACHE from other users
         start = time.perf_counter()
         logger.info("Dequantizing %s into %s (once; later runs reuse it)", gguf, final)
         convert_gguf(gguf, tmp)
+        os.remove(tmp / _OWNER_LOCK)  # not part of the model; the open descriptor keeps the lock
         try:
             os.rename(tmp, final)
         except OSError:
@@ -72,15 +79,33 @@ def cached_gguf(gguf: Path, cache_dir: Path) -> Path:
             logger.info("Converted %s in %.1f s", gguf.name, time.perf_counter() - start)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(owner)
     return final
 
 
 def _remove_stale_tmp(models: Path) -> None:
-    """Delete temporary conversion directories left by runs that died."""
+    """Delete temporary conversion directories left by runs that died (a killed first conversion
+    leaves a float32 copy of the model: 0.5 GB for the default model, tens of GB for a 7B one).
+
+    A directory whose owner lock can be taken has no live owner; one without a lock file (written
+    before this lock existed, or between the lock's removal and the rename) only once it is old.
+    """
     now = time.time()
     for entry in models.glob(".tmp-*"):
         try:
-            if now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+            if not entry.is_dir():
+                continue
+            lock = entry / _OWNER_LOCK
+            if lock.exists():
+                fd = os.open(lock, os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live conversion
+                finally:
+                    os.close(fd)
+                shutil.rmtree(entry, ignore_errors=True)
+            elif now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
                 shutil.rmtree(entry, ignore_errors=True)
         except FileNotFoundError:
             pass

@@ -303,6 +303,35 @@ def test_gguf_crash_leaves_no_cache(fake_gguf, tmp_path, monkeypatch, sharded_ll
     assert [p.name for p in (cache / "models").iterdir()] == [".digests"]  # no half cache, no temp dir
 
 
+def test_a_killed_conversion_is_cleared_by_the_next_one_and_a_live_one_is_not(
+    fake_gguf, tmp_path, monkeypatch, sharded_llama
+):
+    """A SIGKILLed first conversion leaves its float32 copy; the next conversion deletes it at once
+    (its owner lock is free), while a conversion still running elsewhere (lock held) is left alone."""
+    import fcntl
+    import os
+
+    gguf, _ = fake_gguf
+    path, _ = sharded_llama
+    models = tmp_path / "cache" / "models"
+    dead, live = models / ".tmp-x-dead", models / ".tmp-x-live"
+    for d in (dead, live):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"\0" * 1024)
+        (d / gguf_cache._OWNER_LOCK).touch()
+    held = os.open(live / gguf_cache._OWNER_LOCK, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        monkeypatch.setattr(
+            gguf_cache, "convert_gguf", lambda src, out: shutil.copytree(path, out, dirs_exist_ok=True)
+        )
+        files = resolve_model(str(gguf), cache_dir=tmp_path / "cache")
+        assert not dead.exists() and (live / "model.safetensors").exists()
+        assert gguf_cache._OWNER_LOCK not in os.listdir(files.path)  # the lock is not part of the model
+    finally:
+        os.close(held)
+
+
 def test_gguf_race_uses_winner(fake_gguf, tmp_path, monkeypatch, sharded_llama):
     """Another process finishing first: our rename fails and its copy is used."""
     gguf, _ = fake_gguf

@@ -74,7 +74,9 @@ class Dashboard:
         self.rate_window_s = rate_window_s
         self._live: Live | None = None
         self._start = time.perf_counter()
+        self._stopped: float | None = None
         self._last_line = self._start
+        self._rows_at_last_line: int | None = None
         # (time, gen tokens, prompt tokens, rows); rows is None only in the start baseline.
         self._samples: deque[tuple[float, int, int, int | None]] = deque()
         self._batch_history: deque[float] = deque(maxlen=history)
@@ -91,6 +93,7 @@ class Dashboard:
     def start(self) -> None:
         """Begin timing; open the live view when in live mode."""
         self._start = self._last_line = time.perf_counter()
+        self._stopped = None
         # A zero baseline at the start: a first step that does all the prefill still shows its rate.
         # Rows are None here and taken from the first update (resumed rows are not this run's work).
         self._samples.clear()
@@ -105,11 +108,12 @@ class Dashboard:
 
     def stop(self) -> None:
         """Close the live view, or print a last progress line in plain mode."""
+        self._stopped = time.perf_counter()
         if self._live is not None:
             self._live.stop()
             self._live = None
-        elif not self.live_mode:
-            self._emit(self.progress_line())
+        elif not self.live_mode and self.rows_done != self._rows_at_last_line:
+            self._emit_progress()  # the last state, unless the line just printed already shows it
 
     def log(self, message: str) -> None:
         """Print a message without disturbing the live view."""
@@ -148,7 +152,11 @@ class Dashboard:
             self._rate_history.append(self.rates()[0])
         if not self.live_mode and now - self._last_line >= self.interval:
             self._last_line = now
-            self._emit(self.progress_line())
+            self._emit_progress()
+
+    def _emit_progress(self) -> None:
+        self._rows_at_last_line = self.rows_done
+        self._emit(self.progress_line())
 
     def rates(self) -> tuple[float, float, float]:
         """Rolling (generation tokens/s, prompt tokens/s, rows/s) over the last `rate_window_s`."""
@@ -209,10 +217,17 @@ class Dashboard:
         table.add_column(style="bold cyan", justify="right")
         table.add_column()
         pairs = [(k, f[k]) for k in f]
-        for i in range(0, len(pairs), 2):
-            a, b = pairs[i], pairs[i + 1] if i + 1 < len(pairs) else ("", "")
+        # Two pairs a row need about 110 columns (the queues value is long); an 80-column terminal
+        # would crop the rows count, so a narrow one gets one pair a row.
+        per_row = 2 if self.console.width >= 110 else 1
+        for i in range(0, len(pairs), per_row):
+            a, b = pairs[i], pairs[i + 1] if per_row == 2 and i + 1 < len(pairs) else ("", "")
             table.add_row(a[0], a[1], b[0], b[1])
-        bar = ProgressBar(total=self.total_rows or None, completed=self.rows_done, width=60)
+        bar = ProgressBar(
+            total=self.total_rows or None,
+            completed=self.rows_done,
+            width=max(10, min(60, self.console.width - 8)),
+        )
         history = Table.grid(padding=(0, 1))
         history.add_column(style="dim", justify="right")
         history.add_column(style="green")
@@ -224,15 +239,22 @@ class Dashboard:
         """Print the end-of-run summary to the console (stdout): rows ok / error, tokens, wall time,
         throughput, output path."""
         wall = summary.wall_s or (time.perf_counter() - self._start)
+        # Generation: from engine ready to the last commit. The rest of the wall time is loading
+        # (a GGUF conversion on first use) and set-up, which would otherwise hide the engine's rate.
+        running = min((self._stopped or time.perf_counter()) - self._start, wall)
         # The finished rows' tokens, as on the line above: an interrupted run drops unfinished rows.
         gen = summary.completion_tokens
+        rows = summary.rows_ok + summary.rows_error
         state = "interrupted" if summary.interrupted else "done"
         lines = [
             f"{state}: {summary.rows_done}/{summary.rows_total} rows "
             f"({summary.rows_ok} ok, {summary.rows_error} error this run; {summary.rows_resumed} from earlier runs)",
             f"tokens: {summary.prompt_tokens} prompt, {summary.completion_tokens} generated",
-            f"wall time: {format_duration(wall)}; throughput: {gen / wall if wall > 0 else 0.0:.1f} generated tok/s, "
-            f"{(summary.rows_ok + summary.rows_error) / wall if wall > 0 else 0.0:.2f} rows/s",
+            f"wall time: {format_duration(wall)} (generation {format_duration(running)}, model load and "
+            f"set-up {format_duration(wall - running)})",
+            f"throughput: {gen / running if running > 0 else 0.0:.1f} generated tok/s and "
+            f"{rows / running if running > 0 else 0.0:.2f} rows/s while generating; "
+            f"{gen / wall if wall > 0 else 0.0:.1f} tok/s over the whole run",
             f"output: {summary.output_path}" + ("" if summary.complete else " (not complete yet)"),
         ]
         if summary.rows_error:

@@ -228,7 +228,8 @@ def render(report: dict[str, Any], console: Any = None) -> None:
         f"{hw['cores_available']} cores, {hw['torch_threads']} torch threads"
         + (f", {hw['gpu']}" if "gpu" in hw else "")
     )
-    console.print(ceiling_line(report))
+    # Left for the terminal to wrap: Rich's own wrapping split numbers from their units.
+    console.print(ceiling_line(report), soft_wrap=True, highlight=False)
     base = report.get("ratio_base")
     table = Table(title=f"batchgen bench (ratios against {base})" if base else "batchgen bench")
     table.add_column("metric")

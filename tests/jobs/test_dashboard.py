@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -82,8 +83,10 @@ def test_plain_lines_without_a_terminal():
     d.stop()
     first, *lines = stream.getvalue().splitlines()
     assert first.startswith("[batchgen] engine ready")  # a sign of life before the first step ends
-    assert len(lines) >= 3 and all(line.startswith("[batchgen] rows ") for line in lines)
+    # One line an update (interval 0); stop() adds none, as the last line already shows 20 rows.
+    assert len(lines) == 2 and all(line.startswith("[batchgen] rows ") for line in lines)
     assert "kv 42%" in lines[-1] and "prefix hit 25%" in lines[-1] and "batch 16 seqs / 116 tok" in lines[-1]
+    d._stopped = d._start + 0.5  # generation took 0.5 s of the 2 s run
     d.print_summary(
         JobSummary(
             "out.parquet",
@@ -100,11 +103,33 @@ def test_plain_lines_without_a_terminal():
     assert (
         "50/50 rows (45 ok, 5 error" in summary
         and "output: out.parquet" in summary
-        and "wall time: 2.0s" in summary
+        and "wall time: 2.0s (generation 0.5s, model load and set-up 1.5s)" in summary
     )
     # Throughput counts the finished rows' tokens (the line above it), not the tokens of rows an
-    # interrupt dropped: the steps fed above generated far more than 7.
-    assert "tokens: 9 prompt, 7 generated" in summary and "throughput: 3.5 generated tok/s" in summary
+    # interrupt dropped: the steps fed above generated far more than 7. It is given over the
+    # generation time (what the engine did) and over the whole run (what the user waited).
+    assert "tokens: 9 prompt, 7 generated" in summary
+    assert (
+        "throughput: 14.0 generated tok/s and 100.00 rows/s while generating; 3.5 tok/s over the whole run"
+        in summary
+    )
+
+
+def test_a_narrow_terminal_shows_every_field_whole():
+    """At 80 columns, two fields a row cropped the error count next to a long queues value."""
+    console = Console(record=True, force_terminal=True, width=80, color_system=None)
+    d = Dashboard(20000, live=True, console=console)
+    d.start()
+    step = dataclasses.replace(stats(1, seqs=256), num_waiting=1024, num_swapped=12)
+    totals = EngineTotals()
+    totals.add(step)
+    d.update(12400, 17, step, totals)
+    d.stop()
+    console.print(d.render())
+    text = console.export_text()
+    assert re.search(r"rows\s+12400/20000 \(62.0%\)", text) and re.search(r"errors\s+17\b", text)
+    assert "running 256 waiting 1024 swapped 12" in text
+    assert max(len(line) for line in text.splitlines()) <= 80
 
 
 def test_helpers():

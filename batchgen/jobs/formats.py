@@ -58,7 +58,15 @@ def detect_format(source: str) -> str:
     if lines == 0 and source.lower().endswith(JSONL_SUFFIXES):
         raise JobInputError(f"{source} is empty (no JSON lines): there is nothing to run; check the file")
     if source.lower().endswith(JSONL_SUFFIXES):
-        raise JobInputError(f"{source} has no valid JSON object line in its first {SNIFF_LINES} lines")
+        with open(source, "rb") as f:
+            array = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+        hint = (
+            "; it looks like one JSON array: write one object per line (JSON lines), e.g. "
+            "`jq -c '.[]' in.json > in.jsonl`"
+            if array
+            else ""
+        )
+        raise JobInputError(f"{source} has no valid JSON object line in its first {SNIFF_LINES} lines{hint}")
     if source.lower().endswith(".parquet"):
         raise JobInputError(
             f"{source} is not a Parquet file (it does not start with the PAR1 magic bytes): "
@@ -144,6 +152,11 @@ def _content_text(content: Any) -> str | None:
     return None
 
 
+# The roles of OpenAI's chat API (and Llama 3's "ipython"): a chat template renders any string it is
+# given, so a typo such as "usr" would quietly make every prompt of a job a malformed one.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
 def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]:
     """Validate chat messages: a non-empty list of {"role": str, "content": str or text parts}.
 
@@ -165,6 +178,10 @@ def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]
             return None, (
                 f"field '{col}[{i}]' must be an object with a string 'role' and a 'content' that is a "
                 'string or a list of {"type": "text", "text": ...} parts (text only)'
+            )
+        if m["role"] not in CHAT_ROLES:
+            return None, (
+                f"field '{col}[{i}].role' is {m['role']!r}, not a chat role; use one of {', '.join(CHAT_ROLES)}"
             )
         if err := text_error(text, f"{col}[{i}]"):
             return None, err

@@ -161,8 +161,9 @@ class RowParser:
         self.id_column = id_column
         self.template_fields = template_fields
         self._seen_custom_ids: dict[int, int] = {}
-        used = (prompt_column, messages_column, id_column, *template_fields, *options.keep_columns)
-        self._data_columns = frozenset(c for c in used if c is not None)
+        prompt_columns = (prompt_column, messages_column, *template_fields)
+        self._prompt_columns = frozenset(c for c in prompt_columns if c is not None)
+        self._data_columns = self._prompt_columns | {c for c in (id_column, *options.keep_columns) if c}
         self._params_cache: dict[str, tuple[SamplingParams, int]] = {}
 
     def start(self) -> None:
@@ -236,6 +237,12 @@ class RowParser:
         """A row of a plain job (prompt / messages / template columns, optional sampling columns)."""
         rid = rec.get(self.id_column) if self.id_column else None
         keep = {c: rec.get(c) for c in self.options.keep_columns} or None
+        if "custom_id" in rec and "body" in rec and not any(c in rec for c in self._prompt_columns):
+            err = (
+                "this line is an OpenAI batch request (custom_id, body), but the file's first line is not; "
+                "a file holds one format, so put OpenAI batch lines in a file of their own"
+            )
+            return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         prompt, err = self._prompt_of(rec)
         if err is None:
             err = unapplied_field_error(rec, self._data_columns)

@@ -174,15 +174,21 @@ def test_messages_column(tmp_path):
             {"messages": []},
             {"messages": parts},
             {"messages": image},
+            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "usr", "content": "Hi"}]},
         ],
     )
-    a, b, c, d, e = read(p)
+    a, b, c, d, e, typo = read(p)
     assert a.prompt == msgs
     assert "'messages[0]' must be an object with a string 'role' and a 'content'" in b.error
     assert "null or empty" in c.error
     # OpenAI content parts: text parts become one string (joined by newlines, as vLLM does).
     assert d.error is None and d.prompt == [{"role": "user", "content": "Say\nyo"}]
     assert "(text only)" in e.error
+    # A chat template renders any role it is given: a typo would make a malformed prompt, not an error.
+    assert typo.error == (
+        "row 5 (line 6): field 'messages[1].role' is 'usr', not a chat role; use one of system, developer, "
+        "user, assistant, tool, function, ipython"
+    )
 
 
 def test_row_hash_is_stable_and_tracks_parameters(tmp_path):
@@ -358,6 +364,25 @@ def test_ids_that_are_not_text_are_written_as_json(tmp_path):
         [{"id": {"x": 1}, "prompt": "a"}, {"id": True, "prompt": "b"}, {"id": 3, "prompt": "c"}, {"id": 2.5}],
     )
     assert [r.id for r in read(p)] == ['{"x": 1}', "true", "3", "2.5"]
+
+
+def test_an_openai_batch_line_in_a_plain_file_is_named_as_one(tmp_path):
+    batch_line = {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p"}}
+    p = write_jsonl(tmp_path / "a.jsonl", [{"custom_id": "a", "prompt": "hi"}, batch_line])
+    good, mixed = read(p)
+    assert good.error is None and good.id == "a"
+    assert mixed.error == (
+        "row 1 (line 2): this line is an OpenAI batch request (custom_id, body), but the file's first "
+        "line is not; a file holds one format, so put OpenAI batch lines in a file of their own"
+    )
+    assert mixed.id == "b"
+
+
+def test_a_json_array_file_gets_a_hint(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=2))
+    with pytest.raises(JobInputError, match=r"it looks like one JSON array: write one object per line"):
+        JobReader(str(p))
 
 
 def test_row_with_both_prompt_and_messages_fails_that_row(tmp_path):

@@ -6,6 +6,7 @@ into `JobRow`s.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -86,14 +87,28 @@ def sniff_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
 
 
 def iter_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
-    """Yield (line_number, record, error) for each non-blank line; one bad line is one error."""
+    """Yield (line_number, record, error) for each non-blank line; one bad line is one error.
+
+    A line that is a JSON object but for bytes that are not UTF-8 comes with its error and its
+    record as best read (those bytes replaced by U+FFFD), so its row can still be named by its id;
+    any other bad line comes with None."""
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
                 rec = json.loads(raw.rstrip(b"\r\n"))
-            except (UnicodeDecodeError, ValueError) as e:
+            except UnicodeDecodeError as e:
+                salvaged = None
+                with contextlib.suppress(ValueError):
+                    salvaged = json.loads(raw.rstrip(b"\r\n").decode("utf-8", "replace"))
+                yield (
+                    line_number,
+                    salvaged if isinstance(salvaged, dict) else None,
+                    f"the line is not valid UTF-8 ({e}); re-save the file as UTF-8",
+                )
+                continue
+            except ValueError as e:
                 yield line_number, None, f"malformed JSON ({e}); fix the line so it is one JSON object"
                 continue
             if not isinstance(rec, dict):

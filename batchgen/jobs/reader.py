@@ -304,7 +304,7 @@ class JobReader:
             make = parser.openai_row if self.format == "openai" else parser.plain_row
             for row_index, (line_number, rec, err) in enumerate(iter_jsonl(self.source)):
                 if err is not None:
-                    yield parser.error_row(row_index, line_number, None, err, raw=err)
+                    yield parser.error_row(row_index, line_number, parser.salvaged_id(rec), err, raw=err)
                 else:
                     yield make(row_index, line_number, rec)
             return

@@ -166,6 +166,14 @@ class RowParser:
         self._data_columns = self._prompt_columns | {c for c in (id_column, *options.keep_columns) if c}
         self._params_cache: dict[str, tuple[SamplingParams, int]] = {}
 
+    def salvaged_id(self, rec: dict | None) -> Any:
+        """The id of a record read with its invalid bytes replaced, when the id came through whole
+        (None otherwise: a damaged id would name no row of the input)."""
+        if rec is None:
+            return None
+        rid = rec.get(self.id_column or "custom_id")
+        return None if rid is None or "\ufffd" in to_json(rid) else rid
+
     def start(self) -> None:
         """Forget the custom_ids seen so far: a new pass over the input begins."""
         self._seen_custom_ids = {}

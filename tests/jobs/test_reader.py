@@ -46,6 +46,20 @@ def test_malformed_line_is_one_error_row_with_its_line_number(tmp_path):
     assert rows[0].error is None and rows[2].error is None and rows[2].line_number == 3
 
 
+def test_a_line_that_is_not_utf8_keeps_its_id_when_the_id_is_whole(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_bytes(
+        b'{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "caf\xe9"}\n{"id": "c\xff", "prompt": "x"}\n'
+    )
+    good, bad, bad_id = read(p)
+    assert good.error is None
+    assert (bad.id, bad.line_number) == ("b", 2) and bad.error.startswith(
+        "row 1 (line 2): the line is not valid UTF-8 ("
+    )
+    assert bad.error.endswith("re-save the file as UTF-8")
+    assert bad_id.id is None and "not valid UTF-8" in bad_id.error  # a damaged id names no input row
+
+
 def test_row_index_as_id_when_no_id_column(tmp_path):
     rows = read(write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a"}, {"prompt": "b"}]))
     assert [r.id for r in rows] == ["0", "1"]

@@ -113,6 +113,11 @@ def printable(value: Any) -> Any:
     return value
 
 
+def _whole(value: Any) -> bool:
+    """A float that holds a whole number (Parquet and pandas store integer columns with nulls as floats)."""
+    return isinstance(value, float) and value.is_integer()
+
+
 def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset()) -> str | None:
     """The error for a record that sets a generation parameter batchgen does not apply (see
     `UNAPPLIED_COLUMNS`), or None. Null, false, empty and neutral values (n=1, penalties 0) pass, and
@@ -223,23 +228,37 @@ class RowParser:
             return hit[0], hit[1], None
         merged = dict(self.options.defaults)
         for k, v in overrides:
-            if k in _INT_FIELDS and isinstance(v, float) and v.is_integer():
-                v = int(v)
-            merged[k] = v
+            merged[k] = int(v) if k in _INT_FIELDS and _whole(v) else v
         try:
             params = SamplingParams(**merged)
         except (ValueError, TypeError) as e:
-            bad = [k for k, _ in overrides if k in str(e)]
-            fld = f"field '{bad[0]}'" if bad else "sampling fields"
-            return (
-                None,
-                0,
-                f"invalid sampling value in {fld}: {e}; fix the value or remove it to use the default",
-            )
+            return None, 0, self._sampling_errors(overrides, e)
         if len(self._params_cache) >= 4096:  # bounded: per-row seeds would otherwise fill it
             self._params_cache.clear()
         self._params_cache[key] = (params, stable_hash(params.to_dict()))
         return params, self._params_cache[key][1], None
+
+    def _sampling_errors(self, overrides: tuple[tuple[str, Any], ...], first: Exception) -> str:
+        """The message for overrides SamplingParams refused with `first`: that error, then every
+        other field that fails on its own (checked alone on the defaults), so a row with two bad
+        values is fixed in one go rather than in two reruns."""
+        named = [k for k, _ in overrides if k in str(first)]
+        message = (
+            f"invalid sampling value in {f'field {named[0]!r}' if named else 'sampling fields'}: {first}"
+        )
+        for k, v in overrides:
+            if named and k == named[0]:
+                continue
+            try:
+                SamplingParams(
+                    **{**self.options.defaults, k: int(v) if k in _INT_FIELDS and _whole(v) else v}
+                )
+            except (ValueError, TypeError) as e:
+                # A rule between two fields (min_tokens <= max_tokens) checked against a default
+                # would name a value the row does not have.
+                if not any(other in str(e) for other in SAMPLING_COLUMNS if other != k):
+                    message += f"; and in field '{k}': {e}"
+        return message + "; fix the value or remove it to use the default"
 
     def plain_row(self, row_index: int, line_number: int | None, rec: dict) -> JobRow:
         """A row of a plain job (prompt / messages / template columns, optional sampling columns)."""

@@ -133,6 +133,20 @@ def test_invalid_sampling_value_names_row_line_and_field(tmp_path, row, field):
     assert r.sampling_params is None and r.prompt is None
 
 
+def test_every_bad_sampling_value_of_a_row_is_named_at_once(tmp_path):
+    rows = [
+        {"prompt": "x", "temperature": -1, "max_tokens": "ten"},
+        {"prompt": "x", "min_tokens": 50, "max_tokens": 5},  # a rule between two fields: named once
+    ]
+    both, pair = read(write_jsonl(tmp_path / "a.jsonl", rows), defaults={"max_tokens": 16})
+    assert both.error == (
+        "row 0 (line 1): invalid sampling value in field 'temperature': temperature must be >= 0, got -1; "
+        "and in field 'max_tokens': max_tokens must be an integer, got 'ten'; fix the value or remove it "
+        "to use the default"
+    )
+    assert pair.error.count("must be <=") == 1 and "min_tokens (50) must be <= max_tokens (5)" in pair.error
+
+
 @pytest.mark.parametrize("value", [None, "", "   "])
 def test_null_or_empty_prompt_is_an_error_row(tmp_path, value):
     (r,) = read(write_jsonl(tmp_path / "a.jsonl", [{"prompt": value}]))

@@ -23,16 +23,8 @@ from batchgen.jobs.formats import (  # noqa: F401  (re-exported: the reader's pu
     parse_hf_reference,
     sniff_jsonl,
 )
-from batchgen.jobs.rows import (  # noqa: F401  (re-exported)
-    OPENAI_BODY_FIELDS,
-    OPENAI_ENDPOINTS,
-    SAMPLING_COLUMNS,
-    UNAPPLIED_COLUMNS,
-    JobRow,
-    RowParser,
-    row_label,
-    stable_hash,
-)
+from batchgen.jobs.row_sampling import SAMPLING_COLUMNS, UNAPPLIED_COLUMNS
+from batchgen.jobs.rows import JobRow, RowParser
 
 
 @dataclass

@@ -8,43 +8,14 @@ error row naming the row, the field and the fix, never an exception that stops t
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from batchgen.jobs.formats import LONE_SURROGATE, check_messages, is_utf8, text_error
 from batchgen.jobs.json_lines import to_json
+from batchgen.jobs.row_sampling import SAMPLING_COLUMNS, RowSampling, stable_hash, unapplied_field_error
 from batchgen.sampling_params import SamplingParams
 
-SAMPLING_COLUMNS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "min_tokens",
-    "ignore_eos",
-    "priority",
-)
-_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority"})
-# Generation parameters of vLLM's SamplingParams and OpenAI's API that batchgen does not apply. A row
-# of a plain job that sets one (to anything but its neutral value) is an error row: ignoring it would
-# silently give another output than the row asks for. Names that are as likely to be data (`n`,
-# `tools`) are left out here; OpenAI batch bodies check every field (`OPENAI_BODY_FIELDS`).
-UNAPPLIED_COLUMNS = {
-    "best_of": 1,
-    "logprobs": None,
-    "top_logprobs": None,
-    "prompt_logprobs": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
-    "logit_bias": None,
-}
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -87,14 +58,6 @@ def row_label(row_index: int, line_number: int | None) -> str:
     return f"row {row_index}" if line_number is None else f"row {row_index} (line {line_number})"
 
 
-def stable_hash(obj: Any) -> int:
-    """Signed 64-bit blake2b hash of `obj`'s canonical JSON (stable across runs and machines).
-
-    Lone surrogates (from JSON `\\ud800` escapes) are hashed as they are, never an error."""
-    data = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
-
-
 def id_text(value: Any) -> str:
     """The output `id` of an input id: text as it is, a number as written, anything else (true,
     an object, a list) as JSON rather than Python's repr."""
@@ -111,32 +74,6 @@ def printable(value: Any) -> Any:
     if isinstance(value, str):
         return value.encode("utf-8", "backslashreplace").decode("utf-8")
     return value
-
-
-def _whole(value: Any) -> bool:
-    """A float that holds a whole number (Parquet and pandas store integer columns with nulls as floats)."""
-    return isinstance(value, float) and value.is_integer()
-
-
-def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset()) -> str | None:
-    """The error for a record that sets a generation parameter batchgen does not apply (see
-    `UNAPPLIED_COLUMNS`), or None. Null, false, empty and neutral values (n=1, penalties 0) pass, and
-    so do `data_columns`: the columns the job uses as data (template fields, kept columns)."""
-    for name, neutral in UNAPPLIED_COLUMNS.items():
-        if name in data_columns:
-            continue
-        value = rec.get(name)
-        if value is None or value is False or value == neutral or (value == 0 and neutral is None):
-            continue
-        if isinstance(value, list | dict) and not value:
-            continue
-        return (
-            f"field '{name}' is {to_json(value)}, but batchgen does not apply {name} (the output would "
-            f"not be what the row asks for); remove the column, set it to null"
-            + (f" or {neutral}" if neutral is not None else "")
-            + f", or pass --keep-columns {name} if it is data, not a parameter"
-        )
-    return None
 
 
 class RowParser:
@@ -169,7 +106,7 @@ class RowParser:
         prompt_columns = (prompt_column, messages_column, *template_fields)
         self._prompt_columns = frozenset(c for c in prompt_columns if c is not None)
         self._data_columns = self._prompt_columns | {c for c in (id_column, *options.keep_columns) if c}
-        self._params_cache: dict[str, tuple[SamplingParams, int]] = {}
+        self._sampling = RowSampling(options.defaults).resolve
 
     def salvaged_id(self, rec: dict | None) -> Any:
         """The id of a record read with its invalid bytes replaced, when the id came through whole
@@ -215,50 +152,6 @@ class RowParser:
         """The id of a row without one: its index when the input has no id column at all; None when
         it has one (the index could equal another row's real id)."""
         return str(row_index) if self.row_index_ids and self.id_column is None else None
-
-    def _sampling(self, values: dict[str, Any]) -> tuple[SamplingParams | None, int, str | None]:
-        """(params, hash of params, None) or (None, 0, error) for the defaults plus a row's overrides.
-
-        Rows with the same overrides share one (read-only) SamplingParams, so the common case of no
-        overrides costs a dict lookup instead of a validation per row."""
-        overrides = tuple((k, v) for k, v in values.items() if v is not None)
-        key = repr(overrides)
-        hit = self._params_cache.get(key)
-        if hit is not None:
-            return hit[0], hit[1], None
-        merged = dict(self.options.defaults)
-        for k, v in overrides:
-            merged[k] = int(v) if k in _INT_FIELDS and _whole(v) else v
-        try:
-            params = SamplingParams(**merged)
-        except (ValueError, TypeError) as e:
-            return None, 0, self._sampling_errors(overrides, e)
-        if len(self._params_cache) >= 4096:  # bounded: per-row seeds would otherwise fill it
-            self._params_cache.clear()
-        self._params_cache[key] = (params, stable_hash(params.to_dict()))
-        return params, self._params_cache[key][1], None
-
-    def _sampling_errors(self, overrides: tuple[tuple[str, Any], ...], first: Exception) -> str:
-        """The message for overrides SamplingParams refused with `first`: that error, then every
-        other field that fails on its own (checked alone on the defaults), so a row with two bad
-        values is fixed in one go rather than in two reruns."""
-        named = [k for k, _ in overrides if k in str(first)]
-        message = (
-            f"invalid sampling value in {f'field {named[0]!r}' if named else 'sampling fields'}: {first}"
-        )
-        for k, v in overrides:
-            if named and k == named[0]:
-                continue
-            try:
-                SamplingParams(
-                    **{**self.options.defaults, k: int(v) if k in _INT_FIELDS and _whole(v) else v}
-                )
-            except (ValueError, TypeError) as e:
-                # A rule between two fields (min_tokens <= max_tokens) checked against a default
-                # would name a value the row does not have.
-                if not any(other in str(e) for other in SAMPLING_COLUMNS if other != k):
-                    message += f"; and in field '{k}': {e}"
-        return message + "; fix the value or remove it to use the default"
 
     def plain_row(self, row_index: int, line_number: int | None, rec: dict) -> JobRow:
         """A row of a plain job (prompt / messages / template columns, optional sampling columns)."""

@@ -1,0 +1,126 @@
+"""Per-row sampling parameters of a job: which columns set them, and a row's values on top of the
+command's defaults (`RowSampling`), or the error naming every bad field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from batchgen.jobs.json_lines import to_json
+from batchgen.sampling_params import SamplingParams
+
+SAMPLING_COLUMNS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "ignore_eos",
+    "priority",
+)
+_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority"})
+# Generation parameters of vLLM's SamplingParams and OpenAI's API that batchgen does not apply. A row
+# of a plain job that sets one (to anything but its neutral value) is an error row: ignoring it would
+# silently give another output than the row asks for. Names that are as likely to be data (`n`,
+# `tools`) are left out here; OpenAI batch bodies check every field (`OPENAI_BODY_FIELDS`).
+UNAPPLIED_COLUMNS = {
+    "best_of": 1,
+    "logprobs": None,
+    "top_logprobs": None,
+    "prompt_logprobs": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "logit_bias": None,
+}
+
+
+def stable_hash(obj: Any) -> int:
+    """Signed 64-bit blake2b hash of `obj`'s canonical JSON (stable across runs and machines).
+
+    Lone surrogates (from JSON `\\ud800` escapes) are hashed as they are, never an error."""
+    data = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
+
+
+def _whole(value: Any) -> bool:
+    """A float that holds a whole number (Parquet and pandas store integer columns with nulls as floats)."""
+    return isinstance(value, float) and value.is_integer()
+
+
+def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset()) -> str | None:
+    """The error for a record that sets a generation parameter batchgen does not apply (see
+    `UNAPPLIED_COLUMNS`), or None. Null, false, empty and neutral values (n=1, penalties 0) pass, and
+    so do `data_columns`: the columns the job uses as data (template fields, kept columns)."""
+    for name, neutral in UNAPPLIED_COLUMNS.items():
+        if name in data_columns:
+            continue
+        value = rec.get(name)
+        if value is None or value is False or value == neutral or (value == 0 and neutral is None):
+            continue
+        if isinstance(value, list | dict) and not value:
+            continue
+        return (
+            f"field '{name}' is {to_json(value)}, but batchgen does not apply {name} (the output would "
+            f"not be what the row asks for); remove the column, set it to null"
+            + (f" or {neutral}" if neutral is not None else "")
+            + f", or pass --keep-columns {name} if it is data, not a parameter"
+        )
+    return None
+
+
+class RowSampling:
+    """Builds a row's `SamplingParams`: the command's `defaults` (SamplingParams keyword arguments)
+    with the row's non-null values on top, validated once per distinct set of values."""
+
+    def __init__(self, defaults: dict[str, Any]) -> None:
+        self.defaults = dict(defaults)
+        self._cache: dict[str, tuple[SamplingParams, int]] = {}
+
+    def resolve(self, values: dict[str, Any]) -> tuple[SamplingParams | None, int, str | None]:
+        """(params, hash of params, None) or (None, 0, error) for the defaults plus a row's overrides.
+
+        Rows with the same overrides share one (read-only) SamplingParams, so the common case of no
+        overrides costs a dict lookup instead of a validation per row."""
+        overrides = tuple((k, v) for k, v in values.items() if v is not None)
+        key = repr(overrides)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit[0], hit[1], None
+        merged = dict(self.defaults)
+        for k, v in overrides:
+            merged[k] = int(v) if k in _INT_FIELDS and _whole(v) else v
+        try:
+            params = SamplingParams(**merged)
+        except (ValueError, TypeError) as e:
+            return None, 0, self._errors(overrides, e)
+        if len(self._cache) >= 4096:  # bounded: per-row seeds would otherwise fill it
+            self._cache.clear()
+        self._cache[key] = (params, stable_hash(params.to_dict()))
+        return params, self._cache[key][1], None
+
+    def _errors(self, overrides: tuple[tuple[str, Any], ...], first: Exception) -> str:
+        """The message for overrides SamplingParams refused with `first`: that error, then every
+        other field that fails on its own (checked alone on the defaults), so a row with two bad
+        values is fixed in one go rather than in two reruns."""
+        named = [k for k, _ in overrides if k in str(first)]
+        message = (
+            f"invalid sampling value in {f'field {named[0]!r}' if named else 'sampling fields'}: {first}"
+        )
+        for k, v in overrides:
+            if named and k == named[0]:
+                continue
+            try:
+                SamplingParams(**{**self.defaults, k: int(v) if k in _INT_FIELDS and _whole(v) else v})
+            except (ValueError, TypeError) as e:
+                # A rule between two fields (min_tokens <= max_tokens) checked against a default
+                # would name a value the row does not have.
+                if not any(other in str(e) for other in SAMPLING_COLUMNS if other != k):
+                    message += f"; and in field '{k}': {e}"
+        return message + "; fix the value or remove it to use the default"

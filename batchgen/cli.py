@@ -215,8 +215,13 @@ def _run_with_stop_handlers(options: JobOptions) -> None:
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     if summary.already_complete:
+        errors = (
+            f", {summary.rows_error} of its {summary.rows_done} rows are error rows"
+            if summary.rows_error
+            else ""
+        )
         typer.echo(
-            f"{summary.output_path} is already complete (same input and settings); --overwrite redoes it"
+            f"{summary.output_path} is already complete (same input and settings){errors}; --overwrite redoes it"
         )
     if summary.interrupted:  # the shell's convention: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM)
         raise typer.Exit(128 + (summary.stop_signal or signal.SIGINT))

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pyarrow as pa
+
 from batchgen.config import EngineConfig, resolve_device
 from batchgen.jobs.options import (
     JobOptions,
@@ -30,7 +32,7 @@ from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions
 from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
 from batchgen.jobs.resume import make_header, prepare_output
 from batchgen.jobs.window import LookaheadWindow
-from batchgen.jobs.writer import PartWriter, finalize_output
+from batchgen.jobs.writer import PartWriter, count_output_errors, finalize_output
 from batchgen.model.fingerprint import model_fingerprint
 from batchgen.sampling_params import SamplingParams
 from batchgen.stop_signals import STOP_SIGNALS
@@ -160,6 +162,18 @@ class _Interrupt:
             signal.signal(s, previous)
 
 
+def _finished_summary(output: str, fmt: str, reader: JobReader) -> JobSummary:
+    """The summary of a job whose output was already complete: its ok and error rows are counted
+    from the output, so a rerun of a job whose every row failed still reports (and exits) so."""
+    summary = JobSummary(output, reader.count_rows() or 0, complete=True, already_complete=True)
+    try:
+        rows, summary.rows_error, summary.first_error = count_output_errors(output, fmt)
+    except (OSError, ValueError, pa.ArrowException):  # unreadable: report it complete, uncounted
+        return summary
+    summary.rows_ok = rows - summary.rows_error
+    return summary
+
+
 def run_job(
     options: JobOptions,
     engine_factory: Callable[[EngineConfig], Any] | None = None,
@@ -219,7 +233,7 @@ def run_job(
         validate_job(reader)
     state = prepare_output(output, header, options.overwrite)
     if state.complete:
-        return JobSummary(output, reader.count_rows() or 0, complete=True, already_complete=True)
+        return _finished_summary(output, fmt, reader)
     try:
         total = reader.count_rows()
         if dashboard is None:

@@ -282,3 +282,36 @@ def remove_parts(state: ResumeState) -> None:
     if os.path.isdir(state.parts_dir):
         delete_parts_dir(state.parts_dir)
     state.release()
+
+
+def count_output_errors(output_path: str, output_format: str) -> tuple[int, int, str | None]:
+    """Rows, error rows and the first error message of a finished output, so that the rerun of a
+    finished job reports its error rows as the run that wrote it did.
+
+    Reads only the `finish_reason` and `error` columns of Parquet; JSONL lines one at a time.
+
+    Raises:
+        OSError, pyarrow.ArrowInvalid, ValueError: the output cannot be read.
+    """
+    if output_format == "parquet":
+        t = pq.read_table(output_path, columns=["finish_reason", "error"])
+        failed = pc.fill_null(pc.equal(t["finish_reason"], "error"), False)
+        errors = t["error"].filter(failed)
+        first = next((e for e in errors.to_pylist() if e), None)
+        return t.num_rows, int(pc.sum(failed).as_py() or 0), first
+    rows, n_errors, first = 0, 0, None
+    with open(output_path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            rows += 1
+            record = json.loads(line)
+            if output_format == "openai":
+                err = record.get("error")
+                failed, message = err is not None, err.get("message") if isinstance(err, dict) else None
+            else:
+                message, failed = record.get("error"), record.get("finish_reason") == "error"
+            if failed:
+                n_errors += 1
+                first = first or message
+    return rows, n_errors, first

@@ -288,6 +288,11 @@ def test_error_rows_are_summarised_and_a_job_of_only_errors_exits_3(tmp_path, ti
     r = invoke(str(src), *engine_args(tiny))
     assert r.exit_code == 0, r.output
     assert "error rows: 1 this run" in r.stdout and "row 1 (line 2)" in r.stdout
+    r = invoke(str(src), *engine_args(tiny))
+    assert (
+        r.exit_code == 0
+        and "already complete (same input and settings), 1 of its 2 rows are error rows" in r.stdout
+    )
     # A 4 KiB KV cache (16 tokens of the tiny model) holds none of these prompts: every row fails, the
     # command's problem, so a script checking the exit code must see it. The output is still written.
     src.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:3]) + "\n")
@@ -298,8 +303,40 @@ def test_error_rows_are_summarised_and_a_job_of_only_errors_exits_3(tmp_path, ti
     assert "give the KV cache more memory" in r.stderr and "raise --max-model-len" not in r.stderr
     rows = pq.read_table(tmp_path / "job.out.parquet").to_pylist()
     assert [x["finish_reason"] for x in rows] == ["error"] * 3
-    # Rerunning the finished job reports it complete, not a failure.
-    assert invoke(str(src), *args).exit_code == 0
+    # Rerunning the finished job reports it complete, and still as a failure a script must see.
+    r = invoke(str(src), *args)
+    assert (
+        r.exit_code == 3 and "already complete" in r.stdout and "every one of the 3 rows failed" in r.stderr
+    )
+
+
+def test_error_rows_are_counted_in_every_output_format(tmp_path):
+    from batchgen.jobs.json_lines import openai_record, to_json
+    from batchgen.jobs.writer import count_output_errors
+
+    base = {"row_hash": 7, "endpoint": "chat", "created": 0, "output": "hi", "prompt_tokens": 3}
+    rows = [
+        {**base, "id": "a", "finish_reason": "stop", "error": None, "completion_tokens": 1},
+        {**base, "id": "b", "finish_reason": "error", "error": "row 1 (line 2): bad", "completion_tokens": 0},
+        {
+            **base,
+            "id": "c",
+            "finish_reason": "error",
+            "error": "row 2 (line 3): worse",
+            "completion_tokens": 0,
+        },
+    ]
+    plain, openai = tmp_path / "out.jsonl", tmp_path / "out.openai.jsonl"
+    plain.write_text("".join(to_json(r) + "\n" for r in rows))
+    openai.write_text("".join(to_json(openai_record(r, "m")) + "\n" for r in rows))
+    pq.write_table(
+        pa.Table.from_pylist([{k: r[k] for k in ("id", "finish_reason", "error")} for r in rows]),
+        tmp_path / "out.parquet",
+    )
+    expected = (3, 2, "row 1 (line 2): bad")
+    assert count_output_errors(str(plain), "jsonl") == expected
+    assert count_output_errors(str(openai), "openai") == expected
+    assert count_output_errors(str(tmp_path / "out.parquet"), "parquet") == expected
 
 
 def test_output_suffixes_are_matched_in_any_case():

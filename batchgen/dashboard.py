@@ -228,12 +228,16 @@ class Dashboard:
             completed=self.rows_done,
             width=max(10, min(60, self.console.width - 8)),
         )
+        # A ProgressBar ends without a line break, so on its own in a Group the table's first row
+        # would continue its line (cropped at the panel's edge); a one-cell grid ends the line.
+        bar_line = Table.grid()
+        bar_line.add_row(bar)
         history = Table.grid(padding=(0, 1))
         history.add_column(style="dim", justify="right")
         history.add_column(style="green")
         history.add_row("batch size", sparkline(list(self._batch_history)))
         history.add_row("gen tok/s", sparkline(list(self._rate_history)))
-        return Panel(Group(bar, table, history), title="batchgen run", border_style="blue")
+        return Panel(Group(bar_line, table, history), title="batchgen run", border_style="blue")
 
     def print_summary(self, summary: Any) -> None:
         """Print the end-of-run summary to the console (stdout): rows ok / error, tokens, wall time,

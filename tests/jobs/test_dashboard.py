@@ -132,6 +132,18 @@ def test_a_narrow_terminal_shows_every_field_whole():
     assert max(len(line) for line in text.splitlines()) <= 80
 
 
+def test_the_progress_bar_has_a_line_of_its_own():
+    """A ProgressBar ends without a line break: the rows field used to continue the bar's line, cropped
+    to "rows 10" at the panel's edge."""
+    console = Console(record=True, force_terminal=True, width=80, color_system="standard")
+    d = Dashboard(200000, live=True, console=console)
+    d.update(100000, 0, None, None)
+    console.print(d.render())
+    lines = console.export_text().splitlines()
+    assert set(lines[1].strip("│ ")) <= set("━╺╸"), lines[1]
+    assert re.fullmatch(r"│\s+rows\s+100000/200000 \(50.0%\)\s+│", lines[2]), lines[2]
+
+
 def test_helpers():
     assert sparkline([0, 1, 2, 4]) == "▁▃▅█" and sparkline([]) == "" and sparkline([0, 0]) == "▁▁"
     assert (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 from batchgen.jobs.json_lines import to_json
@@ -66,8 +67,12 @@ def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset())
             continue
         if isinstance(value, list | dict) and not value:
             continue
+        if isinstance(value, dict) and all(v == 0 for v in value.values()):  # a logit_bias of zeros
+            continue
+        # to_json writes NaN and infinities as null, which would misname the value
+        shown = repr(value) if isinstance(value, float) and not math.isfinite(value) else to_json(value)
         return (
-            f"field '{name}' is {to_json(value)}, but batchgen does not apply {name} (the output would "
+            f"field '{name}' is {shown}, but batchgen does not apply {name} (the output would "
             f"not be what the row asks for); remove the column, set it to null"
             + (f" or {neutral}" if neutral is not None else "")
             + f", or pass --keep-columns {name} if it is data, not a parameter"

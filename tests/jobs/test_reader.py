@@ -111,6 +111,14 @@ def test_a_set_parameter_that_batchgen_does_not_apply_fails_the_row(tmp_path):
         "best_of if it is data, not a parameter"
     )
     assert "field 'presence_penalty' is 0.5" in c.error and "field 'logprobs' is 5" in d.error
+    # NaN is named as NaN (JSON has no NaN: it would read "is null"); a logit_bias of zeros is neutral.
+    pq.write_table(
+        pa.table({"prompt": ["f", "g"], "presence_penalty": [float("nan"), None]}), tmp_path / "n.parquet"
+    )
+    f, g = read(str(tmp_path / "n.parquet"))
+    assert "field 'presence_penalty' is nan, but" in f.error and g.error is None
+    (h,) = read(write_jsonl(tmp_path / "z.jsonl", [{"prompt": "h", "logit_bias": {"50": 0, "7": 0.0}}]))
+    assert h.error is None
     # A column the job uses as data (a template field, a kept column) is not a parameter.
     p = write_jsonl(tmp_path / "b.jsonl", [{"q": "x", "logprobs": 4, "logit_bias": {"1": 2}}])
     (r,) = read(p, template="{q} ({logprobs})", keep_columns=("logit_bias",))

@@ -51,6 +51,8 @@ def detect_format(source: str) -> str:
         head = f.read(4)
     if head == b"PAR1":
         return "parquet"
+    if source.lower().endswith(JSONL_SUFFIXES) and _opens_json_array(source):
+        raise JobInputError(f"{source} is one JSON array, not JSON lines{ARRAY_HINT}")
     lines = 0
     for _, rec, _ in sniff_jsonl(source):
         lines += 1
@@ -61,12 +63,7 @@ def detect_format(source: str) -> str:
     if source.lower().endswith(JSONL_SUFFIXES):
         with open(source, "rb") as f:
             array = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
-        hint = (
-            "; it looks like one JSON array: write one object per line (JSON lines), e.g. "
-            "`jq -c '.[]' in.json > in.jsonl`"
-            if array
-            else ""
-        )
+        hint = f"; it looks like one JSON array{ARRAY_HINT}" if array else ""
         raise JobInputError(f"{source} has no valid JSON object line in its first {SNIFF_LINES} lines{hint}")
     if source.lower().endswith(".parquet"):
         raise JobInputError(
@@ -74,6 +71,28 @@ def detect_format(source: str) -> str:
             "the file is damaged or was not written as Parquet"
         )
     raise JobInputError(f"unknown input format: {source}; {FORMATS_HELP}")
+
+
+ARRAY_HINT = ": write one object per line (JSON lines), e.g. `jq -c '.[]' in.json > in.jsonl`"
+
+
+def _opens_json_array(path: str) -> bool:
+    """Whether the file's first non-blank line opens a JSON array it does not close (`[` alone, or
+    `[{...},`): a pretty-printed array, which read as JSON lines would run its one-line objects as
+    rows and every other line as an error row."""
+    with open(path, "rb") as f:
+        for raw in f:
+            line = raw.lstrip(b"\xef\xbb\xbf").strip()
+            if not line:
+                continue
+            if not line.startswith(b"["):
+                return False
+            try:
+                json.loads(line)
+            except ValueError:
+                return True
+            return False
+    return False
 
 
 def sniff_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:

@@ -416,9 +416,20 @@ def test_an_openai_batch_line_in_a_plain_file_is_named_as_one(tmp_path):
 
 def test_a_json_array_file_gets_a_hint(tmp_path):
     p = tmp_path / "a.jsonl"
-    p.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=2))
+    rows = [{"prompt": "a"}, {"prompt": "b"}]
+    p.write_text(json.dumps(rows))  # one line
     with pytest.raises(JobInputError, match=r"it looks like one JSON array: write one object per line"):
         JobReader(str(p))
+    # Pretty-printed, with one object a line: its last object parses as a JSON line, so the file
+    # used to run as that one row and an error row for every other line.
+    for text in (json.dumps(rows, indent=2), "[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n"):
+        p.write_text(text)
+        with pytest.raises(JobInputError, match=r"is one JSON array, not JSON lines: write one object per"):
+            JobReader(str(p))
+    # A line that is a whole array is one error row of a JSON lines file, not a reason to refuse it.
+    p.write_text('[1, 2]\n{"prompt": "c"}\n')
+    bad, good = read(str(p))
+    assert "line is a JSON list, not an object" in bad.error and good.prompt == "c"
 
 
 def test_row_with_both_prompt_and_messages_fails_that_row(tmp_path):

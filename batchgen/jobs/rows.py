@@ -239,6 +239,12 @@ class RowParser:
 
         if isinstance(cid, str) and cid and usable_cid is None:
             return fail(f"field 'custom_id' {LONE_SURROGATE}; fix it")
+        if "custom_id" not in rec and "body" not in rec and ("prompt" in rec or "messages" in rec):
+            return fail(
+                "this line is a plain request (prompt or messages), but the file's first line is an "
+                "OpenAI batch request; a file holds one format, so put plain lines in a file of their own "
+                'or wrap this one as {"custom_id": ..., "method": "POST", "url": ..., "body": {...}}'
+            )
         if not isinstance(cid, str) or not cid:
             return fail(
                 "field 'custom_id' is missing or not a non-empty string; give each request a unique id"

@@ -414,6 +414,21 @@ def test_an_openai_batch_line_in_a_plain_file_is_named_as_one(tmp_path):
     assert mixed.id == "b"
 
 
+def test_a_plain_line_in_an_openai_batch_file_is_named_as_one(tmp_path):
+    batch_line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p"}}
+    p = write_jsonl(tmp_path / "a.jsonl", [batch_line, {"prompt": "plain"}, {"custom_id": "c"}])
+    good, plain, broken = read(p)
+    assert good.error is None
+    assert plain.error.startswith(
+        "row 1 (line 2): this line is a plain request (prompt or messages), but the file's first line is "
+        "an OpenAI batch request; a file holds one format"
+    )
+    assert (
+        broken.error
+        == "row 2 (line 3): field 'url' is None; use one of /v1/chat/completions, /v1/completions"
+    )
+
+
 def test_a_json_array_file_gets_a_hint(tmp_path):
     p = tmp_path / "a.jsonl"
     rows = [{"prompt": "a"}, {"prompt": "b"}]

@@ -83,7 +83,7 @@ def bench_command(
     repeat: Annotated[
         int,
         typer.Option(
-            help="Runs per configuration, interleaved (each round starts one configuration later); the median run is reported."
+            help="Runs per configuration, interleaved (each round starts one configuration later); the median run is reported (with an even count, the faster of the two middle runs: with 2, the faster run)."
         ),
     ] = 1,
     warmup_run: Annotated[

@@ -291,7 +291,7 @@ def median_run(runs: list[RunResult]) -> RunResult:
     order = sorted(range(len(runs)), key=walls.__getitem__)
     chosen = runs[order[(len(runs) - 1) // 2]]
     chosen.extra["runs_wall_s"] = [round(w, 3) for w in walls]
-    which = "median" if len(runs) % 2 else "lower of the two middle"
+    which = "median" if len(runs) % 2 else "faster of the two middle runs" if len(runs) > 2 else "faster"
     chosen.notes.append(
         f"{chosen.name}: {which} of {len(runs)} runs by wall time; every run: "
         f"{', '.join(f'{w:.1f}' for w in walls)} s"

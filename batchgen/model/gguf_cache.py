@@ -56,6 +56,12 @@ def cached_gguf(gguf: Path, cache_dir: Path) -> Path:
     final = models / gguf_cache_key(gguf, models)
     if (final / "config.json").is_file():
         return final
+    # The same bytes under another file name (a renamed or copied .gguf) were converted already:
+    # the name is only there to make the cache readable, the digest is what identifies the model.
+    digest = final.name.rsplit("-", 1)[1]
+    for other in sorted(models.glob(f"*-{digest}")):
+        if not other.name.startswith(".") and (other / "config.json").is_file():
+            return other
     if final.exists():  # not written by us (renames are atomic): start over
         shutil.rmtree(final)
     models.mkdir(parents=True, exist_ok=True)

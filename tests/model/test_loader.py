@@ -278,6 +278,9 @@ def test_gguf_converted_once(fake_gguf, tmp_path):
     copy.parent.mkdir()
     shutil.copy(gguf, copy)
     assert resolve_model(str(copy), cache_dir=cache).path == first.path
+    renamed = tmp_path / "other-venv" / "renamed.gguf"  # the same bytes under another name
+    copy.rename(renamed)
+    assert resolve_model(str(renamed), cache_dir=cache).path == first.path
     os.utime(gguf, ns=(0, 10**18))  # touched, not changed: still the same entry
     assert resolve_model(str(gguf), cache_dir=cache).path == first.path
     assert len(conversions) == 1

@@ -91,10 +91,11 @@ def _row_prompt_and_max_tokens(row: dict[str, Any]) -> tuple[Any, int | None]:
     else:
         raise ValueError("row has no prompt, messages, prompt_token_ids or body.messages")
     for value in (
+        row.get("max_completion_tokens"),  # the newer name wins, as in `batchgen run`
         row.get("max_tokens"),
         sp.get("max_tokens"),
-        body.get("max_tokens"),
         body.get("max_completion_tokens"),
+        body.get("max_tokens"),
     ):
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):

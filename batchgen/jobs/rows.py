@@ -168,7 +168,8 @@ class RowParser:
             err = unapplied_field_error(rec, self._data_columns)
         if err is None:
             values = {k: rec.get(k) for k in SAMPLING_COLUMNS}
-            if values["max_tokens"] is None:  # OpenAI's newer name, as in batch lines
+            # OpenAI's newer name wins when set, as in batch lines (and in vLLM's OpenAI server)
+            if rec.get("max_completion_tokens") is not None:
                 values["max_tokens"] = rec.get("max_completion_tokens")
             params, params_hash, err = self._sampling(values)
         if err is not None:

@@ -92,7 +92,7 @@ def test_vllm_sampling_columns_and_max_completion_tokens(tmp_path):
     )
     a, b, c = (r.sampling_params for r in read(p, defaults={"max_tokens": 32}))
     assert (a.min_p, a.min_tokens, a.ignore_eos, a.stop_token_ids) == (0.1, 2, True, [7, 9])
-    assert (b.max_tokens, c.max_tokens) == (5, 3)
+    assert (b.max_tokens, c.max_tokens) == (5, 5)  # max_completion_tokens wins, as in OpenAI batch lines
 
 
 def test_a_set_parameter_that_batchgen_does_not_apply_fails_the_row(tmp_path):

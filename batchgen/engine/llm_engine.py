@@ -58,12 +58,14 @@ class LLMEngine:
                 f"max_model_len {config.max_model_len} exceeds the model's limit of {model_len} tokens"
             )
         capacity = num_blocks * self.block_size
+        more_memory = "kv_cache_memory" + (
+            " (or gpu_memory_utilization)" if self.device.type == "cuda" else ""
+        )
         if config.max_model_len is not None and config.max_model_len > capacity:
             # As vLLM: a cache that cannot hold one full-length sequence is a configuration error.
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {self.block_size}), fewer than "
-                f"max_model_len {config.max_model_len}: raise kv_cache_memory (or gpu_memory_utilization) "
-                "or lower max_model_len"
+                f"max_model_len {config.max_model_len}: raise {more_memory} or lower max_model_len"
             )
         self.max_model_len = min(config.max_model_len or model_len, capacity)
         # Said wherever max_model_len is quoted, so a too-small cache is not mistaken for a limit
@@ -72,7 +74,7 @@ class LLMEngine:
         if self.max_model_len < model_len and config.max_model_len is None:
             self.max_model_len_note = (
                 f" (lowered from the model's {model_len}: the KV cache holds only {capacity} tokens; "
-                "raise kv_cache_memory or gpu_memory_utilization)"
+                f"raise {more_memory})"
             )
             logger.warning("max_model_len is %d%s", self.max_model_len, self.max_model_len_note)
         self.max_num_batched_tokens = self._token_budget()

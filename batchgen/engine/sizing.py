@@ -40,7 +40,8 @@ def num_kv_blocks(
     else 1 GiB on a CPU.
 
     Raises:
-        ValueError: a CPU cache (plus swap space) larger than the memory available.
+        ValueError: a CPU cache (plus swap space) larger than the memory available; a
+            `kv_cache_memory` smaller than one block.
     """
     if device.type == "cuda" and config.kv_cache_memory is None:
         free, total = torch.cuda.mem_get_info(device)
@@ -51,7 +52,13 @@ def num_kv_blocks(
     if device.type == "cpu":
         swap = config.swap_bytes if config.preemption_mode == "swap" else 0
         check_fits_in_memory(config.kv_cache_bytes + swap)
-    return max(config.kv_cache_bytes // per_block, 1)
+    if config.kv_cache_bytes < per_block:  # rounding up to one block would use more than was given
+        raise ValueError(
+            f"kv_cache_memory is {config.kv_cache_bytes} bytes, less than one KV block of this model "
+            f"({per_block} bytes for block_size {config.block_size} tokens); give --kv-cache-memory at "
+            f"least {per_block} bytes (a useful cache holds thousands of tokens: 1GiB or more)"
+        )
+    return config.kv_cache_bytes // per_block
 
 
 def check_fits_in_memory(cache_bytes: int) -> None:

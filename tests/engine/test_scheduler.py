@@ -402,7 +402,15 @@ def test_request_larger_than_the_whole_cache_fails_alone(tiny_llama: Path) -> No
     _check_isolated_failures(outs, {1}, 4, 64)
     assert engine.block_manager.num_used_blocks == 0
     # The limit came from the cache, not from the user: the message says so and what to raise.
-    assert "the KV cache holds only 64 tokens; raise kv_cache_memory" in outs[1].error
+    assert "the KV cache holds only 64 tokens; raise kv_cache_memory)" in outs[1].error  # CPU: no GPU knob
+
+
+def test_a_kv_cache_smaller_than_one_block_is_refused(tiny_llama: Path) -> None:
+    per_block = kv_cache_bytes_per_block(AutoConfig.from_pretrained(tiny_llama), 16, torch.float32)
+    with pytest.raises(
+        ValueError, match=rf"kv_cache_memory is 1024 bytes, less than one KV block .*{per_block}"
+    ):
+        LLM(str(tiny_llama), dtype="float32", block_size=16, kv_cache_memory=1024, num_threads=1)
 
 
 def test_explicit_max_model_len_larger_than_the_cache_is_refused(tiny_llama: Path) -> None:

@@ -44,7 +44,11 @@ Model = Annotated[
     str | None, typer.Option(help="HF directory, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
 ]
 Dtype = Annotated[
-    str, typer.Option(help=choices(DTYPES) + "; auto: bfloat16 (float16 for a float16 checkpoint on CUDA)")
+    str,
+    typer.Option(
+        help=choices(DTYPES)
+        + "; auto: bfloat16 (float16 for a float16 checkpoint on CUDA; float32 on a CPU without native bf16)"
+    ),
 ]
 MaxNumSeqs = Annotated[int, typer.Option(help="Most sequences per step")]
 MaxNumBatchedTokens = Annotated[int | None, typer.Option(help="Most tokens per step")]

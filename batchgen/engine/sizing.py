@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.config import EngineConfig
+from batchgen.model.cpu_linear import cpu_has_native_bf16
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -18,8 +19,10 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
 
     "auto" runs 16-bit, as vLLM's "auto" does (it downcasts float32 checkpoints too): float16 for a
     float16 checkpoint on CUDA, bfloat16 for everything else, float32 checkpoints included (the
-    default model's GGUF file is dequantized to float32 but was trained in 16-bit). Pass "float32"
-    for full precision.
+    default model's GGUF file is dequantized to float32 but was trained in 16-bit). The exception is
+    a CPU without native bf16 (`cpu_has_native_bf16`: no AVX-512 bf16 or AMX), where bf16 matmuls
+    are emulated at about an eighth of the float32 rate: "auto" runs float32 there. Pass "float32"
+    for full precision anywhere.
 
     Raises:
         KeyError: `name` is not "auto", "float32", "bfloat16" or "float16" (`EngineConfig` checks it first).
@@ -29,6 +32,8 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if str(stored).replace("torch.", "") == "float16" and device.type == "cuda":
         return torch.float16
+    if device.type == "cpu" and not cpu_has_native_bf16():
+        return torch.float32
     return torch.bfloat16
 
 

@@ -1,9 +1,11 @@
-"""`--dtype auto`: 16-bit like vLLM's auto, whatever the checkpoint stores."""
+"""`--dtype auto`: 16-bit like vLLM's auto, whatever the checkpoint stores, except float32 on a CPU
+that would only emulate bf16."""
 
 import pytest
 import torch
 from transformers import LlamaConfig
 
+from batchgen.engine import sizing
 from batchgen.engine.sizing import resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -20,11 +22,23 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
         (None, CPU, torch.bfloat16),
     ],
 )
-def test_auto_dtype(stored, device, expected):
+def test_auto_dtype(stored, device, expected, monkeypatch):
+    monkeypatch.setattr(sizing, "cpu_has_native_bf16", lambda: True)
     config = LlamaConfig(torch_dtype=stored) if stored else LlamaConfig()
     assert resolve_dtype("auto", config, device) == expected
 
 
+@pytest.mark.parametrize(
+    ("stored", "device", "expected"),
+    [("bfloat16", CPU, torch.float32), ("float32", CPU, torch.float32), ("bfloat16", CUDA, torch.bfloat16)],
+)
+def test_auto_dtype_on_a_cpu_without_native_bf16(stored, device, expected, monkeypatch):
+    # bf16 would be emulated there, several times slower than float32; a GPU is not affected.
+    monkeypatch.setattr(sizing, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype("auto", LlamaConfig(torch_dtype=stored), device) == expected
+
+
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
-def test_explicit_dtype_wins(name):
+def test_explicit_dtype_wins(name, monkeypatch):
+    monkeypatch.setattr(sizing, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype(name, LlamaConfig(torch_dtype="bfloat16"), CPU) == getattr(torch, name)

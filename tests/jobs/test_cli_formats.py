@@ -293,10 +293,16 @@ def test_error_rows_are_summarised_and_a_job_of_only_errors_exits_3(tmp_path, ti
         r.exit_code == 0
         and "already complete (same input and settings), 1 of its 2 rows are error rows" in r.stdout
     )
-    # A 4 KiB KV cache (16 tokens of the tiny model) holds none of these prompts: every row fails, the
-    # command's problem, so a script checking the exit code must see it. The output is still written.
+    # An 8 KiB KV cache (16 tokens of the tiny model in float32) holds none of these prompts: every row
+    # fails, the command's problem, so a script checking the exit code must see it. The output is
+    # still written.
     src.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:3]) + "\n")
-    args = [a if a != "64MiB" else "4KiB" for a in engine_args(tiny)] + ["--block-size", "16"]
+    args = [a if a != "64MiB" else "8KiB" for a in engine_args(tiny)] + [
+        "--block-size",
+        "16",
+        "--dtype",
+        "float32",
+    ]
     r = invoke(str(src), *args, "--overwrite")
     assert r.exit_code == 3, r.output
     assert "every one of the 3 rows failed" in r.stderr and "max_model_len is 16 (lowered" in r.stderr

@@ -28,7 +28,9 @@ def make_job(path: Path) -> None:
             row = {
                 "id": f"job-{i}",
                 "prompt": f"Write a short note about {subjects[i % 8]} (note {i}).",
-                "max_tokens": 2 + (i * 5) % 11,
+                # 8-47 tokens: enough steps (about 1 s of generation at 1,000 rows/s of the tiny model
+                # in float32) that a signal sent just after a commit lands before the run ends
+                "max_tokens": 8 + (i * 13) % 40,
             }
             if i in SAMPLED:
                 row.update(temperature=0.8, seed=i)
@@ -88,7 +90,7 @@ def interrupt_and_resume(setup, out: Path, sig: int, kills: int, seed: int) -> l
         deadline = time.monotonic() + 180
         while proc.poll() is None and committed_parts(out) <= before and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.5))
+        time.sleep(rng.uniform(0.0, 0.2))
         if proc.poll() is None:
             proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=180)

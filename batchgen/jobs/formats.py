@@ -51,19 +51,21 @@ def detect_format(source: str) -> str:
         head = f.read(4)
     if head == b"PAR1":
         return "parquet"
-    if source.lower().endswith(JSONL_SUFFIXES) and _opens_json_array(source):
+    is_jsonl = source.lower().endswith(JSONL_SUFFIXES)
+    first = _first_line(source) if is_jsonl else b""
+    if first.startswith(b"[") and not _is_json(first):
+        # A pretty-printed array: read as JSON lines, its one-line objects would run as rows and
+        # every other line as an error row.
         raise JobInputError(f"{source} is one JSON array, not JSON lines{ARRAY_HINT}")
     lines = 0
     for _, rec, _ in sniff_jsonl(source):
         lines += 1
         if rec is not None:
             return "openai" if "custom_id" in rec and "body" in rec else "jsonl"
-    if lines == 0 and source.lower().endswith(JSONL_SUFFIXES):
+    if lines == 0 and is_jsonl:
         raise JobInputError(f"{source} is empty (no JSON lines): there is nothing to run; check the file")
-    if source.lower().endswith(JSONL_SUFFIXES):
-        with open(source, "rb") as f:
-            array = f.read(64).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
-        hint = f"; it looks like one JSON array{ARRAY_HINT}" if array else ""
+    if is_jsonl:
+        hint = f"; it looks like one JSON array{ARRAY_HINT}" if first.startswith(b"[") else ""
         raise JobInputError(f"{source} has no valid JSON object line in its first {SNIFF_LINES} lines{hint}")
     if source.lower().endswith(".parquet"):
         raise JobInputError(
@@ -76,23 +78,22 @@ def detect_format(source: str) -> str:
 ARRAY_HINT = ": write one object per line (JSON lines), e.g. `jq -c '.[]' in.json > in.jsonl`"
 
 
-def _opens_json_array(path: str) -> bool:
-    """Whether the file's first non-blank line opens a JSON array it does not close (`[` alone, or
-    `[{...},`): a pretty-printed array, which read as JSON lines would run its one-line objects as
-    rows and every other line as an error row."""
+def _first_line(path: str) -> bytes:
+    """The file's first non-blank line, stripped of a UTF-8 byte-order mark and whitespace (b"" if none)."""
     with open(path, "rb") as f:
         for raw in f:
             line = raw.lstrip(b"\xef\xbb\xbf").strip()
-            if not line:
-                continue
-            if not line.startswith(b"["):
-                return False
-            try:
-                json.loads(line)
-            except ValueError:
-                return True
-            return False
-    return False
+            if line:
+                return line
+    return b""
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 def sniff_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:

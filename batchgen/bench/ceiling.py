@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from batchgen.model.cpu_linear import can_prepack, prepacked_linear
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -96,11 +98,14 @@ def measure_matmul_rate(
     rows: tuple[int, ...] = (64, 128, 256, 512),
     min_time_s: float = 0.15,
 ) -> dict[str, Any]:
-    """Best FLOP/s of one decoder layer's linear layers (`F.linear`, the model's shapes) at `rows` rows.
+    """Best FLOP/s of one decoder layer's linear layers (the model's shapes) at `rows` rows.
 
-    Runs with the current torch thread count, after two warm-up rounds; each row count is timed
-    for at least `min_time_s`. The best row count is the rate the compute ceiling uses, so the
-    ceiling is an upper bound on what the model's matrix products can reach.
+    Both matmul paths the engine may take are timed, and the faster counts at each row count:
+    `F.linear`, and oneDNN-prepacked weights where the engine packs them (`can_prepack`: float32 on
+    a CPU, or bf16 on one with native bf16). Runs with the current torch thread count, after two
+    warm-up rounds; each row count and path is timed for at least `min_time_s`. The best row count
+    is the rate the compute ceiling uses, so the ceiling is an upper bound on what the model's
+    matrix products can reach.
 
     Returns:
         {"flops_per_s": best rate, "by_rows": {rows: rate}, "dtype": str, "device": str, "threads": int}
@@ -111,19 +116,42 @@ def measure_matmul_rate(
     def weight(out_f: int, in_f: int) -> torch.Tensor:
         return (torch.randn(out_f, in_f, generator=gen) * 0.02).to(device=device, dtype=dtype)
 
-    w_qkv = weight(hd * (shape.num_heads + 2 * shape.num_kv_heads), d)
-    w_o = weight(d, shape.num_heads * hd)
-    w_gate_up = weight(2 * i, d)
-    w_down = weight(d, i)
+    weights = [
+        weight(hd * (shape.num_heads + 2 * shape.num_kv_heads), d),
+        weight(d, shape.num_heads * hd),
+        weight(2 * i, d),
+        weight(d, i),
+    ]
     flops_per_row = 2.0 * shape.layer_linear_params
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    linear = torch.nn.functional.linear
+    paths = [[lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]]
+    if can_prepack(dtype, torch.device(device)):
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+        paths.append([lambda x, p=p: prepacked_linear(x, p) for p in packed])
 
-    def layer(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor) -> None:
-        linear(x, w_qkv)
-        linear(a, w_o)
-        linear(x, w_gate_up)
-        linear(h, w_down)
+    def time_layer(ops: list, acts: tuple[torch.Tensor, ...]) -> float:
+        """Seconds one layer's four linears take (mean of at least `min_time_s` of repeats)."""
+        qkv, o, gate_up, down = ops
+        x, a, h = acts
+
+        def layer() -> None:
+            qkv(x)
+            o(a)
+            gate_up(x)
+            down(h)
+
+        for _ in range(2):
+            layer()
+        sync()
+        n, t0 = 0, time.perf_counter()
+        while True:
+            layer()
+            n += 1
+            if n % 4 == 0:
+                sync()
+                elapsed = time.perf_counter() - t0
+                if elapsed >= min_time_s:
+                    return elapsed / n
 
     by_rows: dict[int, float] = {}
     with torch.inference_mode():
@@ -132,19 +160,7 @@ def measure_matmul_rate(
                 torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
                 for k in (d, shape.num_heads * hd, i)
             )
-            for _ in range(2):
-                layer(*acts)
-            sync()
-            n, t0 = 0, time.perf_counter()
-            while True:
-                layer(*acts)
-                n += 1
-                if n % 4 == 0:
-                    sync()
-                    elapsed = time.perf_counter() - t0
-                    if elapsed >= min_time_s:
-                        break
-            by_rows[m] = flops_per_row * m * n / elapsed
+            by_rows[m] = max(flops_per_row * m / time_layer(ops, acts) for ops in paths)
     best = max(by_rows.values())
     return {
         "flops_per_s": best,

@@ -1,4 +1,5 @@
-"""oneDNN-prepacked linears (bf16 on CPU) compute what `F.linear` computes, and the engine uses them."""
+"""oneDNN-prepacked linears (float32, and bf16 where the CPU has it) compute what `F.linear` computes,
+and the engine uses them."""
 
 from __future__ import annotations
 
@@ -9,36 +10,51 @@ from torch import nn
 
 from batchgen import LLM, SamplingParams
 from batchgen.model import runner as runner_module
-from batchgen.model.cpu_linear import PrepackedLinear, can_prepack, prepack_linears
+from batchgen.model.cpu_linear import PrepackedLinear, can_prepack, cpu_has_native_bf16, prepack_linears
 
 pytestmark = pytest.mark.skipif(
-    not can_prepack(torch.bfloat16, torch.device("cpu")),
-    reason="this CPU's oneDNN has no bf16 support, so batchgen keeps F.linear",
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN (mkldnn)"
 )
+NO_NATIVE_BF16 = pytest.mark.skipif(
+    not can_prepack(torch.bfloat16, torch.device("cpu")),
+    reason="this CPU's oneDNN has no bf16 support, so batchgen keeps F.linear in bf16",
+)
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=NO_NATIVE_BF16)]
+# float32: MKL and oneDNN sum in different orders (about 1e-6 relative); bf16: one rounding apart.
+TOLERANCES = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}}
 
 
+def test_can_prepack_takes_float32_on_any_cpu_and_bf16_only_where_native() -> None:
+    cpu = torch.device("cpu")
+    assert can_prepack(torch.float32, cpu)
+    assert can_prepack(torch.bfloat16, cpu) == cpu_has_native_bf16()
+    assert not can_prepack(torch.float16, cpu)
+    assert not can_prepack(torch.float32, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_prepacked_linear_matches_f_linear(bias: bool, rows: int) -> None:
+def test_prepacked_linear_matches_f_linear(bias: bool, rows: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
-    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    linear = nn.Linear(96, 160, bias=bias).to(dtype)
+    x = torch.randn(rows, 96, dtype=dtype)
     packed = PrepackedLinear.from_linear(linear)
     with torch.inference_mode():
         expected = F.linear(x, linear.weight, linear.bias)
         got = packed(x)
-    assert got.shape == (rows, 160) and got.dtype == torch.bfloat16
-    # Same oneDNN kernel with the reorder done once: at most one bf16 rounding apart.
-    torch.testing.assert_close(got, expected, rtol=1.6e-2, atol=1e-2)
+    assert got.shape == (rows, 160) and got.dtype == dtype
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
 
 
-def test_prepack_replaces_every_linear_and_keeps_the_tied_embedding() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prepack_replaces_every_linear_and_keeps_the_tied_embedding(dtype: torch.dtype) -> None:
     model = nn.Module()
     model.embed = nn.Embedding(50, 16)
     model.block = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16, bias=False))
     model.head = nn.Linear(16, 50, bias=False)
     model.head.weight = model.embed.weight  # tied, as in SmolLM2 and Qwen2.5
-    model = model.to(torch.bfloat16)
+    model = model.to(dtype)
     assert prepack_linears(model) == 3
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert isinstance(model.embed.weight, nn.Parameter)  # lookups still use the plain weight
@@ -47,20 +63,23 @@ def test_prepack_replaces_every_linear_and_keeps_the_tied_embedding() -> None:
         assert model.head(model.block(x)).shape == (3, 50)
 
 
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=NO_NATIVE_BF16)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_bf16_engine_prepacks_and_matches_the_unpacked_engine(tiny_model_dir, monkeypatch, arch: str) -> None:
-    """Greedy bf16 tokens are identical with and without prepacking (qwen2: tied head and biases)."""
+def test_engine_prepacks_and_matches_the_unpacked_engine(
+    tiny_model_dir, monkeypatch, arch: str, dtype: str
+) -> None:
+    """Greedy tokens are identical with and without prepacking (qwen2: tied head and biases)."""
     path = str(tiny_model_dir(arch))
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
-    llm = LLM(path, dtype="bfloat16", max_num_seqs=4, device="cpu")
+    llm = LLM(path, dtype=dtype, max_num_seqs=4, device="cpu")
     packed = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, PrepackedLinear)]
     assert len(packed) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down) + LM head
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
     monkeypatch.setattr(runner_module, "can_prepack", lambda dtype, device: False)
-    plain = LLM(path, dtype="bfloat16", max_num_seqs=4, device="cpu")
+    plain = LLM(path, dtype=dtype, max_num_seqs=4, device="cpu")
     assert not any(isinstance(m, PrepackedLinear) for m in plain.llm_engine.runner.model.modules())
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert got == expected

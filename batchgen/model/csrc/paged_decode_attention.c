@@ -12,9 +12,14 @@
  *   seq_lens           int32 [num_seqs], each >= 1
  * Arithmetic is float32 whatever the storage type (float32 or bfloat16).
  *
- * Written with GCC/Clang vector extensions instead of intrinsics, so the compiler maps the 16-lane
- * vectors onto whatever the machine has (AVX-512, AVX2, NEON) with -march=native. Compiled and
- * loaded at run time by batchgen/model/cpu_attention.py.
+ * Written with GCC/Clang vector extensions instead of intrinsics, so the compiler maps the vectors
+ * onto whatever the machine has with -march=native: 16 lanes (AVX-512, NEON), or 8 lanes on an
+ * x86 CPU with AVX2 but no AVX-512. There, with 16 vector registers instead of 32, the loops that
+ * keep four K rows (or a query group's accumulators) in registers spill; the AVX2 build reloads K
+ * and V rows from L1 for each query head of a group instead (REGISTER_LIGHT). On a 2-core AVX2
+ * EPYC, float32, 58 sequences around 400 tokens, 30 layers (`scripts/cpu_attention_bench.py
+ * --dtype float32 --num-seqs 58 --median-context 400`): 267 -> 131 ms a step, 4.9 -> 10 GB/s of
+ * K/V. Compiled and loaded at run time by batchgen/model/cpu_attention.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,7 +28,13 @@
 
 #include "cephes_expf.h"
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define LANES 8
+#define REGISTER_LIGHT 1 /* loops written for 16 vector registers */
+#else
 #define LANES 16
+#define REGISTER_LIGHT 0
+#endif
 #define MAX_GROUP 16 /* query heads per KV head */
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
@@ -50,6 +61,7 @@ static inline void store_bf16(uint16_t *p, vf v) {
   memcpy(p, &h, sizeof h);
 }
 
+#if LANES == 16
 static inline float hsum(vf v) {
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
@@ -74,6 +86,30 @@ static inline void hsum4(vf a, vf b, vf c, vf d, float *out) {
   out[2] = u[8];
   out[3] = u[12];
 }
+#else
+static inline float hsum(vf v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
+/* hsum4 for 8 lanes: halves of a and b side by side, then quarters, then pairs. */
+static inline void hsum4(vf a, vf b, vf c, vf d, float *out) {
+  vf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+          __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  vf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+          __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+  /* u = [a a c c b b d d] partial sums */
+  vf u = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) +
+         __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);
+  u += __builtin_shufflevector(u, u, 1, 0, 3, 2, 5, 4, 7, 6);
+  out[0] = u[0];
+  out[1] = u[4];
+  out[2] = u[2];
+  out[3] = u[6];
+}
+#endif
 
 /* Ask for the next block while this one is computed: blocks sit anywhere in the pool, so the
  * hardware prefetcher cannot guess where the next one starts. */
@@ -130,6 +166,22 @@ static inline vf vexp(vf x) {
         const vf *qh = qv + (h - h0) * group * NV;                                                     \
         float *sh = scores + (int64_t)(h - h0) * group * padded + t0;                                  \
         int r = 0;                                                                                     \
+        for (; REGISTER_LIGHT && r + 4 <= rows; r += 4) {                                              \
+          const T *r0 = kb + r * row_stride, *r1 = r0 + row_stride, *r2 = r1 + row_stride,              \
+                  *r3 = r2 + row_stride;                                                               \
+          for (int g = 0; g < group; g++) {                                                            \
+            const vf *qg = qh + g * NV;                                                                \
+            vf s0 = qg[0] * LOADV(r0), s1 = qg[0] * LOADV(r1), s2 = qg[0] * LOADV(r2),                 \
+               s3 = qg[0] * LOADV(r3);                                                                 \
+            for (int j = 1; j < NV; j++) {                                                             \
+              s0 += qg[j] * LOADV(r0 + j * LANES);                                                     \
+              s1 += qg[j] * LOADV(r1 + j * LANES);                                                     \
+              s2 += qg[j] * LOADV(r2 + j * LANES);                                                     \
+              s3 += qg[j] * LOADV(r3 + j * LANES);                                                     \
+            }                                                                                          \
+            hsum4(s0, s1, s2, s3, sh + g * padded + r);                                                \
+          }                                                                                            \
+        }                                                                                              \
         for (; r + 4 <= rows; r += 4) {                                                                \
           vf k0[NV], k1[NV], k2[NV], k3[NV];                                                           \
           for (int j = 0; j < NV; j++) {                                                               \
@@ -190,6 +242,20 @@ static inline vf vexp(vf x) {
         const T *vb = block + (int64_t)h * D;                                                          \
         vf *ah = acc + (h - h0) * group * NV;                                                          \
         const float *sh = scores + (int64_t)(h - h0) * group * padded + t0;                            \
+        if (REGISTER_LIGHT) { /* per query head, up to 8 accumulators held over the block's rows */   \
+          enum { JB = NV < 8 ? NV : 8 };                                                               \
+          for (int g = 0; g < group; g++)                                                              \
+            for (int j0 = 0; j0 < NV; j0 += JB) {                                                      \
+              vf a[JB];                                                                                \
+              for (int j = 0; j < JB; j++) a[j] = ah[g * NV + j0 + j];                                 \
+              for (int r = 0; r < rows; r++) {                                                         \
+                const float p = sh[g * padded + r];                                                    \
+                for (int j = 0; j < JB; j++) a[j] += p * LOADV(vb + r * row_stride + (j0 + j) * LANES); \
+              }                                                                                        \
+              for (int j = 0; j < JB; j++) ah[g * NV + j0 + j] = a[j];                                 \
+            }                                                                                          \
+          continue;                                                                                    \
+        }                                                                                              \
         for (int r = 0; r < rows; r++) {                                                               \
           vf vv[NV];                                                                                   \
           for (int j = 0; j < NV; j++) vv[j] = LOADV(vb + r * row_stride + j * LANES);                 \

@@ -17,6 +17,9 @@ long-tail bench workload (`scripts/profile_engine.py`) went from 90.3 to 72.2 s.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
 from torch import nn
 
@@ -92,9 +95,28 @@ def prepack_linears(model: nn.Module) -> int:
     A tied LM head gets its own packed copy (the embedding keeps the plain weight for lookups):
     about `vocab x hidden x dtype size` bytes more memory. Returns the number of layers replaced.
     """
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, module in targets:
+    # Names only: a list of the modules would keep every plain weight alive until the trim below.
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PrepackedLinear.from_linear(module))
-    return len(targets)
+        setattr(parent, child, PrepackedLinear.from_linear(model.get_submodule(name)))
+    release_freed_heap()
+    return len(names)
+
+
+def release_freed_heap() -> None:
+    """Return freed heap pages to the OS (glibc's `malloc_trim`; a no-op without glibc).
+
+    The plain weights freed by packing sit in glibc's heap, which keeps them: measured on the
+    default model in float32, the engine's RSS after loading was 1,265 MiB with them and 1,054 MiB
+    after the trim (954 MiB unpacked; the packed LM head copy is the rest).
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -84,3 +84,9 @@ def test_engine_prepacks_and_matches_the_unpacked_engine(
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert got == expected
     assert all(len(t) == 12 for t in got)
+
+
+def test_prepack_of_a_model_without_linears_changes_nothing() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4))
+    assert prepack_linears(model) == 0
+    assert isinstance(model[0], nn.Embedding) and isinstance(model[1], nn.LayerNorm)

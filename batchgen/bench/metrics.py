@@ -16,7 +16,6 @@ All times are `time.perf_counter()` seconds relative to the configuration's star
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import resource
@@ -28,6 +27,8 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
+
+from batchgen.model.cpu_linear import release_freed_heap
 
 
 @dataclass
@@ -295,10 +296,7 @@ def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    release_freed_heap()
 
 
 def record_dicts(result: RunResult) -> list[dict[str, Any]]:

@@ -57,7 +57,7 @@ def _whole(value: Any) -> bool:
 
 def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset()) -> str | None:
     """The error for a record that sets a generation parameter batchgen does not apply (see
-    `UNAPPLIED_COLUMNS`), or None. Null, false, empty and neutral values (n=1, penalties 0) pass, and
+    `UNAPPLIED_COLUMNS`), or None. Null, false, empty and neutral values (best_of=1, penalties 0) pass, and
     so do `data_columns`: the columns the job uses as data (template fields, kept columns)."""
     for name, neutral in UNAPPLIED_COLUMNS.items():
         if name in data_columns:

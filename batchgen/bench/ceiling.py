@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from batchgen.model.cpu_linear import can_prepack, prepacked_linear
+from batchgen.model.cpu_linear import can_prepack, pack_weight, prepacked_linear
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def measure_matmul_rate(
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     paths = [[lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]]
     if can_prepack(dtype, torch.device(device)):
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+        packed = [pack_weight(w) for w in weights]
         paths.append([lambda x, p=p: prepacked_linear(x, p) for p in packed])
 
     def time_layer(ops: list, acts: tuple[torch.Tensor, ...]) -> float:

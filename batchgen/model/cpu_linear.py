@@ -18,7 +18,6 @@ long-tail bench workload (`scripts/profile_engine.py`) went from 90.3 to 72.2 s.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 import torch
 from torch import nn
@@ -27,8 +26,9 @@ from torch import nn
 class PrepackedLinear(nn.Module):
     """`y = x @ W^T + b` with `W` held in oneDNN's blocked layout (an opaque mkldnn tensor).
 
-    Input `[..., in_features]` and output `[..., out_features]` have the weight's dtype (float32 or bf16). The packed weight cannot be
-    read back as a plain tensor; build the module from a loaded `nn.Linear` with `from_linear`.
+    Input `[..., in_features]` and output `[..., out_features]` have the weight's dtype (float32 or
+    bf16). The packed weight cannot be read back as a plain tensor; build the module from a loaded
+    `nn.Linear` with `from_linear`.
     """
 
     def __init__(
@@ -42,11 +42,10 @@ class PrepackedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PrepackedLinear:
-        """Pack a loaded float32 or bf16 `nn.Linear`'s weight `[out_features, in_features]` (the bias is kept)."""
-        weight = linear.weight.detach()
+        """Pack a loaded float32 or bf16 `nn.Linear`'s weight `[out_features, in_features]` (the
+        bias is kept)."""
         bias = linear.bias.detach() if linear.bias is not None else None
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        return cls(packed, bias, linear.in_features, linear.out_features)
+        return cls(pack_weight(linear.weight.detach()), bias, linear.in_features, linear.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return prepacked_linear(x, self.packed_weight, self.bias)
@@ -57,11 +56,17 @@ class PrepackedLinear(nn.Module):
         )
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A plain weight `[out_features, in_features]` (float32 or bf16) reordered into oneDNN's blocked
+    layout, for `prepacked_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
 def prepacked_linear(
     x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`x @ W^T + b` for `x` `[..., in_features]` and a weight packed by
-    `torch.ops.mkldnn._reorder_linear_weight` (same dtype); returns `[..., out_features]`."""
+    """`x @ W^T + b` for `x` `[..., in_features]` and a weight packed by `pack_weight` (same dtype);
+    returns `[..., out_features]`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
@@ -112,11 +117,10 @@ def release_freed_heap() -> None:
     default model in float32, the engine's RSS after loading was 1,265 MiB with them and 1,054 MiB
     after the trim (954 MiB unpacked; the packed LM head copy is the rest).
     """
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
+    try:  # the process's own symbols: the C library it already loaded, no library search
+        process = ctypes.CDLL(None)
+    except (OSError, TypeError):  # TypeError: Windows has no handle for the process itself
         return
-    trim = getattr(libc, "malloc_trim", None)
+    trim = getattr(process, "malloc_trim", None)
     if trim is not None:
         trim(0)

@@ -1,4 +1,4 @@
-"""Paged decode attention on the CPU, in C (`csrc/paged_decode_attention.c`, built by `cpu_kernels`).
+"""Paged decode and prefill attention on the CPU, in C (`csrc/paged_*_attention.c`, built by `cpu_kernels`).
 
 The torch decode path gathers every sequence's blocks into a padded copy before SDPA reads it, so
 each K/V byte crosses memory three times. The C kernel reads the blocks in place through the block
@@ -61,41 +61,12 @@ def paged_decode_attention_cpu(
         RuntimeError: the library is not available, or the kernel failed to allocate scratch memory.
         ValueError: a shape, dtype, device or layout the kernel does not take (check `supports`).
     """
-    lib = load_library()
-    if lib is None:
-        raise RuntimeError("the CPU attention kernel library is not available (see the log for why)")
-    num_seqs, num_q_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if not supports(query.dtype, head_dim, num_q_heads, num_kv_heads):
-        raise ValueError(
-            f"no CPU kernel for dtype {query.dtype}, head_dim {head_dim}, {num_q_heads} query heads over "
-            f"{num_kv_heads} KV heads; use the torch path"
-        )
-    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit query {tuple(query.shape)}"
-        )
-    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
-        raise ValueError(f"caches must have the query's dtype {query.dtype}")
-    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise ValueError("block_tables and seq_lens must be int32")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
-        raise ValueError(
-            f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} do not match {num_seqs} sequences"
-        )
-    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens)):
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous CPU tensor")
-    if block_tables.device.type != "cpu" or block_tables.stride(1) != 1:
-        raise ValueError("block_tables must be a CPU tensor with contiguous rows")
-    if check_bounds and num_seqs:
-        if int(seq_lens.min()) < 1 or int(seq_lens.max()) > block_tables.shape[1] * block_size:
-            raise ValueError(
-                f"seq_lens must lie in [1, {block_tables.shape[1] * block_size}] (the block tables' capacity)"
-            )
-        if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks:
-            raise ValueError(f"block ids must lie in [0, {num_blocks})")
+    lib = _checked_library(query, k_cache, v_cache, block_tables, seq_lens, query.shape[0], supports)
+    if check_bounds and query.shape[0]:
+        _check_bounds(k_cache, block_tables, seq_lens, min_len=1)
     out = torch.empty_like(query)
+    num_seqs, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     status = lib.paged_decode_attention(
         int(query.dtype == torch.bfloat16),
         query.data_ptr(),
@@ -116,3 +87,140 @@ def paged_decode_attention_cpu(
     if status:
         raise RuntimeError(f"CPU paged decode attention failed with status {status} (2: out of memory)")
     return out
+
+
+@functools.cache
+def supports_prefill(dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int) -> bool:
+    """Whether the prefill kernel is available for this dtype, head size and GQA group (as `supports`)."""
+    lib = load_library()
+    if lib is None or dtype not in DTYPES or num_q_heads % num_kv_heads:
+        return False
+    group = num_q_heads // num_kv_heads
+    return lib.paged_prefill_attention_supported(int(dtype == torch.bfloat16), head_dim, group) == 0
+
+
+def prefill_uses_bf16_dot() -> bool:
+    """Whether bf16 prefill runs on AVX512-BF16 dot products, which round the softmax probabilities
+    to bf16 before the product with V (as FlashAttention's bf16 kernels do); elsewhere, and for
+    float32, all of the kernel's arithmetic is float32."""
+    lib = load_library()
+    return lib is not None and lib.paged_prefill_attention_bf16_dot() == 1
+
+
+def paged_prefill_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_starts: torch.Tensor,
+    scale: float,
+    check_bounds: bool = True,
+) -> torch.Tensor:
+    """Causal attention of prefill chunks to their paged context, in place (no gather).
+
+    Sequence b's query rows `query[query_starts[b]:query_starts[b + 1]]` are the last positions of
+    its `seq_lens[b]` context tokens; each row attends to every cached token up to and including its
+    own position (a cached prefix fully, its chunk causally). Their K/V must already be in the cache.
+    2.8-3.6x torch's CPU SDPA on the default model's shapes in bf16 at 300-2,048 tokens
+    (`scripts/cpu_prefill_attention_bench.py`; see `csrc/paged_prefill_attention.c`).
+
+    Args:
+        query: `[T, Hq, D]`, float32 or bfloat16, the chunks' rows back to back.
+        k_cache / v_cache: `[num_blocks, block_size, Hkv, D]`, the query's dtype, contiguous.
+        block_tables: int32 `[B, max_blocks]` (rows may be strided), covering each context.
+        seq_lens: int32 `[B]`, each sequence's context length in tokens after this chunk.
+        query_starts: int32 `[B + 1]`, prefix sums of the chunk lengths, from 0 to T.
+        scale: softmax scale, usually `D ** -0.5`.
+        check_bounds: check lengths, offsets and block ids against the tables and the cache (the
+            kernel does not); a caller that calls once per layer with the same tables checks once.
+
+    Returns:
+        `[T, Hq, D]` in the query's dtype.
+
+    Raises:
+        RuntimeError: the library is not available, or the kernel failed to allocate memory.
+        ValueError: a shape, dtype, device, layout or offset the kernel does not take.
+    """
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    lib = _checked_library(query, k_cache, v_cache, block_tables, seq_lens, num_seqs, supports_prefill)
+    if query_starts.dtype != torch.int32 or query_starts.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_starts must be int32 of shape ({num_seqs + 1},), got {query_starts.dtype} "
+            f"{tuple(query_starts.shape)}"
+        )
+    if query_starts.device.type != "cpu" or not query_starts.is_contiguous():
+        raise ValueError("query_starts must be a contiguous CPU tensor")
+    if check_bounds and num_seqs:
+        lengths = query_starts[1:] - query_starts[:-1]
+        if int(query_starts[0]) != 0 or int(query_starts[-1]) != query.shape[0] or int(lengths.min()) < 0:
+            raise ValueError(f"query_starts must rise from 0 to the {query.shape[0]} query rows")
+        if bool((lengths > seq_lens).any()):
+            raise ValueError("a sequence has more query rows than context tokens (seq_lens)")
+        _check_bounds(k_cache, block_tables, seq_lens, min_len=0)
+    out = torch.empty_like(query)
+    _, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    status = lib.paged_prefill_attention(
+        int(query.dtype == torch.bfloat16),
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        query_starts.data_ptr(),
+        num_seqs,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status:
+        raise RuntimeError(f"CPU paged prefill attention failed with status {status} (2: out of memory)")
+    return out
+
+
+def _checked_library(query, k_cache, v_cache, block_tables, seq_lens, num_seqs, supported):
+    """The kernel library, after checking the arguments both kernels share (Raises as they do)."""
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel library is not available (see the log for why)")
+    _, num_q_heads, head_dim = query.shape
+    _, _, num_kv_heads, cache_head_dim = k_cache.shape
+    if not supported(query.dtype, head_dim, num_q_heads, num_kv_heads):
+        raise ValueError(
+            f"no CPU kernel for dtype {query.dtype}, head_dim {head_dim}, {num_q_heads} query heads over "
+            f"{num_kv_heads} KV heads; use the torch path"
+        )
+    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit query {tuple(query.shape)}"
+        )
+    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        raise ValueError(f"caches must have the query's dtype {query.dtype}")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens must be int32")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} do not match "
+            f"{num_seqs} sequences"
+        )
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens)):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor")
+    if block_tables.device.type != "cpu" or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be a CPU tensor with contiguous rows")
+    return lib
+
+
+def _check_bounds(k_cache, block_tables, seq_lens, min_len: int) -> None:
+    """Every length in [min_len, table capacity] and every block id inside the cache."""
+    capacity = block_tables.shape[1] * k_cache.shape[1]
+    if int(seq_lens.min()) < min_len or int(seq_lens.max()) > capacity:
+        raise ValueError(f"seq_lens must lie in [{min_len}, {capacity}] (the block tables' capacity)")
+    if int(block_tables.min()) < 0 or int(block_tables.max()) >= k_cache.shape[0]:
+        raise ValueError(f"block ids must lie in [0, {k_cache.shape[0]})")

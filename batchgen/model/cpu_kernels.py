@@ -5,7 +5,7 @@ The sources are compiled together with the system C compiler (`$CC`, else `cc`) 
 torch headers are involved, so a build takes about two seconds. Where there is no compiler, or
 `BATCHGEN_CPU_KERNELS=0` is set, `load_library()` returns None and every caller keeps its torch path.
 
-The library holds the paged decode attention (wrapped by `batchgen.model.cpu_attention`), one-call
+The library holds the paged decode and prefill attention (wrapped by `batchgen.model.cpu_attention`), one-call
 versions of a decoder layer's bf16 element-wise chains and the write of a step's K/V rows into the
 paged cache (wrapped by `batchgen.model.cpu_ops`).
 """
@@ -190,6 +190,29 @@ def load_library() -> ctypes.CDLL | None:
     ]
     lib.paged_decode_attention_supported.restype = ctypes.c_int
     lib.paged_decode_attention_supported.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.paged_prefill_attention.restype = ctypes.c_int
+    lib.paged_prefill_attention.argtypes = [
+        ctypes.c_int,  # is_bf16
+        ctypes.c_void_p,  # query
+        ctypes.c_void_p,  # k_cache
+        ctypes.c_void_p,  # v_cache
+        ctypes.c_void_p,  # block_tables
+        ctypes.c_int64,  # table_stride
+        ctypes.c_void_p,  # seq_lens
+        ctypes.c_void_p,  # query_starts
+        ctypes.c_int,  # num_seqs
+        ctypes.c_int,  # num_q_heads
+        ctypes.c_int,  # num_kv_heads
+        ctypes.c_int,  # head_dim
+        ctypes.c_int,  # block_size
+        ctypes.c_float,  # scale
+        ctypes.c_void_p,  # out
+        ctypes.c_int,  # num_threads
+    ]
+    lib.paged_prefill_attention_supported.restype = ctypes.c_int
+    lib.paged_prefill_attention_bf16_dot.restype = ctypes.c_int
+    lib.paged_prefill_attention_bf16_dot.argtypes = []
+    lib.paged_prefill_attention_supported.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.add_rms_norm_bf16.restype = None
     lib.add_rms_norm_bf16.argtypes = [

@@ -1,0 +1,160 @@
+"""The C paged prefill-attention kernel against a float64 reference, its checks, and the backend using it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.model import cpu_attention, cpu_kernels
+from batchgen.model.attention import AttentionMetadata, CPUAttentionBackend, TorchAttentionBackend
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels._compiler() is None, reason="no C compiler ($CC, cc, gcc, clang) to build the CPU kernels"
+)
+
+# (cached prefix, chunk) in tokens. The kernel's tiles hold 32 query rows and its key chunks 64 or
+# 128 keys: one row, rows left after whole tiles, a tile boundary, a prefix that ends inside a key
+# chunk and one longer than several, and a one-token chunk after a long prefix (a decode-like row).
+CHUNKS = [(0, 1), (0, 31), (0, 33), (5, 64), (100, 50), (0, 130), (250, 7), (300, 1)]
+
+
+def make_case(dtype, head_dim, group, block_size, num_kv_heads=2, seed=0):
+    """Random caches with the sequences' blocks shuffled over the pool, wider-than-needed tables."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [prefix + chunk for prefix, chunk in CHUNKS]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 5
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    wide = torch.zeros(len(CHUNKS), max(blocks_per_seq) + 4, dtype=torch.int32)
+    used = 0
+    for row, count in enumerate(blocks_per_seq):
+        wide[row, :count] = order[used : used + count]
+        used += count
+    tables = wide[:, : max(blocks_per_seq) + 1]  # rows strided by 3 more entries than read
+    num_rows = sum(chunk for _, chunk in CHUNKS)
+    query = (torch.randn(num_rows, num_kv_heads * group, head_dim, generator=gen) * 2).to(dtype)
+    starts = torch.tensor([0] + [chunk for _, chunk in CHUNKS], dtype=torch.int32).cumsum(
+        0, dtype=torch.int32
+    )
+    return query, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), starts
+
+
+def reference(query, k_cache, v_cache, tables, seq_lens, starts, scale):
+    """Each query row alone, in float64: its context up to its own position, softmax, weighted V."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for seq, length in enumerate(seq_lens.tolist()):
+        slots = [int(tables[seq, t // block_size]) * block_size + t % block_size for t in range(length)]
+        k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
+        v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
+        first, last = int(starts[seq]), int(starts[seq + 1])
+        for row in range(first, last):
+            position = length - (last - first) + (row - first)
+            scores = torch.einsum("hd,lhd->hl", query[row].double() * scale, k[: position + 1])
+            out[row] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[: position + 1])
+    return out
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("head_dim, group", [(16, 1), (32, 2), (64, 3), (128, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_float64_reference(dtype, head_dim, group, block_size):
+    query, k_cache, v_cache, tables, seq_lens, starts = make_case(dtype, head_dim, group, block_size)
+    scale = head_dim**-0.5
+    got = cpu_attention.paged_prefill_attention_cpu(query, k_cache, v_cache, tables, seq_lens, starts, scale)
+    expected = reference(query, k_cache, v_cache, tables, seq_lens, starts, scale)
+    assert got.shape == query.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    elif not cpu_attention.prefill_uses_bf16_dot():  # float32 arithmetic, one rounding to bf16
+        torch.testing.assert_close(got.double(), expected, rtol=2**-8, atol=2e-3)
+    else:  # also the probabilities rounded to bf16 (2^-9 relative each) before the product with V
+        torch.testing.assert_close(got.double(), expected, rtol=2**-8, atol=5e-3)
+    # The first sequence's only row sees one context token: its output is that V row, exactly.
+    first_v = v_cache[int(tables[0, 0]), 0].repeat_interleave(group, 0)
+    assert torch.equal(got[0], first_v)
+
+
+def chunk_rows(cache, tables, seq_lens, query_lens):
+    """The cache rows at each sequence's chunk positions, back to back: the step's own K or V."""
+    block_size = cache.shape[1]
+    slots = [
+        int(tables[seq, t // block_size]) * block_size + t % block_size
+        for seq, (length, qlen) in enumerate(zip(seq_lens, query_lens, strict=True))
+        for t in range(length - qlen, length)
+    ]
+    return cache.reshape(-1, *cache.shape[2:])[slots]
+
+
+def test_backend_prefill_and_mixed_steps_match_torch_backend():
+    """A step of prefill chunks, and one with decodes first, equal the torch backend's outputs."""
+    query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.float32, 64, 3, 16)
+    chunk_lens = [chunk for _, chunk in CHUNKS]
+    for num_decodes in (0, 2):  # as decodes: the first token of the first two sequences
+        first_rows = [query[int(starts[i]) : int(starts[i]) + 1] for i in range(num_decodes)]
+        rows = torch.cat([*first_rows, query[int(starts[num_decodes]) :]])
+        query_lens = [1] * num_decodes + chunk_lens[num_decodes:]
+        step_lens = seq_lens.clone()
+        step_lens[:num_decodes] = 1
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.int64),  # the caches already hold every row
+            query_start_loc=torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            seq_lens=step_lens,
+            block_tables=tables,
+            num_decodes=num_decodes,
+            max_query_len=max(query_lens),
+            max_seq_len=int(step_lens.max()),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=step_lens.tolist(),
+        )
+        key = chunk_rows(k_cache, tables, step_lens.tolist(), query_lens)
+        value = chunk_rows(v_cache, tables, step_lens.tolist(), query_lens)
+        expected = TorchAttentionBackend().forward(rows, key, value, k_cache, v_cache, meta, 0.125)
+        meta.scratch.clear()
+        got = CPUAttentionBackend().forward(rows, key, value, k_cache, v_cache, meta, 0.125)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t, s, q: s.__setitem__(1, 0), "more query rows than context"),
+        (lambda t, s, q: s.__setitem__(0, 10_000), "seq_lens must lie"),
+        (lambda t, s, q: q.__setitem__(0, 1), "query_starts must rise"),
+        (lambda t, s, q: q.__setitem__(2, 0), "query_starts must rise"),
+        (lambda t, s, q: t.__setitem__((0, 0), -1), "block ids must lie"),
+    ],
+)
+def test_bad_tables_and_offsets_are_refused(change, message):
+    query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.float32, 64, 3, 16)
+    change(tables, seq_lens, starts)
+    with pytest.raises(ValueError, match=message):
+        cpu_attention.paged_prefill_attention_cpu(query, k_cache, v_cache, tables, seq_lens, starts, 0.125)
+
+
+def test_unsupported_shapes_are_refused():
+    assert cpu_attention.supports_prefill(torch.bfloat16, 64, 9, 3)
+    assert not cpu_attention.supports_prefill(torch.float16, 64, 9, 3)
+    assert not cpu_attention.supports_prefill(torch.float32, 80, 9, 3)
+    query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.float32, 64, 3, 16)
+    with pytest.raises(ValueError, match="query_starts must be int32"):
+        cpu_attention.paged_prefill_attention_cpu(
+            query, k_cache, v_cache, tables, seq_lens, starts.long(), 0.125
+        )
+
+
+def test_benchmark_script_smoke():
+    """scripts/cpu_prefill_attention_bench.py runs (tiny sizes; no timings checked)."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "cpu_prefill_attention_bench.py"
+    args = ["--lengths", "5,40", "--rounds", "2", "--dtype", "float32"]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "L=5:" in result.stdout and "L=40:" in result.stdout

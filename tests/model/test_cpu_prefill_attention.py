@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM, SamplingParams
 from batchgen.model import cpu_attention, cpu_kernels
 from batchgen.model.attention import AttentionMetadata, CPUAttentionBackend, TorchAttentionBackend
 
@@ -158,3 +159,31 @@ def test_benchmark_script_smoke():
     result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "L=5:" in result.stdout and "L=40:" in result.stdout
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_engine_tokens_match_torch_backend_with_chunks_and_prefix_hits(tiny_model_dir, block_size):
+    """float32 greedy tokens of the "cpu" backend equal the "torch" backend's when prompts are
+    split into several prefill chunks (a 24-token budget) and later prompts hit the prefix cache,
+    so the kernel runs chunks that continue a cached prefix, over both block sizes."""
+    shared = [5 + (7 * i) % 300 for i in range(40)]
+    prompts = [{"prompt_token_ids": shared + [400 + i] * (1 + 3 * i)} for i in range(5)]
+    prompts.append({"prompt_token_ids": [9, 8, 7]})
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(
+            str(tiny_model_dir("llama")),
+            dtype="float32",
+            device="cpu",
+            attention_backend=backend,
+            block_size=block_size,
+            max_num_batched_tokens=24,
+            max_num_seqs=3,
+            enable_prefix_caching=True,
+        )
+        first = llm.generate(prompts[:1], params)  # caches the shared prefix's full blocks
+        rest = llm.generate(prompts[1:], params)
+        tokens[backend] = [o.outputs[0].token_ids for o in first + rest]
+        assert sum(o.num_cached_tokens for o in rest) > 0  # later prompts reused the prefix
+    assert tokens["cpu"] == tokens["torch"]

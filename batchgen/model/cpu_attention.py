@@ -64,29 +64,9 @@ def paged_decode_attention_cpu(
     lib = _checked_library(query, k_cache, v_cache, block_tables, seq_lens, query.shape[0], supports)
     if check_bounds and query.shape[0]:
         _check_bounds(k_cache, block_tables, seq_lens, min_len=1)
-    out = torch.empty_like(query)
-    num_seqs, num_q_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    status = lib.paged_decode_attention(
-        int(query.dtype == torch.bfloat16),
-        query.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        num_seqs,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        out.data_ptr(),
-        torch.get_num_threads(),
+    return _launch(
+        lib.paged_decode_attention, "decode", query, k_cache, v_cache, block_tables, seq_lens, scale
     )
-    if status:
-        raise RuntimeError(f"CPU paged decode attention failed with status {status} (2: out of memory)")
-    return out
 
 
 @functools.cache
@@ -158,10 +138,26 @@ def paged_prefill_attention_cpu(
         if bool((lengths > seq_lens).any()):
             raise ValueError("a sequence has more query rows than context tokens (seq_lens)")
         _check_bounds(k_cache, block_tables, seq_lens, min_len=0)
+    return _launch(
+        lib.paged_prefill_attention,
+        "prefill",
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        query_starts,
+    )
+
+
+def _launch(kernel, what, query, k_cache, v_cache, block_tables, seq_lens, scale, *offsets) -> torch.Tensor:
+    """Call one attention kernel (arguments checked); `offsets` are the tensors a kernel takes after
+    `seq_lens` (the prefill kernel's query starts). Raises RuntimeError when the kernel fails."""
     out = torch.empty_like(query)
     _, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    status = lib.paged_prefill_attention(
+    status = kernel(
         int(query.dtype == torch.bfloat16),
         query.data_ptr(),
         k_cache.data_ptr(),
@@ -169,8 +165,8 @@ def paged_prefill_attention_cpu(
         block_tables.data_ptr(),
         block_tables.stride(0),
         seq_lens.data_ptr(),
-        query_starts.data_ptr(),
-        num_seqs,
+        *(t.data_ptr() for t in offsets),
+        seq_lens.shape[0],
         num_q_heads,
         num_kv_heads,
         head_dim,
@@ -180,7 +176,7 @@ def paged_prefill_attention_cpu(
         torch.get_num_threads(),
     )
     if status:
-        raise RuntimeError(f"CPU paged prefill attention failed with status {status} (2: out of memory)")
+        raise RuntimeError(f"CPU paged {what} attention failed with status {status} (2: out of memory)")
     return out
 
 

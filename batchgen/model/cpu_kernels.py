@@ -170,50 +170,23 @@ def load_library() -> ctypes.CDLL | None:
         logger.warning(
             "CPU kernels were built without OpenMP (%s): they run on one thread", " ".join(compiler)
         )
-    lib.paged_decode_attention.restype = ctypes.c_int
-    lib.paged_decode_attention.argtypes = [
-        ctypes.c_int,  # is_bf16
-        ctypes.c_void_p,  # query
-        ctypes.c_void_p,  # k_cache
-        ctypes.c_void_p,  # v_cache
-        ctypes.c_void_p,  # block_tables
-        ctypes.c_int64,  # table_stride
-        ctypes.c_void_p,  # seq_lens
-        ctypes.c_int,  # num_seqs
-        ctypes.c_int,  # num_q_heads
-        ctypes.c_int,  # num_kv_heads
-        ctypes.c_int,  # head_dim
-        ctypes.c_int,  # block_size
-        ctypes.c_float,  # scale
-        ctypes.c_void_p,  # out
-        ctypes.c_int,  # num_threads
-    ]
-    lib.paged_decode_attention_supported.restype = ctypes.c_int
-    lib.paged_decode_attention_supported.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.paged_prefill_attention.restype = ctypes.c_int
-    lib.paged_prefill_attention.argtypes = [
-        ctypes.c_int,  # is_bf16
-        ctypes.c_void_p,  # query
-        ctypes.c_void_p,  # k_cache
-        ctypes.c_void_p,  # v_cache
-        ctypes.c_void_p,  # block_tables
-        ctypes.c_int64,  # table_stride
-        ctypes.c_void_p,  # seq_lens
-        ctypes.c_void_p,  # query_starts
-        ctypes.c_int,  # num_seqs
-        ctypes.c_int,  # num_q_heads
-        ctypes.c_int,  # num_kv_heads
-        ctypes.c_int,  # head_dim
-        ctypes.c_int,  # block_size
-        ctypes.c_float,  # scale
-        ctypes.c_void_p,  # out
-        ctypes.c_int,  # num_threads
-    ]
-    lib.paged_prefill_attention_supported.restype = ctypes.c_int
-    lib.paged_prefill_attention_bf16_dot.restype = ctypes.c_int
+    # Both attention kernels: (is_bf16, query, k_cache, v_cache, block_tables, table_stride,
+    # seq_lens, [prefill: query_starts,] num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
+    # scale, out, num_threads) -> status.
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    attention_head = [i32, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr]
+    attention_tail = [i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
+    lib.paged_decode_attention.restype = i32
+    lib.paged_decode_attention.argtypes = attention_head + attention_tail
+    lib.paged_prefill_attention.restype = i32
+    lib.paged_prefill_attention.argtypes = attention_head + [ptr] + attention_tail
+    lib.paged_decode_attention_supported.restype = i32
+    lib.paged_decode_attention_supported.argtypes = [i32, i32, i32]
+    lib.paged_prefill_attention_supported.restype = i32
+    lib.paged_prefill_attention_supported.argtypes = [i32, i32, i32]
+    lib.paged_prefill_attention_bf16_dot.restype = i32
     lib.paged_prefill_attention_bf16_dot.argtypes = []
-    lib.paged_prefill_attention_supported.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    i64 = ctypes.c_int64
     lib.add_rms_norm_bf16.restype = None
     lib.add_rms_norm_bf16.argtypes = [
         ptr,

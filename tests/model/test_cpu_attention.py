@@ -16,6 +16,7 @@ from batchgen.model.attention import (
     CPUAttentionBackend,
     TorchAttentionBackend,
 )
+from tests.model.paged_cases import shuffled_caches
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels._compiler() is None, reason="no C compiler ($CC, cc, gcc, clang) to build the CPU kernels"
@@ -28,19 +29,7 @@ SEQ_LENS = [1, 3, 4, 15, 16, 17, 64, 203]
 def make_case(dtype, head_dim, group, block_size, num_kv_heads=2, seed=0):
     """Random caches with the sequences' blocks shuffled over the pool, and wider-than-needed tables."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in SEQ_LENS]
-    num_blocks = sum(blocks_per_seq) + 5
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    order = torch.randperm(num_blocks, generator=gen)
-    # A slice of a wider tensor: rows strided by 3 more entries than the kernel reads.
-    wide = torch.zeros(len(SEQ_LENS), max(blocks_per_seq) + 4, dtype=torch.int32)
-    used = 0
-    for row, count in enumerate(blocks_per_seq):
-        wide[row, :count] = order[used : used + count]
-        used += count
-    tables = wide[:, : max(blocks_per_seq) + 1]
+    k_cache, v_cache, tables = shuffled_caches(SEQ_LENS, dtype, head_dim, block_size, num_kv_heads, gen)
     query = (torch.randn(len(SEQ_LENS), num_kv_heads * group, head_dim, generator=gen) * 2).to(dtype)
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
     return query, k_cache, v_cache, tables, seq_lens

@@ -12,6 +12,7 @@ import torch
 from batchgen import LLM, SamplingParams
 from batchgen.model import cpu_attention, cpu_kernels
 from batchgen.model.attention import AttentionMetadata, CPUAttentionBackend, TorchAttentionBackend
+from tests.model.paged_cases import shuffled_caches
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels._compiler() is None, reason="no C compiler ($CC, cc, gcc, clang) to build the CPU kernels"
@@ -24,21 +25,10 @@ CHUNKS = [(0, 1), (0, 31), (0, 33), (5, 64), (100, 50), (0, 130), (250, 7), (300
 
 
 def make_case(dtype, head_dim, group, block_size, num_kv_heads=2, seed=0):
-    """Random caches with the sequences' blocks shuffled over the pool, wider-than-needed tables."""
+    """Random caches with the sequences' blocks shuffled over the pool (`paged_cases`), the chunks' queries."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [prefix + chunk for prefix, chunk in CHUNKS]
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 5
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    order = torch.randperm(num_blocks, generator=gen)
-    wide = torch.zeros(len(CHUNKS), max(blocks_per_seq) + 4, dtype=torch.int32)
-    used = 0
-    for row, count in enumerate(blocks_per_seq):
-        wide[row, :count] = order[used : used + count]
-        used += count
-    tables = wide[:, : max(blocks_per_seq) + 1]  # rows strided by 3 more entries than read
+    k_cache, v_cache, tables = shuffled_caches(seq_lens, dtype, head_dim, block_size, num_kv_heads, gen)
     num_rows = sum(chunk for _, chunk in CHUNKS)
     query = (torch.randn(num_rows, num_kv_heads * group, head_dim, generator=gen) * 2).to(dtype)
     starts = torch.tensor([0] + [chunk for _, chunk in CHUNKS], dtype=torch.int32).cumsum(

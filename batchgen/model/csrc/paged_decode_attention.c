@@ -184,17 +184,7 @@ typedef void (*item_fn)(const void *, const void *, const void *, const int32_t 
                         int64_t, int64_t, int, float, void *, float *, vf *, vf *);
 
 static item_fn find_item(int is_bf16, int head_dim) {
-#define CASE(D)                                                                                        \
-  case D:                                                                                              \
-    return is_bf16 ? item_bf16_##D : item_f32_##D;
-  switch (head_dim) {
-    CASE(16)
-    CASE(32)
-    CASE(64)
-    CASE(128)
-  }
-#undef CASE
-  return NULL;
+  RETURN_HEAD_DIM_VARIANT(item, is_bf16, head_dim)
 }
 
 /* Whether (dtype, head_dim, group) is compiled in: 0 yes, 1 no. */

@@ -432,17 +432,7 @@ DEFINE_PREFILL_ITEM(128)
 typedef void (*prefill_fn)(const PrefillArgs *, const Item *, Scratch *);
 
 static prefill_fn find_prefill_item(int is_bf16, int head_dim) {
-#define CASE(D)                                                                                        \
-  case D:                                                                                              \
-    return is_bf16 ? prefill_item_bf16_##D : prefill_item_f32_##D;
-  switch (head_dim) {
-    CASE(16)
-    CASE(32)
-    CASE(64)
-    CASE(128)
-  }
-#undef CASE
-  return NULL;
+  RETURN_HEAD_DIM_VARIANT(prefill_item, is_bf16, head_dim)
 }
 
 static int by_keys_descending(const void *x, const void *y) {

@@ -120,4 +120,19 @@ static inline vf vexp(vf x) {
   return vselect(underflow, (vf){}, CEPHES_EXPF_POLY(r) * scale);
 }
 
+/* The kernel variant PREFIX_bf16_D or PREFIX_f32_D for the head sizes the kernels are compiled for
+ * (16, 32, 64, 128); NULL for any other. Used as a function body. */
+#define RETURN_HEAD_DIM_VARIANT(PREFIX, is_bf16, head_dim)                                            \
+  switch (head_dim) {                                                                                  \
+  case 16:                                                                                             \
+    return (is_bf16) ? PREFIX##_bf16_16 : PREFIX##_f32_16;                                             \
+  case 32:                                                                                             \
+    return (is_bf16) ? PREFIX##_bf16_32 : PREFIX##_f32_32;                                             \
+  case 64:                                                                                             \
+    return (is_bf16) ? PREFIX##_bf16_64 : PREFIX##_f32_64;                                             \
+  case 128:                                                                                            \
+    return (is_bf16) ? PREFIX##_bf16_128 : PREFIX##_f32_128;                                           \
+  }                                                                                                    \
+  return NULL;
+
 #endif

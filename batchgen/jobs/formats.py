@@ -206,6 +206,11 @@ def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]
         return None, f'field \'{col}\' is null or empty; give a list of {{"role", "content"}} messages'
     if not isinstance(value, list):
         return None, f"field '{col}' must be a list of messages, got {type(value).__name__}"
+    if all(isinstance(m, str) for m in value):  # several prompts in one row, not chat messages
+        return None, (
+            f"field '{col}' is a list of strings; give one prompt string per row, or chat messages as "
+            '[{"role": "user", "content": "..."}]'
+        )
     out = []
     for i, m in enumerate(value):
         text = _content_text(m.get("content")) if isinstance(m, dict) else None

@@ -260,10 +260,14 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on the CPU; the model is on {device}")
         if cpu_kernels.load_library() is None:
+            if os.environ.get("BATCHGEN_CPU_KERNELS", "1") == "0":
+                raise ValueError(
+                    "attention_backend='cpu' needs its C kernels, which BATCHGEN_CPU_KERNELS=0 turns off; "
+                    "unset BATCHGEN_CPU_KERNELS or use attention_backend='torch'"
+                )
             raise ValueError(
-                "attention_backend='cpu' needs its C kernel, which could not be built here (see the "
-                "warning above; it needs a C compiler as $CC or cc) or is disabled by "
-                "BATCHGEN_CPU_KERNELS=0; use attention_backend='torch'"
+                "attention_backend='cpu' needs its C kernels, which could not be built here (see the "
+                "warning above; they need a C compiler as $CC or cc); use attention_backend='torch'"
             )
         return CPUAttentionBackend()
     if name == "triton":

@@ -211,9 +211,14 @@ def test_messages_column(tmp_path):
             {"messages": parts},
             {"messages": image},
             {"messages": [{"role": "system", "content": "Be brief."}, {"role": "usr", "content": "Hi"}]},
+            {"prompt": ["a", "b"]},
         ],
     )
-    a, b, c, d, e, typo = read(p)
+    a, b, c, d, e, typo, strings = read(p)
+    assert strings.error == (
+        "row 6 (line 7): field 'prompt' is a list of strings; give one prompt string per row, or chat "
+        'messages as [{"role": "user", "content": "..."}]'
+    )
     assert a.prompt == msgs
     assert "'messages[0]' must be an object with a string 'role' and a 'content'" in b.error
     assert "null or empty" in c.error

@@ -235,6 +235,9 @@ def test_disabled_by_environment(fresh_library, monkeypatch):
     monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
     assert cpu_kernels.load_library() is None
     assert select_backend("auto", torch.device("cpu")).name == "torch"
+    # Forcing the kernels names the variable that turned them off (no build warning was printed).
+    with pytest.raises(ValueError, match="BATCHGEN_CPU_KERNELS=0 turns off; unset BATCHGEN_CPU_KERNELS"):
+        select_backend("cpu", torch.device("cpu"))
 
 
 def test_a_corrupt_cached_library_is_rebuilt(fresh_library):

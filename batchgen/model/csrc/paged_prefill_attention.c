@@ -141,69 +141,6 @@ static inline __attribute__((always_inline)) void stage_chunk_f32(const PrefillA
   }
 }
 
-/* Scores [rows][KEY_CHUNK] = q [rows][D] . kt [D][KEY_CHUNK], SCORE_ROWS x SCORE_COLS at a time. */
-static inline __attribute__((always_inline)) void scores_f32(Scratch *w, int rows, int kv_used, const int D) {
-  int r = 0;
-  for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS)
-    for (int j0 = 0; j0 < kv_used; j0 += SCORE_COLS) {
-      vf acc[SCORE_ROWS][SCORE_COLS];
-      for (int rr = 0; rr < SCORE_ROWS; rr++)
-        for (int j = 0; j < SCORE_COLS; j++) acc[rr][j] = (vf){};
-      for (int d = 0; d < D; d++) {
-        vf k[SCORE_COLS];
-        for (int j = 0; j < SCORE_COLS; j++) k[j] = load_f32(w->kt + d * KEY_CHUNK + (j0 + j) * LANES);
-        for (int rr = 0; rr < SCORE_ROWS; rr++) {
-          const float qv = w->q[(int64_t)(r + rr) * D + d];
-          for (int j = 0; j < SCORE_COLS; j++) acc[rr][j] += qv * k[j];
-        }
-      }
-      for (int rr = 0; rr < SCORE_ROWS; rr++)
-        for (int j = 0; j < SCORE_COLS; j++) store_f32(w->s + (r + rr) * KEY_CHUNK + (j0 + j) * LANES, acc[rr][j]);
-    }
-  for (; r < rows; r++)
-    for (int j = 0; j < kv_used; j++) {
-      vf acc = (vf){};
-      for (int d = 0; d < D; d++) acc += w->q[(int64_t)r * D + d] * load_f32(w->kt + d * KEY_CHUNK + j * LANES);
-      store_f32(w->s + r * KEY_CHUNK + j * LANES, acc);
-    }
-}
-
-/* o [rows][D] = o * alpha + p [rows][KEY_CHUNK] . v [KEY_CHUNK][D], in blocks of PV_ROWS rows x
- * PV_COLS vectors of D (fixed-size arrays with constant bounds once D is known, so the accumulators
- * stay in registers), then the rows left over one at a time. */
-static inline __attribute__((always_inline)) void outputs_f32(Scratch *w, int rows, int kc, const int D) {
-  const int NVD = D / LANES;
-  for (int j0 = 0; j0 < NVD; j0 += PV_COLS) {
-    const int cols = NVD < PV_COLS ? NVD : PV_COLS;
-    int r = 0;
-    for (; r + PV_ROWS <= rows; r += PV_ROWS) {
-      vf acc[PV_ROWS][PV_COLS];
-      for (int rr = 0; rr < PV_ROWS; rr++)
-        for (int j = 0; j < cols; j++)
-          acc[rr][j] = load_f32(w->o + (int64_t)(r + rr) * D + (j0 + j) * LANES) * w->alpha[r + rr];
-      for (int key = 0; key < kc; key++) {
-        vf v[PV_COLS];
-        for (int j = 0; j < cols; j++) v[j] = load_f32(w->v + key * D + (j0 + j) * LANES);
-        for (int rr = 0; rr < PV_ROWS; rr++) {
-          const float p = w->s[(r + rr) * KEY_CHUNK + key];
-          for (int j = 0; j < cols; j++) acc[rr][j] += p * v[j];
-        }
-      }
-      for (int rr = 0; rr < PV_ROWS; rr++)
-        for (int j = 0; j < cols; j++) store_f32(w->o + (int64_t)(r + rr) * D + (j0 + j) * LANES, acc[rr][j]);
-    }
-    for (; r < rows; r++) {
-      vf acc[PV_COLS];
-      for (int j = 0; j < cols; j++) acc[j] = load_f32(w->o + (int64_t)r * D + (j0 + j) * LANES) * w->alpha[r];
-      for (int key = 0; key < kc; key++) {
-        const float p = w->s[r * KEY_CHUNK + key];
-        for (int j = 0; j < cols; j++) acc[j] += p * load_f32(w->v + key * D + (j0 + j) * LANES);
-      }
-      for (int j = 0; j < cols; j++) store_f32(w->o + (int64_t)r * D + (j0 + j) * LANES, acc[j]);
-    }
-  }
-}
-
 #if USE_DPBF16
 /* The bf16 products on AVX512-BF16: VDPBF16PS multiplies pairs of bf16 exactly and adds both
  * products to a float32 lane, twice the work of a float32 FMA per instruction. Its operands pair
@@ -249,21 +186,36 @@ static inline __attribute__((always_inline)) void stage_chunk_pairs(const Prefil
 }
 
 static inline vu broadcast_u32(uint32_t x) { return (vu){} + x; }
+#endif
 
-static inline __attribute__((always_inline)) void scores_pairs(Scratch *w, int rows, int kv_used, const int D) {
+/* acc + row[s] * y, row[s] broadcast to every lane: a float32 FMA, or on the bf16 dot-product path
+ * (`pairs`) a VDPBF16PS of the 32-bit word holding two bf16 against y's bf16 pairs. `pairs` is a
+ * constant in every caller, so each path compiles to its one instruction. */
+static inline __attribute__((always_inline)) vf mac(vf acc, const void *row, int s, vf y, const int pairs) {
+#if USE_DPBF16
+  if (pairs) return dot_pairs(acc, broadcast_u32(((const uint32_t *)row)[s]), (vu)y);
+#endif
+  (void)pairs;
+  return acc + ((const float *)row)[s] * y;
+}
+
+/* Scores [rows][KEY_CHUNK] = q [rows][D] . kt [D][KEY_CHUNK], SCORE_ROWS x SCORE_COLS at a time;
+ * on the pairs path the reduction runs over D/2 pairs (`qb` rows, `ktp` sharing kt's stride). */
+static inline __attribute__((always_inline)) void scores(Scratch *w, int rows, int kv_used, const int D,
+                                                         const int pairs) {
+  const int steps = pairs ? D / 2 : D;
+#define Q_ROW(r) (pairs ? (const void *)(w->qb + (int64_t)(r) * (D / 2)) : (const void *)(w->q + (int64_t)(r) * D))
   int r = 0;
   for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS)
     for (int j0 = 0; j0 < kv_used; j0 += SCORE_COLS) {
       vf acc[SCORE_ROWS][SCORE_COLS];
       for (int rr = 0; rr < SCORE_ROWS; rr++)
         for (int j = 0; j < SCORE_COLS; j++) acc[rr][j] = (vf){};
-      for (int p = 0; p < D / 2; p++) {
-        vu k[SCORE_COLS];
-        for (int j = 0; j < SCORE_COLS; j++) memcpy(&k[j], w->ktp + p * KEY_CHUNK + (j0 + j) * LANES, sizeof k[j]);
-        for (int rr = 0; rr < SCORE_ROWS; rr++) {
-          const vu q = broadcast_u32(w->qb[(int64_t)(r + rr) * (D / 2) + p]);
-          for (int j = 0; j < SCORE_COLS; j++) acc[rr][j] = dot_pairs(acc[rr][j], q, k[j]);
-        }
+      for (int d = 0; d < steps; d++) {
+        vf k[SCORE_COLS];
+        for (int j = 0; j < SCORE_COLS; j++) k[j] = load_f32(w->kt + d * KEY_CHUNK + (j0 + j) * LANES);
+        for (int rr = 0; rr < SCORE_ROWS; rr++)
+          for (int j = 0; j < SCORE_COLS; j++) acc[rr][j] = mac(acc[rr][j], Q_ROW(r + rr), d, k[j], pairs);
       }
       for (int rr = 0; rr < SCORE_ROWS; rr++)
         for (int j = 0; j < SCORE_COLS; j++) store_f32(w->s + (r + rr) * KEY_CHUNK + (j0 + j) * LANES, acc[rr][j]);
@@ -271,17 +223,20 @@ static inline __attribute__((always_inline)) void scores_pairs(Scratch *w, int r
   for (; r < rows; r++)
     for (int j = 0; j < kv_used; j++) {
       vf acc = (vf){};
-      for (int p = 0; p < D / 2; p++) {
-        vu k;
-        memcpy(&k, w->ktp + p * KEY_CHUNK + j * LANES, sizeof k);
-        acc = dot_pairs(acc, broadcast_u32(w->qb[(int64_t)r * (D / 2) + p]), k);
-      }
+      for (int d = 0; d < steps; d++) acc = mac(acc, Q_ROW(r), d, load_f32(w->kt + d * KEY_CHUNK + j * LANES), pairs);
       store_f32(w->s + r * KEY_CHUNK + j * LANES, acc);
     }
+#undef Q_ROW
 }
 
-static inline __attribute__((always_inline)) void outputs_pairs(Scratch *w, int rows, int kc, const int D) {
-  const int NVD = D / LANES, key_pairs = (kc + 1) / 2;
+/* o [rows][D] = o * alpha + p [rows][KEY_CHUNK] . v [KEY_CHUNK][D], in blocks of PV_ROWS rows x
+ * PV_COLS vectors of D (fixed-size arrays with constant bounds once D is known, so the accumulators
+ * stay in registers), then the rows left over one at a time. On the pairs path the reduction runs
+ * over key pairs (`pb` rows, `vp` sharing v's stride). */
+static inline __attribute__((always_inline)) void outputs(Scratch *w, int rows, int kc, const int D,
+                                                          const int pairs) {
+  const int NVD = D / LANES, steps = pairs ? (kc + 1) / 2 : kc;
+#define P_ROW(r) (pairs ? (const void *)(w->pb + (r) * (KEY_CHUNK / 2)) : (const void *)(w->s + (r) * KEY_CHUNK))
   for (int j0 = 0; j0 < NVD; j0 += PV_COLS) {
     const int cols = NVD < PV_COLS ? NVD : PV_COLS;
     int r = 0;
@@ -290,13 +245,11 @@ static inline __attribute__((always_inline)) void outputs_pairs(Scratch *w, int 
       for (int rr = 0; rr < PV_ROWS; rr++)
         for (int j = 0; j < cols; j++)
           acc[rr][j] = load_f32(w->o + (int64_t)(r + rr) * D + (j0 + j) * LANES) * w->alpha[r + rr];
-      for (int kp = 0; kp < key_pairs; kp++) {
-        vu v[PV_COLS];
-        for (int j = 0; j < cols; j++) memcpy(&v[j], w->vp + kp * D + (j0 + j) * LANES, sizeof v[j]);
-        for (int rr = 0; rr < PV_ROWS; rr++) {
-          const vu p = broadcast_u32(w->pb[(r + rr) * (KEY_CHUNK / 2) + kp]);
-          for (int j = 0; j < cols; j++) acc[rr][j] = dot_pairs(acc[rr][j], p, v[j]);
-        }
+      for (int key = 0; key < steps; key++) {
+        vf v[PV_COLS];
+        for (int j = 0; j < cols; j++) v[j] = load_f32(w->v + key * D + (j0 + j) * LANES);
+        for (int rr = 0; rr < PV_ROWS; rr++)
+          for (int j = 0; j < cols; j++) acc[rr][j] = mac(acc[rr][j], P_ROW(r + rr), key, v[j], pairs);
       }
       for (int rr = 0; rr < PV_ROWS; rr++)
         for (int j = 0; j < cols; j++) store_f32(w->o + (int64_t)(r + rr) * D + (j0 + j) * LANES, acc[rr][j]);
@@ -304,19 +257,14 @@ static inline __attribute__((always_inline)) void outputs_pairs(Scratch *w, int 
     for (; r < rows; r++) {
       vf acc[PV_COLS];
       for (int j = 0; j < cols; j++) acc[j] = load_f32(w->o + (int64_t)r * D + (j0 + j) * LANES) * w->alpha[r];
-      for (int kp = 0; kp < key_pairs; kp++) {
-        const vu p = broadcast_u32(w->pb[r * (KEY_CHUNK / 2) + kp]);
-        for (int j = 0; j < cols; j++) {
-          vu v;
-          memcpy(&v, w->vp + kp * D + (j0 + j) * LANES, sizeof v);
-          acc[j] = dot_pairs(acc[j], p, v);
-        }
-      }
+      for (int key = 0; key < steps; key++)
+        for (int j = 0; j < cols; j++)
+          acc[j] = mac(acc[j], P_ROW(r), key, load_f32(w->v + key * D + (j0 + j) * LANES), pairs);
       for (int j = 0; j < cols; j++) store_f32(w->o + (int64_t)r * D + (j0 + j) * LANES, acc[j]);
     }
   }
+#undef P_ROW
 }
-#endif
 
 /* One work item; D is a compile-time constant in each caller, so the loops unroll into registers. */
 static inline __attribute__((always_inline)) void prefill_item(const PrefillArgs *a, const Item *it,
@@ -354,15 +302,12 @@ static inline __attribute__((always_inline)) void prefill_item(const PrefillArgs
     const int kc = num_keys - c0 < KEY_CHUNK ? (int)(num_keys - c0) : KEY_CHUNK;
     const int kv_used = (kc + LANES - 1) / LANES; /* key vectors holding a key of the context */
 #if USE_DPBF16
-    if (pairs) {
+    if (pairs)
       stage_chunk_pairs(a, w, table, h, c0, kc, D);
-      scores_pairs(w, rows, kv_used, D);
-    } else
+    else
 #endif
-    {
       stage_chunk_f32(a, w, table, h, c0, kc, D, is_bf16);
-      scores_f32(w, rows, kv_used, D);
-    }
+    scores(w, rows, kv_used, D, pairs);
     /* Causal mask where the chunk reaches past a row's position, then the online softmax. */
     const int masked = c0 + KEY_CHUNK - 1 > tile_first_pos;
     for (int r = 0; r < rows; r++) {
@@ -401,12 +346,7 @@ static inline __attribute__((always_inline)) void prefill_item(const PrefillArgs
       w->l[r] = w->l[r] * alpha + hsum(sum);
       w->m[r] = m_new;
     }
-#if USE_DPBF16
-    if (pairs)
-      outputs_pairs(w, rows, kc, D);
-    else
-#endif
-      outputs_f32(w, rows, kc, D);
+    outputs(w, rows, kc, D, pairs);
   }
   for (int g = 0; g < G; g++)
     for (int i = 0; i < n; i++) {

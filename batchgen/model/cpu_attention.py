@@ -22,15 +22,11 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 @functools.cache
 def supports(dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int) -> bool:
-    """Whether the kernel library is available and compiled for this dtype, head size and GQA group.
+    """Whether the decode kernel is available and compiled for this dtype, head size and GQA group.
 
     Compiled in: float32 and bfloat16; head_dim 16, 32, 64, 128; up to 16 query heads per KV head.
     """
-    lib = load_library()
-    if lib is None or dtype not in DTYPES or num_q_heads % num_kv_heads:
-        return False
-    group = num_q_heads // num_kv_heads
-    return lib.paged_decode_attention_supported(int(dtype == torch.bfloat16), head_dim, group) == 0
+    return _kernel_supports("paged_decode_attention_supported", dtype, head_dim, num_q_heads, num_kv_heads)
 
 
 def paged_decode_attention_cpu(
@@ -72,11 +68,18 @@ def paged_decode_attention_cpu(
 @functools.cache
 def supports_prefill(dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int) -> bool:
     """Whether the prefill kernel is available for this dtype, head size and GQA group (as `supports`)."""
+    return _kernel_supports("paged_prefill_attention_supported", dtype, head_dim, num_q_heads, num_kv_heads)
+
+
+def _kernel_supports(
+    check: str, dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int
+) -> bool:
+    """Ask the library's `check` function (0: compiled in) about a dtype, head size and GQA group."""
     lib = load_library()
     if lib is None or dtype not in DTYPES or num_q_heads % num_kv_heads:
         return False
     group = num_q_heads // num_kv_heads
-    return lib.paged_prefill_attention_supported(int(dtype == torch.bfloat16), head_dim, group) == 0
+    return getattr(lib, check)(int(dtype == torch.bfloat16), head_dim, group) == 0
 
 
 def prefill_uses_bf16_dot() -> bool:

@@ -1,8 +1,10 @@
-"""Random paged caches shared by the CPU attention-kernel tests."""
+"""Random paged caches, step metadata and the backend comparison shared by the CPU attention-kernel tests."""
 
 from __future__ import annotations
 
 import torch
+
+from batchgen.model.attention import AttentionMetadata, CPUAttentionBackend, TorchAttentionBackend
 
 
 def shuffled_caches(seq_lens, dtype, head_dim, block_size, num_kv_heads, gen):
@@ -24,3 +26,27 @@ def shuffled_caches(seq_lens, dtype, head_dim, block_size, num_kv_heads, gen):
         wide[row, :count] = order[used : used + count]
         used += count
     return k_cache, v_cache, wide[:, : max(blocks_per_seq) + 1]
+
+
+def cached_step(query_lens, seq_lens, tables, num_decodes) -> AttentionMetadata:
+    """Metadata of a step whose K/V rows the caches already hold (no slots to write): sequence i has
+    `query_lens[i]` query rows, the last of its `seq_lens[i]` (int32 tensor) context tokens."""
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        num_decodes=num_decodes,
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=seq_lens.tolist(),
+    )
+
+
+def assert_cpu_backend_matches_torch(query, key, value, k_cache, v_cache, meta, scale=0.125):
+    """The "cpu" backend's output for one step equals the "torch" backend's within float32 error."""
+    expected = TorchAttentionBackend().forward(query, key, value, k_cache, v_cache, meta, scale)
+    meta.scratch.clear()
+    got = CPUAttentionBackend().forward(query, key, value, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

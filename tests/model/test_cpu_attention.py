@@ -11,12 +11,7 @@ import torch
 
 from batchgen import LLM
 from batchgen.model import cpu_attention, cpu_kernels
-from batchgen.model.attention import (
-    AttentionMetadata,
-    CPUAttentionBackend,
-    TorchAttentionBackend,
-)
-from tests.model.paged_cases import shuffled_caches
+from tests.model.paged_cases import assert_cpu_backend_matches_torch, cached_step, shuffled_caches
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels._compiler() is None, reason="no C compiler ($CC, cc, gcc, clang) to build the CPU kernels"
@@ -82,23 +77,9 @@ def test_bf16_output_rounds_to_nearest_even_as_torch():
 def test_backend_decode_matches_torch_backend():
     """The backend's decode rows (and a mixed step's) equal the torch backend's within float32 error."""
     query, k_cache, v_cache, tables, seq_lens = make_case(torch.float32, 64, 3, 16)
-    num_seqs = len(SEQ_LENS)
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.int64),
-        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
-        seq_lens=seq_lens,
-        block_tables=tables,
-        num_decodes=num_seqs,
-        max_query_len=1,
-        max_seq_len=max(SEQ_LENS),
-        query_lens_cpu=[1] * num_seqs,
-        seq_lens_cpu=list(SEQ_LENS),
-    )
+    meta = cached_step([1] * len(SEQ_LENS), seq_lens, tables, num_decodes=len(SEQ_LENS))
     empty = torch.empty(0, 6, 64)
-    expected = TorchAttentionBackend().forward(query, empty, empty, k_cache, v_cache, meta, 0.125)
-    meta.scratch.clear()
-    got = CPUAttentionBackend().forward(query, empty, empty, k_cache, v_cache, meta, 0.125)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert_cpu_backend_matches_torch(query, empty, empty, k_cache, v_cache, meta)
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,7 @@ import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.model import cpu_attention, cpu_kernels
-from batchgen.model.attention import AttentionMetadata, CPUAttentionBackend, TorchAttentionBackend
-from tests.model.paged_cases import shuffled_caches
+from tests.model.paged_cases import assert_cpu_backend_matches_torch, cached_step, shuffled_caches
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels._compiler() is None, reason="no C compiler ($CC, cc, gcc, clang) to build the CPU kernels"
@@ -95,23 +94,10 @@ def test_backend_prefill_and_mixed_steps_match_torch_backend():
         query_lens = [1] * num_decodes + chunk_lens[num_decodes:]
         step_lens = seq_lens.clone()
         step_lens[:num_decodes] = 1
-        meta = AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.int64),  # the caches already hold every row
-            query_start_loc=torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32),
-            seq_lens=step_lens,
-            block_tables=tables,
-            num_decodes=num_decodes,
-            max_query_len=max(query_lens),
-            max_seq_len=int(step_lens.max()),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=step_lens.tolist(),
-        )
+        meta = cached_step(query_lens, step_lens, tables, num_decodes)
         key = chunk_rows(k_cache, tables, step_lens.tolist(), query_lens)
         value = chunk_rows(v_cache, tables, step_lens.tolist(), query_lens)
-        expected = TorchAttentionBackend().forward(rows, key, value, k_cache, v_cache, meta, 0.125)
-        meta.scratch.clear()
-        got = CPUAttentionBackend().forward(rows, key, value, k_cache, v_cache, meta, 0.125)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert_cpu_backend_matches_torch(rows, key, value, k_cache, v_cache, meta)
 
 
 @pytest.mark.parametrize(

@@ -127,18 +127,16 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(query, k_cache, v_cache, meta, scale)
-        prefill = self._prefill(query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta, scale)
-        if not nd:
-            return prefill
         out = torch.empty_like(query)
-        out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale)
-        out[nd:] = prefill
+        if nd:
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale)
+        self._prefill(query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta, scale, out[nd:])
         return out
 
     @staticmethod
-    def _prefill(query, key, value, k_cache, v_cache, meta, scale):
-        """The prefill chunks' attention: `query` / `key` / `value` are the rows after the decodes."""
-        out = torch.empty_like(query)
+    def _prefill(query, key, value, k_cache, v_cache, meta, scale, out):
+        """The prefill chunks' attention into `out`: `query` / `key` / `value` / `out` are the rows
+        after the decodes."""
         start = 0
         for i in range(meta.num_decodes, meta.num_seqs):
             qlen = meta.query_lens_cpu[i]
@@ -152,7 +150,6 @@ class TorchAttentionBackend(AttentionBackend):
                 v = gather_context(v_cache, meta.block_tables[i], seq_len)
             out[start : start + qlen] = causal_attention(q, k, v, scale)
             start += qlen
-        return out
 
     @staticmethod
     def _store(key, value, k_cache, v_cache, meta):
@@ -203,17 +200,18 @@ class CPUAttentionBackend(TorchAttentionBackend):
         else:
             TorchAttentionBackend._store(key, value, k_cache, v_cache, meta)
 
-    def _prefill(self, query, key, value, k_cache, v_cache, meta, scale):
+    def _prefill(self, query, key, value, k_cache, v_cache, meta, scale, out):
         _, num_heads, head_dim = query.shape
         if not cpu_attention.supports_prefill(query.dtype, head_dim, num_heads, k_cache.shape[2]):
-            return TorchAttentionBackend._prefill(query, key, value, k_cache, v_cache, meta, scale)
+            TorchAttentionBackend._prefill(query, key, value, k_cache, v_cache, meta, scale, out)
+            return
         nd = meta.num_decodes
         query_starts = meta.scratch.get("prefill_query_starts")
         first_layer = query_starts is None  # the same tables in every layer: check them once
         if first_layer:
             starts = meta.query_start_loc[nd:]
             query_starts = meta.scratch["prefill_query_starts"] = (starts - starts[0]).to(torch.int32)
-        return cpu_attention.paged_prefill_attention_cpu(
+        cpu_attention.paged_prefill_attention_cpu(
             query.contiguous(),
             k_cache,
             v_cache,
@@ -222,6 +220,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
             query_starts,
             scale,
             check_bounds=first_layer,
+            out=out,
         )
 
     def _decode(self, query, k_cache, v_cache, meta, scale):

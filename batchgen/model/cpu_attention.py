@@ -99,6 +99,7 @@ def paged_prefill_attention_cpu(
     query_starts: torch.Tensor,
     scale: float,
     check_bounds: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of prefill chunks to their paged context, in place (no gather).
 
@@ -117,9 +118,11 @@ def paged_prefill_attention_cpu(
         scale: softmax scale, usually `D ** -0.5`.
         check_bounds: check lengths, offsets and block ids against the tables and the cache (the
             kernel does not); a caller that calls once per layer with the same tables checks once.
+        out: where to write the result (a contiguous CPU tensor of the query's shape and dtype, such
+            as the prefill rows of a step's output); None allocates one.
 
     Returns:
-        `[T, Hq, D]` in the query's dtype.
+        `[T, Hq, D]` in the query's dtype (`out` when given).
 
     Raises:
         RuntimeError: the library is not available, or the kernel failed to allocate memory.
@@ -141,6 +144,15 @@ def paged_prefill_attention_cpu(
         if bool((lengths > seq_lens).any()):
             raise ValueError("a sequence has more query rows than context tokens (seq_lens)")
         _check_bounds(k_cache, block_tables, seq_lens, min_len=0)
+    if out is not None and (
+        out.shape != query.shape
+        or out.dtype != query.dtype
+        or out.device.type != "cpu"
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous CPU tensor of the query's shape {tuple(query.shape)} and dtype"
+        )
     return _launch(
         lib.paged_prefill_attention,
         "prefill",
@@ -151,13 +163,17 @@ def paged_prefill_attention_cpu(
         seq_lens,
         scale,
         query_starts,
+        out=out,
     )
 
 
-def _launch(kernel, what, query, k_cache, v_cache, block_tables, seq_lens, scale, *offsets) -> torch.Tensor:
-    """Call one attention kernel (arguments checked); `offsets` are the tensors a kernel takes after
-    `seq_lens` (the prefill kernel's query starts). Raises RuntimeError when the kernel fails."""
-    out = torch.empty_like(query)
+def _launch(
+    kernel, what, query, k_cache, v_cache, block_tables, seq_lens, scale, *offsets, out=None
+) -> torch.Tensor:
+    """Call one attention kernel (arguments checked) into `out` (None: a new tensor); `offsets` are the
+    tensors a kernel takes after `seq_lens` (the prefill kernel's query starts). Raises RuntimeError
+    when the kernel fails."""
+    out = torch.empty_like(query) if out is None else out
     _, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     status = kernel(

@@ -117,6 +117,25 @@ def test_bad_tables_and_offsets_are_refused(change, message):
         cpu_attention.paged_prefill_attention_cpu(query, k_cache, v_cache, tables, seq_lens, starts, 0.125)
 
 
+def test_writes_into_a_given_output():
+    """With `out` (as the backend passes a step output's prefill rows) the result lands there, equal
+    to a freshly allocated one; an `out` of another shape is refused."""
+    query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.bfloat16, 64, 3, 16)
+    fresh = cpu_attention.paged_prefill_attention_cpu(
+        query, k_cache, v_cache, tables, seq_lens, starts, 0.125
+    )
+    step_out = torch.full((query.shape[0] + 2, *query.shape[1:]), 7.0, dtype=torch.bfloat16)
+    got = cpu_attention.paged_prefill_attention_cpu(
+        query, k_cache, v_cache, tables, seq_lens, starts, 0.125, out=step_out[2:]
+    )
+    assert got.data_ptr() == step_out[2:].data_ptr()
+    assert torch.equal(step_out[2:], fresh) and bool((step_out[:2] == 7.0).all())
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_attention.paged_prefill_attention_cpu(
+            query, k_cache, v_cache, tables, seq_lens, starts, 0.125, out=step_out[1:]
+        )
+
+
 def test_unsupported_shapes_are_refused():
     assert cpu_attention.supports_prefill(torch.bfloat16, 64, 9, 3)
     assert not cpu_attention.supports_prefill(torch.float16, 64, 9, 3)

@@ -259,7 +259,7 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on the CPU; the model is on {device}")
         if cpu_kernels.load_library() is None:
-            if os.environ.get("BATCHGEN_CPU_KERNELS", "1") == "0":
+            if cpu_kernels.disabled_by_environment():
                 raise ValueError(
                     "attention_backend='cpu' needs its C kernels, which BATCHGEN_CPU_KERNELS=0 turns off; "
                     "unset BATCHGEN_CPU_KERNELS or use attention_backend='torch'"

@@ -144,6 +144,11 @@ def _verified_record(target: Path) -> dict | None:
     return record if hashlib.sha256(data).hexdigest() == record.get("sha256") else None
 
 
+def disabled_by_environment() -> bool:
+    """Whether `BATCHGEN_CPU_KERNELS=0` turns the kernels off (then `load_library()` is None)."""
+    return os.environ.get("BATCHGEN_CPU_KERNELS", "1") == "0"
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first use; None when it is disabled or cannot be built.
@@ -151,7 +156,7 @@ def load_library() -> ctypes.CDLL | None:
     A library missing from the cache, or one that does not match its recorded checksum, is (re)built.
     A failed build logs one warning naming the cause; the engine then runs the torch path.
     """
-    if os.environ.get("BATCHGEN_CPU_KERNELS", "1") == "0":
+    if disabled_by_environment():
         return None
     compiler = _compiler()
     if compiler is None:

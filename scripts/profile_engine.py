@@ -6,7 +6,8 @@ continuous batching and prints:
 
 - per-phase totals: steps that hold prefill tokens ("prefill") and steps of decodes only ("decode"),
   with their step count, tokens and wall seconds;
-- with `--torch-profiler`, the top operators of each phase by self CPU time (`torch.profiler`).
+- with `--torch-profiler`, the top operators of each phase by self CPU time (`torch.profiler`);
+  batchgen's C kernels, which torch cannot see, are listed as `batchgen::<function>`.
 
 This is the profile quoted in the notes of issue 6; run it before and after a speed change::
 
@@ -29,6 +30,34 @@ from batchgen.bench.spec import WorkloadSpec  # noqa: E402
 from batchgen.bench.static import bench_sampling_params, warmup_engine, warmup_prompt  # noqa: E402
 from batchgen.config import EngineConfig  # noqa: E402
 from batchgen.engine.llm_engine import LLMEngine  # noqa: E402
+from batchgen.model import cpu_kernels  # noqa: E402
+
+# The C library's entry points that run a step's work (the others answer questions about it).
+C_KERNELS = (
+    "bf16_linear",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "add_rms_norm_bf16",
+    "silu_mul_bf16",
+    "rotary_bf16",
+    "store_kv_rows",
+)
+
+
+def label_c_kernels() -> None:
+    """Wrap each C kernel of the loaded library in `record_function("batchgen::<name>")`, so the
+    torch profiler's table shows their time (ctypes calls are invisible to it otherwise)."""
+    lib = cpu_kernels.load_library()
+    if lib is None:
+        return
+    for name in C_KERNELS:
+        kernel = getattr(lib, name)
+
+        def labelled(*args, _kernel=kernel, _label=f"batchgen::{name}"):
+            with torch.profiler.record_function(_label):
+                return _kernel(*args)
+
+        setattr(lib, name, labelled)
 
 
 def main() -> None:
@@ -53,6 +82,8 @@ def main() -> None:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    if args.torch_profiler:
+        label_c_kernels()
     engine = LLMEngine(
         EngineConfig(
             model=args.model,

@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from batchgen.model.cpu_linear import can_prepack, pack_weight, prepacked_linear
+from batchgen.model.cpu_linear import (
+    Bf16Linear,
+    bf16_linear_applies,
+    can_prepack,
+    pack_weight,
+    prepacked_linear,
+)
 
 
 @dataclass(frozen=True)
@@ -100,9 +106,10 @@ def measure_matmul_rate(
 ) -> dict[str, Any]:
     """Best FLOP/s of one decoder layer's linear layers (the model's shapes) at `rows` rows.
 
-    Both matmul paths the engine may take are timed, and the faster counts at each row count:
-    `F.linear`, and oneDNN-prepacked weights where the engine packs them (`can_prepack`: float32 on
-    a CPU, or bf16 on one with native bf16). Runs with the current torch thread count, after two
+    Every matmul path the engine may take is timed, and the fastest counts at each row count:
+    `F.linear`, oneDNN-prepacked weights where the engine packs them (`can_prepack`: float32 on a
+    CPU, or bf16 on one with native bf16), and batchgen's own bf16 kernel where it applies
+    (`bf16_linear_applies`: a CPU with AVX512-BF16). Runs with the current torch thread count, after two
     warm-up rounds; each row count and path is timed for at least `min_time_s`. The best row count
     is the rate the compute ceiling uses, so the ceiling is an upper bound on what the model's
     matrix products can reach.
@@ -128,6 +135,8 @@ def measure_matmul_rate(
     if can_prepack(dtype, torch.device(device)):
         packed = [pack_weight(w) for w in weights]
         paths.append([lambda x, p=p: prepacked_linear(x, p) for p in packed])
+    if all(bf16_linear_applies(w) for w in weights):
+        paths.append([Bf16Linear.from_weight(w) for w in weights])
 
     def time_layer(ops: list, acts: tuple[torch.Tensor, ...]) -> float:
         """Seconds one layer's four linears take (mean of at least `min_time_s` of repeats)."""

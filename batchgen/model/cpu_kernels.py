@@ -7,7 +7,8 @@ torch headers are involved, so a build takes about two seconds. Where there is n
 
 The library holds the paged decode and prefill attention (wrapped by `batchgen.model.cpu_attention`), one-call
 versions of a decoder layer's bf16 element-wise chains and the write of a step's K/V rows into the
-paged cache (wrapped by `batchgen.model.cpu_ops`).
+paged cache (wrapped by `batchgen.model.cpu_ops`), and the bf16 linear layer for CPUs with AVX512-BF16
+(wrapped by `batchgen.model.cpu_linear.Bf16Linear`).
 """
 
 from __future__ import annotations
@@ -223,6 +224,10 @@ def load_library() -> ctypes.CDLL | None:
         ptr,
         ctypes.c_int,
     ]
+    lib.bf16_linear_available.restype = i32
+    lib.bf16_linear_available.argtypes = []
+    lib.bf16_linear.restype = i32
+    lib.bf16_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.store_kv_rows.restype = i64
     lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     return lib

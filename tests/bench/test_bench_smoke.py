@@ -180,7 +180,8 @@ def test_profile_engine_script_smoke(tiny_model_dir, tmp_path: Path) -> None:
     phase_tokens = [int(line.split()[3]) for line in lines if line.split()[:1] in (["prefill"], ["decode"])]
     # Each request's last prompt step samples its first token, so decode steps carry the others.
     assert sum(phase_tokens) == prompt + output - 4
-    assert "mkldnn::_linear_pointwise" in proc.stdout or "aten::mm" in proc.stdout  # operator table printed
+    # operator table printed, the linears under whichever path this CPU takes
+    assert any(op in proc.stdout for op in ("mkldnn::_linear_pointwise", "aten::mm", "batchgen::bf16_linear"))
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""oneDNN-prepacked linears (float32, and bf16 where the CPU has it) compute what `F.linear` computes,
-and the engine uses them."""
+"""Packed linears compute what `F.linear` computes, and the engine uses them: oneDNN-prepacked
+(float32, and bf16 where the CPU has it) and batchgen's bf16 kernel (CPUs with AVX512-BF16;
+its own tests are in test_bf16_linear.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from torch import nn
 
 from batchgen import LLM, SamplingParams
 from batchgen.model import runner as runner_module
-from batchgen.model.cpu_linear import PrepackedLinear, can_prepack, cpu_has_native_bf16, prepack_linears
+from batchgen.model.cpu_linear import (
+    Bf16Linear,
+    PrepackedLinear,
+    bf16_kernel_available,
+    can_prepack,
+    cpu_has_native_bf16,
+    prepack_linears,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN (mkldnn)"
@@ -57,6 +65,12 @@ def test_prepack_replaces_every_linear_and_keeps_the_tied_embedding(dtype: torch
     model = model.to(dtype)
     assert prepack_linears(model) == 3
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    # out_features 32, 16 and 50: batchgen's bf16 kernel takes multiples of 16, oneDNN the head.
+    own = dtype == torch.bfloat16 and bf16_kernel_available()
+    assert [type(m) for m in (*model.block, model.head)] == [
+        *([Bf16Linear] * 2 if own else [PrepackedLinear] * 2),
+        PrepackedLinear,
+    ]
     assert isinstance(model.embed.weight, nn.Parameter)  # lookups still use the plain weight
     with torch.inference_mode():
         x = model.embed(torch.tensor([1, 2, 3]))
@@ -74,13 +88,19 @@ def test_engine_prepacks_and_matches_the_unpacked_engine(
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     llm = LLM(path, dtype=dtype, max_num_seqs=4, device="cpu")
-    packed = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, PrepackedLinear)]
+    modules = list(llm.llm_engine.runner.model.modules())
+    packed = [m for m in modules if isinstance(m, (PrepackedLinear, Bf16Linear))]
     assert len(packed) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down) + LM head
+    # bf16 with batchgen's kernel: every layer of the tiny model has shapes it takes.
+    own_kernel = dtype == "bfloat16" and bf16_kernel_available()
+    assert all(isinstance(m, Bf16Linear) == own_kernel for m in packed)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
     monkeypatch.setattr(runner_module, "can_prepack", lambda dtype, device: False)
     plain = LLM(path, dtype=dtype, max_num_seqs=4, device="cpu")
-    assert not any(isinstance(m, PrepackedLinear) for m in plain.llm_engine.runner.model.modules())
+    assert not any(
+        isinstance(m, (PrepackedLinear, Bf16Linear)) for m in plain.llm_engine.runner.model.modules()
+    )
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert got == expected
     assert all(len(t) == 12 for t in got)

@@ -78,6 +78,7 @@ class Bf16Linear(nn.Module):
         self.bias = bias
         self.in_features = 2 * pairs
         self.out_features = 16 * strips
+        self._kernel = cpu_kernels.load_library().bf16_linear
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Bf16Linear:
@@ -97,16 +98,22 @@ class Bf16Linear(nn.Module):
         Raises:
             ValueError: `x` is not bf16 or its last dimension is not `in_features`.
         """
+        if x.dim() == 2 and x.stride(1) == 1 and x.dtype == torch.bfloat16 and x.shape[1] == self.in_features:
+            return self._rows(x)  # every call in the engine: the few microseconds below add up per step
         if x.dtype != torch.bfloat16 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Bf16Linear takes bf16 [..., {self.in_features}] input; got {x.dtype} {tuple(x.shape)}"
             )
         rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
+        if rows.stride(1) != 1:
             rows = rows.contiguous()
+        return self._rows(rows).view(*x.shape[:-1], self.out_features)
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """bf16 `[M, in_features]` with unit column stride -> new bf16 `[M, out_features]`."""
         m = rows.shape[0]
         out = torch.empty((m, self.out_features), dtype=torch.bfloat16)
-        status = cpu_kernels.load_library().bf16_linear(
+        status = self._kernel(
             rows.data_ptr(),
             rows.stride(0),
             self.packed_weight.data_ptr(),
@@ -118,9 +125,9 @@ class Bf16Linear(nn.Module):
             self.in_features,
             torch.get_num_threads(),
         )
-        if status != 0:  # from_linear only packs what the kernel takes; a failure here is a bug
+        if status != 0:  # from_weight only packs what the kernel takes; a failure here is a bug
             raise RuntimeError(f"bf16_linear refused [{m}, {self.in_features}] x {self.extra_repr()}")
-        return out.view(*x.shape[:-1], self.out_features)
+        return out
 
     def extra_repr(self) -> str:
         return (

@@ -38,3 +38,36 @@ def test_a_request_is_scheduled_before_its_first_token(tiny_model_dir):
     (out,) = llm.generate([{"prompt_token_ids": list(range(3, 40))}], params)
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time < m.first_token_time <= m.finish_time
+
+
+def test_ids_past_a_smaller_model_vocab_fail_their_row_not_the_call(tmp_path, tiny_model_dir):
+    """A model whose vocab_size (1001) is below its tokenizer's length (49152): ids in between
+    cannot be embedded, so such a prompt (given as ids, or text the tokenizer turns into them) comes
+    back as an error output naming the mismatch, and the other prompts of the call still run."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_model_dir("llama")
+    config = json.loads((source / "config.json").read_text())
+    config["vocab_size"] = 1001
+    path = tmp_path / "small-vocab"
+    shutil.copytree(source, path)
+    (path / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.resize_token_embeddings(1001)
+    model.save_pretrained(path)
+
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5000, 6]}, "The capital of France is", {"prompt_token_ids": [5, 6, 7]}]
+    ids_out, text_out, good = llm.generate(prompts, params)
+    for out, source_words in ((ids_out, "prompt_token_ids holds"), (text_out, "the tokenizer produced")):
+        assert out.outputs[0].finish_reason == "error"
+        assert source_words in out.error and "[0, 1001)" in out.error
+        assert "vocab_size is 1001 but its tokenizer has 49152 tokens" in out.error
+    assert "[5000]" in ids_out.error
+    assert good.error is None and len(good.outputs[0].token_ids) == 4

@@ -127,9 +127,9 @@ class LLMEngine:
         """(prompt text or None, token ids) for a string, chat messages or a token-id dict.
 
         Raises:
-            ValueError / TypeError: empty or malformed prompt.
+            ValueError / TypeError: empty or malformed prompt, or token ids the model cannot embed.
         """
-        return encode_prompt(self.tokenizer, prompt)
+        return encode_prompt(self.tokenizer, prompt, vocab_size=int(self.model_config.vocab_size))
 
     def add_request(
         self,

@@ -3,18 +3,40 @@
 from __future__ import annotations
 
 
-def encode_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
+def encode_prompt(tokenizer, prompt, vocab_size: int | None = None) -> tuple[str | None, list[int]]:
     """Turn one prompt into (text or None, token ids).
 
     Accepts a string (tokenized with the tokenizer's special tokens), a list of chat messages
     (`[{"role": ..., "content": ...}]`, rendered with the tokenizer's chat template and a generation
     prompt; the template supplies the special tokens), or a dict with `prompt_token_ids`, `prompt` or
     `messages`. A doubled BOS (template or text already starting with it) is collapsed to one.
+    `vocab_size`: the model's (its embedding rows), when it may be smaller than the tokenizer's
+    length: token ids must lie below both, or the model's embedding lookup would fail.
 
     Raises:
         ValueError: an empty prompt, empty message list, or token ids outside the vocabulary.
         TypeError: a prompt of another type, or a malformed message.
     """
+    text, ids = _encode(tokenizer, prompt)
+    limit = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
+    bad = [t for t in ids if not 0 <= t < limit]
+    if bad:
+        source = "prompt_token_ids holds" if text is None or _has_ids(prompt) else "the tokenizer produced"
+        mismatch = (
+            f" (the model's vocab_size is {vocab_size} but its tokenizer has {len(tokenizer)} tokens: "
+            "the tokenizer does not belong to this model)"
+            if vocab_size is not None and vocab_size < len(tokenizer)
+            else ""
+        )
+        raise ValueError(f"{source} ids outside the vocabulary [0, {limit}): {bad[:5]}{mismatch}")
+    return text, ids
+
+
+def _has_ids(prompt) -> bool:
+    return isinstance(prompt, dict) and "prompt_token_ids" in prompt
+
+
+def _encode(tokenizer, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -24,15 +46,11 @@ def encode_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
                 raise TypeError("prompt_token_ids must be a list of integers")
             if not ids:
                 raise ValueError("prompt_token_ids is empty: give at least one token")
-            vocab = len(tokenizer)
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
             return prompt.get("prompt"), list(ids)
         if "messages" in prompt:
-            return encode_prompt(tokenizer, prompt["messages"])
+            return _encode(tokenizer, prompt["messages"])
         if "prompt" in prompt:
-            return encode_prompt(tokenizer, prompt["prompt"])
+            return _encode(tokenizer, prompt["prompt"])
         raise TypeError("a prompt dict needs 'prompt_token_ids', 'prompt' or 'messages'")
     if isinstance(prompt, str):
         if not prompt.strip():

@@ -8,15 +8,24 @@ error row naming the row, the field and the fix, never an exception that stops t
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
 from batchgen.jobs.formats import LONE_SURROGATE, check_messages, is_utf8, text_error
 from batchgen.jobs.json_lines import to_json
-from batchgen.jobs.row_sampling import SAMPLING_COLUMNS, RowSampling, stable_hash, unapplied_field_error
+from batchgen.jobs.row_sampling import (
+    SAMPLING_COLUMNS,
+    UNAPPLIED_COLUMNS,
+    RowSampling,
+    stable_hash,
+    unapplied_field_error,
+)
 from batchgen.sampling_params import SamplingParams
 
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# Field names a plain job's column may be a misspelling of (see RowParser._note_near_misses).
+NEAR_MISS_TARGETS = (*SAMPLING_COLUMNS, *UNAPPLIED_COLUMNS, "max_completion_tokens", "prompt", "messages")
 
 
 @dataclass(slots=True)
@@ -107,6 +116,9 @@ class RowParser:
         self._prompt_columns = frozenset(c for c in prompt_columns if c is not None)
         self._data_columns = self._prompt_columns | {c for c in (id_column, *options.keep_columns) if c}
         self._sampling = RowSampling(options.defaults).resolve
+        # Messages for the user, taken by the job runner as rows are read (`_note_near_misses`).
+        self.notices: list[str] = []
+        self._names_checked: set[str] = set(self._data_columns) | set(SAMPLING_COLUMNS)
 
     def salvaged_id(self, rec: dict | None) -> Any:
         """The id of a record read with its invalid bytes replaced, when the id came through whole
@@ -153,8 +165,24 @@ class RowParser:
         it has one (the index could equal another row's real id)."""
         return str(row_index) if self.row_index_ids and self.id_column is None else None
 
+    def _note_near_misses(self, rec: dict) -> None:
+        """A notice, once per name, for a column that is not a sampling field but nearly spells one
+        (`temprature`): other columns are data by design, so it would otherwise be silently kept
+        as data while the row runs with the default value."""
+        if len(self._names_checked) > 10_000:  # a file whose every row has new keys: stop looking
+            return
+        for name in rec.keys() - self._names_checked:
+            self._names_checked.add(name)
+            close = difflib.get_close_matches(str(name), NEAR_MISS_TARGETS, n=1, cutoff=0.8)
+            if close:
+                self.notices.append(
+                    f"note: column '{name}' is not a sampling field, so it is kept as data and changes "
+                    f"nothing; did you mean '{close[0]}'?"
+                )
+
     def plain_row(self, row_index: int, line_number: int | None, rec: dict) -> JobRow:
         """A row of a plain job (prompt / messages / template columns, optional sampling columns)."""
+        self._note_near_misses(rec)
         rid = rec.get(self.id_column) if self.id_column else None
         keep = {c: rec.get(c) for c in self.options.keep_columns} or None
         if "custom_id" in rec and "body" in rec and not any(c in rec for c in self._prompt_columns):

@@ -326,6 +326,8 @@ def _loop(
     while not interrupt.requested:
         while not exhausted and not window.full and not interrupt.requested:
             row = next(rows, None)
+            while reader.parser.notices:  # e.g. a column name one typo away from a sampling field
+                dashboard.log(reader.parser.notices.pop(0))
             if row is None:
                 exhausted = True
                 break

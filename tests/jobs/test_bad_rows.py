@@ -214,3 +214,21 @@ def test_engine_option_errors_name_the_flag(tmp_path):
     # The engine's own message also says "model": the longer field name is the flag meant.
     message = "max_model_len 1000000000 exceeds the model's limit of 8192 tokens"
     assert _flag_hint(message) == " (flag --max-model-len)"
+
+
+def test_a_column_nearly_named_like_a_sampling_field_is_pointed_out(tmp_path):
+    """`temprature` is kept as data (plain jobs keep unknown columns), so the row runs with the
+    default temperature; the run says so once, naming the field it was probably meant to be."""
+    src = tmp_path / "typo.jsonl"
+    lines = [{"prompt": "a", "temprature": 0.5}, {"prompt": "b", "temprature": 0.7, "topic": "x"}]
+    src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    stream = io.StringIO()
+    dashboard = Dashboard(None, live=False, stream=stream, console=Console(file=io.StringIO()))
+    run_job(JobOptions(str(src), max_tokens=4), fake_factory(), dashboard=dashboard)
+    notes = [line for line in stream.getvalue().splitlines() if line.startswith("note: column")]
+    assert notes == [
+        "note: column 'temprature' is not a sampling field, so it is kept as data and changes nothing; "
+        "did you mean 'temperature'?"
+    ]
+    rows = pq.read_table(tmp_path / "typo.out.parquet").to_pylist()
+    assert [r["finish_reason"] for r in rows] == ["length", "length"]

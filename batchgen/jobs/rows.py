@@ -245,10 +245,15 @@ class RowParser:
         value = rec.get(col)
         if isinstance(value, list):
             return check_messages(value, col)
+        if col not in rec:
+            return None, f"field '{col}' is missing; add the prompt text under '{col}' or drop the row"
         if value is None or (isinstance(value, str) and not value.strip()):
             return None, f"field '{col}' is null or empty; put the prompt text there or drop the row"
         if not isinstance(value, str):
-            return None, f"field '{col}' must be a string, got {type(value).__name__}; quote the prompt"
+            return None, (
+                f"field '{col}' must be a string, got {type(value).__name__}; quote the prompt in JSONL, "
+                "or store the column as strings in Parquet"
+            )
         return value, text_error(value, col)
 
     def openai_row(self, row_index: int, line_number: int, rec: dict) -> JobRow:

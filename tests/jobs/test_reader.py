@@ -161,6 +161,21 @@ def test_null_or_empty_prompt_is_an_error_row(tmp_path, value):
     assert "field 'prompt' is null or empty" in r.error and r.error.startswith("row 0 (line 1)")
 
 
+def test_missing_or_non_text_prompt_is_named_as_such(tmp_path):
+    good, missing, number = read(
+        write_jsonl(tmp_path / "a.jsonl", [{"prompt": "hi"}, {"id": 1}, {"prompt": 7}])
+    )
+    assert good.error is None
+    assert (
+        missing.error
+        == "row 1 (line 2): field 'prompt' is missing; add the prompt text under 'prompt' or drop the row"
+    )
+    assert number.error == (
+        "row 2 (line 3): field 'prompt' must be a string, got int; quote the prompt in JSONL, "
+        "or store the column as strings in Parquet"
+    )
+
+
 def test_missing_prompt_column_lists_available_columns(tmp_path):
     p = write_jsonl(tmp_path / "a.jsonl", [{"question": "a", "doc": "b"}])
     with pytest.raises(JobInputError, match="available columns: question, doc.*--prompt-column"):

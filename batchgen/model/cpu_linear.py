@@ -72,12 +72,22 @@ class Bf16Linear(nn.Module):
     """
 
     def __init__(self, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """`packed_weight` bf16 `[N/16, K/2, 16, 2]` (see `from_weight`), `bias` float32 `[N]` or None.
+
+        Raises:
+            RuntimeError: the kernel is not built on this machine (`bf16_kernel_available`).
+        """
         super().__init__()
         strips, pairs, _, _ = packed_weight.shape
         self.packed_weight = packed_weight
         self.bias = bias
         self.in_features = 2 * pairs
         self.out_features = 16 * strips
+        if not bf16_kernel_available():
+            raise RuntimeError(
+                "batchgen's bf16 linear kernel is not built here: it needs a CPU with AVX512-BF16 and a C "
+                "compiler (see bf16_linear_applies); use PrepackedLinear or nn.Linear"
+            )
         self._kernel = cpu_kernels.load_library().bf16_linear
 
     @classmethod

@@ -116,3 +116,12 @@ def test_applies_only_to_shapes_and_dtypes_it_takes() -> None:
     assert not bf16_linear_applies(torch.zeros(50, 96, dtype=torch.bfloat16))  # 50 % 16
     assert not bf16_linear_applies(torch.zeros(64, 95, dtype=torch.bfloat16))  # odd K
     assert not bf16_linear_applies(torch.zeros(64, 96))  # float32: oneDNN's path
+
+
+def test_building_one_without_the_kernel_says_why(monkeypatch):
+    from batchgen.model import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: False)
+    assert not cpu_linear.bf16_linear_applies(torch.zeros(64, 96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="needs a CPU with AVX512-BF16"):
+        Bf16Linear.from_weight(torch.zeros(64, 96, dtype=torch.bfloat16))

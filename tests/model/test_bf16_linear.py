@@ -125,3 +125,21 @@ def test_building_one_without_the_kernel_says_why(monkeypatch):
     assert not cpu_linear.bf16_linear_applies(torch.zeros(64, 96, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="needs a CPU with AVX512-BF16"):
         Bf16Linear.from_weight(torch.zeros(64, 96, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(
+    not can_prepack(torch.bfloat16, torch.device("cpu")),
+    reason="the script's baseline needs oneDNN with bf16",
+)
+def test_benchmark_script_smoke():
+    """scripts/linear_bench.py runs (one layer, two row counts; no timings checked)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "linear_bench.py"
+    args = ["--rows", "1", "7", "--layers", "1", "--rounds", "1", "--num-threads", "1"]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rows")]
+    assert len(lines) == 2 and all("onednn" in line and "batchgen" in line for line in lines)

@@ -16,7 +16,7 @@ from batchgen.model import cpu_kernels
 
 def bf16_ops_apply(x: torch.Tensor) -> bool:
     """Whether the C element-wise ops take `x`: a bf16 CPU tensor, with the library built."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu_kernels.load_library() is not None
+    return x.dtype == torch.bfloat16 and x.is_cpu and cpu_kernels.load_library() is not None
 
 
 def _check_rows(name: str, t: torch.Tensor, cols: int) -> None:

@@ -47,21 +47,34 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        delta: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         row_chunk: int = 0,
-    ) -> torch.Tensor:
-        """Update `hidden` `[T, hidden_size]` in place (residual adds) and return it.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the layer on the residual stream `hidden` `[T, hidden_size]` (updated in place).
+
+        `delta` is the previous layer's MLP output, not yet added to `hidden` (None for the first
+        layer): the add happens inside this layer's first norm, one pass instead of two (vLLM's
+        fused residual). Returns `(hidden, delta)` for the next layer, whose own delta is this
+        layer's MLP output; the caller adds the last one (`LlamaForCausalLM.forward`).
 
         With `row_chunk` > 0 and more rows than that, everything but attention (norms, projections,
-        rotary, MLP) runs on row slices of `row_chunk` tokens; see `prefill_row_chunk`.
+        rotary, MLP) runs on row slices of `row_chunk` tokens; see `prefill_row_chunk`. That path
+        adds its MLP outputs itself and returns delta None.
         """
         num_tokens = hidden.shape[0]
         if row_chunk <= 0 or num_tokens <= row_chunk:
-            attn = self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
-            hidden += self.mlp(self.post_attention_layernorm.add_forward(hidden, attn))
-            return hidden
+            normed = (
+                self.input_layernorm(hidden)
+                if delta is None
+                else self.input_layernorm.add_forward(hidden, delta)
+            )
+            attn = self.self_attn(normed, cos_sin, kv_cache, meta)
+            return hidden, self.mlp(self.post_attention_layernorm.add_forward(hidden, attn))
+        if delta is not None:
+            hidden += delta
         rows = [slice(start, start + row_chunk) for start in range(0, num_tokens, row_chunk)]
         cos, sin = cos_sin
         parts = [self.self_attn.project(self.input_layernorm(hidden[r]), (cos[r], sin[r])) for r in rows]
@@ -71,7 +84,7 @@ class DecoderLayer(nn.Module):
         for r in rows:
             h = hidden[r]
             h += self.mlp(self.post_attention_layernorm.add_forward(h, self.self_attn.o_proj(attn[r])))
-        return hidden
+        return hidden, None
 
 
 def prefill_row_chunk(config, dtype: torch.dtype, device: torch.device) -> int:
@@ -154,10 +167,17 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)  # a new tensor: the layers add into it in place
         cos_sin = self.model.rotary.cos_sin(positions, hidden.dtype)
         row_chunk = prefill_row_chunk(self.config, hidden.dtype, hidden.device)
+        delta = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos_sin, kv_cache, meta, row_chunk)
-        # The final norm and LM head only for the rows that are sampled: most prefill rows are not.
-        hidden = self.model.norm(hidden[logits_indices])
+            hidden, delta = layer(hidden, delta, cos_sin, kv_cache, meta, row_chunk)
+        # The last residual add, final norm and LM head only for the rows that are sampled: most
+        # prefill rows are not.
+        hidden = hidden[logits_indices]
+        hidden = (
+            self.model.norm(hidden)
+            if delta is None
+            else self.model.norm.add_forward(hidden, delta[logits_indices])
+        )
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -21,7 +21,7 @@ def encode_prompt(tokenizer, prompt, vocab_size: int | None = None) -> tuple[str
     limit = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
     bad = [t for t in ids if not 0 <= t < limit]
     if bad:
-        source = "prompt_token_ids holds" if text is None or _has_ids(prompt) else "the tokenizer produced"
+        source = "prompt_token_ids holds" if _has_ids(prompt) else "the tokenizer produced"
         mismatch = (
             f" (the model's vocab_size is {vocab_size} but its tokenizer has {len(tokenizer)} tokens: "
             "the tokenizer does not belong to this model)"

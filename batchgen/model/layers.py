@@ -48,8 +48,11 @@ class RMSNorm(nn.Module):
         scale = torch.rsqrt(mean_square.add_(self.eps)).to(x.dtype)
         return (x * scale).mul_(self.weight)
 
-    def add_forward(self, hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """`hidden += delta` in place (the residual add), then the norm of `hidden`; one C call for bf16 on CPU."""
+    def add_forward(self, hidden: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """`hidden += delta` in place (the residual add; none when `delta` is None), then the norm of
+        `hidden`; one C call for bf16 on CPU."""
+        if delta is None:
+            return self(hidden)
         if self.c_ops and _c_rows(hidden) and _c_rows(delta):
             return cpu_ops.add_rms_norm_bf16(hidden, delta, self.weight, self.eps)
         hidden += delta

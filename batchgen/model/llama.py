@@ -66,12 +66,7 @@ class DecoderLayer(nn.Module):
         """
         num_tokens = hidden.shape[0]
         if row_chunk <= 0 or num_tokens <= row_chunk:
-            normed = (
-                self.input_layernorm(hidden)
-                if delta is None
-                else self.input_layernorm.add_forward(hidden, delta)
-            )
-            attn = self.self_attn(normed, cos_sin, kv_cache, meta)
+            attn = self.self_attn(self.input_layernorm.add_forward(hidden, delta), cos_sin, kv_cache, meta)
             return hidden, self.mlp(self.post_attention_layernorm.add_forward(hidden, attn))
         if delta is not None:
             hidden += delta
@@ -172,13 +167,8 @@ class LlamaForCausalLM(nn.Module):
             hidden, delta = layer(hidden, delta, cos_sin, kv_cache, meta, row_chunk)
         # The last residual add, final norm and LM head only for the rows that are sampled: most
         # prefill rows are not.
-        hidden = hidden[logits_indices]
-        hidden = (
-            self.model.norm(hidden)
-            if delta is None
-            else self.model.norm.add_forward(hidden, delta[logits_indices])
-        )
-        return self.lm_head(hidden)
+        rows_delta = None if delta is None else delta[logits_indices]
+        return self.lm_head(self.model.norm.add_forward(hidden[logits_indices], rows_delta))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the model (fusing q/k/v and gate/up).

@@ -7,7 +7,9 @@ continuous batching and prints:
 - per-phase totals: steps that hold prefill tokens ("prefill") and steps of decodes only ("decode"),
   with their step count, tokens and wall seconds;
 - with `--torch-profiler`, the top operators of each phase by self CPU time (`torch.profiler`);
-  batchgen's C kernels, which torch cannot see, are listed as `batchgen::<function>`.
+  batchgen's C kernels, which torch cannot see, are listed as `batchgen::<function>`. The C decoder
+  stack runs a step's layers in one call (`batchgen::decoder_stack_bf16`); `--no-decoder-stack`
+  runs them layer by layer, so the table shows each kernel (and the Python around them).
 
 This is the profile quoted in the notes of issue 6; run it before and after a speed change::
 
@@ -41,6 +43,7 @@ C_KERNELS = (
     "silu_mul_bf16",
     "rotary_bf16",
     "store_kv_rows",
+    "decoder_stack_bf16",
 )
 
 
@@ -78,6 +81,11 @@ def main() -> None:
     parser.add_argument(
         "--profile-steps", type=int, default=0, help="profile only the first N steps (0 = all); prints each"
     )
+    parser.add_argument(
+        "--no-decoder-stack",
+        action="store_true",
+        help="run the layers one by one in Python (per-kernel profile) instead of the C decoder stack",
+    )
     args = parser.parse_args()
 
     if args.num_threads:
@@ -99,6 +107,8 @@ def main() -> None:
     workload = bench_workload(
         WorkloadSpec(**spec_args), engine.tokenizer, engine.model_config, engine.max_model_len
     )
+    if args.no_decoder_stack:
+        engine.runner.model.decoder_stack = None
     warmup_engine(engine, warmup_prompt(workload.requests[0].prompt_token_ids))
     for r in workload.requests:
         engine.add_request(

@@ -59,7 +59,7 @@ def paged_decode_attention_cpu(
     """
     lib = _checked_library(query, k_cache, v_cache, block_tables, seq_lens, query.shape[0], supports)
     if check_bounds and query.shape[0]:
-        _check_bounds(k_cache, block_tables, seq_lens, min_len=1)
+        check_table_bounds(k_cache, block_tables, seq_lens, min_len=1)
     return _launch(
         lib.paged_decode_attention, "decode", query, k_cache, v_cache, block_tables, seq_lens, scale
     )
@@ -138,12 +138,8 @@ def paged_prefill_attention_cpu(
     if query_starts.device.type != "cpu" or not query_starts.is_contiguous():
         raise ValueError("query_starts must be a contiguous CPU tensor")
     if check_bounds and num_seqs:
-        lengths = query_starts[1:] - query_starts[:-1]
-        if int(query_starts[0]) != 0 or int(query_starts[-1]) != query.shape[0] or int(lengths.min()) < 0:
-            raise ValueError(f"query_starts must rise from 0 to the {query.shape[0]} query rows")
-        if bool((lengths > seq_lens).any()):
-            raise ValueError("a sequence has more query rows than context tokens (seq_lens)")
-        _check_bounds(k_cache, block_tables, seq_lens, min_len=0)
+        check_query_starts(query_starts, seq_lens, query.shape[0])
+        check_table_bounds(k_cache, block_tables, seq_lens, min_len=0)
     if out is not None and (
         out.shape != query.shape
         or out.dtype != query.dtype
@@ -232,8 +228,27 @@ def _checked_library(query, k_cache, v_cache, block_tables, seq_lens, num_seqs, 
     return lib
 
 
-def _check_bounds(k_cache, block_tables, seq_lens, min_len: int) -> None:
-    """Every length in [min_len, table capacity] and every block id inside the cache."""
+def check_query_starts(query_starts: torch.Tensor, seq_lens: torch.Tensor, num_rows: int) -> None:
+    """Check prefill chunk offsets: int32 `query_starts` `[B + 1]` rise from 0 to `num_rows`, and
+    no chunk has more rows than its sequence's context (`seq_lens` `[B]`, tokens).
+
+    Raises:
+        ValueError: naming the violated rule.
+    """
+    lengths = query_starts[1:] - query_starts[:-1]
+    if int(query_starts[0]) != 0 or int(query_starts[-1]) != num_rows or int(lengths.min()) < 0:
+        raise ValueError(f"query_starts must rise from 0 to the {num_rows} query rows")
+    if bool((lengths > seq_lens).any()):
+        raise ValueError("a sequence has more query rows than context tokens (seq_lens)")
+
+
+def check_table_bounds(k_cache, block_tables, seq_lens, min_len: int) -> None:
+    """Every length in [min_len, table capacity] and every block id inside the cache (the kernels
+    trust both).
+
+    Raises:
+        ValueError: a length or block id out of range.
+    """
     capacity = block_tables.shape[1] * k_cache.shape[1]
     if int(seq_lens.min()) < min_len or int(seq_lens.max()) > capacity:
         raise ValueError(f"seq_lens must lie in [{min_len}, {capacity}] (the block tables' capacity)")

@@ -7,8 +7,9 @@ torch headers are involved, so a build takes about two seconds. Where there is n
 
 The library holds the paged decode and prefill attention (wrapped by `batchgen.model.cpu_attention`), one-call
 versions of a decoder layer's bf16 element-wise chains and the write of a step's K/V rows into the
-paged cache (wrapped by `batchgen.model.cpu_ops`), and the bf16 linear layer for CPUs with AVX512-BF16
-(wrapped by `batchgen.model.cpu_linear.Bf16Linear`).
+paged cache (wrapped by `batchgen.model.cpu_ops`), the bf16 linear layer for CPUs with AVX512-BF16
+(wrapped by `batchgen.model.cpu_linear.Bf16Linear`), and a driver that runs all of a step's decoder
+layers through these kernels in one call (wrapped by `batchgen.model.cpu_stack`).
 """
 
 from __future__ import annotations
@@ -230,4 +231,13 @@ def load_library() -> ctypes.CDLL | None:
     lib.bf16_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.store_kv_rows.restype = i64
     lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    # decoder_stack_bf16(layers, num_layers, dims, eps, scale, num_tokens, hidden, delta, cos, sin,
+    # slots, block_tables, table_stride, seq_lens, num_decodes, num_seqs, prefill_query_starts,
+    # workspace, num_threads) -> status; see csrc/decoder_stack.c.
+    lib.decoder_stack_workspace_per_token.restype = i64
+    lib.decoder_stack_workspace_per_token.argtypes = [ptr]
+    f32 = ctypes.c_float
+    lib.decoder_stack_bf16.restype = i32
+    lib.decoder_stack_bf16.argtypes = [ptr, i32, ptr, f32, f32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]
+    lib.decoder_stack_bf16.argtypes += [i32, i32, ptr, ptr, i32]
     return lib

@@ -136,6 +136,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # All layers of a step in one C call (`cpu_stack.DecoderStack`), set by the runner once the
+        # linears are packed where it applies; None runs the layers one by one.
+        self.decoder_stack = None
 
     @torch.inference_mode()
     def forward(
@@ -162,9 +165,12 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)  # a new tensor: the layers add into it in place
         cos_sin = self.model.rotary.cos_sin(positions, hidden.dtype)
         row_chunk = prefill_row_chunk(self.config, hidden.dtype, hidden.device)
-        delta = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, delta = layer(hidden, delta, cos_sin, kv_cache, meta, row_chunk)
+        if self.decoder_stack is not None and self.decoder_stack.takes(hidden, row_chunk):
+            delta = self.decoder_stack(hidden, cos_sin, kv_caches, meta)
+        else:
+            delta = None
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                hidden, delta = layer(hidden, delta, cos_sin, kv_cache, meta, row_chunk)
         # The last residual add, final norm and LM head only for the rows that are sampled: most
         # prefill rows are not.
         rows_delta = None if delta is None else delta[logits_indices]

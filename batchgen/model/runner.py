@@ -16,6 +16,7 @@ import torch
 
 from batchgen.model.attention import AttentionMetadata, select_backend
 from batchgen.model.cpu_linear import can_prepack, prepack_linears
+from batchgen.model.cpu_stack import DecoderStack
 from batchgen.model.layers import RotaryEmbedding
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.sampler import Sampler, SamplingBatch
@@ -125,6 +126,7 @@ class ModelRunner:
         model.load_weights(weights)
         if can_prepack(dtype, device):
             prepack_linears(model)
+            model.decoder_stack = DecoderStack.for_model(model)
         self.model = model.eval()
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         shape = (num_blocks, block_size, kv_heads, head_dim)

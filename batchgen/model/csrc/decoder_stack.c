@@ -1,0 +1,133 @@
+/* Every decoder layer of a step in one call: bf16 Llama-family layers on CPUs with AVX512-BF16.
+ *
+ * The model's Python forward calls about ten C kernels a layer (norms, four linears, rotary, the
+ * K/V store, attention, SiLU-and-multiply), each through ctypes with its torch allocations and
+ * argument checks: about 3 ms a step outside the kernels for the default model's 30 layers, a
+ * third of a batch-16 decode step. Here the same kernels run in the same order on the same inputs,
+ * so the result is bit for bit the Python path's; only the calls between them move into C. This is
+ * the CPU counterpart of replaying a captured CUDA graph (as vLLM does for its decode steps).
+ *
+ * Per layer, with H = hidden size, Q = query heads x head_dim, KV = KV heads x head_dim, I = the
+ * MLP's intermediate size (every buffer bf16, rows of the step's T tokens):
+ *   normed  = rms_norm(hidden += delta)              (no add on the first layer: delta is unset)
+ *   qkv     = normed W_qkv^T                          [T, Q + 2 KV]
+ *   q, k    = rotary(qkv's first Q + KV columns)      [T, Q], [T, KV]
+ *   cache  <- k, v (qkv's last KV columns) at the step's slots
+ *   attn    = paged attention: decode rows, then prefill chunks   [T, Q]
+ *   normed  = rms_norm(hidden += attn W_o^T)
+ *   delta   = silu_mul(normed W_gate_up^T) W_down^T   [T, H]; added by the next layer's first norm
+ * so on return `delta` holds the last layer's MLP output, not yet added to `hidden` (the caller adds
+ * it for the rows it samples, as the Python path does).
+ *
+ * Compiled with the other kernels into one library by batchgen/model/cpu_kernels.py; wrapped by
+ * batchgen/model/cpu_stack.py, which checks every shape, layout and bound before calling.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+/* The kernels of the library's other files. */
+void add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16_t *delta, int64_t delta_stride,
+                       const uint16_t *weight, float eps, int64_t rows, int cols, uint16_t *out,
+                       int64_t out_stride, int num_threads);
+void silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, int64_t rows, int cols, uint16_t *out,
+                   int64_t out_stride, int num_threads);
+void rotary_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_t *sin,
+                 int64_t cos_stride, int64_t rows, int q_heads, int k_heads, int head_dim, uint16_t *q_out,
+                 uint16_t *k_out, int num_threads);
+int bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const float *bias, uint16_t *y,
+                int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
+int64_t store_kv_rows(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *k_cache,
+                      char *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row_bytes,
+                      int64_t num_slots, int num_threads);
+int paged_decode_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                           int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                           float scale, void *out, int num_threads);
+int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
+                            const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                            const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
+                            int head_dim, int block_size, float scale, void *out, int num_threads);
+
+/* Columns of the per-layer table `layers` [num_layers][LAYER_FIELDS]: addresses, as int64. */
+enum {
+  INPUT_NORM,     /* bf16 [H] */
+  QKV_WEIGHT,     /* packed bf16 (batchgen/model/cpu_linear.py Bf16Linear) of [Q + 2 KV, H] */
+  O_WEIGHT,       /* packed [H, Q] */
+  POST_NORM,      /* bf16 [H] */
+  GATE_UP_WEIGHT, /* packed [2 I, H] */
+  DOWN_WEIGHT,    /* packed [H, I] */
+  K_CACHE,        /* bf16 [num_blocks, block_size, KV heads, head_dim] */
+  V_CACHE,
+  LAYER_FIELDS
+};
+
+/* Entries of `dims`. */
+enum { HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK_SIZE, NUM_SLOTS, NUM_DIMS };
+
+/* bf16 elements of workspace a token needs (see the layout in decoder_stack_bf16). */
+int64_t decoder_stack_workspace_per_token(const int64_t *dims) {
+  const int64_t h = dims[HIDDEN], q = dims[Q_HEADS] * dims[HEAD_DIM], kv = dims[KV_HEADS] * dims[HEAD_DIM];
+  return 2 * h + (q + 2 * kv) + q + kv + q + 3 * dims[INTERMEDIATE];
+}
+
+/* Runs all `num_layers` layers on the step's `num_tokens` rows.
+ *
+ * hidden   bf16 [T, H], the residual stream (the embeddings on entry), updated in place
+ * delta    bf16 [T, H], out: the last layer's MLP output
+ * cos, sin bf16 [T, head_dim], the step's rotary tables
+ * slots    int64 [T], cache slot of each token (-1: not stored)
+ * block_tables int32 [num_seqs] rows `table_stride` apart; seq_lens int32 [num_seqs], context
+ *          lengths after the step; the first `num_decodes` sequences have one query row each, the
+ *          rest are prefill chunks whose rows start at `prefill_query_starts` [num_seqs - num_decodes
+ *          + 1] (from 0, relative to the first prefill row)
+ * workspace bf16, decoder_stack_workspace_per_token(dims) x T elements
+ *
+ * Returns 0; 1 when a kernel refused a shape; 2 when one could not allocate memory; 3 when a slot
+ * lies outside the cache (nothing of that layer's K/V written). Bounds of the tables and lengths are
+ * the caller's to check: the attention kernels trust them. */
+int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dims, float eps, float scale,
+                       int64_t num_tokens, uint16_t *hidden, uint16_t *delta, const uint16_t *cos,
+                       const uint16_t *sin, const int64_t *slots, const int32_t *block_tables,
+                       int64_t table_stride, const int32_t *seq_lens, int num_decodes, int num_seqs,
+                       const int32_t *prefill_query_starts, uint16_t *workspace, int num_threads) {
+  const int64_t t = num_tokens, h = dims[HIDDEN], d = dims[HEAD_DIM], inter = dims[INTERMEDIATE];
+  const int hq = (int)dims[Q_HEADS], hkv = (int)dims[KV_HEADS], block_size = (int)dims[BLOCK_SIZE];
+  const int64_t q = hq * d, kv = hkv * d, qkv_width = q + 2 * kv;
+  uint16_t *normed = workspace, *qkv = normed + t * h, *query = qkv + t * qkv_width, *key = query + t * q;
+  uint16_t *attn = key + t * kv, *o = attn + t * q, *gate_up = o + t * h, *act = gate_up + t * 2 * inter;
+  const int num_prefills = num_seqs - num_decodes;
+  for (int l = 0; l < num_layers; l++) {
+    const int64_t *w = layers + (int64_t)l * LAYER_FIELDS;
+    void *k_cache = (void *)(intptr_t)w[K_CACHE], *v_cache = (void *)(intptr_t)w[V_CACHE];
+    add_rms_norm_bf16(hidden, h, l ? delta : NULL, h, (const uint16_t *)(intptr_t)w[INPUT_NORM], eps, t, (int)h,
+                      normed, h, num_threads);
+    if (bf16_linear(normed, h, (const uint16_t *)(intptr_t)w[QKV_WEIGHT], NULL, qkv, qkv_width, t, qkv_width, h,
+                    num_threads))
+      return 1;
+    rotary_bf16(qkv, qkv_width, cos, sin, d, t, hq, hkv, (int)d, query, key, num_threads);
+    if (store_kv_rows((const char *)key, kv * 2, (const char *)(qkv + q + kv), qkv_width * 2, k_cache, v_cache,
+                      slots, t, kv * 2, dims[NUM_SLOTS], num_threads) >= 0)
+      return 3;
+    int status = 0;
+    if (num_decodes > 0)
+      status = paged_decode_attention(1, query, k_cache, v_cache, block_tables, table_stride, seq_lens, num_decodes,
+                                      hq, hkv, (int)d, block_size, scale, attn, num_threads);
+    if (status == 0 && num_prefills > 0)
+      status = paged_prefill_attention(1, query + num_decodes * q, k_cache, v_cache,
+                                       block_tables + num_decodes * table_stride, table_stride,
+                                       seq_lens + num_decodes, prefill_query_starts, num_prefills, hq, hkv,
+                                       (int)d, block_size, scale, attn + num_decodes * q, num_threads);
+    if (status) return status;
+    if (bf16_linear(attn, q, (const uint16_t *)(intptr_t)w[O_WEIGHT], NULL, o, h, t, h, q, num_threads)) return 1;
+    add_rms_norm_bf16(hidden, h, o, h, (const uint16_t *)(intptr_t)w[POST_NORM], eps, t, (int)h, normed, h,
+                      num_threads);
+    if (bf16_linear(normed, h, (const uint16_t *)(intptr_t)w[GATE_UP_WEIGHT], NULL, gate_up, 2 * inter, t,
+                    2 * inter, h, num_threads))
+      return 1;
+    silu_mul_bf16(gate_up, 2 * inter, t, (int)inter, act, inter, num_threads);
+    if (bf16_linear(act, inter, (const uint16_t *)(intptr_t)w[DOWN_WEIGHT], NULL, delta, h, t, h, inter,
+                    num_threads))
+      return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,124 @@
+"""The C decoder stack (`cpu_stack.DecoderStack`, `csrc/decoder_stack.c`): the same kernels as the
+layer-by-layer path in one call, so logits, the KV cache and sampled tokens must be bit-identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen import LLM, SamplingParams
+from batchgen.model.cpu_linear import bf16_kernel_available
+from batchgen.model.cpu_stack import DecoderStack
+from batchgen.model.runner import StepInput
+
+pytestmark = pytest.mark.skipif(
+    not bf16_kernel_available(),
+    reason="the C decoder stack needs batchgen's bf16 linear kernel (a CPU with AVX512-BF16 and a C compiler)",
+)
+
+BLOCK = 16
+
+
+def tiny_bf16_llm(tiny_model_dir, arch: str = "llama") -> LLM:
+    return LLM(str(tiny_model_dir(arch)), dtype="bfloat16", max_num_seqs=8, device="cpu", block_size=BLOCK)
+
+
+def step_inputs(spec: list[tuple[int, int, int]]) -> list[StepInput]:
+    """(first block, start position, new tokens) per sequence -> StepInputs with their own blocks."""
+    seqs = []
+    for first_block, start, count in spec:
+        blocks = list(range(first_block, first_block + (start + count + BLOCK - 1) // BLOCK))
+        tokens = [(7 * first_block + 3 * i) % 500 + 5 for i in range(start, start + count)]
+        seqs.append(StepInput(token_ids=tokens, start=start, block_table=blocks, sample=True))
+    return seqs
+
+
+def run_step(runner, seqs: list[StepInput], use_stack: bool) -> torch.Tensor:
+    stack = runner.model.decoder_stack
+    if not use_stack:
+        runner.model.decoder_stack = None
+    try:
+        input_ids, positions, meta, logits_indices = runner.prepare(seqs)
+        with torch.inference_mode():
+            return runner.model(input_ids, positions, runner.kv_caches, meta, logits_indices)
+    finally:
+        runner.model.decoder_stack = stack
+
+
+def test_stack_is_bit_identical_to_the_layer_by_layer_path(tiny_model_dir) -> None:
+    """Prefill, a mixed step (decodes plus a chunk continuing a cached prefix) and a decode-only
+    step: equal logits and equal KV caches, with and without the stack."""
+    runner = tiny_bf16_llm(tiny_model_dir).llm_engine.runner
+    assert isinstance(runner.model.decoder_stack, DecoderStack)
+    steps = [
+        step_inputs([(0, 0, 3), (4, 0, 17), (8, 0, 40)]),  # prefill of three prompts
+        step_inputs([(0, 3, 1), (4, 17, 1), (8, 40, 25)]),  # two decodes, then a continued chunk
+        step_inputs([(0, 4, 1), (4, 18, 1), (8, 65, 1)]),  # decodes only
+    ]
+    for seqs in steps:
+        before = [t.clone() for pair in runner.kv_caches for t in pair]
+        expected = run_step(runner, seqs, use_stack=False)
+        cache_expected = [t.clone() for pair in runner.kv_caches for t in pair]
+        for t, saved in zip((t for pair in runner.kv_caches for t in pair), before, strict=True):
+            t.copy_(saved)
+        got = run_step(runner, seqs, use_stack=True)
+        assert got.dtype == torch.bfloat16 and got.shape == (3, runner.config.vocab_size)
+        assert torch.equal(got, expected)
+        cache_got = [t for pair in runner.kv_caches for t in pair]
+        assert all(torch.equal(a, b) for a, b in zip(cache_got, cache_expected, strict=True))
+        # the step wrote K/V: the cache is not what it was before it
+        assert not all(torch.equal(a, b) for a, b in zip(cache_got, before, strict=True))
+
+
+def test_generate_gives_the_same_tokens_with_and_without_the_stack(tiny_model_dir) -> None:
+    llm = tiny_bf16_llm(tiny_model_dir)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (1, 3, 17, 40, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.llm_engine.runner.model.decoder_stack = None
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected and all(len(t) == 10 for t in got)
+
+
+def test_steps_above_the_row_limit_take_the_layer_path(tiny_model_dir) -> None:
+    stack = tiny_bf16_llm(tiny_model_dir).llm_engine.runner.model.decoder_stack
+    hidden = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert stack.takes(hidden, max_rows=64) and stack.takes(hidden, max_rows=0)
+    assert not stack.takes(hidden, max_rows=63)
+    assert not stack.takes(hidden.float(), max_rows=0)
+    assert not stack.takes(hidden[:, :32], max_rows=0)  # strided rows
+    assert not stack.takes(hidden[:0], max_rows=0)
+
+
+@pytest.mark.parametrize(
+    "arch,dtype",
+    [("qwen2", "bfloat16"), ("qwen3", "bfloat16"), ("llama", "float32")],
+    ids=["qkv-bias", "qk-norm", "float32"],
+)
+def test_models_the_stack_does_not_cover_keep_the_layer_path(tiny_model_dir, arch: str, dtype: str) -> None:
+    llm = LLM(str(tiny_model_dir(arch)), dtype=dtype, max_num_seqs=4, device="cpu")
+    assert llm.llm_engine.runner.model.decoder_stack is None
+    outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(outputs[0].outputs[0].token_ids) == 3
+
+
+def test_a_slot_outside_the_cache_is_a_clear_error(tiny_model_dir) -> None:
+    runner = tiny_bf16_llm(tiny_model_dir).llm_engine.runner
+    input_ids, positions, meta, logits_indices = runner.prepare(step_inputs([(0, 0, 5)]))
+    num_slots = runner.kv_caches[0][0].shape[0] * BLOCK
+    meta.slot_mapping[2] = num_slots
+    with pytest.raises(
+        ValueError, match=rf"slot_mapping\[2\] = {num_slots} is outside the cache's {num_slots}"
+    ):
+        with torch.inference_mode():
+            runner.model(input_ids, positions, runner.kv_caches, meta, logits_indices)
+
+
+def test_a_block_id_outside_the_cache_is_a_clear_error(tiny_model_dir) -> None:
+    runner = tiny_bf16_llm(tiny_model_dir).llm_engine.runner
+    input_ids, positions, meta, logits_indices = runner.prepare(step_inputs([(0, 0, 1), (2, 0, 20)]))
+    meta.num_decodes = 1
+    meta.block_tables[1, 0] = runner.kv_caches[0][0].shape[0]
+    with pytest.raises(ValueError, match="block ids must lie in"):
+        with torch.inference_mode():
+            runner.model(input_ids, positions, runner.kv_caches, meta, logits_indices)

@@ -1,6 +1,6 @@
 """batchgen's AVX512-BF16 linear kernel (`csrc/bf16_linear.c`, `cpu_linear.Bf16Linear`) against a
-float64 reference and oneDNN, over the shapes that exercise its tiles (1-6 rows, 1-4 strips of 16
-columns, per-thread shares of strips)."""
+float64 reference and oneDNN, over the shapes that exercise its tiles (1-8 rows, 1-4 strips of 16
+columns, per-thread shares of strips, several row tiles prefetching the next strips)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,16 @@ def test_agrees_with_onednn_within_one_rounding() -> None:
     # both sum in float32, in different orders: at most one bf16 step (2^-7 relative) apart
     assert ((a - b).abs() <= b.abs() * 2.0**-7 + 1e-6).all()
     assert (a == b).float().mean() > 0.95
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
+    """Every tiling (one tile of up to 8 rows x 3-4 strips, several 6-row tiles) sums each output in
+    the same order, so a row computed alone equals the same row inside any batch."""
+    layer = Bf16Linear.from_linear(bf16_linear(80, 96, bias=True))
+    x = torch.randn(40, 96).to(torch.bfloat16)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+    for rows in (2, 6, 7, 8, 9, 13, 40):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
 def test_thread_count_does_not_change_the_result() -> None:

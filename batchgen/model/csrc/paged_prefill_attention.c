@@ -152,10 +152,56 @@ static inline vf dot_pairs(vf acc, vu a, vu b) {
   return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
 }
 
+/* In-place transpose of a 16 x 16 matrix of 32-bit words held as 16 rows: 64 shuffles (pairs of
+ * words, then of 64-bit halves, then two rounds of 128-bit lanes). */
+static inline __attribute__((always_inline)) void transpose_16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  /* u[4g + c], 128-bit lane L: column 4L + c of rows 4g .. 4g + 3 */
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; c++) {
+    const __m512i even_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), odd_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i even_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88),
+                  odd_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(even_lo, even_hi, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(even_lo, even_hi, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0xdd);
+  }
+}
+
 static inline __attribute__((always_inline)) void stage_chunk_pairs(const PrefillArgs *a, Scratch *w,
                                                                     const int32_t *table, int h, int64_t c0,
                                                                     int kc, const int D) {
   const uint16_t *kc_ = a->k_cache, *vc_ = a->v_cache;
+  if ((D / 2) % 16 == 0) {
+    /* K in blocks of 16 keys x 16 pairs, each transposed in registers (about 9x fewer instructions
+     * than a word at a time); only the key vectors the scores read, keys past the context zero. */
+    const int used = (kc + LANES - 1) / LANES * LANES;
+    for (int j0 = 0; j0 < used; j0 += 16) {
+      const uint16_t *rows[16];
+      for (int i = 0; i < 16; i++) {
+        const int64_t key = c0 + j0 + i;
+        rows[i] = j0 + i < kc ? kc_ + (int64_t)table[key / a->block_size] * a->block_stride +
+                                    (key % a->block_size) * a->row_stride + (int64_t)h * D
+                              : NULL;
+      }
+      for (int p0 = 0; p0 < D / 2; p0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) r[i] = rows[i] ? _mm512_loadu_si512(rows[i] + 2 * p0) : _mm512_setzero_si512();
+        transpose_16x16(r);
+        for (int p = 0; p < 16; p++) _mm512_storeu_si512(w->ktp + (p0 + p) * KEY_CHUNK + j0, r[p]);
+      }
+    }
+  } else
   for (int j = 0; j < KEY_CHUNK; j++) {
     if (j >= kc) { /* zero K, and a zero partner for an odd last key's V (its probability is 0) */
       for (int p = 0; p < D / 2; p++) w->ktp[p * KEY_CHUNK + j] = 0;

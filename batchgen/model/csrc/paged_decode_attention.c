@@ -157,6 +157,26 @@
             }                                                                                          \
           continue;                                                                                    \
         }                                                                                              \
+        if (group * NV <= 16) { /* the group's accumulators stay in registers over the block */        \
+          enum { MAX_G = 16 / NV };                                                                    \
+          vf a[16];                                                                                    \
+          for (int g = 0; g < MAX_G; g++)                                                              \
+            if (g < group)                                                                             \
+              for (int j = 0; j < NV; j++) a[g * NV + j] = ah[g * NV + j];                              \
+          for (int r = 0; r < rows; r++) {                                                             \
+            vf vv[NV];                                                                                 \
+            for (int j = 0; j < NV; j++) vv[j] = LOADV(vb + r * row_stride + j * LANES);               \
+            for (int g = 0; g < MAX_G; g++)                                                            \
+              if (g < group) {                                                                         \
+                const float p = sh[g * padded + r];                                                    \
+                for (int j = 0; j < NV; j++) a[g * NV + j] += p * vv[j];                               \
+              }                                                                                        \
+          }                                                                                            \
+          for (int g = 0; g < MAX_G; g++)                                                              \
+            if (g < group)                                                                             \
+              for (int j = 0; j < NV; j++) ah[g * NV + j] = a[g * NV + j];                              \
+          continue;                                                                                    \
+        }                                                                                              \
         for (int r = 0; r < rows; r++) {                                                               \
           vf vv[NV];                                                                                   \
           for (int j = 0; j < NV; j++) vv[j] = LOADV(vb + r * row_stride + j * LANES);                 \

@@ -15,7 +15,6 @@
 #include <string.h>
 
 #include "cephes_expf.h"
-#include "vector_math.h"
 
 /* Below this many elements a call runs on one thread: waking the pool costs more. */
 #define PARALLEL_MIN_ELEMENTS (1 << 16)
@@ -85,16 +84,7 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, int64_t rows
   for (int64_t r = 0; r < rows; r++) {
     const uint16_t *gate = gate_up + r * gate_up_stride, *up = gate + cols;
     uint16_t *o = out + r * out_stride;
-    int c = 0;
-    /* The same arithmetic on a vector at a time (vector_math.h's vexp is this exp lane by lane):
-     * GCC left the scalar loop below scalar, 5 ns an element. */
-    for (; c + LANES <= cols; c += LANES) {
-      const vf x = load_bf16(gate + c);
-      const vf e = vexp(-vselect(x < 0.f, -x, x));
-      const vf sigmoid = vselect(x >= 0.f, (vf){} + 1.f, e) / (1.f + e);
-      store_bf16(o + c, round_bf16_vec(x * sigmoid) * load_bf16(up + c));
-    }
-    for (; c < cols; c++) {
+    for (int c = 0; c < cols; c++) {
       const float x = to_f32(gate[c]);
       const float e = exp_nonpositive(-fabsf(x)); /* exp(-|x|) never overflows */
       /* One division, not one in each branch: vector division is the loop's slowest instruction

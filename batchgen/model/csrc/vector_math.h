@@ -45,14 +45,6 @@ static inline void store_bf16(uint16_t *p, vf v) {
   memcpy(p, &h, sizeof h);
 }
 
-/* v rounded to bfloat16 (as store_bf16) and widened back to float32. */
-static inline vf round_bf16_vec(vf v) {
-  vu u = (vu)v;
-  vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
-  vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  return (vf)((rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
-}
-
 #if LANES == 16
 static inline float hsum(vf v) {
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);

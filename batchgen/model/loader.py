@@ -209,8 +209,20 @@ def _load_files(path: Path, name: str) -> ModelFiles:
     return ModelFiles(path=path, config=config, generation_config=generation_config, name=name)
 
 
+# The MLP's gate activation: batchgen's MLP is SwiGLU ("swish" is transformers' alias of SiLU).
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+
+
 def check_architecture(raw_config: dict[str, Any]) -> str:
-    """Return the supported architecture of a raw `config.json` dict, or raise UnsupportedModelError."""
+    """Return the supported architecture of a raw `config.json` dict, or raise UnsupportedModelError
+    (also for a `hidden_act` other than SiLU, which the model would otherwise run as SiLU and give
+    plausible but wrong text)."""
+    activation = raw_config.get("hidden_act", "silu")
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"config.json sets hidden_act {activation!r}; batchgen's MLP is SwiGLU and supports only "
+            f"{' or '.join(repr(a) for a in SUPPORTED_ACTIVATIONS)}"
+        )
     architectures = raw_config.get("architectures") or []
     for arch in architectures:
         if arch in SUPPORTED_ARCHITECTURES:

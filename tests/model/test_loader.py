@@ -126,6 +126,22 @@ def test_unsupported_model_type_without_architectures(tmp_path):
         resolve_model(str(tmp_path))
 
 
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_a_non_silu_activation_is_refused(sharded_llama, tmp_path, activation):
+    """A Llama config with another hidden_act would run as SwiGLU and give wrong text: refused."""
+    path, _ = sharded_llama
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    raw = json.loads((copy / "config.json").read_text())
+    raw["hidden_act"] = activation
+    (copy / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModelError, match=f"hidden_act '{activation}'.*SwiGLU"):
+        resolve_model(str(copy))
+    raw["hidden_act"] = "silu"
+    (copy / "config.json").write_text(json.dumps(raw))
+    assert resolve_model(str(copy)).config.hidden_act == "silu"
+
+
 def test_architecture_inferred_from_model_type(sharded_llama, tmp_path):
     path, _ = sharded_llama
     copy = tmp_path / "copy"

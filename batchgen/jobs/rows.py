@@ -118,7 +118,8 @@ class RowParser:
         self._sampling = RowSampling(options.defaults).resolve
         # Messages for the user, taken by the job runner as rows are read (`_note_near_misses`).
         self.notices: list[str] = []
-        self._names_checked: set[str] = set(self._data_columns) | set(SAMPLING_COLUMNS)
+        # Known names are never near misses of another (max_completion_tokens applies, logprobs is refused).
+        self._names_checked: set[str] = set(self._data_columns) | set(NEAR_MISS_TARGETS)
 
     def salvaged_id(self, rec: dict | None) -> Any:
         """The id of a record read with its invalid bytes replaced, when the id came through whole

@@ -159,6 +159,7 @@ def load_library() -> ctypes.CDLL | None:
     A failed build logs one warning naming the cause; the engine then runs the torch path.
     """
     if disabled_by_environment():
+        logger.warning("BATCHGEN_CPU_KERNELS=0: the C kernels are off, the CPU path runs on torch alone")
         return None
     compiler = _compiler()
     if compiler is None:

@@ -254,11 +254,15 @@ def test_no_compiler_falls_back_to_torch(fresh_library, monkeypatch, caplog):
         select_backend("cpu", torch.device("cpu"))
 
 
-def test_disabled_by_environment(fresh_library, monkeypatch):
+def test_disabled_by_environment(fresh_library, monkeypatch, caplog):
     monkeypatch.setenv("BATCHGEN_CPU_KERNELS", "0")
-    assert cpu_kernels.load_library() is None
+    with caplog.at_level("WARNING", logger="batchgen.model.cpu_kernels"):
+        assert cpu_kernels.load_library() is None
+    assert ["BATCHGEN_CPU_KERNELS=0: the C kernels are off" in r.getMessage() for r in caplog.records] == [
+        True
+    ]
     assert select_backend("auto", torch.device("cpu")).name == "torch"
-    # Forcing the kernels names the variable that turned them off (no build warning was printed).
+    # Forcing the kernels names the variable that turned them off.
     with pytest.raises(ValueError, match="BATCHGEN_CPU_KERNELS=0 turns off; unset BATCHGEN_CPU_KERNELS"):
         select_backend("cpu", torch.device("cpu"))
 

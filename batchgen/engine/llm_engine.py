@@ -13,7 +13,7 @@ from batchgen.engine.detokenizer import check_stop, final_text
 from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
-from batchgen.engine.sizing import model_max_len, num_kv_blocks, resolve_dtype
+from batchgen.engine.sizing import model_limit_reason, model_max_len, num_kv_blocks, resolve_dtype
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt
 from batchgen.model import loader
@@ -56,6 +56,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's limit of {model_len} tokens"
+                f"{model_limit_reason(files.config)}"
             )
         capacity = num_blocks * self.block_size
         more_memory = "kv_cache_memory" + (
@@ -71,6 +72,14 @@ class LLMEngine:
         # Said wherever max_model_len is quoted, so a too-small cache is not mistaken for a limit
         # the user set.
         self.max_model_len_note = ""
+        # What a prompt too long for max_model_len can do about it: at the model's own limit,
+        # raising max_model_len is not an option.
+        self.too_long_fix = "shorten or truncate the prompt, or raise max_model_len"
+        if self.max_model_len == model_len:
+            self.too_long_fix = (
+                f"shorten or truncate the prompt: {model_len} tokens is the model's limit"
+                f"{model_limit_reason(files.config)}"
+            )
         if self.max_model_len < model_len and config.max_model_len is None:
             self.max_model_len_note = (
                 f" (lowered from the model's {model_len}: the KV cache holds only {capacity} tokens; "
@@ -167,8 +176,8 @@ class LLMEngine:
                 token_ids,
                 arrival,
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}"
-                f"{self.max_model_len_note} (room is needed "
-                "for at least one output token): shorten or truncate the prompt, or raise max_model_len",
+                f"{self.max_model_len_note} (room is needed for at least one output token): "
+                f"{self.too_long_fix}",
             )
             return
         room = self.max_model_len - len(token_ids)

@@ -87,11 +87,29 @@ def model_max_len(config) -> int:
     """The longest sequence the model serves exactly: `max_position_embeddings` (2048 if unset),
     within a Mistral sliding window (sliding-window attention is not implemented)."""
     limit = getattr(config, "max_position_embeddings", None) or 2048
-    # Sliding-window attention is not implemented: stay inside the window so outputs stay exact.
+    window = sliding_window(config)
+    return int(min(limit, window) if window else limit)
+
+
+def sliding_window(config) -> int | None:
+    """The config's attention window in tokens where the model uses one (Mistral, Qwen2 with
+    `use_sliding_window`), else None. Sliding-window attention is not implemented, so sequences
+    stay inside the window and outputs stay exact."""
     window = getattr(config, "sliding_window", None)
     if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
-        limit = min(limit, window)
-    return int(limit)
+        return int(window)
+    return None
+
+
+def model_limit_reason(config) -> str:
+    """Why `model_max_len(config)` is what it is, for messages: the sliding window when it decides."""
+    window = sliding_window(config)
+    if window and window < (getattr(config, "max_position_embeddings", None) or 2048):
+        return (
+            f" (its sliding_window: batchgen does not implement sliding-window attention, so a sequence "
+            f"stays within the {window}-token window)"
+        )
+    return ""
 
 
 def num_parameters(config) -> int:

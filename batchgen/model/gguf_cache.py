@@ -54,15 +54,16 @@ def cached_gguf(gguf: Path, cache_dir: Path) -> Path:
     """
     models = cache_dir / "models"
     final = models / gguf_cache_key(gguf, models)
-    if (final / "config.json").is_file():
+    if _is_whole(final):
         return final
     # The same bytes under another file name (a renamed or copied .gguf) were converted already:
     # the name is only there to make the cache readable, the digest is what identifies the model.
     digest = final.name.rsplit("-", 1)[1]
     for other in sorted(models.glob(f"*-{digest}")):
-        if not other.name.startswith(".") and (other / "config.json").is_file():
+        if not other.name.startswith(".") and _is_whole(other):
             return other
-    if final.exists():  # not written by us (renames are atomic): start over
+    if final.exists():  # damaged since (renames are atomic, the files synced before): start over
+        logger.warning("The converted copy %s is incomplete or damaged; converting %s again", final, gguf)
         shutil.rmtree(final)
     models.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(models)
@@ -75,6 +76,7 @@ def cached_gguf(gguf: Path, cache_dir: Path) -> Path:
         logger.info("Dequantizing %s into %s (once; later runs reuse it)", gguf, final)
         convert_gguf(gguf, tmp)
         os.remove(tmp / _OWNER_LOCK)  # not part of the model; the open descriptor keeps the lock
+        _sync_tree(tmp)  # on disk before the rename makes it the cache: a crash cannot truncate it
         try:
             os.rename(tmp, final)
         except OSError:
@@ -87,6 +89,39 @@ def cached_gguf(gguf: Path, cache_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         os.close(owner)
     return final
+
+
+def _is_whole(directory: Path) -> bool:
+    """Whether a converted directory is complete: its config, and safetensors files whose headers
+    cover them exactly (a truncated file fails; reading the headers takes milliseconds)."""
+    from safetensors import safe_open
+
+    weights = sorted(directory.glob("*.safetensors"))
+    if not (directory / "config.json").is_file() or not weights:
+        return False
+    try:
+        for path in weights:
+            with safe_open(path, framework="pt"):
+                pass
+    except Exception:  # safetensors raises its own error type for a damaged header
+        return False
+    return True
+
+
+def _sync_tree(directory: Path) -> None:
+    """fsync every file in `directory` and the directory itself."""
+    for path in directory.iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove_stale_tmp(models: Path) -> None:

@@ -307,6 +307,21 @@ def test_gguf_converted_once(fake_gguf, tmp_path):
     assert len(conversions) == 2 and third.path != first.path
 
 
+def test_a_damaged_conversion_is_converted_again(fake_gguf, tmp_path):
+    """A cached copy whose weights were truncated since (a disk fault, a copy cut short) would fail
+    every start with safetensors' own error: it is noticed and converted again."""
+    gguf, conversions = fake_gguf
+    cache = tmp_path / "cache"
+    first = resolve_model(str(gguf), cache_dir=cache)
+    shard = sorted(first.path.glob("*.safetensors"))[0]
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
+    again = resolve_model(str(gguf), cache_dir=cache)
+    assert len(conversions) == 2 and again.path == first.path
+    assert shard.read_bytes() == whole
+    assert dict(loader.iter_weights(again)).keys()  # loads
+
+
 def test_gguf_crash_leaves_no_cache(fake_gguf, tmp_path, monkeypatch, sharded_llama):
     gguf, _ = fake_gguf
     path, _ = sharded_llama

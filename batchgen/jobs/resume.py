@@ -110,12 +110,21 @@ class ResumeState:
     committed: CommittedRows
     complete: bool = False
     lock_fd: int | None = None
+    fresh: bool = False  # this run created the parts directory (new job or --overwrite)
 
     def release(self) -> None:
         """Release the run's lock on the parts directory."""
         if self.lock_fd is not None:
             os.close(self.lock_fd)
             self.lock_fd = None
+
+    def discard_if_unused(self) -> None:
+        """Delete the parts directory this run created when nothing was committed to it, so a run
+        that could not start (say its engine options were refused) leaves the output as it found
+        it: with `--overwrite`, a later run without it must still be refused over a finished
+        output from other settings, not resume the overwrite that never began."""
+        if self.fresh and not self.entries and self.lock_fd is not None and os.path.isdir(self.parts_dir):
+            delete_parts_dir(self.parts_dir)
 
 
 def header_sidecar_path(output_path: str) -> str:
@@ -307,7 +316,7 @@ def _replace_empty_run(
         delete_parts_dir(parts_dir)
         return ResumeState(output_path, parts_dir, None, [], empty, complete=True, lock_fd=lock_fd)
     manifest = _new_manifest(parts_dir, header)
-    return ResumeState(output_path, parts_dir, manifest, [], empty, lock_fd=lock_fd)
+    return ResumeState(output_path, parts_dir, manifest, [], empty, lock_fd=lock_fd, fresh=True)
 
 
 def _new_manifest(parts_dir: str, header: dict[str, Any]) -> Manifest:
@@ -340,4 +349,4 @@ def _start_fresh(
                 f"{e.strerror or e}; pass an --output in a writable directory"
             ) from e
         raise
-    return ResumeState(output_path, parts_dir, manifest, [], empty, lock_fd=lock_fd)
+    return ResumeState(output_path, parts_dir, manifest, [], empty, lock_fd=lock_fd, fresh=True)

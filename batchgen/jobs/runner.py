@@ -247,7 +247,11 @@ def run_job(
         # An empty input, or one whose rows were all committed before a crash stopped the final
         # write, needs no model: loading one (a GGUF conversion on first use) would be wasted time.
         nothing_left = total is not None and len(state.committed) >= total
-        engine = None if nothing_left else (engine_factory or default_engine_factory)(config)
+        try:
+            engine = None if nothing_left else (engine_factory or default_engine_factory)(config)
+        except BaseException:
+            state.discard_if_unused()
+            raise
         writer = PartWriter(state, tuple(options.keep_columns), options.commit_rows, options.commit_seconds)
         with _Interrupt() as interrupt:
             dashboard.start()

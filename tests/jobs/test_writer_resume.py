@@ -584,7 +584,7 @@ def test_a_run_that_failed_before_committing_a_row_does_not_bind_the_next_one(tm
     job = job_file(tmp_path)
     with pytest.raises(RuntimeError, match="could not be loaded"):
         run_job(JobOptions(job, temperature=0.5), failing_factory, dashboard=quiet())
-    assert (tmp_path / "job.out.parquet.parts").is_dir()
+    assert not (tmp_path / "job.out.parquet.parts").exists()  # its empty parts directory is gone
     opts = JobOptions(job, engine={"max_num_seqs": 4}, commit_rows=7)  # the corrected command
     s = run(opts)
     assert s.complete and s.rows_ok == 40 and not s.rows_resumed
@@ -594,6 +594,13 @@ def test_a_run_that_failed_before_committing_a_row_does_not_bind_the_next_one(tm
         run_job(JobOptions(job, temperature=0.5, overwrite=True), failing_factory, dashboard=quiet())
     again = run(opts)
     assert again.already_complete and not (tmp_path / "job.out.parquet.parts").exists()
+    assert len(table_rows(str(tmp_path / "job.out.parquet"))) == 40
+    # Nor did the overwrite that never started leave a run behind for its settings to resume: without
+    # --overwrite they are still refused over the finished output.
+    with pytest.raises(RuntimeError, match="could not be loaded"):
+        run_job(JobOptions(job, temperature=0.5, overwrite=True), failing_factory, dashboard=quiet())
+    with pytest.raises(JobInputError, match="already exists from a run with other settings"):
+        run_job(JobOptions(job, temperature=0.5), fake_factory(), dashboard=quiet())
     assert len(table_rows(str(tmp_path / "job.out.parquet"))) == 40
 
 

@@ -63,13 +63,21 @@ def prepare_row(
         room = min(row.sampling_params.max_tokens or 1, max_len // 2)
         keep = max_len - room
         if isinstance(prompt, list) and getattr(engine, "tokenizer", None) is not None:
-            ids = truncate_chat(
-                prompt, options.truncate_prompt, keep, lambda m: engine.encode_prompt(m)[1], engine.tokenizer
-            )
+            try:
+                ids = truncate_chat(
+                    prompt,
+                    options.truncate_prompt,
+                    keep,
+                    lambda m: engine.encode_prompt(m)[1],
+                    engine.tokenizer,
+                )
+            except Exception:  # a cut that empties the only message cannot be rendered: the row fails
+                ids = None
             if ids is None:
                 return Prepared(row, None, n), (
-                    f"{row.where}: the chat prompt cannot be cut to {keep} tokens: its system prompt and "
-                    "template alone are longer; shorten the system prompt or raise --max-model-len"
+                    f"{row.where}: the chat prompt cannot be cut to {keep} tokens and keep any of its text: "
+                    "the chat template (with any system prompt it adds) takes that room; shorten the "
+                    "system prompt or raise --max-model-len"
                 )
         else:
             ids = truncate_ids(ids, options.truncate_prompt, keep, bos)

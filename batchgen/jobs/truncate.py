@@ -35,7 +35,7 @@ def truncate_chat(
     tokenizer: Any,
 ) -> list[int] | None:
     """Token ids of `messages` rendered in at most `keep` tokens, or None when even empty contents
-    do not fit (the template and system prompt alone are too long).
+    do not fit (the template and system prompt alone are too long, or cutting would leave no text).
 
     "right" shortens the end of the last non-system message's content; "left" the start of the
     first one (a message emptied entirely moves the cut to the next). System messages stay whole.
@@ -45,8 +45,13 @@ def truncate_chat(
         tokenizer: a Hugging Face tokenizer (`encode(text, add_special_tokens=False)`, `decode`).
     """
     messages = [dict(m) for m in messages]
-    for _ in range(2 * len(messages) + 4):
-        ids = encode(messages)
+    for attempt in range(2 * len(messages) + 4):
+        try:
+            ids = encode(messages)
+        except ValueError:
+            if attempt == 0:
+                raise  # the caller's own messages: not a cut's doing
+            return None  # the cut emptied every message (a template's own system prompt took the room)
         over = len(ids) - keep
         if over <= 0:
             return ids

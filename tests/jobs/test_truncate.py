@@ -46,3 +46,12 @@ def test_chat_prompt_keeps_its_template(tokenizer, side):
 def test_chat_prompt_that_cannot_fit_is_none(tokenizer):
     messages = [{"role": "system", "content": "word " * 300}, {"role": "user", "content": "hi " * 50}]
     assert truncate_chat(messages, "right", 64, lambda m: encode_prompt(tokenizer, m)[1], tokenizer) is None
+
+
+def test_a_cut_that_would_empty_the_only_message_is_none(tokenizer):
+    """SmolLM2's template adds its own system prompt (about 35 tokens): at 30 tokens the user's text
+    would have to go entirely, and a chat of empty messages cannot be rendered."""
+    messages = [{"role": "user", "content": "word " * 100}]
+    assert truncate_chat(messages, "right", 30, lambda m: encode_prompt(tokenizer, m)[1], tokenizer) is None
+    blank = [{"role": "user", "content": "Summarize this:" + " \n" * 200}]
+    assert truncate_chat(blank, "left", 30, lambda m: encode_prompt(tokenizer, m)[1], tokenizer) is None

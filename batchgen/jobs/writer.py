@@ -50,11 +50,16 @@ OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
 
 
 def _keep_array(values: list[Any]) -> pa.Array:
-    """Arrow array of a kept input column; mixed-type values fall back to text (`as_text`)."""
+    """Arrow array of a kept input column; integers beyond int64 (uint64 ids and hashes) as uint64,
+    and mixed-type values as text (`as_text`)."""
     try:
         return pa.array(values)
+    except OverflowError:
+        with contextlib.suppress(pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            return pa.array(values, pa.uint64())
     except (pa.ArrowInvalid, pa.ArrowTypeError):
-        return pa.array([as_text(v) for v in values], pa.string())
+        pass
+    return pa.array([as_text(v) for v in values], pa.string())
 
 
 class PartWriter:

@@ -167,6 +167,29 @@ def test_unicode_and_seed_errors_are_rows_and_keep_columns_survive(tmp_path):
     assert rows[4]["id"] == "\\udfff"  # stored as a visible escape
 
 
+def test_kept_integers_beyond_int64_do_not_stop_the_job(tmp_path):
+    """uint64 ids and hashes are common: a kept column holding one (alone in its part, or beside
+    small ones, or beyond uint64 too) is written, never an OverflowError that fails the job."""
+    big = 12345678901234567890
+    lines = [
+        json.dumps({"id": "a", "prompt": "x", "hash": big}),
+        json.dumps({"id": "b", "prompt": "x", "hash": 5}),
+        json.dumps({"id": "c", "prompt": "x", "hash": 2**70}),
+        json.dumps({"id": "d", "prompt": "x", "hash": -3}),
+    ]
+    for commit_rows in (1, 100):  # a part per row, and one part for all
+        rows = run_lines(
+            tmp_path,
+            f"u64_{commit_rows}",
+            lines,
+            fake_factory(),
+            keep_columns=("hash",),
+            commit_rows=commit_rows,
+        )
+        assert [r["finish_reason"] for r in rows] == ["length"] * 4
+        assert [str(r["hash"]) for r in rows] == [str(big), "5", str(2**70), "-3"]
+
+
 def test_openai_lines_without_a_usable_custom_id_get_none(tmp_path):
     """A made-up custom_id (the row index) could equal a real one: such error lines get null."""
 

@@ -88,10 +88,27 @@ def _first_line(path: str) -> bytes:
     return b""
 
 
+# Deepest nesting of lists and objects a JSON line may have (real jobs use a handful of levels).
+MAX_JSON_DEPTH = 100
+
+
+def _nesting_depth(value: object) -> int:
+    """Levels of lists and dicts in a parsed JSON value, walked with an explicit stack (no recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
+
+
 def _is_json(line: bytes) -> bool:
     try:
         json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 
@@ -130,6 +147,18 @@ def iter_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
                 continue
             except ValueError as e:
                 yield line_number, None, f"malformed JSON ({e}); fix the line so it is one JSON object"
+                continue
+            except RecursionError:  # Python's parser gives up on deep nesting: this line's problem only
+                yield line_number, None, "the line nests JSON too deeply to read; flatten it"
+                continue
+            # Later steps (hashing, kept columns) walk values recursively: a line that parses but
+            # nests deeper than any real job would is refused here rather than crash them.
+            if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nesting_depth(rec) > MAX_JSON_DEPTH:
+                yield (
+                    line_number,
+                    None,
+                    f"the line nests JSON more than {MAX_JSON_DEPTH} levels deep; flatten it",
+                )
                 continue
             if not isinstance(rec, dict):
                 yield (

@@ -167,6 +167,26 @@ def test_unicode_and_seed_errors_are_rows_and_keep_columns_survive(tmp_path):
     assert rows[4]["id"] == "\\udfff"  # stored as a visible escape
 
 
+@pytest.mark.parametrize("depth", [900, 5000])
+def test_a_deeply_nested_line_fails_its_row_only(tmp_path, depth):
+    """Python's JSON parser gives up past about 1,000 levels (RecursionError, not ValueError): that
+    line is an error row; lines that parse still run (a kept one, or one with a bad field too)."""
+    nested = "[" * depth + "]" * depth
+    lines = [
+        json.dumps({"id": "a", "prompt": "x", "doc": [1]}),
+        '{"id": "deep", "prompt": "x", "doc": ' + nested + "}",
+        '{"id": "deep2", "prompt": "x", "temperature": "hot", "doc": ' + nested + "}",
+        json.dumps({"id": "b", "prompt": "x"}),
+    ]
+    rows = run_lines(tmp_path, f"deep{depth}", lines, fake_factory(), keep_columns=("doc",))
+    assert [r["id"] for r in rows][0] == "a" and rows[-1]["id"] == "b"
+    assert rows[0]["finish_reason"] == rows[-1]["finish_reason"] == "length"
+    assert rows[2]["finish_reason"] == "error"
+    deep_error = "too deeply to read" if depth > 1000 else "more than 100 levels deep"
+    assert rows[1]["finish_reason"] == "error" and deep_error in rows[1]["error"]
+    assert rows[1]["error"].startswith("row 1 (line 2): the line nests JSON")
+
+
 def test_kept_integers_beyond_int64_do_not_stop_the_job(tmp_path):
     """uint64 ids and hashes are common: a kept column holding one (alone in its part, or beside
     small ones, or beyond uint64 too) is written, never an OverflowError that fails the job."""

@@ -54,6 +54,10 @@ class WorkloadSpec:
         minimum = 0 if self.dist.startswith("file:") else 1
         if not isinstance(self.num_prompts, int) or self.num_prompts < minimum:
             raise ValueError(f"num_prompts must be an int >= {minimum}, got {self.num_prompts!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(
+                f"seed must be an int >= 0 (numpy's generators take no negative seed), got {self.seed!r}"
+            )
         if not self.scale > 0:
             raise ValueError(f"scale must be > 0, got {self.scale}")
         if self.input_len < 1 or self.output_len < 1:

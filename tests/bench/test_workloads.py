@@ -138,6 +138,7 @@ def test_poisson_arrivals() -> None:
         ({"dist": "zipf"}, "dist must be one of"),
         ({"dist": "file:"}, "needs a path"),
         ({"num_prompts": 0}, "num_prompts must be an int >= 1"),
+        ({"seed": -5}, "seed must be an int >= 0"),
         ({"scale": 0.0}, "scale must be > 0"),
         ({"range_ratio": 1.0}, r"range_ratio must be in \[0, 1\)"),
         ({"request_rate": 0.0}, "request_rate must be > 0"),

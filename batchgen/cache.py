@@ -26,6 +26,15 @@ def cache_root() -> Path:
         return Path(tempfile.gettempdir()) / f"batchgen-{getattr(os, 'getuid', lambda: 'user')()}"
 
 
+def fsync_path(path: str | Path) -> None:
+    """fsync a file, or a directory so that a rename or unlink inside it is durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a synced temporary file in the same folder and an atomic rename.
 

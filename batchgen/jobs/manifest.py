@@ -14,18 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from batchgen.cache import fsync_path
 from batchgen.jobs.reader import JobInputError
 
 MANIFEST = "manifest.jsonl"
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory so a rename or unlink inside it is durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(slots=True)
@@ -60,8 +52,8 @@ class Manifest:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, m.path)
-        fsync_dir(parts_dir)
-        fsync_dir(os.path.dirname(os.path.abspath(parts_dir)))
+        fsync_path(parts_dir)
+        fsync_path(os.path.dirname(os.path.abspath(parts_dir)))
         return m
 
     def load(self) -> tuple[dict[str, Any], list[PartEntry]]:

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from batchgen.cache import write_atomically
-from batchgen.jobs.manifest import MANIFEST, CommittedRows, Manifest, PartEntry, fsync_dir
+from batchgen.cache import fsync_path, write_atomically
+from batchgen.jobs.manifest import MANIFEST, CommittedRows, Manifest, PartEntry
 from batchgen.jobs.reader import JobInputError
 
 LOCK = "lock"
@@ -244,11 +244,11 @@ def delete_parts_dir(parts_dir: str) -> None:
     manifest = os.path.join(parts_dir, MANIFEST)
     if os.path.exists(manifest):
         os.remove(manifest)
-        fsync_dir(parts_dir)
+        fsync_path(parts_dir)
     for name in os.listdir(parts_dir):
         os.remove(os.path.join(parts_dir, name))
     os.rmdir(parts_dir)
-    fsync_dir(os.path.dirname(os.path.abspath(parts_dir)))
+    fsync_path(os.path.dirname(os.path.abspath(parts_dir)))
 
 
 def _remove_leftover_parts(parts_dir: str) -> None:

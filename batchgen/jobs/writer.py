@@ -20,8 +20,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchgen.cache import fsync_path
 from batchgen.jobs.json_lines import as_text, openai_record, to_json
-from batchgen.jobs.manifest import Manifest, PartEntry, fsync_dir
+from batchgen.jobs.manifest import Manifest, PartEntry
 from batchgen.jobs.resume import (
     HEADER_METADATA_KEY,
     NUM_ROWS_METADATA_KEY,
@@ -136,7 +137,7 @@ class PartWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        fsync_dir(self.state.parts_dir)
+        fsync_path(self.state.parts_dir)
         idx = table.column("row_index")
         entry = PartEntry(name, table.num_rows, pc.min(idx).as_py(), pc.max(idx).as_py())
         self.manifest.append(entry)
@@ -248,7 +249,7 @@ def finalize_output(
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    fsync_dir(os.path.dirname(os.path.abspath(out)))
+    fsync_path(os.path.dirname(os.path.abspath(out)))
     if output_format != "parquet":  # Parquet carries its header in its own metadata
         write_header_sidecar(out, header)
     remove_parts(state)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchgen.cache import file_digest
+from batchgen.cache import file_digest, fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -112,16 +112,8 @@ def _sync_tree(directory: Path) -> None:
     """fsync every file in `directory` and the directory itself."""
     for path in directory.iterdir():
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_path(path)
+    fsync_path(directory)
 
 
 def _remove_stale_tmp(models: Path) -> None:

@@ -86,9 +86,14 @@ def check_fits_in_memory(cache_bytes: int) -> None:
 def model_max_len(config) -> int:
     """The longest sequence the model serves exactly: `max_position_embeddings` (2048 if unset),
     within a Mistral sliding window (sliding-window attention is not implemented)."""
-    limit = getattr(config, "max_position_embeddings", None) or 2048
+    limit = _position_limit(config)
     window = sliding_window(config)
     return int(min(limit, window) if window else limit)
+
+
+def _position_limit(config) -> int:
+    """`max_position_embeddings`, 2048 where the config does not say."""
+    return getattr(config, "max_position_embeddings", None) or 2048
 
 
 def sliding_window(config) -> int | None:
@@ -104,7 +109,7 @@ def sliding_window(config) -> int | None:
 def model_limit_reason(config) -> str:
     """Why `model_max_len(config)` is what it is, for messages: the sliding window when it decides."""
     window = sliding_window(config)
-    if window and window < (getattr(config, "max_position_embeddings", None) or 2048):
+    if window and window < _position_limit(config):
         return (
             f" (its sliding_window: batchgen does not implement sliding-window attention, so a sequence "
             f"stays within the {window}-token window)"

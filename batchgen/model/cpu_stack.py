@@ -51,6 +51,7 @@ class DecoderStack:
         self._table: torch.Tensor | None = None
         self._table_caches: tuple[int, ...] = ()
         self._dims: torch.Tensor | None = None
+        self._workspace_per_token = 0  # bf16 elements a token needs; set with the table
         self._workspace = torch.empty(0, dtype=torch.bfloat16)
 
     @classmethod
@@ -147,9 +148,8 @@ class DecoderStack:
         if nd < num_seqs:
             cpu_attention.check_query_starts(query_starts, seq_lens[nd:], rows - nd)
             cpu_attention.check_table_bounds(k_cache, block_tables[nd:], seq_lens[nd:], min_len=0)
-        per_token = self._lib.decoder_stack_workspace_per_token(self._dims.data_ptr())
-        if self._workspace.numel() < per_token * rows:  # kept between steps: no page faults a step
-            self._workspace = torch.empty(per_token * rows, dtype=torch.bfloat16)
+        if self._workspace.numel() < self._workspace_per_token * rows:  # kept between steps: no page faults
+            self._workspace = torch.empty(self._workspace_per_token * rows, dtype=torch.bfloat16)
         delta = torch.empty_like(hidden)
         status = self._lib.decoder_stack_bf16(
             table.data_ptr(),
@@ -232,5 +232,6 @@ class DecoderStack:
             ],
             dtype=torch.int64,
         )
+        self._workspace_per_token = self._lib.decoder_stack_workspace_per_token(self._dims.data_ptr())
         self._table_caches = addresses
         return self._table

@@ -235,17 +235,6 @@ static inline __attribute__((always_inline)) void stage_chunk_pairs(const Prefil
 
 static inline vu broadcast_u32(uint32_t x) { return (vu){} + x; }
 
-/* exp(x) in the lanes of `keep`, 0 elsewhere and where exp underflows: vexp (vector_math.h) with the
- * mask folded into its final VSCALEFPS. */
-static inline __m512 vexp_where(__m512 x, __mmask16 keep) {
-  const __m512 min_arg = _mm512_set1_ps(CEPHES_EXPF_MIN_ARG);
-  keep &= _mm512_cmp_ps_mask(x, min_arg, _CMP_GE_OQ);
-  const vf xv = (vf)_mm512_max_ps(x, min_arg); /* any lane left out may hold anything: clamp it */
-  const vf n = (vf)_mm512_roundscale_ps((__m512)(xv * CEPHES_EXPF_LOG2E + 0.5f), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const vf r = CEPHES_EXPF_REDUCE(xv, n);
-  return _mm512_maskz_scalef_ps(keep, (__m512)CEPHES_EXPF_POLY(r), (__m512)n);
-}
-
 /* The largest lane of each of four vectors, as hsum4 (vector_math.h) does sums. */
 static inline void hmax4(const vf v[4], float *out) {
   vf ab = vmax(__builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
@@ -303,7 +292,7 @@ static inline __attribute__((always_inline)) void softmax_pairs(Scratch *w, int 
         for (int t = 0; t < 2; t++) {
           const int v = j + t;
           const __mmask16 keep = v < kv_used ? _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(v * LANES)), last_key[i]) : 0;
-          e[t] = vexp_where(_mm512_fmadd_ps(_mm512_loadu_ps(s + v * LANES), scale_v, minus_max), keep);
+          e[t] = (__m512)vexp_where((vf)_mm512_fmadd_ps(_mm512_loadu_ps(s + v * LANES), scale_v, minus_max), keep);
           sum = _mm512_add_ps(sum, e[t]);
         }
         const __m512bh both = _mm512_cvtne2ps_pbh(e[1], e[0]);
@@ -313,7 +302,7 @@ static inline __attribute__((always_inline)) void softmax_pairs(Scratch *w, int 
     }
     float row_sum[4];
     hsum4(sums[0], sums[1], sums[2], sums[3], row_sum);
-    const __m512 alpha_v = vexp_where(_mm512_sub_ps(_mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, m_old[3], m_old[2], m_old[1], m_old[0]),
+    const __m512 alpha_v = (__m512)vexp_where((vf)_mm512_sub_ps(_mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, m_old[3], m_old[2], m_old[1], m_old[0]),
                                                     _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, m_new[3], m_new[2], m_new[1], m_new[0])),
                                       0xf); /* exp(-inf) (a first chunk) underflows to 0 */
     float alpha[16];

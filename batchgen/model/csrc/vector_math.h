@@ -114,14 +114,18 @@ static inline vf vselect(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) 
 /* AVX-512 has single instructions for the floor (VRNDSCALEPS) and for p * 2^n (VSCALEFPS, here
  * zeroing the underflowed lanes too): 19 instructions a vector instead of 28, with results
  * identical to the generic form below (n >= -126 after the clamp, so 2^n is a normal float). */
-static inline vf vexp(vf x) {
+/* vexp in the lanes of `keep` and 0 in the others, whatever they hold (a causal mask folded into
+ * the final scaling). */
+static inline vf vexp_where(vf x, __mmask16 keep) {
   const __m512 min_arg = _mm512_set1_ps(CEPHES_EXPF_MIN_ARG);
   const __mmask16 underflow = _mm512_cmp_ps_mask((__m512)x, min_arg, _CMP_LT_OQ);
   x = (vf)_mm512_mask_mov_ps((__m512)x, underflow, min_arg);
   const vf n = (vf)_mm512_roundscale_ps((__m512)(x * CEPHES_EXPF_LOG2E + 0.5f), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const vf r = CEPHES_EXPF_REDUCE(x, n);
-  return (vf)_mm512_maskz_scalef_ps((__mmask16)~underflow, (__m512)CEPHES_EXPF_POLY(r), (__m512)n);
+  return (vf)_mm512_maskz_scalef_ps(keep & (__mmask16)~underflow, (__m512)CEPHES_EXPF_POLY(r), (__m512)n);
 }
+
+static inline vf vexp(vf x) { return vexp_where(x, 0xffff); }
 #else
 static inline vf vexp(vf x) {
   const vi underflow = x < CEPHES_EXPF_MIN_ARG;

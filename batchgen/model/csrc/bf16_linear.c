@@ -118,9 +118,10 @@ int bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const 
    * (for the thread's first group) and from cache by the rest, which meanwhile prefetch the next
    * group, so memory streams while they compute instead of between. On the 2-core Zen 5, the
    * default model's linears against reading each group from memory in its first tile and
-   * prefetching nothing in the others (interleaved, bit-identical outputs): 7-8 rows 1.09x,
-   * 16 rows 1.23x, 32 rows 1.28x, 64 rows 1.14x, 1-6 rows unchanged. A 12 x 2 tile for 9-12 rows
-   * was 7% slower than two 6-row tiles. */
+   * prefetching nothing in the others (interleaved, bit-identical outputs): 12 rows 1.24x,
+   * 16 rows 1.23x, 32 rows 1.24x, 64 rows 1.12x, 1-8 rows within noise (0.96-1.0x). At 7-8 rows
+   * the single 8 x 3 tile was 1.09x two prefetching tiles (6 + 1-2 rows); a 12 x 2 tile for 9-12
+   * rows was 7% slower than two 6-row tiles. */
   const int64_t tile_rows = m <= MAX_TILE_ROWS ? m : 6;
   const int64_t group_strips = MAX_ACCUMULATORS / tile_rows < MAX_STRIPS ? MAX_ACCUMULATORS / tile_rows : MAX_STRIPS;
   const int64_t row_tiles = (m + tile_rows - 1) / tile_rows;

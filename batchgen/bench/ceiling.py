@@ -62,14 +62,36 @@ class ModelShape:
         return self.num_layers * self.layer_linear_params
 
 
-def workload_flops(shape: ModelShape, lengths: list[tuple[int, int]]) -> dict[str, float]:
-    """Forward FLOPs to process a workload once, without padding or recomputation.
+def forward_flops(shape: ModelShape, tokens: int, attended_keys: int, sampled: int) -> dict[str, float]:
+    """FLOPs of a forward pass over `tokens` tokens (one step, or a whole workload).
 
-    Per token: 2 x non-embedding parameters (one multiply-add per weight; Kaplan et al. 2020),
-    plus attention 4 x layers x (heads x head_dim) x context (QK^T and attention x V, each one
-    multiply-add per key), with context = the token's position + 1 (causal). The LM head
-    (2 x hidden x vocab) is counted once per output token: logits are needed only where a token is
-    sampled. Embedding lookups, norms, rotary and activations are left out (well under 1%).
+    Per token: 2 x non-embedding parameters (one multiply-add per weight; Kaplan et al. 2020). Per
+    attended key: 4 x layers x (heads x head_dim) (QK^T and attention x V, one multiply-add each).
+    The LM head (2 x hidden x vocab) counts once per sampled token: logits are needed only where a
+    token is sampled. Embedding lookups, norms, rotary and activations are left out (well under 1%).
+
+    Args:
+        tokens: tokens computed. attended_keys: keys attended to, summed over those tokens.
+        sampled: tokens sampled (LM head rows).
+
+    Returns:
+        dict with `linear`, `attention`, `lm_head` and `total` FLOPs.
+    """
+    linear = 2.0 * shape.non_embedding_params * tokens
+    attention = 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * attended_keys
+    lm_head = 2.0 * shape.hidden_size * shape.vocab_size * sampled
+    return {
+        "linear": linear,
+        "attention": attention,
+        "lm_head": lm_head,
+        "total": linear + attention + lm_head,
+    }
+
+
+def workload_flops(shape: ModelShape, lengths: list[tuple[int, int]]) -> dict[str, float]:
+    """Forward FLOPs to process a workload once, without padding or recomputation (`forward_flops`
+    with every prompt and output token computed once, each attending to its position + 1 keys, and
+    the LM head on every output token).
 
     Args:
         lengths: (prompt tokens, output tokens) per request.
@@ -79,20 +101,13 @@ def workload_flops(shape: ModelShape, lengths: list[tuple[int, int]]) -> dict[st
         `per_token` (total / tokens).
     """
     tokens = sum(p + o for p, o in lengths)
-    outputs = sum(o for _, o in lengths)
-    linear = 2.0 * shape.non_embedding_params * tokens
-    attn_width = shape.num_heads * shape.head_dim
     # sum over positions 1..n of n = n(n+1)/2 keys attended to
-    attention = 4.0 * shape.num_layers * attn_width * sum((p + o) * (p + o + 1) / 2 for p, o in lengths)
-    lm_head = 2.0 * shape.hidden_size * shape.vocab_size * outputs
-    total = linear + attention + lm_head
+    keys = sum((p + o) * (p + o + 1) // 2 for p, o in lengths)
+    flops = forward_flops(shape, tokens, keys, sum(o for _, o in lengths))
     return {
         "tokens": tokens,
-        "linear": linear,
-        "attention": attention,
-        "lm_head": lm_head,
-        "total": total,
-        "per_token": total / tokens if tokens else 0.0,
+        **flops,
+        "per_token": flops["total"] / tokens if tokens else 0.0,
         "non_embedding_params": shape.non_embedding_params,
     }
 

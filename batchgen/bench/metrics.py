@@ -55,8 +55,9 @@ class StepRecord:
     """One engine step (or one forward of a baseline), ending at `t` seconds since the start.
 
     `num_seqs` is the running batch size the hardware computed (padded rows included for static
-    batching); `num_generation_tokens` counts only real output tokens. Engine-only fields are None
-    for the Hugging Face baselines.
+    batching); `num_generation_tokens` counts only real output tokens, `num_sampled` every row
+    sampled (padding included). Engine-only fields are None for the Hugging Face baselines; the
+    last three set the step's roofline (`batchgen.bench.roofline`, see `StepStats` for their meaning).
     """
 
     t: float
@@ -67,6 +68,9 @@ class StepRecord:
     num_preemptions: int | None = None
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
+    num_sampled: int | None = None
+    num_attended_keys: int | None = None
+    num_context_tokens: int | None = None
 
 
 @dataclass
@@ -95,13 +99,18 @@ class RunResult:
     skipped: str | None = None
 
     def timeline(self) -> dict[str, list[float]]:
-        """Per-step arrays (`t`, `num_seqs`, `num_batched_tokens`, `num_generation_tokens`)."""
-        return {
+        """Per-step arrays (`t`, `num_seqs`, `num_batched_tokens`, `num_generation_tokens`, and for
+        batchgen's configurations `num_sampled`, `num_attended_keys`, `num_context_tokens`)."""
+        out = {
             "t": [round(s.t, 6) for s in self.steps],
             "num_seqs": [s.num_seqs for s in self.steps],
             "num_batched_tokens": [s.num_batched_tokens for s in self.steps],
             "num_generation_tokens": [s.num_generation_tokens for s in self.steps],
         }
+        for key in ("num_sampled", "num_attended_keys", "num_context_tokens"):
+            if self.steps and all(getattr(s, key) is not None for s in self.steps):
+                out[key] = [getattr(s, key) for s in self.steps]
+        return out
 
 
 def distribution(values: list[float] | np.ndarray) -> dict[str, float | None]:

@@ -3,11 +3,13 @@
 JSON layout (`schema` "batchgen-bench/1"):
     command, created, hardware, software, model, engine_options, workload (summary and the
     distribution's parameters), ceiling (FLOPs, the median measured matmul rate and every
-    measurement in `matmul.samples_flops_per_s`, seconds, tokens/s),
+    measurement in `matmul.samples_flops_per_s`, seconds, tokens/s, and `memory`: the measured
+    bandwidth and the weight and KV-cache bytes the roofline counts),
     ratio_base (name of the first configuration that ran), and `configurations`: one entry each
     with name, kind, policy, status ("ok", "skipped", "failed"), reason, metrics
     (`metrics.summarize` plus `ceiling_fraction`, against the matmul rate measured around that run,
-    `matmul_flops_per_s`), ratios (metric / the base's metric, for the
+    `matmul_flops_per_s`; `roofline_s` at the median matmul rate, and `roofline_fraction` against
+    the roofline at the rate measured around the run: see `bench.roofline`), ratios (metric / the base's metric, for the
     keys in `RATIO_KEYS`), extra, notes, and the per-step timeline.
 """
 
@@ -36,6 +38,7 @@ RATIO_KEYS = (
     "e2e_p99_s",
     "tpot_mean_s",
     "wall_s",
+    "roofline_s",
 )
 
 # (label, metric key, format, unit scale); `x` marks rows that show a ratio to the base column.
@@ -44,6 +47,10 @@ _ROWS: list[tuple[str, str, str, float, bool]] = [
     ("total tokens/s", "total_tokens_per_s", "{:.1f}", 1, True),
     ("requests/s", "requests_per_s", "{:.3f}", 1, True),
     ("compute ceiling reached", "ceiling_fraction", "{:.1%}", 1, False),
+    # The least time this configuration's own steps could take (batchgen.bench.roofline): its ratio
+    # compares two schedules at equal kernel efficiency.
+    ("roofline time (s)", "roofline_s", "{:.1f}", 1, True),
+    ("roofline reached", "roofline_fraction", "{:.1%}", 1, False),
     # The machine's matmul rate measured on either side of the run: a slow phase shows here.
     ("matmul GFLOP/s around run", "matmul_flops_per_s", "{:.0f}", 1e-9, False),
     ("wall time (s)", "wall_s", "{:.1f}", 1, True),
@@ -134,6 +141,9 @@ def build_report(
                 # Against the rate measured around this run when there is one (see bench.runner).
                 rate = m["matmul_flops_per_s"] or ceiling["matmul"]["flops_per_s"]
                 m["ceiling_fraction"] = ceiling["flops"]["total"] / rate / m["wall_s"]
+            m["roofline_s"] = r.extra.get("roofline_s")
+            own = r.extra.get("roofline_own_rate_s")
+            m["roofline_fraction"] = own / m["wall_s"] if own and m["wall_s"] else None
             entry["metrics"] = m
         configs.append(entry)
     base = next((c for c in configs if c["status"] == "ok"), None)
@@ -205,7 +215,18 @@ def ceiling_line(report: dict[str, Any]) -> str:
         f"(2 x {f['non_embedding_params'] / 1e6:.1f}M non-embedding params + attention + LM head on outputs) "
         f"/ {mm['flops_per_s'] / 1e9:.0f} GFLOP/s ({spread}{mm['dtype']} matmul at the model's shapes, "
         f"{mm['threads']} threads) = {c['seconds']:.1f} s, {c['tokens_per_s']:.0f} tokens/s; each run's "
-        "share is against the rate measured around it"
+        "share is against the rate measured around it" + _roofline_text(c.get("memory"))
+    )
+
+
+def _roofline_text(memory: dict[str, Any] | None) -> str:
+    if not memory:
+        return ""
+    return (
+        f"; roofline: per step, its FLOPs at the median rate or its bytes (weights "
+        f"{memory['weight_bytes'] / 1e6:.0f} MB + KV cache read and written, "
+        f"{memory['kv_bytes_per_token'] / 1e3:.1f} kB/token) at {memory['bytes_per_s'] / 1e9:.1f} GB/s "
+        "(memory copy rate), whichever is slower; each run's share against the rate measured around it"
     )
 
 

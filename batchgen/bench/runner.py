@@ -10,7 +10,11 @@ Configurations, in this order (ratios in the report are against the first one th
 short untimed warm-up, the same workload, dtype and thread count. The workload's compute ceiling
 (`ceiling.workload_flops` / `ceiling.measure_matmul_rate`) uses the matmul rate measured before the
 first run and again after every run: on a shared machine the rate moves by 2x within minutes, so each
-run's share of the ceiling is taken against the rate measured on either side of it.
+run's share of the ceiling is taken against the rate measured on either side of it. With the
+ceiling, the memory bandwidth is measured once before the runs, and each batchgen run's roofline
+(`roofline.roofline_seconds`: per step, its FLOPs at a matmul rate or its bytes at that bandwidth,
+whichever is slower) goes in its `extra`: `roofline_s` at the median rate (comparable between
+configurations) and `roofline_own_rate_s` at the rate measured around the run (its share reached).
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ from batchgen.bench.hf_baselines import (
 from batchgen.bench.metrics import ResourceMonitor, RunResult, release_memory, summarize
 from batchgen.bench.model_facts import EngineFactory, ModelFacts, bench_workload, model_facts, pad_id
 from batchgen.bench.report import build_report
+from batchgen.bench.roofline import (
+    kv_bytes_per_token,
+    measure_memory_bandwidth,
+    roofline_seconds,
+    weight_bytes,
+)
 from batchgen.bench.spec import BenchInputError, WorkloadSpec
 from batchgen.bench.static import run_static
 from batchgen.bench.workloads import Workload
@@ -185,6 +195,8 @@ def run_bench(
     shape = ModelShape.from_config(facts.model_config)
     flops = workload_flops(shape, [(r.prompt_len, r.output_len) for r in workload.requests])
     first_rate = measure_matmul_rate(shape, facts.dtype, facts.device) if settings.measure_ceiling else None
+    bandwidth = measure_memory_bandwidth(facts.device) if settings.measure_ceiling else None
+    dtype_bytes = facts.dtype.itemsize
     rates: list[float] = []  # matmul FLOP/s: first, after the warm-up, then after every timed run
 
     def measure_rate() -> float | None:
@@ -230,6 +242,23 @@ def run_bench(
         median_rate = dict(first_rate, flops_per_s=rates_sorted[(len(rates_sorted) - 1) // 2])
         median_rate["samples_flops_per_s"] = rates
         ceiling = compute_ceiling(flops, median_rate)
+        ceiling["memory"] = dict(
+            bandwidth,
+            weight_bytes=weight_bytes(shape, dtype_bytes),
+            kv_bytes_per_token=kv_bytes_per_token(shape, dtype_bytes),
+        )
+        for result in results:
+            own_rate = result.extra.get("matmul_flops_per_s")
+            if result.skipped or own_rate is None:
+                continue
+            # At the median rate, so that two configurations' rooflines differ only by their
+            # schedules; the share reached is against the rate measured around the run.
+            result.extra["roofline_s"] = roofline_seconds(
+                result.steps, shape, dtype_bytes, median_rate["flops_per_s"], bandwidth["bytes_per_s"]
+            )
+            result.extra["roofline_own_rate_s"] = roofline_seconds(
+                result.steps, shape, dtype_bytes, own_rate, bandwidth["bytes_per_s"]
+            )
 
     return build_report(
         settings=settings,

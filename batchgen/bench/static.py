@@ -65,6 +65,9 @@ def step_record(stats: Any, t0: float, real_token_fraction: float = 1.0) -> Step
         num_preemptions=stats.num_preemptions,
         prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits,
+        num_sampled=stats.num_generation_tokens,
+        num_attended_keys=stats.num_attended_keys,
+        num_context_tokens=stats.num_context_tokens,
     )
 
 

@@ -331,6 +331,12 @@ class LLMEngine:
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
             num_finished=num_finished,
+            num_context_tokens=sum(s.start + s.num_new_tokens for s in sched.scheduled),
+            # tokens start .. start + n - 1 attend to start + 1 .. start + n keys
+            num_attended_keys=sum(
+                s.num_new_tokens * s.start + s.num_new_tokens * (s.num_new_tokens + 1) // 2
+                for s in sched.scheduled
+            ),
         )
         self.last_step = stats
         self.totals.add(stats)

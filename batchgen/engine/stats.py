@@ -23,6 +23,11 @@ class StepStats:
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found in the prefix cache
             this step (hit rate = hits / queries).
         num_finished: requests that finished in the step.
+        num_context_tokens: KV-cache positions the step's attention reads: the sum over its sequences
+            of each one's context length after the step (cached prefix included). Sets the step's
+            KV-cache traffic in the bench's roofline (`batchgen.bench.roofline`).
+        num_attended_keys: keys attended to, summed over the step's tokens (causal: a token at
+            position p attends to p + 1 keys). Sets the step's attention FLOPs.
     """
 
     step: int
@@ -40,6 +45,8 @@ class StepStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_finished: int
+    num_context_tokens: int = 0
+    num_attended_keys: int = 0
 
 
 @dataclass

@@ -108,6 +108,9 @@ def test_ratios_consistent(bench_report) -> None:
     assert report["ratio_base"] == base["name"] == "continuous/fcfs"
     for c in ok:
         for key, ratio in c["ratios"].items():
+            if c["metrics"][key] is None:  # the baselines have no roofline
+                assert ratio is None and c["kind"].startswith("hf-") and key == "roofline_s", (c["name"], key)
+                continue
             expected = c["metrics"][key] / base["metrics"][key]
             assert ratio == pytest.approx(expected), (c["name"], key)
         assert c["ratios"]["output_tokens_per_s"] == pytest.approx(1 / c["ratios"]["wall_s"])
@@ -148,6 +151,37 @@ def test_engine_metrics_and_starvation_check(bench_report) -> None:
             assert m["ceiling_fraction"] == pytest.approx(
                 ceiling["flops"]["total"] / m["matmul_flops_per_s"] / m["wall_s"]
             )
+
+
+def test_step_counts_and_roofline(bench_report) -> None:
+    """The timeline's token counts are exactly the schedule's work (no preemption or prefix hit
+    here: a request's last output token is sampled, never fed back), and every batchgen run has a
+    roofline; the baselines, whose steps carry no attention counts, have none."""
+    report, _ = bench_report
+    configs = {c["name"]: c for c in report["configurations"]}
+    n = report["workload"]["num_requests"]
+    prompt, output = report["sampled_prompt_tokens"], report["sampled_output_tokens"]
+    static = configs["static/b4"]
+    expected = {
+        "continuous/fcfs": (prompt + output - n, output),
+        "continuous/max-throughput": (prompt + output - n, output),
+        "static/b4": (
+            static["extra"]["padded_prompt_tokens"] + static["extra"]["padded_output_tokens"] - n,
+            static["extra"]["padded_output_tokens"],
+        ),
+    }
+    memory = report["ceiling"]["memory"]
+    assert memory["bytes_per_s"] > 0 and memory["weight_bytes"] > 0 and memory["kv_bytes_per_token"] > 0
+    for name, (tokens, sampled) in expected.items():
+        tl, m = configs[name]["timeline"], configs[name]["metrics"]
+        assert (sum(tl["num_batched_tokens"]), sum(tl["num_sampled"])) == (tokens, sampled), name
+        assert len(tl["num_attended_keys"]) == len(tl["num_context_tokens"]) == m["num_steps"]
+        extra = configs[name]["extra"]
+        assert m["roofline_s"] == extra["roofline_s"] > 0
+        assert m["roofline_fraction"] == pytest.approx(extra["roofline_own_rate_s"] / m["wall_s"])
+    for c in report["configurations"]:
+        if c["kind"].startswith("hf-") and c["status"] == "ok":
+            assert c["metrics"]["roofline_s"] is None and "num_sampled" not in c["timeline"]
 
 
 def test_bench_compare_script_smoke(tiny_model_dir, tmp_path: Path) -> None:

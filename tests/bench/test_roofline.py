@@ -1,0 +1,59 @@
+"""The roofline's FLOP and byte counts, worked out by hand on a toy shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen.bench.ceiling import ModelShape, forward_flops, workload_flops
+from batchgen.bench.metrics import StepRecord
+from batchgen.bench.roofline import (
+    kv_bytes_per_token,
+    measure_memory_bandwidth,
+    roofline_seconds,
+    step_bytes,
+    weight_bytes,
+)
+
+# One layer: q/k/v 8 x 4 x (2 + 2 x 1) = 128, o 2 x 4 x 8 = 64, gate/up/down 3 x 8 x 16 = 384 -> 576.
+SHAPE = ModelShape(
+    hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=10
+)
+
+
+def step(tokens: int, keys: int, sampled: int, context: int) -> StepRecord:
+    return StepRecord(
+        t=0.0, num_seqs=1, num_batched_tokens=tokens, num_generation_tokens=sampled,
+        num_sampled=sampled, num_attended_keys=keys, num_context_tokens=context,
+    )  # fmt: skip
+
+
+def test_counts() -> None:
+    assert SHAPE.non_embedding_params == 2 * 576
+    assert weight_bytes(SHAPE, 2) == (1152 + 8 * 10) * 2 == 2464
+    assert kv_bytes_per_token(SHAPE, 2) == 2 * 2 * 1 * 4 * 2 == 32
+    assert step_bytes(SHAPE, 2, tokens=3, context_tokens=10) == 2464 + 32 * 13
+    flops = forward_flops(SHAPE, tokens=3, attended_keys=20, sampled=1)
+    assert flops == {"linear": 6912.0, "attention": 4 * 2 * 2 * 4 * 20.0, "lm_head": 160.0, "total": 8352.0}
+    # A workload of one 2 + 1 request: 3 tokens attending to 1 + 2 + 3 keys, one LM head row.
+    assert workload_flops(SHAPE, [(2, 1)])["total"] == forward_flops(SHAPE, 3, 6, 1)["total"]
+
+
+def test_each_step_takes_the_slower_of_compute_and_memory() -> None:
+    steps = [step(3, 20, 1, 10), step(1, 11, 1, 11)]  # 8352 FLOPs / 2880 B, 3168 FLOPs / 2848 B
+    assert roofline_seconds(steps, SHAPE, 2, flops_per_s=1000, bytes_per_s=1000) == pytest.approx(
+        8.352 + 3.168
+    )
+    assert roofline_seconds(steps, SHAPE, 2, flops_per_s=1000, bytes_per_s=500) == pytest.approx(
+        8.352 + 5.696
+    )
+
+
+def test_steps_without_counts_have_no_roofline() -> None:
+    baseline_step = StepRecord(t=0.0, num_seqs=1, num_batched_tokens=3, num_generation_tokens=1)
+    assert roofline_seconds([step(3, 20, 1, 10), baseline_step], SHAPE, 2, 1.0, 1.0) is None
+
+
+def test_memory_bandwidth_is_measured() -> None:
+    result = measure_memory_bandwidth(nbytes=2**20, repeats=2)
+    assert result["buffer_bytes"] == 2**20 and result["device"] == "cpu"
+    assert result["bytes_per_s"] > 1e8  # any machine copies a MiB faster than 100 MB/s

@@ -1,0 +1,28 @@
+"""`StepStats`' attention counts on a schedule worked out by hand (they set the bench's roofline)."""
+
+from __future__ import annotations
+
+from batchgen.config import EngineConfig
+from batchgen.engine.llm_engine import LLMEngine
+from batchgen.sampling_params import SamplingParams
+
+
+def test_context_and_attended_keys_per_step(tiny_model_dir) -> None:
+    """Prompts of 10 and 3 tokens, 3 output tokens each, at most 8 tokens a step:
+    step 0: A's positions 0-7                 context 8,        keys 1+..+8 = 36
+    step 1: A's positions 8-9, B's 0-2         context 10 + 3,   keys (9+10) + (1+2+3) = 25
+    step 2: decodes at A's 10 and B's 3        context 11 + 4,   keys 11 + 4
+    step 3: decodes at A's 11 and B's 4        context 12 + 5,   keys 12 + 5
+    """
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", max_num_batched_tokens=8)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("A", {"prompt_token_ids": list(range(100, 110))}, params)
+    engine.add_request("B", {"prompt_token_ids": [200, 201, 202]}, params)
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        s = engine.last_step
+        seen.append((s.num_batched_tokens, s.num_context_tokens, s.num_attended_keys))
+    assert seen == [(8, 8, 36), (5, 13, 25), (2, 15, 15), (2, 17, 17)]

@@ -152,6 +152,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     Raises:
         UnsupportedModelError: the GGUF holds an architecture we do not implement.
+        ModelNotFoundError: the file is not a readable GGUF file (truncated or damaged).
     """
     import torch
     import transformers
@@ -164,7 +165,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     if gguf_config_cls is not None:
         # Newer transformers may keep weights packed for its own kernels; we want plain tensors.
         kwargs["quantization_config"] = gguf_config_cls(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
+    model = _read_gguf(gguf, AutoModelForCausalLM.from_pretrained, **kwargs)
     config = model.config
     if not getattr(config, "architectures", None):
         config.architectures = [type(model).__name__]
@@ -182,7 +183,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         )
 
     model.save_pretrained(out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = _read_gguf(gguf, AutoTokenizer.from_pretrained)
     tokenizer.save_pretrained(out_dir)
     if not (out_dir / "generation_config.json").is_file() and model.generation_config is not None:
         model.generation_config.save_pretrained(out_dir)
@@ -192,6 +193,22 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     if raw.pop("quantization_config", None) is not None or not raw.get("architectures"):
         raw["architectures"] = config.architectures
         config_file.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+
+
+def _read_gguf(gguf: Path, from_pretrained: Any, **kwargs: Any) -> Any:
+    """`from_pretrained(gguf)`, with a bad file's error (transformers' GGUF reader raises struct,
+    value and key errors from deep inside) turned into one that names the file and the fix."""
+    from batchgen.model.loader import ModelNotFoundError, UnsupportedModelError
+
+    try:
+        return from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
+    except UnsupportedModelError:
+        raise
+    except Exception as e:
+        raise ModelNotFoundError(
+            f"{gguf} is not a readable GGUF file (truncated or damaged?): {type(e).__name__}: {e}. "
+            "Download it again, or pass another model"
+        ) from e
 
 
 def _dtype_kwarg() -> str:

@@ -439,3 +439,15 @@ def test_default_model_loads_in_transformers(default_model_files: ModelFiles):
     assert eos_token_ids(files, tokenizer) == frozenset({2})
     assert tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
     assert tokenizer.chat_template
+
+
+def test_unreadable_gguf_is_named_with_the_fix(tmp_path):
+    """A file with a .gguf name but a cut header: one error naming it, no half-written cache entry."""
+    junk = tmp_path / "cut.gguf"
+    junk.write_bytes(b"GGUFjunk")
+    cache = tmp_path / "cache"
+    with pytest.raises(
+        ModelNotFoundError, match=r"cut\.gguf is not a readable GGUF file .*Download it again"
+    ):
+        resolve_model(str(junk), cache_dir=cache)
+    assert [p.name for p in (cache / "models").iterdir()] == [".digests"]  # the file's digest only

@@ -13,7 +13,13 @@ from batchgen.engine.detokenizer import check_stop, final_text
 from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
-from batchgen.engine.sizing import model_limit_reason, model_max_len, num_kv_blocks, resolve_dtype
+from batchgen.engine.sizing import (
+    model_limit_reason,
+    model_max_len,
+    num_kv_blocks,
+    resolve_dtype,
+    slow_dtype_reason,
+)
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt
 from batchgen.model import loader
@@ -48,6 +54,8 @@ class LLMEngine:
         self.tokenizer = loader.load_tokenizer(files)
         self.eos_token_ids = loader.eos_token_ids(files, self.tokenizer)
         self.dtype = resolve_dtype(config.dtype, files.config, self.device)
+        if (slow := slow_dtype_reason(self.dtype, self.device)) is not None:
+            logger.warning("dtype %s: %s; --dtype auto picks the fastest one here", config.dtype, slow)
         self.block_size = config.block_size
 
         model_len = model_max_len(files.config)

@@ -37,6 +37,19 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+def slow_dtype_reason(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why `dtype` runs far below this CPU's speed (a warning for an explicit `--dtype`), else None:
+    float16 has no fast matmul kernels on a CPU, and bfloat16 is emulated on one without AVX-512
+    bf16 or AMX (`cpu_has_native_bf16`)."""
+    if device.type != "cpu":
+        return None
+    if dtype == torch.float16:
+        return "float16 on a CPU has no fast matmul kernels and runs many times slower than bfloat16"
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        return "this CPU has no native bfloat16 (AVX-512 bf16 or AMX): bfloat16 matmuls are emulated, far below float32"
+    return None
+
+
 def num_kv_blocks(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, per_block: int, model_config
 ) -> int:

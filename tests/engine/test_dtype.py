@@ -66,3 +66,15 @@ def test_dtype_takes_torch_dtypes_and_vllm_spellings(given, expected):
 def test_an_unknown_dtype_is_refused_with_the_choices(given):
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16"):
         EngineConfig(dtype=given)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_slow_explicit_dtypes_are_named(native_bf16, monkeypatch):
+    """An explicit dtype far below the CPU's speed gets a reason (the engine logs it); auto's picks never do."""
+    monkeypatch.setattr(sizing, "cpu_has_native_bf16", lambda: native_bf16)
+    assert "float16" in sizing.slow_dtype_reason(torch.float16, CPU)
+    assert (sizing.slow_dtype_reason(torch.bfloat16, CPU) is None) == native_bf16
+    assert sizing.slow_dtype_reason(torch.float32, CPU) is None
+    assert sizing.slow_dtype_reason(torch.float16, CUDA) is None
+    auto = resolve_dtype("auto", LlamaConfig(torch_dtype="float16"), CPU)
+    assert sizing.slow_dtype_reason(auto, CPU) is None

@@ -94,6 +94,15 @@ def run_command(
     top_k: Annotated[int, typer.Option(help="0 or -1 = off")] = 0,
     seed: Annotated[int | None, typer.Option(help="Per-request sampling seed")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")] = None,
+    presence_penalty: Annotated[
+        float, typer.Option(help="Subtracted from generated tokens' logits, [-2, 2]")
+    ] = 0.0,
+    frequency_penalty: Annotated[
+        float, typer.Option(help="Subtracted per repeat of a generated token, [-2, 2]")
+    ] = 0.0,
+    repetition_penalty: Annotated[
+        float, typer.Option(help="Divides logits of prompt and output tokens (HF/vLLM), 1 = off")
+    ] = 1.0,
     # --- scheduling ---
     policy: Annotated[str, typer.Option(help=opt.choices(POLICIES))] = "fcfs",
     window: Annotated[
@@ -152,6 +161,9 @@ def run_command(
         top_k=top_k,
         seed=seed,
         stop=tuple(stop or ()),
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
         truncate_prompt=truncate_prompt,
         policy=policy,
         window=window,

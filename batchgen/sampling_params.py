@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 _GREEDY_EPS = 1e-5
 # What `torch.Generator.manual_seed` takes: a signed or an unsigned 64-bit value.
 _SEED_RANGE = (-(2**63), 2**64)
+# Fields added after job rows were first hashed, with the values that leave a row's hash unchanged.
+_LATER_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 @dataclass
@@ -27,6 +29,12 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (besides the model's EOS ids).
         skip_special_tokens: drop special tokens when detokenizing.
         priority: used by the "priority" policy; lower value is served first (as in vLLM).
+        presence_penalty: subtracted from the logit of every token already generated, in [-2, 2]
+            (OpenAI's and vLLM's definition; > 0 favours new tokens).
+        frequency_penalty: subtracted from a token's logit once per time it was generated, in [-2, 2].
+        repetition_penalty: divides the positive logits and multiplies the negative ones of every
+            token in the prompt or the output so far, > 0 (Keskar et al. 2019, "CTRL"; as in
+            Hugging Face `generate` and vLLM; 1 = off).
 
     Raises:
         ValueError / TypeError: naming the field and the allowed range, at construction, and again
@@ -46,6 +54,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     priority: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,6 +111,16 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         integer("priority", self.priority)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= number(name, getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if number("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -114,5 +135,12 @@ class SamplingParams:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def to_dict(self) -> dict:
-        """The public fields as a plain dict (for hashing job rows and for reports)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        """The public fields as a plain dict (for hashing job rows and for reports).
+
+        The penalties came later: at their neutral values they are left out, so a job row's hash
+        (its identity on resume) is what it was before they existed."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        for name, neutral in _LATER_FIELDS.items():
+            if out[name] == neutral:
+                del out[name]
+        return out

@@ -24,6 +24,7 @@ from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt
 from batchgen.model import loader
 from batchgen.model.runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+from batchgen.model.sampler import RowPenalty
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -270,6 +271,15 @@ class LLMEngine:
                     min_p=p.min_p,
                     generator=r.generator,
                     banned_token_ids=banned,
+                    penalty=RowPenalty(
+                        r.token_ids,
+                        r.num_prompt_tokens,
+                        p.presence_penalty,
+                        p.frequency_penalty,
+                        p.repetition_penalty,
+                    )
+                    if item.samples and p.penalized
+                    else None,
                 )
             )
         return inputs

@@ -26,7 +26,8 @@ class JobOptions:
         engine: EngineConfig keyword arguments (model, dtype, max_num_seqs, ...), without `policy`.
         policy: "fcfs", "max-throughput" or "priority" (window order and engine scheduling).
         window: look-ahead window size in rows.
-        max_tokens / temperature / top_p / top_k / seed / stop: sampling defaults; row columns override.
+        max_tokens / temperature / top_p / top_k / seed / stop / presence_penalty / frequency_penalty /
+            repetition_penalty: sampling defaults; row columns override.
         truncate_prompt: None (an over-long prompt is an error row), "left" or "right" (tokens cut there).
         commit_rows / commit_seconds: commit a part at least this often (rows, seconds).
         dashboard: show the Rich live view when stdout is a terminal.
@@ -51,6 +52,9 @@ class JobOptions:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     truncate_prompt: str | None = None
     policy: str = "fcfs"
     window: int = 1024
@@ -70,6 +74,9 @@ class JobOptions:
             "top_k": self.top_k,
             "seed": self.seed,
             "stop": list(self.stop) or None,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
         }
 
 

@@ -24,6 +24,9 @@ SAMPLING_COLUMNS = (
     "min_tokens",
     "ignore_eos",
     "priority",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 _INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority"})
 # Generation parameters of vLLM's SamplingParams and OpenAI's API that batchgen does not apply. A row
@@ -35,9 +38,6 @@ UNAPPLIED_COLUMNS = {
     "logprobs": None,
     "top_logprobs": None,
     "prompt_logprobs": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
     "logit_bias": None,
 }
 
@@ -57,7 +57,7 @@ def _whole(value: Any) -> bool:
 
 def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset()) -> str | None:
     """The error for a record that sets a generation parameter batchgen does not apply (see
-    `UNAPPLIED_COLUMNS`), or None. Null, false, empty and neutral values (best_of=1, penalties 0) pass, and
+    `UNAPPLIED_COLUMNS`), or None. Null, false, empty and neutral values (best_of=1, logprobs 0) pass, and
     so do `data_columns`: the columns the job uses as data (template fields, kept columns)."""
     for name, neutral in UNAPPLIED_COLUMNS.items():
         if name in data_columns:

@@ -343,7 +343,7 @@ class RowParser:
 
 
 # Request fields honoured (or, like `model` and `user`, harmless to ignore). Anything else that is set
-# (logprobs, penalties, tools, response_format, ...) would silently change the meaning of the output.
+# (logprobs, logit_bias, tools, response_format, ...) would silently change the meaning of the output.
 OPENAI_BODY_FIELDS = frozenset(
     {"messages", "prompt", "model", "user", "metadata", "stream", "n", "max_tokens", "max_completion_tokens"}
     | set(SAMPLING_COLUMNS)

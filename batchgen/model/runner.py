@@ -19,7 +19,7 @@ from batchgen.model.cpu_linear import can_prepack, prepack_linears
 from batchgen.model.cpu_stack import DecoderStack
 from batchgen.model.layers import RotaryEmbedding
 from batchgen.model.llama import LlamaForCausalLM
-from batchgen.model.sampler import Sampler, SamplingBatch
+from batchgen.model.sampler import RowPenalty, Sampler, SamplingBatch
 
 
 @dataclass
@@ -32,6 +32,7 @@ class StepInput:
         block_table: the sequence's physical blocks.
         sample: whether to sample a token after this step.
         temperature / top_k / top_p / min_p / generator / banned_token_ids: sampling settings.
+        penalty: the sequence's penalties and tokens (`RowPenalty`), None when it has none.
     """
 
     token_ids: list[int]
@@ -44,6 +45,7 @@ class StepInput:
     min_p: float = 0.0
     generator: torch.Generator | None = None
     banned_token_ids: list[int] | None = None
+    penalty: RowPenalty | None = None
 
 
 def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -231,5 +233,6 @@ class ModelRunner:
             min_ps=[s.min_p for s in sampled],
             generators=[s.generator for s in sampled],
             banned_token_ids=[s.banned_token_ids for s in sampled],
+            penalties=[s.penalty for s in sampled],
         )
         return self.sampler(logits, batch).tolist()

@@ -1,10 +1,28 @@
-"""Batched sampling: greedy, temperature, top-k, top-p (nucleus), min-p, per-request seeded generators."""
+"""Batched sampling: presence / frequency / repetition penalties, greedy, temperature, top-k, top-p
+(nucleus), min-p, per-request seeded generators."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class RowPenalty:
+    """One row's penalties and the tokens they apply to (see `SamplingParams` for each penalty).
+
+    Attributes:
+        token_ids: the sequence so far, prompt then output (the request's own list, read only).
+        num_prompt_tokens: how many of `token_ids` are the prompt (presence and frequency
+            penalties count only the output; the repetition penalty counts both, as in vLLM and HF).
+    """
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
 
 
 @dataclass
@@ -17,6 +35,7 @@ class SamplingBatch:
         generators: the row's own generator (seeded request) or None (the engine's shared one).
         banned_token_ids: per row, token ids that may not be sampled now (EOS and stop ids while
             fewer than `min_tokens` tokens exist).
+        penalties: per row, its `RowPenalty` or None (no penalty); None for the whole batch = none.
     """
 
     temperatures: list[float]
@@ -25,6 +44,7 @@ class SamplingBatch:
     min_ps: list[float]
     generators: list[torch.Generator | None]
     banned_token_ids: list[list[int] | None]
+    penalties: list[RowPenalty | None] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -50,8 +70,13 @@ class Sampler:
         """Token ids int64 `[B]` from logits `[B, vocab]` (float32 or the model dtype).
 
         `logits` is modified in place: banned ids (EOS before `min_tokens`) are set to -inf and
-        the filters mask rows; pass a copy to keep the original.
+        the filters mask rows; pass a copy to keep the original. With any penalty in the batch the
+        logits are widened to float32 first (as vLLM computes them), then penalized
+        (`apply_penalties`), then banned, then sampled.
         """
+        if batch.penalties and any(p is not None for p in batch.penalties):
+            logits = logits.float()
+            apply_penalties(logits, batch.penalties)
         for row, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits[row, banned] = float("-inf")
@@ -76,6 +101,29 @@ class Sampler:
         # An Exp(1) draw of exactly 0 would turn 0/0 into NaN and win the argmax.
         sampled = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def apply_penalties(logits: torch.Tensor, penalties: list[RowPenalty | None]) -> None:
+    """Penalize float32 logits `[B, vocab]` in place, row by row (rows with None are left alone).
+
+    Repetition (Keskar et al. 2019): every distinct token of the prompt and output has its logit
+    divided by the penalty when positive, multiplied when negative. Then presence and frequency
+    (OpenAI's definition): logit -= frequency x count + presence, for each distinct output token.
+    The order and the token sets follow vLLM's `apply_penalties`; HF `generate`'s repetition
+    penalty is the same operation.
+    """
+    for row, p in enumerate(penalties):
+        if p is None:
+            continue
+        ids = torch.tensor(p.token_ids, dtype=torch.long, device=logits.device)
+        if p.repetition != 1.0:
+            seen = ids.unique()
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / p.repetition, values * p.repetition)
+        output = ids[p.num_prompt_tokens :]
+        if (p.presence or p.frequency) and output.numel():
+            tokens, counts = output.unique(return_counts=True)
+            logits[row, tokens] -= p.frequency * counts.to(logits.dtype) + p.presence
 
 
 def filter_probs(

@@ -34,9 +34,9 @@ TEXT_PROMPTS = [
 
 
 def hf_greedy(
-    model_dir: Path, prompt_ids: list[list[int]], max_new_tokens: int, ignore_eos: bool
+    model_dir: Path, prompt_ids: list[list[int]], max_new_tokens: int, ignore_eos: bool, **generate_kwargs
 ) -> list[list[int]]:
-    """Hugging Face `generate` on each prompt alone, float32, greedy."""
+    """Hugging Face `generate` on each prompt alone, float32, greedy (plus `generate_kwargs`)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     outs = []
@@ -52,6 +52,7 @@ def hf_greedy(
                 do_sample=False,
                 pad_token_id=0,
                 **kwargs,
+                **generate_kwargs,
             )
         outs.append(seq[0, len(ids) :].tolist())
     return outs
@@ -142,6 +143,20 @@ def test_prefix_cache_cold_and_warm(llama_case):
     assert cold == expected
     assert warm == expected
     assert llm.llm_engine.totals.prefix_cache_hits > hits_before, "the second pass should hit the cache"
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_repetition_penalty_matches_hf(llama_case, penalty):
+    """`repetition_penalty` gives HF `generate`'s greedy tokens, batched and with chunked prefill,
+    and changes some output (so the comparison is not of two unpenalized runs)."""
+    path, prompt_ids, unpenalized = llama_case
+    expected = hf_greedy(path, prompt_ids, GREEDY.max_tokens, ignore_eos=True, repetition_penalty=penalty)
+    assert expected != unpenalized
+    params = SamplingParams(
+        temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, repetition_penalty=penalty
+    )
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=16)
+    assert token_ids(llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)) == expected
 
 
 def test_shuffled_and_alone(llama_case):

@@ -373,3 +373,48 @@ def test_incremental_detokenization_matches_one_shot(tokenizer, text: str) -> No
         assert tokenizer.decode(ids[: i + 1]).startswith(request.output_text)
     assert request.output_text == tokenizer.decode(ids) == text
     assert held_back > 0  # partial characters were held back, not emitted as U+FFFD
+
+
+def test_penalties_by_hand() -> None:
+    """Prompt [1, 2], output [3, 3, 4]: repetition 2 on 1-4, then presence 0.5 and frequency 0.25
+    on the output's 3 (twice) and 4 (once); token 5 was never seen; row 1 has no penalty."""
+    from batchgen.model.sampler import RowPenalty, apply_penalties
+
+    logits = torch.tensor([[1.0, 2.0, -2.0, 4.0, 6.0, 8.0], [1.0, 2.0, -2.0, 4.0, 6.0, 8.0]])
+    penalty = RowPenalty([1, 2, 3, 3, 4], 2, presence=0.5, frequency=0.25, repetition=2.0)
+    apply_penalties(logits, [penalty, None])
+    assert logits[0].tolist() == [1.0, 1.0, -4.0, 2.0 - 0.5 - 0.5, 3.0 - 0.25 - 0.5, 8.0]
+    assert logits[1].tolist() == [1.0, 2.0, -2.0, 4.0, 6.0, 8.0]
+
+
+def test_penalties_turn_greedy_away_from_repeats() -> None:
+    """A frequency penalty larger than the gap moves greedy off the repeated token; bf16 logits
+    are penalized in float32."""
+    from batchgen.model.sampler import RowPenalty
+
+    logits = torch.tensor([[0.0, 3.0, 2.5]], dtype=torch.bfloat16)
+    rows = batch(1, temperature=0.0)
+    assert Sampler(torch.Generator())(logits.clone(), rows).tolist() == [1]
+    rows.penalties = [RowPenalty([0, 1, 1], 1, frequency=0.3)]
+    assert Sampler(torch.Generator())(logits.clone(), rows).tolist() == [2]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.1),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", "x"),
+    ],
+)
+def test_penalty_ranges(field, value) -> None:
+    with pytest.raises((ValueError, TypeError), match=field):
+        SamplingParams(**{field: value})
+
+
+def test_neutral_penalties_keep_the_row_hash_fields() -> None:
+    """Rows hashed before the penalties existed keep their identity (resume): neutral penalties are
+    not in `to_dict`, set ones are."""
+    assert "presence_penalty" not in SamplingParams().to_dict()
+    assert SamplingParams(repetition_penalty=1.2).to_dict()["repetition_penalty"] == 1.2

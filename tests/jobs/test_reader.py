@@ -99,7 +99,7 @@ def test_a_set_parameter_that_batchgen_does_not_apply_fails_the_row(tmp_path):
     rows = [
         {"prompt": "a", "best_of": 1, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": None},
         {"prompt": "b", "best_of": 3},
-        {"prompt": "c", "presence_penalty": 0.5},
+        {"prompt": "c", "top_logprobs": 2},
         {"prompt": "d", "logprobs": 5},
         {"prompt": "e", "n": 3},  # `n` is as likely a data column as a parameter in a plain job
     ]
@@ -110,13 +110,11 @@ def test_a_set_parameter_that_batchgen_does_not_apply_fails_the_row(tmp_path):
         "not be what the row asks for); remove the column, set it to null or 1, or pass --keep-columns "
         "best_of if it is data, not a parameter"
     )
-    assert "field 'presence_penalty' is 0.5" in c.error and "field 'logprobs' is 5" in d.error
+    assert "field 'top_logprobs' is 2" in c.error and "field 'logprobs' is 5" in d.error
     # NaN is named as NaN (JSON has no NaN: it would read "is null"); a logit_bias of zeros is neutral.
-    pq.write_table(
-        pa.table({"prompt": ["f", "g"], "presence_penalty": [float("nan"), None]}), tmp_path / "n.parquet"
-    )
+    pq.write_table(pa.table({"prompt": ["f", "g"], "best_of": [float("nan"), None]}), tmp_path / "n.parquet")
     f, g = read(str(tmp_path / "n.parquet"))
-    assert "field 'presence_penalty' is nan, but" in f.error and g.error is None
+    assert "field 'best_of' is nan, but" in f.error and g.error is None
     (h,) = read(write_jsonl(tmp_path / "z.jsonl", [{"prompt": "h", "logit_bias": {"50": 0, "7": 0.0}}]))
     assert h.error is None
     # A column the job uses as data (a template field, a kept column) is not a parameter.
@@ -516,3 +514,26 @@ def test_a_lone_surrogate_is_named_in_the_field_it_came_from(tmp_path):
     a, b = read(str(p))
     assert "field 'messages[1]' holds a lone surrogate" in a.error
     assert "field 'prompt' holds a lone surrogate" in b.error
+
+
+def test_penalty_columns_and_body_fields_apply(tmp_path):
+    """Penalties are columns (plain jobs) and body fields (OpenAI batch) like the other sampling
+    fields: applied on top of the defaults, a bad value an error row naming it."""
+    rows = [
+        {"prompt": "a", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2},
+        {"prompt": "b", "repetition_penalty": 0},
+        {"prompt": "c"},
+    ]
+    a, b, c = read(write_jsonl(tmp_path / "a.jsonl", rows), defaults={"repetition_penalty": 1.1})
+    sp = a.sampling_params
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1, 1.2)
+    assert "field 'repetition_penalty'" in b.error and "> 0" in b.error
+    assert c.sampling_params.repetition_penalty == 1.1
+    line = {
+        "custom_id": "x",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"prompt": "p", "presence_penalty": 0.3, "frequency_penalty": 0.2},
+    }
+    (x,) = read(write_jsonl(tmp_path / "batch.jsonl", [line]))
+    assert (x.sampling_params.presence_penalty, x.sampling_params.frequency_penalty) == (0.3, 0.2)

@@ -3,8 +3,9 @@
 JSON layout (`schema` "batchgen-bench/1"):
     command, created, hardware, software, model, engine_options, workload (summary and the
     distribution's parameters), ceiling (FLOPs, the median measured matmul rate and every
-    measurement in `matmul.samples_flops_per_s`, seconds, tokens/s, and `memory`: the measured
-    bandwidth and the weight and KV-cache bytes the roofline counts),
+    measurement in `matmul.samples_flops_per_s`, seconds, tokens/s, and `memory`: the median
+    measured bandwidth, every measurement in `samples_bytes_per_s`, and the weight and KV-cache
+    bytes the roofline counts),
     ratio_base (name of the first configuration that ran), and `configurations`: one entry each
     with name, kind, policy, status ("ok", "skipped", "failed"), reason, metrics
     (`metrics.summarize` plus `ceiling_fraction`, against the matmul rate measured around that run,
@@ -222,11 +223,13 @@ def ceiling_line(report: dict[str, Any]) -> str:
 def _roofline_text(memory: dict[str, Any] | None) -> str:
     if not memory:
         return ""
+    samples = memory.get("samples_bytes_per_s") or [memory["bytes_per_s"]]
     return (
         f"; roofline: per step, its FLOPs at the median rate or its bytes (weights "
         f"{memory['weight_bytes'] / 1e6:.0f} MB + KV cache read and written, "
         f"{memory['kv_bytes_per_token'] / 1e3:.1f} kB/token) at {memory['bytes_per_s'] / 1e9:.1f} GB/s "
-        "(memory copy rate), whichever is slower; each run's share against the rate measured around it"
+        f"(memory copy rate, median of {len(samples)}, {min(samples) / 1e9:.1f}-{max(samples) / 1e9:.1f}), "
+        "whichever is slower; each run's share against the rates measured around it"
     )
 
 

@@ -11,10 +11,10 @@ short untimed warm-up, the same workload, dtype and thread count. The workload's
 (`ceiling.workload_flops` / `ceiling.measure_matmul_rate`) uses the matmul rate measured before the
 first run and again after every run: on a shared machine the rate moves by 2x within minutes, so each
 run's share of the ceiling is taken against the rate measured on either side of it. With the
-ceiling, the memory bandwidth is measured once before the runs, and each batchgen run's roofline
-(`roofline.roofline_seconds`: per step, its FLOPs at a matmul rate or its bytes at that bandwidth,
-whichever is slower) goes in its `extra`: `roofline_s` at the median rate (comparable between
-configurations) and `roofline_own_rate_s` at the rate measured around the run (its share reached).
+ceiling, the memory bandwidth is measured at the same points, and each batchgen run's roofline
+(`roofline.roofline_seconds`: per step, its FLOPs at a matmul rate or its bytes at a bandwidth,
+whichever is slower) goes in its `extra`: `roofline_s` at the median rates (comparable between
+configurations) and `roofline_own_rate_s` at the rates measured around the run (its share reached).
 """
 
 from __future__ import annotations
@@ -195,28 +195,32 @@ def run_bench(
     shape = ModelShape.from_config(facts.model_config)
     flops = workload_flops(shape, [(r.prompt_len, r.output_len) for r in workload.requests])
     first_rate = measure_matmul_rate(shape, facts.dtype, facts.device) if settings.measure_ceiling else None
-    bandwidth = measure_memory_bandwidth(facts.device) if settings.measure_ceiling else None
     dtype_bytes = facts.dtype.itemsize
-    rates: list[float] = []  # matmul FLOP/s: first, after the warm-up, then after every timed run
+    # (matmul FLOP/s, memory bytes/s): first, after the warm-up, then after every timed run
+    rates: list[tuple[float, float]] = []
 
-    def measure_rate() -> float | None:
+    def measure_rates() -> tuple[float, float] | None:
         if first_rate is None:
             return None
-        rates.append(measure_matmul_rate(shape, facts.dtype, facts.device)["flops_per_s"])
+        flops_per_s = (
+            measure_matmul_rate(shape, facts.dtype, facts.device)["flops_per_s"]
+            if rates
+            else first_rate["flops_per_s"]
+        )
+        rates.append((flops_per_s, measure_memory_bandwidth(facts.device)["bytes_per_s"]))
         return rates[-1]
 
+    before = measure_rates()
     if first_rate is not None:
-        rates.append(first_rate["flops_per_s"])
         first = compute_ceiling(flops, first_rate)
         log(
             f"compute ceiling: {first['tokens_per_s']:.0f} tokens/s ({first_rate['flops_per_s'] / 1e9:.0f} "
             f"GFLOP/s {first_rate['dtype']} matmul, first of the measurements between runs)"
         )
-    before = rates[-1] if rates else None
     if settings.warmup_run and first_engine_plan is not None:  # its result is thrown away
         label = f"{first_engine_plan.name} (warm-up, untimed)"
         _run_logged(first_engine_plan, label, settings, facts, workload, factory, log)
-        before = measure_rate()
+        before = measure_rates()
     runs: dict[str, list[RunResult]] = {plan.name: [] for plan in plans}
     for round_index in range(settings.repeat):
         # Each round starts one configuration later, so no configuration always runs first or always
@@ -229,36 +233,36 @@ def run_bench(
                 else f"{plan.name} (run {round_index + 1}/{settings.repeat})"
             )
             result = _run_logged(plan, label, settings, facts, workload, factory, log)
-            after = measure_rate()
+            after = measure_rates()
             if before is not None and after is not None:
-                result.extra["matmul_flops_per_s"] = (before + after) / 2
+                result.extra["matmul_flops_per_s"] = (before[0] + after[0]) / 2
+                result.extra["memory_bytes_per_s"] = (before[1] + after[1]) / 2
             before = after
             runs[plan.name].append(result)
     results = [median_run(runs[plan.name]) for plan in plans]
     ceiling = None
     if first_rate is not None:
         # The headline ceiling: the median of every measurement (each run's own rate is in its extra).
-        rates_sorted = sorted(rates)
-        median_rate = dict(first_rate, flops_per_s=rates_sorted[(len(rates_sorted) - 1) // 2])
-        median_rate["samples_flops_per_s"] = rates
+        flops_samples = [r[0] for r in rates]
+        bytes_samples = [r[1] for r in rates]
+        median_rate = dict(first_rate, flops_per_s=_median(flops_samples), samples_flops_per_s=flops_samples)
         ceiling = compute_ceiling(flops, median_rate)
-        ceiling["memory"] = dict(
-            bandwidth,
-            weight_bytes=weight_bytes(shape, dtype_bytes),
-            kv_bytes_per_token=kv_bytes_per_token(shape, dtype_bytes),
-        )
+        ceiling["memory"] = {
+            "bytes_per_s": _median(bytes_samples),
+            "samples_bytes_per_s": bytes_samples,
+            "weight_bytes": weight_bytes(shape, dtype_bytes),
+            "kv_bytes_per_token": kv_bytes_per_token(shape, dtype_bytes),
+        }
         for result in results:
-            own_rate = result.extra.get("matmul_flops_per_s")
-            if result.skipped or own_rate is None:
+            own = (result.extra.get("matmul_flops_per_s"), result.extra.get("memory_bytes_per_s"))
+            if result.skipped or None in own:
                 continue
-            # At the median rate, so that two configurations' rooflines differ only by their
-            # schedules; the share reached is against the rate measured around the run.
+            # At the median rates, so that two configurations' rooflines differ only by their
+            # schedules; the share reached is against the rates measured around the run.
             result.extra["roofline_s"] = roofline_seconds(
-                result.steps, shape, dtype_bytes, median_rate["flops_per_s"], bandwidth["bytes_per_s"]
+                result.steps, shape, dtype_bytes, median_rate["flops_per_s"], ceiling["memory"]["bytes_per_s"]
             )
-            result.extra["roofline_own_rate_s"] = roofline_seconds(
-                result.steps, shape, dtype_bytes, own_rate, bandwidth["bytes_per_s"]
-            )
+            result.extra["roofline_own_rate_s"] = roofline_seconds(result.steps, shape, dtype_bytes, *own)
 
     return build_report(
         settings=settings,
@@ -277,6 +281,11 @@ def run_bench(
         },
         flops=flops,
     )
+
+
+def _median(values: list[float]) -> float:
+    """The median (the lower middle value for an even count)."""
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def _run_logged(

@@ -171,7 +171,14 @@ def test_step_counts_and_roofline(bench_report) -> None:
         ),
     }
     memory = report["ceiling"]["memory"]
-    assert memory["bytes_per_s"] > 0 and memory["weight_bytes"] > 0 and memory["kv_bytes_per_token"] > 0
+    assert memory["weight_bytes"] > 0 and memory["kv_bytes_per_token"] > 0
+    # measured where the matmul rate is: first, after the warm-up, after each run; the median heads
+    samples = memory["samples_bytes_per_s"]
+    assert len(samples) == len(report["ceiling"]["matmul"]["samples_flops_per_s"]) and min(samples) > 0
+    assert memory["bytes_per_s"] == sorted(samples)[(len(samples) - 1) // 2]
+    for i, c in enumerate(report["configurations"]):
+        if c["status"] == "ok":
+            assert c["extra"]["memory_bytes_per_s"] == pytest.approx((samples[i + 1] + samples[i + 2]) / 2)
     for name, (tokens, sampled) in expected.items():
         tl, m = configs[name]["timeline"], configs[name]["metrics"]
         assert (sum(tl["num_batched_tokens"]), sum(tl["num_sampled"])) == (tokens, sampled), name

@@ -29,7 +29,8 @@ def _split(text: str) -> list[str]:
 
 def check_output_file(option: str, path: Path) -> None:
     """Check, before the bench runs, that `path` can be written: its folder exists and is writable,
-    and `path` is not a folder.
+    `path` is not a folder, and opening it for writing works (a file that did not exist is created
+    and removed again; permission bits alone miss read-only file systems, /proc and the like).
 
     Raises:
         typer.BadParameter: naming `option` (e.g. "--output"), the path and the fix (exit 2).
@@ -44,7 +45,15 @@ def check_output_file(option: str, path: Path) -> None:
     elif path.exists() and not os.access(path, os.W_OK):
         problem = "exists and is not writable; give another path"
     else:
-        return
+        existed = path.exists()
+        try:
+            with path.open("a"):  # "a": an existing file keeps its contents until the bench ends
+                pass
+            if not existed:
+                path.unlink()
+            return
+        except OSError as exc:
+            problem = f"cannot be written ({exc.strerror or exc}); give another path"
     raise typer.BadParameter(f"{option} {path} {problem}")
 
 
@@ -116,7 +125,7 @@ def bench_command(
     writes a JSON report and a PNG timeline. Exits 2 for bad options or inputs (unwritable
     --output / --plot, a missing job file or trace, --device cuda without CUDA: all found before any
     model work; a job file without a usable row: found before any timed run), 1 when a batchgen
-    configuration failed.
+    configuration failed or the report or plot could not be written at the end after all.
     """
     from rich.console import Console
 
@@ -175,16 +184,24 @@ def bench_command(
         console.print("interrupted: no report written")
         raise typer.Exit(130) from None
     render(report, console)
+    written = True
     if output is not None:
-        write_json(report, output)
-        console.print(f"report written to {output}")
+        try:
+            write_json(report, output)
+            console.print(f"report written to {output}")
+        except OSError as exc:  # writable when checked, not now (the disk filled, the folder went)
+            console.print(
+                f"[red]error:[/] --output {output} could not be written ({exc}); the table above is the result"
+            )
+            written = False
     if plot is not None:
         try:
             plot_report(report, plot)
             console.print(f"plot written to {plot}")
-        except RuntimeError as exc:
-            console.print(f"[yellow]{exc}[/]")
-    if any(
+        except (RuntimeError, OSError) as exc:
+            console.print(f"[yellow]--plot {plot} could not be written: {exc}[/]")
+            written = False
+    if not written or any(
         c["status"] == "failed" and c["kind"] in ("continuous", "static") for c in report["configurations"]
     ):
         raise typer.Exit(code=1)

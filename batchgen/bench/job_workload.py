@@ -30,7 +30,8 @@ def read_job_rows(path: str | Path) -> list[dict[str, Any]]:
 
     Raises:
         FileNotFoundError: when the file is absent.
-        ValueError: naming the line of a JSONL record that is not a JSON object.
+        ValueError: naming the line of a JSONL record that is not a JSON object, or a Parquet
+            file that cannot be read (`BenchInputError`).
     """
     path = Path(path)
     if not path.is_file():
@@ -49,12 +50,18 @@ def iter_job_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, s
     skipped) or the row of a Parquet file (from 0, as `batchgen run` counts rows).
 
     Raises:
-        OSError: the file cannot be read (pyarrow errors for a damaged Parquet file).
+        BenchInputError: a Parquet file pyarrow cannot read (truncated or damaged), naming it.
     """
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for number, row in enumerate(pq.read_table(path).to_pylist()):
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow raises several types for a bad footer or page
+            raise BenchInputError(
+                f"cannot read Parquet file {path}: {exc}; check that the file is whole (not truncated or damaged)"
+            ) from exc
+        for number, row in enumerate(table.to_pylist()):
             yield number, row, None
         return
     with path.open("rb") as f:  # bytes: one line that is not UTF-8 is one bad record, not a crash
@@ -134,7 +141,7 @@ def file_workload(spec: WorkloadSpec, encode: PromptEncoder, max_model_len: int)
     names the first ("line 3: not JSON (...)"); `Workload.warnings` turns that into a log line.
 
     Raises:
-        BenchInputError: the file is absent, or has no usable row (naming the first bad one).
+        BenchInputError: the file is absent or unreadable, or has no usable row (naming the first bad one).
     """
     spec.check_inputs()
     path = Path(spec.dist[5:])

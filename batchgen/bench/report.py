@@ -50,8 +50,8 @@ _ROWS: list[tuple[str, str, str, float, bool]] = [
     ("compute ceiling reached", "ceiling_fraction", "{:.1%}", 1, False),
     # The least time this configuration's own steps could take (batchgen.bench.roofline): its ratio
     # compares two schedules at equal kernel efficiency.
-    ("roofline time (s)", "roofline_s", "{:.1f}", 1, True),
-    ("roofline reached", "roofline_fraction", "{:.1%}", 1, False),
+    ("roofline time, median rates (s)", "roofline_s", "{:.1f}", 1, True),
+    ("roofline reached, rates around run", "roofline_fraction", "{:.1%}", 1, False),
     # The machine's matmul rate measured on either side of the run: a slow phase shows here.
     ("matmul GFLOP/s around run", "matmul_flops_per_s", "{:.0f}", 1e-9, False),
     ("wall time (s)", "wall_s", "{:.1f}", 1, True),

@@ -50,17 +50,19 @@ def warmup_engine(engine: Any, prompt_token_ids: list[int], output_len: int = 4)
         engine.step()
 
 
-def step_record(stats: Any, t0: float, real_token_fraction: float = 1.0) -> StepRecord:
+def step_record(stats: Any, t0: float, real_generation_tokens: int | None = None) -> StepRecord:
     """A `StepRecord` from the engine's `StepStats`, with time relative to `t0` (perf_counter s).
 
-    `real_token_fraction` scales the generation tokens for static batching, where part of every
-    row's output is padding (an approximation used only for the tokens/s-over-time plot).
+    `real_generation_tokens` replaces the step's sampled count for static batching, where part of
+    every row's output is padding (see `run_static`).
     """
     return StepRecord(
         t=stats.time - t0,
         num_seqs=stats.num_seqs,
         num_batched_tokens=stats.num_batched_tokens,
-        num_generation_tokens=round(stats.num_generation_tokens * real_token_fraction),
+        num_generation_tokens=stats.num_generation_tokens
+        if real_generation_tokens is None
+        else real_generation_tokens,
         kv_cache_usage=stats.kv_cache_usage,
         num_preemptions=stats.num_preemptions,
         prefix_cache_queries=stats.prefix_cache_queries,
@@ -105,7 +107,10 @@ def run_static(
 
     Returns:
         The `RunResult`; `extra` holds the padding overhead (`padded_prompt_tokens`,
-        `padded_output_tokens`: tokens computed including padding).
+        `padded_output_tokens`: tokens computed including padding). The engine cannot tell a
+        row's real tokens from its padding, so each step's `num_generation_tokens` spreads the
+        batch's real output tokens over its steps in proportion to the tokens sampled (rounded so
+        that every batch's steps add up to its real tokens exactly).
     """
     reqs = sorted(workload.requests, key=lambda r: r.arrival_time)
     batches = [reqs[i : i + batch_size] for i in range(0, len(reqs), batch_size)]
@@ -138,10 +143,14 @@ def run_static(
                     t0 + r.arrival_time,
                 )
             outs = []
+            sampled = reported = 0
             while engine.has_unfinished_requests():
                 outs.extend(engine.step())
                 if engine.last_step is not None:
-                    steps.append(step_record(engine.last_step, t0, real / (olen * len(batch))))
+                    sampled += engine.last_step.num_generation_tokens
+                    step_real = round(real * sampled / (olen * len(batch))) - reported
+                    reported += step_real
+                    steps.append(step_record(engine.last_step, t0, step_real))
             records.extend(_batch_records(batch, outs, olen, admitted, t0))
     result = RunResult(name or f"static/b{batch_size}", "static", "fcfs", records, steps, monitor.result())
     result.extra = {

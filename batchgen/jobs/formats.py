@@ -234,7 +234,11 @@ def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]
     if value is None or (isinstance(value, list) and not value):
         return None, f'field \'{col}\' is null or empty; give a list of {{"role", "content"}} messages'
     if not isinstance(value, list):
-        return None, f"field '{col}' must be a list of messages, got {type(value).__name__}"
+        shown = "a string (JSON text, not a list)" if isinstance(value, str) else type(value).__name__
+        return None, (
+            f"field '{col}' must be a list of messages, got {shown}; give a list of "
+            '{"role", "content"} objects (in Parquet a list column, not a string column)'
+        )
     if all(isinstance(m, str) for m in value):  # several prompts in one row, not chat messages
         return None, (
             f"field '{col}' is a list of strings; give one prompt string per row, or chat messages as "

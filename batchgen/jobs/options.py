@@ -5,9 +5,11 @@ the options and the output path that run before the input is read or a model is 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.config import EngineConfig
 from batchgen.jobs.formats import JOB_FILE_SUFFIXES, JSONL_SUFFIXES
 from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.writer import RESERVED_COLUMNS
@@ -177,3 +179,19 @@ def check_job_options(options: JobOptions) -> None:
     ):
         if not value > 0:
             raise JobInputError(f"{flag} must be > 0 seconds, got {value}")
+
+
+_PLAIN_WORDS = frozenset({"model", "device", "policy", "seed", "dtype"})
+
+
+def flag_hint(message: str) -> str:
+    """The hint ' (flag --max-model-len)' for the first engine option a message names by its field
+    name: the engine speaks in `EngineConfig` fields, the command line in flags."""
+    # Longest names first: "max_model_len" must win over a "model" elsewhere in the message; and
+    # option names that are also plain words ("the model's limit") count only where a validation
+    # message names its field: at the start ("dtype must be ...").
+    for name in sorted(EngineConfig.__dataclass_fields__, key=len, reverse=True):
+        plain = name in _PLAIN_WORDS
+        if message.startswith(f"{name} ") if plain else re.search(rf"\b{name}\b", message):
+            return f" (flag --{name.replace('_', '-')})"
+    return ""

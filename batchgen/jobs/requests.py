@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.jobs.options import JobOptions
+from batchgen.jobs.options import JobOptions, flag_hint
 from batchgen.jobs.rows import JobRow
 from batchgen.jobs.truncate import truncate_chat, truncate_ids
 
@@ -55,7 +55,9 @@ def prepare_row(
         if options.truncate_prompt is None:
             note = getattr(engine, "max_model_len_note", "")
             # A limit the KV cache lowered is raised by more cache memory, not by --max-model-len.
-            raise_limit = "give the KV cache more memory" if note else "raise --max-model-len"
+            raise_limit = (
+                "give the KV cache more memory (--kv-cache-memory)" if note else "raise --max-model-len"
+            )
             return Prepared(row, None, n), (
                 f"{row.where}: the prompt is {n} tokens but max_model_len is {max_len}{note} (one output "
                 f"token needs room); shorten the prompt, {raise_limit}, or pass --truncate-prompt left|right"
@@ -117,7 +119,8 @@ def output_result(p: Prepared, out: Any) -> dict[str, Any]:
         "latency_s": metrics.latency,
     }
     if c.finish_reason == "error":
-        values["error"] = f"{p.row.where}: {out.error or 'the engine rejected the request'}"
+        message = out.error or "the engine rejected the request"
+        values["error"] = f"{p.row.where}: {message}{flag_hint(message)}"
     else:
         values["output"] = c.text
     return result_row(p.row, **values)

@@ -300,10 +300,14 @@ class RowParser:
             return fail("field 'body' is missing or not an object; put the request parameters in 'body'")
         if endpoint == "chat":
             prompt, err = check_messages(body.get("messages"), "body.messages")
+            if err is not None and body.get("messages") is None and body.get("prompt") is not None:
+                err += "; a body with a 'prompt' goes to url /v1/completions"
         else:
             prompt, err = body.get("prompt"), None
             if not isinstance(prompt, str) or not prompt.strip():
                 err = "field 'body.prompt' must be a non-empty string (one prompt per request)"
+                if body.get("messages") is not None and prompt is None:
+                    err += "; a body with 'messages' goes to url /v1/chat/completions"
             else:
                 err = text_error(prompt, "body.prompt")
         if err is not None:

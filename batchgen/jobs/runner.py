@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import threading
 import time
@@ -26,6 +25,7 @@ from batchgen.jobs.options import (
     check_job_options,
     check_output_path,
     default_output_path,
+    flag_hint,
     output_format,
 )
 from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions
@@ -51,18 +51,8 @@ def default_engine_factory(config: EngineConfig) -> Any:
         return LLMEngine(config)
     except (ModelNotFoundError, ValueError) as e:
         raise JobInputError(
-            f"cannot start the engine for model {config.model or '(default)'}: {e}{_flag_hint(str(e))}"
+            f"cannot start the engine for model {config.model or '(default)'}: {e}{flag_hint(str(e))}"
         ) from e
-
-
-def _flag_hint(message: str) -> str:
-    """The hint ' (flag --max-model-len)' for the first engine option a message names by its field
-    name: the engine speaks in `EngineConfig` fields, the command line in flags."""
-    # Longest names first: "max_model_len" must win over the "model" in "the model's limit".
-    for name in sorted(EngineConfig.__dataclass_fields__, key=len, reverse=True):
-        if re.search(rf"\b{name}\b", message):
-            return f" (flag --{name.replace('_', '-')})"
-    return ""
 
 
 def _model_label(options: JobOptions) -> str:
@@ -200,14 +190,15 @@ def run_job(
         config = EngineConfig(**options.engine, policy=options.policy)
         resolve_device(config.device)  # "cuda" without CUDA fails here, before the output is touched
     except (TypeError, ValueError) as e:
-        raise JobInputError(f"invalid engine option: {e}{_flag_hint(str(e))}") from e
+        raise JobInputError(f"invalid engine option: {e}{flag_hint(str(e))}") from e
     try:
         # The job-wide defaults apply to every row: a bad one is the command's error, not the rows'.
         SamplingParams(**options.sampling_defaults())
     except (TypeError, ValueError) as e:
-        raise JobInputError(
-            f"invalid sampling option: {e} (flags --max-tokens, --temperature, --top-p, --top-k, --seed, --stop)"
-        ) from e
+        # The message names the field first ("temperature must be >= 0"); name its flag.
+        fields = [f for f in options.sampling_defaults() if str(e).startswith(f) or f"({f})" in str(e)]
+        flag = f" (flag --{fields[0].replace('_', '-')})" if fields else ""
+        raise JobInputError(f"invalid sampling option: {e}{flag}") from e
     reader = JobReader(
         options.input,
         ReaderOptions(

@@ -11,8 +11,9 @@ import pytest
 from rich.console import Console
 
 from batchgen.dashboard import Dashboard
+from batchgen.jobs.options import flag_hint
 from batchgen.jobs.reader import JobInputError
-from batchgen.jobs.runner import JobOptions, _flag_hint, run_job
+from batchgen.jobs.runner import JobOptions, run_job
 from tests.jobs.fake_engine import fake_factory
 
 GOOD = [
@@ -256,7 +257,7 @@ def test_engine_option_errors_name_the_flag(tmp_path):
         run_job(JobOptions(str(src), engine={"max_model_len": 1}), fake_factory(), dashboard=quiet())
     # The engine's own message also says "model": the longer field name is the flag meant.
     message = "max_model_len 1000000000 exceeds the model's limit of 8192 tokens"
-    assert _flag_hint(message) == " (flag --max-model-len)"
+    assert flag_hint(message) == " (flag --max-model-len)"
 
 
 def test_a_column_nearly_named_like_a_sampling_field_is_pointed_out(tmp_path):
@@ -280,3 +281,11 @@ def test_a_column_nearly_named_like_a_sampling_field_is_pointed_out(tmp_path):
     rows = pq.read_table(tmp_path / "typo.out.parquet").to_pylist()
     assert rows[0]["finish_reason"] == "length" and rows[0]["completion_tokens"] == 3
     assert rows[1]["finish_reason"] == "error" and "logprobs" in rows[1]["error"]
+
+
+def test_flag_hints_name_options_not_plain_words():
+    assert flag_hint("the KV cache holds 32 tokens; raise kv_cache_memory or lower max_model_len") == (
+        " (flag --kv-cache-memory)"
+    )
+    assert flag_hint("dtype must be auto, float32, bfloat16 or float16") == " (flag --dtype)"
+    assert flag_hint("shorten the prompt: 8192 tokens is the model's limit") == ""

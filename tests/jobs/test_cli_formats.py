@@ -126,10 +126,11 @@ def test_invalid_sampling_flags_exit_2_before_the_model(tmp_path):
         ("--top-p", "0"),
         ("--max-tokens", "0"),
         ("--temperature", "nan"),
+        ("--frequency-penalty", "-3"),
     ]:
         r = invoke(str(src), "--model", NO_MODEL, flag, value)
         assert r.exit_code == 2, (flag, value, r.output)
-        assert "invalid sampling option" in r.stderr
+        assert "invalid sampling option" in r.stderr and r.stderr.strip().endswith(f"(flag {flag})"), r.stderr
 
 
 def test_missing_model_exits_2(tmp_path):

@@ -537,3 +537,21 @@ def test_penalty_columns_and_body_fields_apply(tmp_path):
     }
     (x,) = read(write_jsonl(tmp_path / "batch.jsonl", [line]))
     assert (x.sampling_params.presence_penalty, x.sampling_params.frequency_penalty) == (0.3, 0.2)
+
+
+def test_misplaced_chat_fields_name_the_fix(tmp_path):
+    """messages stored as JSON text, and OpenAI bodies sent to the other endpoint, say what to change."""
+    (a,) = read(write_jsonl(tmp_path / "a.jsonl", [{"messages": '[{"role": "user", "content": "hi"}]'}]))
+    assert "got a string (JSON text, not a list)" in a.error and '{"role", "content"} objects' in a.error
+    lines = [
+        {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {"prompt": "hi"}},
+        {
+            "custom_id": "d",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}]},
+        },
+    ]
+    c, d = read(write_jsonl(tmp_path / "b.jsonl", lines))
+    assert c.error.endswith("a body with a 'prompt' goes to url /v1/completions")
+    assert d.error.endswith("a body with 'messages' goes to url /v1/chat/completions")

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from batchgen.config import EngineConfig
-from batchgen.outputs import CompletionOutput, RequestOutput
+from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from batchgen.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 

@@ -6,6 +6,21 @@ from dataclasses import dataclass
 
 
 @dataclass
+class Logprob:
+    """A token's log probability (natural log) at one output position, as vLLM's `Logprob`.
+
+    Attributes:
+        logprob: log-softmax of the model's raw logits at the token (<= 0).
+        rank: 1 for the most likely token at that position, 2 for the next, ...
+        decoded_token: the token's text on its own.
+    """
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence.
 
@@ -15,6 +30,9 @@ class CompletionOutput:
         finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens or
             max_model_len) or "error" (the request was rejected; see `RequestOutput.error`).
         stop_reason: the stop string or stop token id that ended it, else None.
+        logprobs: with `SamplingParams.logprobs` set, one dict per generated token: token id ->
+            `Logprob` for the `logprobs` most likely tokens and the sampled one; else None.
+        cumulative_logprob: sum of the sampled tokens' log probabilities, with `logprobs` set.
     """
 
     index: int
@@ -22,6 +40,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass

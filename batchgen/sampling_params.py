@@ -9,7 +9,14 @@ _GREEDY_EPS = 1e-5
 # What `torch.Generator.manual_seed` takes: a signed or an unsigned 64-bit value.
 _SEED_RANGE = (-(2**63), 2**64)
 # Fields added after job rows were first hashed, with the values that leave a row's hash unchanged.
-_LATER_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+_LATER_FIELDS = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logprobs": None,
+}
+# Most top log probabilities a generated token may ask for (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -35,6 +42,10 @@ class SamplingParams:
         repetition_penalty: divides the positive logits and multiplies the negative ones of every
             token in the prompt or the output so far, > 0 (Keskar et al. 2019, "CTRL"; as in
             Hugging Face `generate` and vLLM; 1 = off).
+        logprobs: None, or the number (0 to `MAX_LOGPROBS`) of most likely tokens whose log
+            probabilities come back for every generated token, besides the sampled token's own
+            (vLLM's meaning; the log-softmax of the model's raw logits, before penalties,
+            temperature and filters, as vLLM's default "raw_logprobs").
 
     Raises:
         ValueError / TypeError: naming the field and the allowed range, at construction, and again
@@ -57,6 +68,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -116,6 +128,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if number("repetition_penalty", self.repetition_penalty) <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def penalized(self) -> bool:
@@ -137,7 +151,7 @@ class SamplingParams:
     def to_dict(self) -> dict:
         """The public fields as a plain dict (for hashing job rows and for reports).
 
-        The penalties came later: at their neutral values they are left out, so a job row's hash
+        The penalties and logprobs came later: at their neutral values they are left out, so a job row's hash
         (its identity on resume) is what it was before they existed."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         for name, neutral in _LATER_FIELDS.items():

@@ -23,9 +23,9 @@ from batchgen.engine.sizing import (
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt
 from batchgen.model import loader
-from batchgen.model.runner import ModelRunner, StepInput, kv_cache_bytes_per_block
+from batchgen.model.runner import ModelRunner, StepInput, StepOutput, kv_cache_bytes_per_block
 from batchgen.model.sampler import RowPenalty
-from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from batchgen.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -204,6 +204,7 @@ class LLMEngine:
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             prompt=text,
             generator=generator,
+            output_logprobs=[] if params.logprobs is not None else None,
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -245,10 +246,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.runner.swap_out(sched.swap_out)
         self.runner.swap_in(sched.swap_in)
-        sampled = self.runner.execute(self._step_inputs(sched)) if sched.scheduled else []
+        sampled = self.runner.execute(self._step_inputs(sched)) if sched.scheduled else StepOutput([], [])
         now = time.perf_counter()
         finished += self._update(sched, sampled, scheduled_at=start, now=now)
-        self._record(sched, start, now, len(sampled), len(finished))
+        self._record(sched, start, now, len(sampled.token_ids), len(finished))
         return finished
 
     def _step_inputs(self, sched: SchedulerOutput) -> list[StepInput]:
@@ -280,17 +281,18 @@ class LLMEngine:
                     )
                     if item.samples and p.penalized
                     else None,
+                    logprobs=p.logprobs if item.samples else None,
                 )
             )
         return inputs
 
     def _update(
-        self, sched: SchedulerOutput, sampled: list[int], scheduled_at: float, now: float
+        self, sched: SchedulerOutput, sampled: StepOutput, scheduled_at: float, now: float
     ) -> list[RequestOutput]:
         """Apply the step's sampled tokens; `scheduled_at` (step start) and `now` (after the forward)
         are `perf_counter` seconds."""
         outputs = []
-        tokens = iter(sampled)
+        tokens = iter(zip(sampled.token_ids, sampled.logprobs, strict=True))
         for item in sched.scheduled:
             r = item.request
             if r.first_scheduled_time is None:  # the wait ends when the step that serves it begins
@@ -299,7 +301,10 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(r)
             if not item.samples:
                 continue
-            r.token_ids.append(next(tokens))
+            token, logprobs = next(tokens)
+            r.token_ids.append(token)
+            if r.output_logprobs is not None:
+                r.output_logprobs.append(logprobs)
             if r.first_token_time is None:
                 r.first_token_time = now
             reason = check_stop(r, self.tokenizer, self.max_model_len)
@@ -311,6 +316,25 @@ class LLMEngine:
                 outputs.append(self._output(r))
         return outputs
 
+    def _logprobs(self, r: Request) -> tuple[list[dict[int, Logprob]] | None, float | None]:
+        """(per output token: token id -> `Logprob` of the top tokens and the sampled one, the sum
+        of the sampled tokens' log probabilities), or (None, None) when the request asked for none."""
+        if r.output_logprobs is None:
+            return None, None
+        decoded: dict[int, str] = {}
+
+        def text(token_id: int) -> str:
+            if token_id not in decoded:
+                decoded[token_id] = self.tokenizer.decode([token_id])
+            return decoded[token_id]
+
+        positions = []
+        for lp in r.output_logprobs:
+            entry = {t: Logprob(v, rank, text(t)) for rank, (t, v) in enumerate(lp.top, start=1)}
+            entry.setdefault(lp.token_id, Logprob(lp.logprob, lp.rank, text(lp.token_id)))
+            positions.append(entry)
+        return positions, sum(lp.logprob for lp in r.output_logprobs)
+
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(
             request_id=r.request_id,
@@ -318,7 +342,12 @@ class LLMEngine:
             prompt_token_ids=r.prompt_token_ids,
             outputs=[
                 CompletionOutput(
-                    0, final_text(self.tokenizer, r), r.output_token_ids, r.finish_reason, r.stop_reason
+                    0,
+                    final_text(self.tokenizer, r),
+                    r.output_token_ids,
+                    r.finish_reason,
+                    r.stop_reason,
+                    *self._logprobs(r),
                 )
             ],
             finished=True,

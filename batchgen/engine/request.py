@@ -42,6 +42,8 @@ class Request:
         arrival_time / first_scheduled_time / first_token_time / finish_time: `time.perf_counter()` seconds.
         arrival_step: scheduler step at which the request joined the waiting queue.
         generator: the request's own sampling generator when it has a `seed`.
+        output_logprobs: one `SampleLogprobs` per output token when `sampling_params.logprobs`
+            is set, else None.
     """
 
     request_id: str
@@ -69,6 +71,7 @@ class Request:
     num_preemptions: int = 0
     seq_no: int = 0
     generator: torch.Generator | None = None
+    output_logprobs: list | None = None
     output_text: str = ""
     _detok_prefix_offset: int = 0
     _detok_read_offset: int = 0

@@ -19,7 +19,7 @@ from batchgen.model.cpu_linear import can_prepack, prepack_linears
 from batchgen.model.cpu_stack import DecoderStack
 from batchgen.model.layers import RotaryEmbedding
 from batchgen.model.llama import LlamaForCausalLM
-from batchgen.model.sampler import RowPenalty, Sampler, SamplingBatch
+from batchgen.model.sampler import RowPenalty, SampleLogprobs, Sampler, SamplingBatch, sample_logprobs
 
 
 @dataclass
@@ -33,6 +33,7 @@ class StepInput:
         sample: whether to sample a token after this step.
         temperature / top_k / top_p / min_p / generator / banned_token_ids: sampling settings.
         penalty: the sequence's penalties and tokens (`RowPenalty`), None when it has none.
+        logprobs: how many top log probabilities to return with the sampled token (None: none).
     """
 
     token_ids: list[int]
@@ -46,6 +47,16 @@ class StepInput:
     generator: torch.Generator | None = None
     banned_token_ids: list[int] | None = None
     penalty: RowPenalty | None = None
+    logprobs: int | None = None
+
+
+@dataclass
+class StepOutput:
+    """What a step sampled: one token id per sequence with `sample` set, in order, and for each
+    its `SampleLogprobs` (None where the sequence asked for none)."""
+
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs | None]
 
 
 def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -216,8 +227,8 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, seqs: list[StepInput]) -> list[int]:
-        """Run one step; returns one sampled token id per sequence with `sample` set, in order.
+    def execute(self, seqs: list[StepInput]) -> StepOutput:
+        """Run one step; returns the tokens sampled for the sequences with `sample` set, in order.
 
         Sequences must come decodes first (query length 1), then prefill chunks.
         """
@@ -225,7 +236,11 @@ class ModelRunner:
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         sampled = [s for s in seqs if s.sample]
         if not sampled:
-            return []
+            return StepOutput([], [])
+        # Log probabilities come from the raw logits, which the sampler changes in place: copied
+        # first (indexing with a list copies), for the rows that asked only.
+        asked = [i for i, s in enumerate(sampled) if s.logprobs is not None]
+        raw = logits[asked] if asked else None
         batch = SamplingBatch(
             temperatures=[s.temperature for s in sampled],
             top_ks=[s.top_k for s in sampled],
@@ -235,4 +250,10 @@ class ModelRunner:
             banned_token_ids=[s.banned_token_ids for s in sampled],
             penalties=[s.penalty for s in sampled],
         )
-        return self.sampler(logits, batch).tolist()
+        token_ids = self.sampler(logits, batch).tolist()
+        logprobs: list[SampleLogprobs | None] = [None] * len(token_ids)
+        if asked:
+            found = sample_logprobs(raw, [token_ids[i] for i in asked], [sampled[i].logprobs for i in asked])
+            for i, lp in zip(asked, found, strict=True):
+                logprobs[i] = lp
+        return StepOutput(token_ids, logprobs)

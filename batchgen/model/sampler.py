@@ -103,6 +103,40 @@ class Sampler:
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
+@dataclass
+class SampleLogprobs:
+    """Log probabilities at one sampled position (natural log of the raw logits' softmax).
+
+    Attributes:
+        token_id / logprob / rank: the sampled token, its log probability and its rank (1 = most likely).
+        top: the `k` most likely (token id, log probability) pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+def sample_logprobs(
+    raw_logits: torch.Tensor, token_ids: list[int], top_ks: list[int]
+) -> list[SampleLogprobs]:
+    """Log probabilities of `token_ids` and the `top_ks[i]` best tokens of each row of `raw_logits`
+    `[R, vocab]` (any float dtype; computed in float32). Ranks count the tokens strictly more likely,
+    plus one."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    chosen = torch.tensor(token_ids, device=logprobs.device)
+    chosen_lp = logprobs.gather(1, chosen[:, None])
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    k_max = max(top_ks)
+    top_lp, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+    out = []
+    for i, (token, k) in enumerate(zip(token_ids, top_ks, strict=True)):
+        top = list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist(), strict=True)) if k else []
+        out.append(SampleLogprobs(token, float(chosen_lp[i, 0]), int(ranks[i]), top))
+    return out
+
+
 def apply_penalties(logits: torch.Tensor, penalties: list[RowPenalty | None]) -> None:
     """Penalize float32 logits `[B, vocab]` in place, row by row (rows with None are left alone).
 

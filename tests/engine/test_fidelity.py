@@ -159,6 +159,37 @@ def test_repetition_penalty_matches_hf(llama_case, penalty):
     assert token_ids(llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)) == expected
 
 
+def test_logprobs_match_hf_raw_logits(llama_case):
+    """`logprobs=k`: at every output position the k most likely tokens and their log probabilities
+    are HF's (log-softmax of `generate`'s raw logits, float32), batched with chunked prefill; the
+    greedy token is rank 1 and the cumulative log probability is the sum over positions."""
+    path, prompt_ids, expected = llama_case
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    k, steps = 5, 6
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=k)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=16)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
+    for ids, out, hf_tokens in zip(prompt_ids, outputs, expected, strict=True):
+        completion = out.outputs[0]
+        assert completion.token_ids == hf_tokens[:steps]
+        with torch.inference_mode():
+            hf = model.generate(
+                torch.tensor([ids]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        assert len(completion.logprobs) == steps
+        total = 0.0
+        for position, (ours, raw) in enumerate(zip(completion.logprobs, hf.logits, strict=True)):
+            top_lp, top_ids = torch.log_softmax(raw[0].float(), dim=-1).topk(k)
+            token = completion.token_ids[position]
+            assert list(ours)[:k] == top_ids.tolist() and len(ours) == k  # greedy: the sampled is the top
+            assert [ours[t].logprob for t in top_ids.tolist()] == pytest.approx(top_lp.tolist(), abs=1e-4)
+            assert [ours[t].rank for t in top_ids.tolist()] == list(range(1, k + 1))
+            assert ours[token].rank == 1 and ours[token].decoded_token == llm.get_tokenizer().decode([token])
+            total += ours[token].logprob
+        assert completion.cumulative_logprob == pytest.approx(total)
+
+
 def test_shuffled_and_alone(llama_case):
     path, prompt_ids, expected = llama_case
     llm = LLM(str(path), dtype="float32")

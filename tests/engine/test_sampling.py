@@ -418,3 +418,40 @@ def test_neutral_penalties_keep_the_row_hash_fields() -> None:
     not in `to_dict`, set ones are."""
     assert "presence_penalty" not in SamplingParams().to_dict()
     assert SamplingParams(repetition_penalty=1.2).to_dict()["repetition_penalty"] == 1.2
+
+
+def test_sample_logprobs_by_hand() -> None:
+    """Logits [0, 1, 2, 3]: log-softmax is logit - log(1 + e + e^2 + e^3); a sampled token outside the
+    top k keeps its own rank."""
+    import math
+
+    from batchgen.model.sampler import sample_logprobs
+
+    norm = math.log(sum(math.exp(x) for x in range(4)))
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]], dtype=torch.bfloat16)
+    a, b = sample_logprobs(logits, [0, 3], [2, 0])
+    assert (a.token_id, a.rank, b.rank, b.top) == (0, 4, 1, [])
+    assert a.logprob == pytest.approx(-norm) and b.logprob == pytest.approx(3 - norm)
+    assert [t for t, _ in a.top] == [3, 2] and [v for _, v in a.top] == pytest.approx([3 - norm, 2 - norm])
+
+
+def test_logprobs_zero_gives_the_sampled_token_only(tiny_llm) -> None:
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True, logprobs=0)
+    (out,) = tiny_llm.generate([{"prompt_token_ids": [1, 5, 6]}], params)
+    completion = out.outputs[0]
+    assert [list(d) for d in completion.logprobs] == [[t] for t in completion.token_ids]
+    assert all(
+        d[t].rank >= 1 and d[t].logprob <= 0
+        for d, t in zip(completion.logprobs, completion.token_ids, strict=True)
+    )
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(d[t].logprob for d, t in zip(completion.logprobs, completion.token_ids, strict=True))
+    )
+    (plain,) = tiny_llm.generate([{"prompt_token_ids": [1, 5, 6]}], SamplingParams(max_tokens=2))
+    assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.5, True])
+def test_logprobs_range(value) -> None:
+    with pytest.raises((ValueError, TypeError), match="logprobs"):
+        SamplingParams(logprobs=value)

@@ -51,7 +51,7 @@ _ROWS: list[tuple[str, str, str, float, bool]] = [
     # The least time this configuration's own steps could take (batchgen.bench.roofline): its ratio
     # compares two schedules at equal kernel efficiency.
     ("roofline time, median rates (s)", "roofline_s", "{:.1f}", 1, True),
-    ("roofline reached, rates around run", "roofline_fraction", "{:.1%}", 1, False),
+    ("roofline reached, rate around run", "roofline_fraction", "{:.1%}", 1, False),
     # The machine's matmul rate measured on either side of the run: a slow phase shows here.
     ("matmul GFLOP/s around run", "matmul_flops_per_s", "{:.0f}", 1e-9, False),
     ("wall time (s)", "wall_s", "{:.1f}", 1, True),
@@ -229,7 +229,7 @@ def _roofline_text(memory: dict[str, Any] | None) -> str:
         f"{memory['weight_bytes'] / 1e6:.0f} MB + KV cache read and written, "
         f"{memory['kv_bytes_per_token'] / 1e3:.1f} kB/token) at {memory['bytes_per_s'] / 1e9:.1f} GB/s "
         f"(memory copy rate, median of {len(samples)}, {min(samples) / 1e9:.1f}-{max(samples) / 1e9:.1f}), "
-        "whichever is slower; each run's share against the rates measured around it"
+        "whichever is slower; each run's share against the matmul rate measured around it"
     )
 
 

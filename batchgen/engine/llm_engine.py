@@ -244,12 +244,15 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             return finished
         sched = self.scheduler.schedule()
+        # Read before the update frees the blocks of the requests that finish in this step: a
+        # request prefilled and finished in one step still held its blocks during it.
+        kv_cache_usage = self.block_manager.usage
         self.runner.swap_out(sched.swap_out)
         self.runner.swap_in(sched.swap_in)
         sampled = self.runner.execute(self._step_inputs(sched)) if sched.scheduled else StepOutput([], [])
         now = time.perf_counter()
         finished += self._update(sched, sampled, scheduled_at=start, now=now)
-        self._record(sched, start, now, len(sampled.token_ids), len(finished))
+        self._record(sched, start, now, len(sampled.token_ids), len(finished), kv_cache_usage)
         return finished
 
     def _step_inputs(self, sched: SchedulerOutput) -> list[StepInput]:
@@ -357,7 +360,13 @@ class LLMEngine:
         )
 
     def _record(
-        self, sched: SchedulerOutput, start: float, now: float, num_sampled: int, num_finished: int
+        self,
+        sched: SchedulerOutput,
+        start: float,
+        now: float,
+        num_sampled: int,
+        num_finished: int,
+        kv_cache_usage: float,
     ) -> None:
         decodes = sum(
             1 for s in sched.scheduled if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens
@@ -373,7 +382,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             num_swapped=len(self.scheduler.swapped),
-            kv_cache_usage=self.block_manager.usage,
+            kv_cache_usage=kv_cache_usage,
             num_preemptions=len(sched.preempted),
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,

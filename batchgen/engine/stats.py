@@ -18,7 +18,8 @@ class StepStats:
         num_prompt_tokens: prefill tokens computed in the step (after prefix-cache hits).
         num_generation_tokens: tokens sampled in the step.
         num_running / num_waiting / num_swapped: queue lengths after the step.
-        kv_cache_usage: fraction of KV blocks held by live requests, in [0, 1].
+        kv_cache_usage: fraction of KV blocks held by live requests during the step (after
+            scheduling, before finished requests free theirs), in [0, 1].
         num_preemptions: preemptions in this step.
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found in the prefix cache
             this step (hit rate = hits / queries).

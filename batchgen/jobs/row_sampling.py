@@ -29,17 +29,24 @@ SAMPLING_COLUMNS = (
     "repetition_penalty",
 )
 _INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority"})
-# Generation parameters of vLLM's SamplingParams and OpenAI's API that batchgen does not apply. A row
-# of a plain job that sets one (to anything but its neutral value) is an error row: ignoring it would
-# silently give another output than the row asks for. Names that are as likely to be data (`n`,
-# `tools`) are left out here; OpenAI batch bodies check every field (`OPENAI_BODY_FIELDS`).
+# Generation parameters of vLLM's SamplingParams and OpenAI's API that `batchgen run` does not
+# apply, with the value that asks for nothing. A row of a plain job that sets one to anything else is
+# an error row: ignoring it would silently give another output than the row asks for. Names that are
+# as likely to be data (`n`, `tools`) are left out here; OpenAI batch bodies check every field
+# (`OPENAI_BODY_FIELDS`). `logprobs` 0 asks for the sampled token's log probability (vLLM), so only
+# null is neutral there.
 UNAPPLIED_COLUMNS = {
     "best_of": 1,
     "logprobs": None,
-    "top_logprobs": None,
+    "top_logprobs": 0,
     "prompt_logprobs": None,
     "logit_bias": None,
 }
+# Why each unapplied field is refused, where it is not that the output would change.
+NOT_WRITTEN = (
+    "batchgen run does not write log probabilities (the Python API's SamplingParams.logprobs returns them)"
+)
+UNAPPLIED_REASONS = {"logprobs": NOT_WRITTEN, "top_logprobs": NOT_WRITTEN, "prompt_logprobs": NOT_WRITTEN}
 
 
 def stable_hash(obj: Any) -> int:
@@ -63,7 +70,7 @@ def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset())
         if name in data_columns:
             continue
         value = rec.get(name)
-        if value is None or value is False or value == neutral or (value == 0 and neutral is None):
+        if value is None or value is False or (value == neutral and value is not True):
             continue
         if isinstance(value, list | dict) and not value:
             continue
@@ -71,9 +78,11 @@ def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset())
             continue
         # to_json writes NaN and infinities as null, which would misname the value
         shown = repr(value) if isinstance(value, float) and not math.isfinite(value) else to_json(value)
+        reason = UNAPPLIED_REASONS.get(
+            name, f"batchgen does not apply {name} (the output would not be what the row asks for)"
+        )
         return (
-            f"field '{name}' is {shown}, but batchgen does not apply {name} (the output would "
-            f"not be what the row asks for); remove the column, set it to null"
+            f"field '{name}' is {shown}, but {reason}; remove the column, set it to null"
             + (f" or {neutral}" if neutral is not None else "")
             + f", or pass --keep-columns {name} if it is data, not a parameter"
         )

@@ -17,6 +17,7 @@ from batchgen.jobs.json_lines import to_json
 from batchgen.jobs.row_sampling import (
     SAMPLING_COLUMNS,
     UNAPPLIED_COLUMNS,
+    UNAPPLIED_REASONS,
     RowSampling,
     stable_hash,
     unapplied_field_error,
@@ -312,12 +313,12 @@ class RowParser:
                 err = text_error(prompt, "body.prompt")
         if err is not None:
             return fail(err)
-        unsupported = sorted(
-            k for k, v in body.items() if k not in OPENAI_BODY_FIELDS and v not in (None, False, 0, [], {})
-        )
+        unsupported = sorted(k for k, v in body.items() if k not in OPENAI_BODY_FIELDS and not _unset(k, v))
         if unsupported:
+            name = unsupported[0]
+            reason = UNAPPLIED_REASONS.get(name, "it would change the output")
             return fail(
-                f"field 'body.{unsupported[0]}' is not supported by batchgen (it would change the output); "
+                f"field 'body.{name}' is not supported by batchgen ({reason}); "
                 f"remove it (supported: {', '.join(sorted(OPENAI_BODY_FIELDS))})"
             )
         n = body.get("n")
@@ -344,6 +345,14 @@ class RowParser:
             row_hash=stable_hash([cid, endpoint, prompt, params_hash]),
             endpoint=endpoint,
         )
+
+
+def _unset(name: str, value: Any) -> bool:
+    """Whether an OpenAI body field asks for nothing: null, false, empty, or 0 (but `logprobs` 0
+    asks for the sampled token's log probability in the completions API)."""
+    if value is None or value is False or (isinstance(value, list | dict) and not value):
+        return True
+    return value == 0 and value is not True and name not in ("logprobs", "prompt_logprobs")
 
 
 # Request fields honoured (or, like `model` and `user`, harmless to ignore). Anything else that is set

@@ -158,6 +158,12 @@ def apply_penalties(logits: torch.Tensor, penalties: list[RowPenalty | None]) ->
         if (p.presence or p.frequency) and output.numel():
             tokens, counts = output.unique(return_counts=True)
             logits[row, tokens] -= p.frequency * counts.to(logits.dtype) + p.presence
+        if p.repetition != 1.0:
+            # An extreme penalty (1e-38 divides a logit, 1e38 multiplies one, past float32's range):
+            # saturate at the largest finite values rather than hand the sampler infinities (and
+            # softmax a NaN). The bans come after this, so no -inf is lost here.
+            largest = torch.finfo(logits.dtype).max
+            logits[row].clamp_(min=-largest, max=largest)
 
 
 def filter_probs(

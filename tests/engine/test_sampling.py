@@ -455,3 +455,18 @@ def test_logprobs_zero_gives_the_sampled_token_only(tiny_llm) -> None:
 def test_logprobs_range(value) -> None:
     with pytest.raises((ValueError, TypeError), match="logprobs"):
         SamplingParams(logprobs=value)
+
+
+def test_an_extreme_repetition_penalty_saturates_instead_of_overflowing() -> None:
+    """1e-38 divides a positive logit past float32's range: the result is the largest finite float,
+    so temperature sampling still sees a distribution (no NaN, no token picked by accident)."""
+    from batchgen.model.sampler import RowPenalty, apply_penalties
+
+    logits = torch.tensor([[5.0, 1.0, -1.0, 0.5]])
+    apply_penalties(logits, [RowPenalty([0, 2], 1, repetition=1e-38)])
+    assert torch.isfinite(logits).all() and logits[0, 0] == torch.finfo(torch.float32).max
+    rows = batch(1, temperature=1.0)
+    rows.penalties = [RowPenalty([0, 2], 1, repetition=1e-38)]
+    assert Sampler(torch.Generator().manual_seed(0))(
+        torch.tensor([[5.0, 1.0, -1.0, 0.5]]), rows
+    ).tolist() == [0]

@@ -26,3 +26,14 @@ def test_context_and_attended_keys_per_step(tiny_model_dir) -> None:
         s = engine.last_step
         seen.append((s.num_batched_tokens, s.num_context_tokens, s.num_attended_keys))
     assert seen == [(8, 8, 36), (5, 13, 25), (2, 15, 15), (2, 17, 17)]
+
+
+def test_kv_cache_usage_counts_a_request_that_finishes_in_its_first_step(tiny_model_dir) -> None:
+    """A 10-token prompt with one output token is prefilled, sampled and finished in one step; it held
+    one block during it, which the step's usage shows (read before the finished request frees it)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", block_size=16))
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request("A", {"prompt_token_ids": list(range(100, 110))}, params)
+    (out,) = engine.step()
+    assert out.finished and engine.block_manager.usage == 0
+    assert engine.last_step.kv_cache_usage == 1 / engine.block_manager.num_blocks

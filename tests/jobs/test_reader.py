@@ -555,3 +555,33 @@ def test_misplaced_chat_fields_name_the_fix(tmp_path):
     c, d = read(write_jsonl(tmp_path / "b.jsonl", lines))
     assert c.error.endswith("a body with a 'prompt' goes to url /v1/completions")
     assert d.error.endswith("a body with 'messages' goes to url /v1/chat/completions")
+
+
+def test_asking_for_logprobs_is_an_error_row_that_says_why(tmp_path):
+    """`logprobs` 0 asks for the sampled token's log probability (vLLM, OpenAI completions): an error
+    row like any other value, with the reason; `top_logprobs` 0 and chat's `logprobs: false` ask nothing."""
+    rows = [
+        {"prompt": "a", "logprobs": 0},
+        {"prompt": "b", "top_logprobs": 0},
+        {"prompt": "c", "logprobs": None},
+    ]
+    a, b, c = read(write_jsonl(tmp_path / "a.jsonl", rows))
+    assert "field 'logprobs' is 0, but batchgen run does not write log probabilities" in a.error
+    assert b.error is None and c.error is None
+    lines = [
+        {
+            "custom_id": "x",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "p", "logprobs": 0},
+        },
+        {
+            "custom_id": "y",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "logprobs": False, "top_logprobs": 0},
+        },
+    ]
+    x, y = read(write_jsonl(tmp_path / "batch.jsonl", lines))
+    assert "field 'body.logprobs' is not supported by batchgen (batchgen run does not write log" in x.error
+    assert y.error is None

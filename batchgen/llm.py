@@ -56,7 +56,8 @@ class LLM:
             use_tqdm: show a progress bar of finished requests.
 
         A prompt that cannot run (too long for the model, an invalid token id) does not raise: its
-        output has `finish_reason="error"` and the message in `error`.
+        output has `finish_reason="error"` and the message in `error`. With `n` > 1 a prompt's
+        output holds n completions (`outputs[i].index == i`).
 
         Raises:
             ValueError: the number of sampling params does not match the number of prompts, or a

@@ -14,6 +14,7 @@ _LATER_FIELDS = {
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
     "logprobs": None,
+    "n": 1,
 }
 # Most top log probabilities a generated token may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
@@ -42,6 +43,8 @@ class SamplingParams:
         repetition_penalty: divides the positive logits and multiplies the negative ones of every
             token in the prompt or the output so far, > 0 (Keskar et al. 2019, "CTRL"; as in
             Hugging Face `generate` and vLLM; 1 = off).
+        n: how many completions to sample for the prompt (vLLM's `n`); each is its own sequence,
+            and a seeded request's i-th completion uses `seed + i`, so they differ.
         logprobs: None, or the number (0 to `MAX_LOGPROBS`) of most likely tokens whose log
             probabilities come back for every generated token, besides the sampled token's own
             (vLLM's meaning; the log-softmax of the model's raw logits, before penalties,
@@ -69,6 +72,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,6 +132,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if number("repetition_penalty", self.repetition_penalty) <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if integer("n", self.n) < 1:
+            raise ValueError(f"n must be >= 1 (completions per prompt), got {self.n}")
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
@@ -151,7 +157,7 @@ class SamplingParams:
     def to_dict(self) -> dict:
         """The public fields as a plain dict (for hashing job rows and for reports).
 
-        The penalties and logprobs came later: at their neutral values they are left out, so a job row's hash
+        The penalties, logprobs and n came later: at their neutral values they are left out, so a job row's hash
         (its identity on resume) is what it was before they existed."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         for name, neutral in _LATER_FIELDS.items():

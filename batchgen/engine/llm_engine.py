@@ -10,6 +10,7 @@ import torch
 from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.detokenizer import check_stop, final_text
+from batchgen.engine.parallel_sampling import SampleGroups, child_params
 from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
@@ -123,6 +124,7 @@ class LLMEngine:
             config.preemption_mode,
         )
         self.requests: dict[str, Request] = {}
+        self.groups = SampleGroups()  # requests with n > 1
         self._rejected: list[RequestOutput] = []
         self.last_step: StepStats | None = None
         self.totals = EngineTotals()
@@ -158,12 +160,14 @@ class LLMEngine:
     ) -> None:
         """Queue a prompt. A prompt that can never run comes back from the next `step()` as an
         error output (finish_reason "error") instead of raising, so one bad row never stops a job.
+        With `sampling_params.n` > 1 the prompt runs as n sequences, and one output with n
+        completions comes back when the last of them finishes (`parallel_sampling`).
 
         Raises:
             ValueError: `request_id` is already live, or a sampling field is out of range.
             TypeError: `sampling_params` is not a `SamplingParams`, or a field has the wrong type.
         """
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
@@ -173,6 +177,14 @@ class LLMEngine:
             )
         params.validate()  # again: its fields may have been changed since it was built
         arrival = time.perf_counter() if arrival_time is None else arrival_time
+        if params.n > 1:  # n child sequences, merged into one output when the last one finishes
+            for i, child_id in enumerate(self.groups.add(request_id, params.n)):
+                self._add_one(child_id, prompt, child_params(params, i), arrival)
+            return
+        self._add_one(request_id, prompt, params, arrival)
+
+    def _add_one(self, request_id: str, prompt, params: SamplingParams, arrival: float) -> None:
+        """Queue one sequence (n = 1), or its rejection."""
         try:
             text, token_ids = self.encode_prompt(prompt)
         except (ValueError, TypeError) as exc:
@@ -224,10 +236,13 @@ class LLMEngine:
         )
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a live request and free its blocks (no output is produced)."""
-        request = self.requests.pop(request_id, None)
-        if request is not None and not request.is_finished:
-            self.scheduler.remove(request)
+        """Drop a live request (with n > 1, all its sequences) and free its blocks (no output is produced)."""
+        for rid in self.groups.children(request_id) or [request_id]:
+            request = self.requests.pop(rid, None)
+            if request is not None and not request.is_finished:
+                self.scheduler.remove(request)
+            self._rejected = [out for out in self._rejected if out.request_id != rid]
+        self.groups.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._rejected) or self.scheduler.has_unfinished()
@@ -242,7 +257,7 @@ class LLMEngine:
         finished = self._rejected
         self._rejected = []
         if not self.scheduler.has_unfinished():
-            return finished
+            return self.groups.collect(finished)
         sched = self.scheduler.schedule()
         # Read before the update frees the blocks of the requests that finish in this step: a
         # request prefilled and finished in one step still held its blocks during it.
@@ -253,7 +268,7 @@ class LLMEngine:
         now = time.perf_counter()
         finished += self._update(sched, sampled, scheduled_at=start, now=now)
         self._record(sched, start, now, len(sampled.token_ids), len(finished), kv_cache_usage)
-        return finished
+        return self.groups.collect(finished)
 
     def _step_inputs(self, sched: SchedulerOutput) -> list[StepInput]:
         inputs = []

@@ -178,10 +178,28 @@ class LLMEngine:
         params.validate()  # again: its fields may have been changed since it was built
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         if params.n > 1:  # n child sequences, merged into one output when the last one finishes
-            for i, child_id in enumerate(self.groups.add(request_id, params.n)):
-                self._add_one(child_id, prompt, child_params(params, i), arrival)
+            children = [
+                (cid, child_params(params, i)) for i, cid in enumerate(self.groups.add(request_id, params.n))
+            ]
+            first, *later = children
+            self._add_one(first[0], prompt, first[1], arrival)
+            if self.config.enable_prefix_caching:  # the rest reuse the first one's prompt blocks
+                self.groups.defer(request_id, first[0], [(cid, (p, prompt, arrival)) for cid, p in later])
+            else:
+                for cid, p in later:
+                    self._add_one(cid, prompt, p, arrival)
             return
         self._add_one(request_id, prompt, params, arrival)
+
+    def _release_deferred(self) -> None:
+        """Queue the children whose first sibling has computed the prompt (or is gone)."""
+
+        def prompt_done(child_id: str) -> bool:
+            r = self.requests.get(child_id)
+            return r is None or r.num_computed_tokens >= r.num_prompt_tokens
+
+        for _, child_id, (params, prompt, arrival) in self.groups.release(prompt_done):
+            self._add_one(child_id, prompt, params, arrival)
 
     def _add_one(self, request_id: str, prompt, params: SamplingParams, arrival: float) -> None:
         """Queue one sequence (n = 1), or its rejection."""
@@ -245,15 +263,16 @@ class LLMEngine:
         self.groups.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished()
+        return bool(self._rejected) or self.scheduler.has_unfinished() or self.groups.has_deferred()
 
     def num_unfinished_requests(self) -> int:
-        return len(self.requests) + len(self._rejected)
+        return len(self.requests) + len(self._rejected) + self.groups.num_deferred()
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the requests that finished in it (rejected ones included)."""
         start = time.perf_counter()
+        self._release_deferred()
         finished = self._rejected
         self._rejected = []
         if not self.scheduler.has_unfinished():

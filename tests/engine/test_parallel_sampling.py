@@ -30,6 +30,23 @@ def test_seeded_completions_are_the_seeds_plus_index(llm) -> None:
     assert out.metrics.first_token_time <= out.metrics.finish_time
 
 
+def test_the_prompt_is_computed_once_and_shared_from_the_prefix_cache(llm) -> None:
+    """With prefix caching (the default) children 1..n-1 wait for child 0's prompt, then hit its two
+    full 16-token blocks: 3 x 32 cached tokens; the tokens are those of the seeded singles."""
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(200, 240))}  # 40 tokens: 2 full blocks
+    hits = engine.totals.prefix_cache_hits
+    (out,) = llm.generate(
+        [prompt], SamplingParams(temperature=1.0, seed=5, n=4, max_tokens=4, ignore_eos=True)
+    )
+    assert engine.totals.prefix_cache_hits - hits == 3 * 32
+    alone = [
+        llm.generate([prompt], SamplingParams(temperature=1.0, seed=5 + i, max_tokens=4, ignore_eos=True))[0]
+        for i in range(4)
+    ]
+    assert [c.token_ids for c in out.outputs] == [a.outputs[0].token_ids for a in alone]
+
+
 def test_greedy_n_repeats_the_greedy_completion(llm) -> None:
     prompt = {"prompt_token_ids": [3, 4, 5]}
     (one,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -138,32 +140,59 @@ def sample_logprobs(
 
 
 def apply_penalties(logits: torch.Tensor, penalties: list[RowPenalty | None]) -> None:
-    """Penalize float32 logits `[B, vocab]` in place, row by row (rows with None are left alone).
+    """Penalize float32 logits `[B, vocab]` in place (rows with None are left alone).
 
     Repetition (Keskar et al. 2019): every distinct token of the prompt and output has its logit
     divided by the penalty when positive, multiplied when negative. Then presence and frequency
     (OpenAI's definition): logit -= frequency x count + presence, for each distinct output token.
     The order and the token sets follow vLLM's `apply_penalties`; HF `generate`'s repetition
-    penalty is the same operation.
+    penalty is the same operation. All rows are done at once on the flat indices (row x vocab +
+    token) of the tokens they hold: a few kernels a step whatever the batch (on a GPU, per-row
+    calls would each pay a launch and a host sync), and no `[rows, vocab]` temporaries.
     """
-    for row, p in enumerate(penalties):
-        if p is None:
-            continue
-        ids = torch.tensor(p.token_ids, dtype=torch.long, device=logits.device)
-        if p.repetition != 1.0:
-            seen = ids.unique()
-            values = logits[row, seen]
-            logits[row, seen] = torch.where(values > 0, values / p.repetition, values * p.repetition)
-        output = ids[p.num_prompt_tokens :]
-        if (p.presence or p.frequency) and output.numel():
-            tokens, counts = output.unique(return_counts=True)
-            logits[row, tokens] -= p.frequency * counts.to(logits.dtype) + p.presence
-        if p.repetition != 1.0:
-            # An extreme penalty (1e-38 divides a logit, 1e38 multiplies one, past float32's range):
-            # saturate at the largest finite values rather than hand the sampler infinities (and
-            # softmax a NaN). The bans come after this, so no -inf is lost here.
-            largest = torch.finfo(logits.dtype).max
-            logits[row].clamp_(min=-largest, max=largest)
+    chosen = [(row, p) for row, p in enumerate(penalties) if p is not None]
+    if not chosen:
+        return
+    vocab, device = logits.shape[1], logits.device
+    lengths = np.fromiter((len(p.token_ids) for _, p in chosen), dtype=np.int64, count=len(chosen))
+    tokens = np.fromiter(
+        itertools.chain.from_iterable(p.token_ids for _, p in chosen),
+        dtype=np.int64,
+        count=int(lengths.sum()),
+    )
+    owner = np.repeat(np.arange(len(chosen)), lengths)  # index into `chosen` of each token
+    start = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    prompt_len = np.repeat(
+        np.fromiter((p.num_prompt_tokens for _, p in chosen), np.int64, len(chosen)), lengths
+    )
+    is_output = np.arange(tokens.size) - start >= prompt_len
+    rows = np.fromiter((row for row, _ in chosen), dtype=np.int64, count=len(chosen))
+    flat = logits.view(-1)
+
+    def per_token(values: list[float], where: np.ndarray) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=device)[torch.from_numpy(where).to(device)]
+
+    repetition = [p.repetition for _, p in chosen]
+    if any(r != 1.0 for r in repetition):
+        keys, first = np.unique(rows[owner] * vocab + tokens, return_index=True)
+        index = torch.from_numpy(keys).to(device)
+        factor = per_token(repetition, owner[first])
+        values = flat[index]
+        # An extreme penalty (1e-38 divides a logit, 1e38 multiplies one, past float32's range):
+        # saturate at the largest finite values rather than hand the sampler infinities (and
+        # softmax a NaN). The bans come after this, so no -inf is lost here.
+        largest = torch.finfo(logits.dtype).max
+        flat[index] = torch.where(values > 0, values / factor, values * factor).clamp_(-largest, largest)
+    presence = [p.presence for _, p in chosen]
+    frequency = [p.frequency for _, p in chosen]
+    if is_output.any() and (any(presence) or any(frequency)):
+        keys, first, counts = np.unique(
+            rows[owner[is_output]] * vocab + tokens[is_output], return_index=True, return_counts=True
+        )
+        out_owner = owner[is_output][first]
+        index = torch.from_numpy(keys).to(device)
+        counts_t = torch.from_numpy(counts).to(device=device, dtype=logits.dtype)
+        flat[index] -= per_token(frequency, out_owner) * counts_t + per_token(presence, out_owner)
 
 
 def filter_probs(

@@ -470,3 +470,41 @@ def test_an_extreme_repetition_penalty_saturates_instead_of_overflowing() -> Non
     assert Sampler(torch.Generator().manual_seed(0))(
         torch.tensor([[5.0, 1.0, -1.0, 0.5]]), rows
     ).tolist() == [0]
+
+
+def _penalize_row_by_row(logits: torch.Tensor, penalties) -> None:
+    """The penalties written the plain way, one row and one token at a time (the reference)."""
+    for row, p in enumerate(penalties):
+        if p is None:
+            continue
+        for token in set(p.token_ids):
+            value = logits[row, token]
+            logits[row, token] = value / p.repetition if value > 0 else value * p.repetition
+        output = p.token_ids[p.num_prompt_tokens :]
+        for token in set(output):
+            logits[row, token] -= p.frequency * output.count(token) + p.presence
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_penalties_equal_the_row_by_row_reference(seed) -> None:
+    """Random batches: some rows without penalties, repeated tokens, empty outputs, mixed penalties."""
+    from batchgen.model.sampler import RowPenalty, apply_penalties
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 50, generator=g) * 3
+
+    def draw() -> float:
+        return float(torch.rand(1, generator=g)) * 4 - 2
+
+    penalties = []
+    for row in range(6):
+        if row % 3 == seed % 3:
+            penalties.append(None)
+            continue
+        ids = torch.randint(0, 50, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        prompt = int(torch.randint(0, len(ids) + 1, (1,), generator=g))
+        penalties.append(RowPenalty(ids, prompt, draw(), draw(), [1.0, 1.5, 0.6][row % 3]))
+    expected = logits.clone()
+    _penalize_row_by_row(expected, penalties)
+    apply_penalties(logits, penalties)
+    assert torch.allclose(logits, expected, rtol=0, atol=1e-6)

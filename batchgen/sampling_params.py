@@ -18,6 +18,8 @@ _LATER_FIELDS = {
 }
 # Most top log probabilities a generated token may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
+# Most completions per prompt (OpenAI's API limit for `n`).
+MAX_N = 128
 
 
 @dataclass
@@ -43,8 +45,8 @@ class SamplingParams:
         repetition_penalty: divides the positive logits and multiplies the negative ones of every
             token in the prompt or the output so far, > 0 (Keskar et al. 2019, "CTRL"; as in
             Hugging Face `generate` and vLLM; 1 = off).
-        n: how many completions to sample for the prompt (vLLM's `n`); each is its own sequence,
-            and a seeded request's i-th completion uses `seed + i`, so they differ.
+        n: how many completions to sample for the prompt (vLLM's `n`), 1 to `MAX_N`; each is its
+            own sequence, and a seeded request's i-th completion uses `seed + i`, so they differ.
         logprobs: None, or the number (0 to `MAX_LOGPROBS`) of most likely tokens whose log
             probabilities come back for every generated token, besides the sampled token's own
             (vLLM's meaning; the log-softmax of the model's raw logits, before penalties,
@@ -132,8 +134,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if number("repetition_penalty", self.repetition_penalty) <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        if integer("n", self.n) < 1:
-            raise ValueError(f"n must be >= 1 (completions per prompt), got {self.n}")
+        if not 1 <= integer("n", self.n) <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}] (completions per prompt), got {self.n}")
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 

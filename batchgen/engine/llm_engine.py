@@ -167,7 +167,11 @@ class LLMEngine:
             ValueError: `request_id` is already live, or a sampling field is out of range.
             TypeError: `sampling_params` is not a `SamplingParams`, or a field has the wrong type.
         """
-        if request_id in self.requests or request_id in self.groups:
+        if (
+            request_id in self.requests
+            or request_id in self.groups
+            or any(out.request_id == request_id for out in self._rejected)  # its error not yet returned
+        ):
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
@@ -178,28 +182,19 @@ class LLMEngine:
         params.validate()  # again: its fields may have been changed since it was built
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         if params.n > 1:  # n child sequences, merged into one output when the last one finishes
-            children = [
-                (cid, child_params(params, i)) for i, cid in enumerate(self.groups.add(request_id, params.n))
-            ]
-            first, *later = children
-            self._add_one(first[0], prompt, first[1], arrival)
-            if self.config.enable_prefix_caching:  # the rest reuse the first one's prompt blocks
-                self.groups.defer(request_id, first[0], [(cid, (p, prompt, arrival)) for cid, p in later])
-            else:
-                for cid, p in later:
-                    self._add_one(cid, prompt, p, arrival)
+            ids = self.groups.add(request_id, params.n)
+            for i, child_id in enumerate(ids):
+                self._add_one(child_id, prompt, child_params(params, i), arrival)
+            first = self.requests.get(ids[0])
+            if (
+                first is not None
+                and self.config.enable_prefix_caching
+                and first.num_prompt_tokens >= self.block_size
+            ):
+                for child_id in ids[1:]:  # admitted once the first has the prompt's blocks cached
+                    self.requests[child_id].wait_for = first
             return
         self._add_one(request_id, prompt, params, arrival)
-
-    def _release_deferred(self) -> None:
-        """Queue the children whose first sibling has computed the prompt (or is gone)."""
-
-        def prompt_done(child_id: str) -> bool:
-            r = self.requests.get(child_id)
-            return r is None or r.num_computed_tokens >= r.num_prompt_tokens
-
-        for _, child_id, (params, prompt, arrival) in self.groups.release(prompt_done):
-            self._add_one(child_id, prompt, params, arrival)
 
     def _add_one(self, request_id: str, prompt, params: SamplingParams, arrival: float) -> None:
         """Queue one sequence (n = 1), or its rejection."""
@@ -263,16 +258,18 @@ class LLMEngine:
         self.groups.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished() or self.groups.has_deferred()
+        return bool(self._rejected) or self.scheduler.has_unfinished()
 
     def num_unfinished_requests(self) -> int:
-        return len(self.requests) + len(self._rejected) + self.groups.num_deferred()
+        """Requests whose output has not come back yet; one with n > 1 counts once, as in vLLM."""
+        pending = list(self.requests) + [out.request_id for out in self._rejected]
+        return sum(not self.groups.is_child(rid) for rid in pending) + self.groups.num_live()
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the requests that finished in it (rejected ones included)."""
         start = time.perf_counter()
-        self._release_deferred()
+        self.last_step = None  # set again below when the step runs the model
         finished = self._rejected
         self._rejected = []
         if not self.scheduler.has_unfinished():
@@ -286,8 +283,9 @@ class LLMEngine:
         sampled = self.runner.execute(self._step_inputs(sched)) if sched.scheduled else StepOutput([], [])
         now = time.perf_counter()
         finished += self._update(sched, sampled, scheduled_at=start, now=now)
-        self._record(sched, start, now, len(sampled.token_ids), len(finished), kv_cache_usage)
-        return self.groups.collect(finished)
+        outputs = self.groups.collect(finished)
+        self._record(sched, start, now, len(sampled.token_ids), len(outputs), kv_cache_usage)
+        return outputs
 
     def _step_inputs(self, sched: SchedulerOutput) -> list[StepInput]:
         inputs = []

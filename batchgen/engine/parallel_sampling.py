@@ -1,17 +1,16 @@
 """Parallel sampling (`SamplingParams.n` > 1): a request runs as n child sequences, and their
 finished outputs are merged back into one `RequestOutput` with n completions, as vLLM returns them.
 
-Each child is an ordinary request to the scheduler (its own blocks, its own preemption). With prefix
-caching on, children 1..n-1 wait until child 0 has computed the prompt, then reuse its full blocks
-from the prefix cache: the prompt is computed about once, not n times (vLLM forks the sequence after
-the prompt for the same reason).
+Each child is an ordinary request to the scheduler (its own blocks, its own preemption), queued
+together at arrival. With prefix caching on and a prompt of at least one full block, children 1..n-1
+are admitted only once child 0, while running, has computed the prompt (`Request.wait_for`), and then
+reuse its full blocks from the prefix cache: the prompt is computed about once, not n times (vLLM
+forks the sequence after the prompt for the same reason).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from batchgen.outputs import RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -37,29 +36,17 @@ class SampleGroups:
     def __init__(self) -> None:
         self._parent_of: dict[str, tuple[str, int]] = {}
         self._done: dict[str, list[RequestOutput | None]] = {}
-        # parent id -> (child 0's id, the other children as (id, what the engine needs to queue them))
-        self._deferred: dict[str, tuple[str, list[tuple[str, Any]]]] = {}
-
-    def defer(self, parent_id: str, first_child: str, later: list[tuple[str, Any]]) -> None:
-        """Hold the `later` children, (child id, payload), until `first_child` has computed the
-        prompt (`release`)."""
-        if later:
-            self._deferred[parent_id] = (first_child, later)
-
-    def num_deferred(self) -> int:
-        return sum(len(later) for _, later in self._deferred.values())
-
-    def has_deferred(self) -> bool:
-        return bool(self._deferred)
-
-    def release(self, prompt_done: Callable[[str], bool]) -> list[tuple[str, str, Any]]:
-        """The deferred children, as (parent id, child id, payload), whose first sibling
-        `prompt_done(child id)` says is past its prompt (or gone: finished, rejected)."""
-        ready = [parent for parent, (first, _) in self._deferred.items() if prompt_done(first)]
-        return [(parent, cid, params) for parent in ready for cid, params in self._deferred.pop(parent)[1]]
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._done
+        """Whether `request_id` is a live parent or one of its children."""
+        return request_id in self._done or request_id in self._parent_of
+
+    def num_live(self) -> int:
+        """Live parents (each counts as one request, whatever its n)."""
+        return len(self._done)
+
+    def is_child(self, request_id: str) -> bool:
+        return request_id in self._parent_of
 
     def add(self, parent_id: str, n: int) -> list[str]:
         """Register a parent with `n` children; returns the children's request ids in order."""
@@ -79,7 +66,6 @@ class SampleGroups:
         for child in self.children(parent_id):
             self._parent_of.pop(child, None)
         self._done.pop(parent_id, None)
-        self._deferred.pop(parent_id, None)
 
     def collect(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """`outputs` with each child's output held back until its parent's last child finishes,

@@ -44,6 +44,8 @@ class Request:
         generator: the request's own sampling generator when it has a `seed`.
         output_logprobs: one `SampleLogprobs` per output token when `sampling_params.logprobs`
             is set, else None.
+        wait_for: the sibling (n > 1) whose prompt this request reuses from the prefix cache: not
+            admitted while that sibling is running and has not computed its prompt yet.
     """
 
     request_id: str
@@ -72,6 +74,7 @@ class Request:
     seq_no: int = 0
     generator: torch.Generator | None = None
     output_logprobs: list | None = None
+    wait_for: Request | None = None
     output_text: str = ""
     _detok_prefix_offset: int = 0
     _detok_read_offset: int = 0
@@ -79,6 +82,17 @@ class Request:
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def waits_for_prompt(self) -> bool:
+        """Whether `wait_for` is running and still computing the prompt this request will reuse
+        (a sibling that is waiting, swapped or done blocks nobody, so no two wait on each other)."""
+        w = self.wait_for
+        return (
+            w is not None
+            and w.status == RequestStatus.RUNNING
+            and w.num_computed_tokens < w.num_prompt_tokens
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -167,7 +167,9 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.policy.peek(self.step_index)
-            if request is None:
+            if request is None or request.waits_for_prompt:
+                # A sibling of a request with n > 1 keeps its place until the first one's prompt
+                # blocks are in the prefix cache (the next step, or a few for a long prompt).
                 break
             hits = self.block_manager.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             remaining = (

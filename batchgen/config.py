@@ -105,7 +105,8 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output) in tokens; None = the model's
             `max_position_embeddings`, lowered to what the KV cache holds.
         gpu_memory_utilization: fraction of GPU memory the engine may use (CUDA only).
-        kv_cache_memory: bytes of KV cache; None = 1 GiB on a CPU and, on CUDA, what
+        kv_cache_memory: bytes of KV cache, or a size such as "2GiB" (`parse_memory_size`); None =
+            1 GiB on a CPU and, on CUDA, what
             `gpu_memory_utilization` leaves after the weights. Set, it wins on CUDA too.
         swap_space: GiB of CPU memory for swapped-out blocks (`preemption_mode="swap"`).
         enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes.
@@ -131,7 +132,7 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | str | None = None
     swap_space: float = 4.0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -158,6 +159,8 @@ class EngineConfig:
             _check_positive_int("max_model_len", self.max_model_len, minimum=2)
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if isinstance(self.kv_cache_memory, str):  # "2GiB", as the --kv-cache-memory flag takes
+            self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         if self.kv_cache_memory is not None:
             _check_positive_int("kv_cache_memory", self.kv_cache_memory)
         if float(self.swap_space) < 0:

@@ -56,3 +56,13 @@ def test_a_cpu_kv_cache_larger_than_memory_is_refused_before_allocating(tiny_mod
     too_big = psutil.virtual_memory().total * 2
     with pytest.raises(ValueError, match=r"kv_cache_memory plus swap_space is .* GiB but only .* GiB"):
         LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", kv_cache_memory=too_big)
+
+
+def test_kv_cache_memory_takes_the_flags_sizes() -> None:
+    """The Python API takes "2MiB" as `--kv-cache-memory` does; a bad size names the field's rule."""
+    from batchgen.config import EngineConfig
+
+    assert EngineConfig(kv_cache_memory="2MiB").kv_cache_memory == 2 * 2**20
+    assert EngineConfig(kv_cache_memory="1.5GB").kv_cache_memory == 1_500_000_000
+    with pytest.raises(ValueError):
+        EngineConfig(kv_cache_memory="2 parsecs")

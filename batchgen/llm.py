@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from batchgen.config import EngineConfig
@@ -41,11 +42,33 @@ class LLM:
         """The model's Hugging Face tokenizer (the one prompts are encoded with)."""
         return self.llm_engine.tokenizer
 
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list of
+        them, each rendered with the model's chat template; otherwise as `generate`.
+
+        Raises:
+            TypeError: `messages` is not a conversation or a list of conversations.
+        """
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            messages = [messages]
+        if not isinstance(messages, list | tuple) or not all(isinstance(m, list) for m in messages):
+            raise TypeError(
+                "messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them, "
+                f"got {type(messages).__name__}"
+            )
+        return self.generate(list(messages), sampling_params, use_tqdm)
+
     def generate(
         self,
         prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one `RequestOutput` per prompt, in input order.
 
@@ -54,14 +77,16 @@ class LLM:
                 `{"prompt_token_ids": [...]}` dicts.
             sampling_params: one for all prompts, or one per prompt (default: `SamplingParams()`).
             use_tqdm: show a progress bar of finished requests.
+            priority: one priority per prompt, as vLLM's (lower is served first by the "priority"
+                policy); it replaces each prompt's `SamplingParams.priority`.
 
         A prompt that cannot run (too long for the model, an invalid token id) does not raise: its
         output has `finish_reason="error"` and the message in `error`. With `n` > 1 a prompt's
         output holds n completions (`outputs[i].index == i`).
 
         Raises:
-            ValueError: the number of sampling params does not match the number of prompts, or a
-                sampling field is out of range.
+            ValueError: the number of sampling params or priorities does not match the number of
+                prompts, or a sampling field is out of range.
             TypeError: `sampling_params` is neither a `SamplingParams` nor a list of them.
             Whatever interrupts the loop (KeyboardInterrupt, an engine error) after this call's
             requests are aborted, so the engine is left empty for the next call.
@@ -85,6 +110,13 @@ class LLM:
                 "sampling_params must be a SamplingParams or a list of them (one per prompt), got "
                 f"{type(sampling_params).__name__}; write SamplingParams(max_tokens=...)"
             )
+        if priority is not None:
+            priority = list(priority)
+            if len(priority) != len(prompts):
+                raise ValueError(
+                    f"the lengths of prompts ({len(prompts)}) and priority ({len(priority)}) must be the same"
+                )
+            params = [replace(p, priority=value) for p, value in zip(params, priority, strict=True)]
         engine = self.llm_engine
         self._calls += 1
         ids = [f"gen-{self._calls}-{i}" for i in range(len(prompts))]

@@ -71,3 +71,25 @@ def test_ids_past_a_smaller_model_vocab_fail_their_row_not_the_call(tmp_path, ti
         assert "vocab_size is 1001 but its tokenizer has 49152 tokens" in out.error
     assert "[5000]" in ids_out.error
     assert good.error is None and len(good.outputs[0].token_ids) == 4
+
+
+def test_chat_and_priority_as_in_vllm(tiny_model_dir):
+    """`LLM.chat` takes one conversation or a list of them (the chat template applies, as in
+    `generate` with message lists); `generate(priority=...)` orders the "priority" policy's queue."""
+    from batchgen import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", num_threads=1, policy="priority", max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    talk = [{"role": "user", "content": "Hello there"}]
+    (one,) = llm.chat(talk, params)
+    assert one.outputs[0].token_ids == llm.generate([talk], params)[0].outputs[0].token_ids
+    assert len(llm.chat([talk, talk], params)) == 2
+    with pytest.raises(TypeError, match="conversation"):
+        llm.chat("Hello", params)
+
+    prompts = [{"prompt_token_ids": [5, 6, i]} for i in range(3)]
+    outs = llm.generate(prompts, params, priority=[2, 0, 1])
+    served = sorted(range(3), key=lambda i: outs[i].metrics.first_token_time)
+    assert served == [1, 2, 0]
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(prompts, params, priority=[1])

@@ -327,7 +327,8 @@ class LLMEngine:
         """Apply the step's sampled tokens; `scheduled_at` (step start) and `now` (after the forward)
         are `perf_counter` seconds."""
         outputs = []
-        tokens = iter(zip(sampled.token_ids, sampled.logprobs, strict=True))
+        errors = sampled.errors or [None] * len(sampled.token_ids)
+        tokens = iter(zip(sampled.token_ids, sampled.logprobs, errors, strict=True))
         for item in sched.scheduled:
             r = item.request
             if r.first_scheduled_time is None:  # the wait ends when the step that serves it begins
@@ -336,7 +337,13 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(r)
             if not item.samples:
                 continue
-            token, logprobs = next(tokens)
+            token, logprobs, error = next(tokens)
+            if error is not None:  # no valid token: the request fails here, with what it has so far
+                r.finish_reason, r.error, r.finish_time = "error", error, now
+                self.scheduler.finish(r)
+                del self.requests[r.request_id]
+                outputs.append(self._output(r))
+                continue
             r.token_ids.append(token)
             if r.output_logprobs is not None:
                 r.output_logprobs.append(logprobs)
@@ -388,6 +395,7 @@ class LLMEngine:
             finished=True,
             metrics=RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time),
             num_cached_tokens=r.num_cached_tokens,
+            error=r.error,
             num_preemptions=r.num_preemptions,
         )
 

@@ -508,3 +508,30 @@ def test_batched_penalties_equal_the_row_by_row_reference(seed) -> None:
     _penalize_row_by_row(expected, penalties)
     apply_penalties(logits, penalties)
     assert torch.allclose(logits, expected, rtol=0, atol=1e-6)
+
+
+def test_nan_logits_fail_their_request_not_the_batch(tiny_llm) -> None:
+    """A row whose logits hold a NaN is not sampled as some token: that request ends with
+    finish_reason "error" and the reason, and the others in the batch are unchanged."""
+    prompts = [{"prompt_token_ids": [1, 5, 6]}, {"prompt_token_ids": [7, 8, 9, 10]}]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    clean = tiny_llm.generate(prompts, params)
+    runner = tiny_llm.llm_engine.runner
+    model = runner.model
+    calls = []
+
+    def poisoned(*args, **kwargs):
+        logits = model(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:  # the third step: decodes of both, the second row's logits go bad
+            logits[1, 7] = float("nan")
+        return logits
+
+    runner.model = poisoned
+    try:
+        ok, bad = tiny_llm.generate(prompts, params)
+    finally:
+        runner.model = model
+    assert ok.outputs[0].token_ids == clean[0].outputs[0].token_ids and ok.error is None
+    assert bad.outputs[0].finish_reason == "error" and "NaN or infinite logits" in bad.error
+    assert bad.outputs[0].token_ids == clean[1].outputs[0].token_ids[:2]  # what it had before

@@ -106,8 +106,8 @@ class EngineConfig:
             `max_position_embeddings`, lowered to what the KV cache holds.
         gpu_memory_utilization: fraction of GPU memory the engine may use (CUDA only).
         kv_cache_memory: bytes of KV cache, or a size such as "2GiB" (`parse_memory_size`); None =
-            1 GiB on a CPU and, on CUDA, what
-            `gpu_memory_utilization` leaves after the weights. Set, it wins on CUDA too.
+            1 GiB on a CPU and, on CUDA, what `gpu_memory_utilization` leaves after the weights.
+            Set, it wins on CUDA too.
         swap_space: GiB of CPU memory for swapped-out blocks (`preemption_mode="swap"`).
         enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes.
         enable_chunked_prefill: split long prompts across steps to fill the token budget.

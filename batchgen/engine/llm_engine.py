@@ -339,10 +339,8 @@ class LLMEngine:
                 continue
             token, logprobs, error = next(tokens)
             if error is not None:  # no valid token: the request fails here, with what it has so far
-                r.finish_reason, r.error, r.finish_time = "error", error, now
-                self.scheduler.finish(r)
-                del self.requests[r.request_id]
-                outputs.append(self._output(r))
+                r.error = error
+                outputs.append(self._finish(r, "error", now))
                 continue
             r.token_ids.append(token)
             if r.output_logprobs is not None:
@@ -351,12 +349,15 @@ class LLMEngine:
                 r.first_token_time = now
             reason = check_stop(r, self.tokenizer, self.max_model_len)
             if reason is not None:
-                r.finish_reason = reason
-                r.finish_time = now
-                self.scheduler.finish(r)
-                del self.requests[r.request_id]
-                outputs.append(self._output(r))
+                outputs.append(self._finish(r, reason, now))
         return outputs
+
+    def _finish(self, r: Request, reason: str, now: float) -> RequestOutput:
+        """End a running request with `reason` at `now` (perf_counter s): its blocks freed, its output."""
+        r.finish_reason, r.finish_time = reason, now
+        self.scheduler.finish(r)
+        del self.requests[r.request_id]
+        return self._output(r)
 
     def _logprobs(self, r: Request) -> tuple[list[dict[int, Logprob]] | None, float | None]:
         """(per output token: token id -> `Logprob` of the top tokens and the sampled one, the sum

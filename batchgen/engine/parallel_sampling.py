@@ -21,6 +21,10 @@ _CHILD_SEP = "\x1f"
 _SEED_SPAN = 2**64
 
 
+def _child_id(parent_id: str, index: int) -> str:
+    return f"{parent_id}{_CHILD_SEP}{index}"
+
+
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The i-th child's parameters: n = 1, and seed + i (wrapped into the 64-bit range) when seeded."""
     seed = params.seed
@@ -50,7 +54,7 @@ class SampleGroups:
 
     def add(self, parent_id: str, n: int) -> list[str]:
         """Register a parent with `n` children; returns the children's request ids in order."""
-        ids = [f"{parent_id}{_CHILD_SEP}{i}" for i in range(n)]
+        ids = [_child_id(parent_id, i) for i in range(n)]
         for i, child in enumerate(ids):
             self._parent_of[child] = (parent_id, i)
         self._done[parent_id] = [None] * n
@@ -58,8 +62,7 @@ class SampleGroups:
 
     def children(self, parent_id: str) -> list[str]:
         """The children's request ids of a live parent (empty for any other id)."""
-        n = len(self._done.get(parent_id, ()))
-        return [f"{parent_id}{_CHILD_SEP}{i}" for i in range(n)]
+        return [_child_id(parent_id, i) for i in range(len(self._done.get(parent_id, ())))]
 
     def drop(self, parent_id: str) -> None:
         """Forget a parent and its children (after an abort)."""
@@ -89,10 +92,7 @@ class SampleGroups:
 
 def _merge(parent_id: str, children: list[RequestOutput]) -> RequestOutput:
     """One output with the children's completions (index i = child i); times span the children."""
-    completions = []
-    for i, child in enumerate(children):
-        completion = replace(child.outputs[0], index=i)
-        completions.append(completion)
+    completions = [replace(child.outputs[0], index=i) for i, child in enumerate(children)]
     first = children[0]
 
     def earliest(values: list[float | None]) -> float | None:

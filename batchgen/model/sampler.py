@@ -129,14 +129,15 @@ def sample_logprobs(
     logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
     chosen = torch.tensor(token_ids, device=logprobs.device)
     chosen_lp = logprobs.gather(1, chosen[:, None])
-    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
-    k_max = max(top_ks)
-    top_lp, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
-    out = []
-    for i, (token, k) in enumerate(zip(token_ids, top_ks, strict=True)):
-        top = list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist(), strict=True)) if k else []
-        out.append(SampleLogprobs(token, float(chosen_lp[i, 0]), int(ranks[i]), top))
-    return out
+    ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
+    top_lp, top_ids = logprobs.topk(max(top_ks), dim=-1)  # to host once, not per row
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return [
+        SampleLogprobs(token, value, rank, list(zip(top_ids[i][:k], top_lp[i][:k], strict=True)))
+        for i, (token, value, rank, k) in enumerate(
+            zip(token_ids, chosen_lp[:, 0].tolist(), ranks, top_ks, strict=True)
+        )
+    ]
 
 
 def apply_penalties(logits: torch.Tensor, penalties: list[RowPenalty | None]) -> None:

@@ -103,6 +103,14 @@ def run_command(
     repetition_penalty: Annotated[
         float, typer.Option(help="Divides logits of prompt and output tokens (HF/vLLM), 1 = off")
     ] = 1.0,
+    logprobs: Annotated[
+        int | None,
+        typer.Option(
+            help="Write each generated token's log probability and its K most likely alternatives "
+            "(0-20, vLLM's logprobs) in a 'logprobs' column (OpenAI batch output: choices' logprobs)",
+            metavar="K",
+        ),
+    ] = None,
     # --- scheduling ---
     policy: Annotated[str, typer.Option(help=opt.choices(POLICIES))] = "fcfs",
     window: Annotated[
@@ -164,6 +172,7 @@ def run_command(
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
+        logprobs=logprobs,
         truncate_prompt=truncate_prompt,
         policy=policy,
         window=window,

@@ -66,14 +66,62 @@ def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
         "completion_tokens": row["completion_tokens"] or 0,
         "total_tokens": (row["prompt_tokens"] or 0) + (row["completion_tokens"] or 0),
     }
+    positions = row.get("logprobs")
     if row["endpoint"] == "completion":
-        choice = {"index": 0, "text": row["output"], "logprobs": None, "finish_reason": row["finish_reason"]}
+        logprobs = None if positions is None else completion_logprobs(positions)
+        choice = {
+            "index": 0,
+            "text": row["output"],
+            "logprobs": logprobs,
+            "finish_reason": row["finish_reason"],
+        }
         body = {"id": f"cmpl-{suffix}", "object": "text_completion"}
     else:
         message = {"role": "assistant", "content": row["output"]}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": row["finish_reason"]}
+        logprobs = None if positions is None else chat_logprobs(positions)
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": row["finish_reason"]}
         body = {"id": f"chatcmpl-{suffix}", "object": "chat.completion"}
     body.update({"created": row["created"], "model": model, "choices": [choice], "usage": usage})
     record["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     record["error"] = None
     return record
+
+
+def _token_bytes(token: str | None) -> list[int]:
+    return list((token or "").encode("utf-8", "backslashreplace"))
+
+
+def chat_logprobs(positions: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI chat `choices[].logprobs` from an output row's `logprobs` value
+    (`batchgen.jobs.requests.token_logprobs`): {"content": [{token, logprob, bytes, top_logprobs}],
+    "refusal": None}, bytes being the token text's UTF-8 bytes."""
+    content = [
+        {
+            "token": p["token"],
+            "logprob": p["logprob"],
+            "bytes": _token_bytes(p["token"]),
+            "top_logprobs": [
+                {"token": a["token"], "logprob": a["logprob"], "bytes": _token_bytes(a["token"])}
+                for a in p["top_logprobs"]
+            ],
+        }
+        for p in positions
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(positions: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI (legacy) completions `choices[].logprobs` from an output row's `logprobs` value:
+    parallel lists `tokens`, `token_logprobs`, `top_logprobs` (token text -> log probability of the
+    most likely tokens and, as in OpenAI's API, of the sampled one: up to logprobs + 1 entries) and
+    `text_offset` (each token's character offset in the generated text, from 0)."""
+    offsets, offset = [], 0
+    for p in positions:
+        offsets.append(offset)
+        offset += len(p["token"] or "")
+    return {
+        "tokens": [p["token"] for p in positions],
+        "token_logprobs": [p["logprob"] for p in positions],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in [*p["top_logprobs"], p]} for p in positions],
+        "text_offset": offsets,
+    }

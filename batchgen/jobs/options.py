@@ -29,7 +29,9 @@ class JobOptions:
         policy: "fcfs", "max-throughput" or "priority" (window order and engine scheduling).
         window: look-ahead window size in rows.
         max_tokens / temperature / top_p / top_k / seed / stop / presence_penalty / frequency_penalty /
-            repetition_penalty: sampling defaults; row columns override.
+            repetition_penalty / logprobs: sampling defaults; row columns override. With `logprobs`
+            (0-20) the output gets columns `logprobs` (per generated token: its id, text, log
+            probability and the `logprobs` most likely alternatives) and `cumulative_logprob`.
         truncate_prompt: None (an over-long prompt is an error row), "left" or "right" (tokens cut there).
         commit_rows / commit_seconds: commit a part at least this often (rows, seconds).
         dashboard: show the Rich live view when stdout is a terminal.
@@ -57,6 +59,7 @@ class JobOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
     truncate_prompt: str | None = None
     policy: str = "fcfs"
     window: int = 1024
@@ -68,8 +71,9 @@ class JobOptions:
     resume_command: str | None = None
 
     def sampling_defaults(self) -> dict[str, Any]:
-        """CLI sampling defaults as SamplingParams keyword arguments."""
-        return {
+        """CLI sampling defaults as SamplingParams keyword arguments (`logprobs` only when set, so the
+        resume header of a job that asks for none is what it was before the option existed)."""
+        defaults = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -80,6 +84,9 @@ class JobOptions:
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        if self.logprobs is not None:
+            defaults["logprobs"] = self.logprobs
+        return defaults
 
 
 @dataclass

@@ -23,7 +23,7 @@ from batchgen.jobs.formats import (  # noqa: F401  (re-exported: the reader's pu
     parse_hf_reference,
     sniff_jsonl,
 )
-from batchgen.jobs.row_sampling import SAMPLING_COLUMNS, UNAPPLIED_COLUMNS
+from batchgen.jobs.row_sampling import LOGPROB_FIELDS, SAMPLING_COLUMNS, UNAPPLIED_COLUMNS
 from batchgen.jobs.rows import JobRow, RowParser
 
 
@@ -229,7 +229,9 @@ class JobReader:
         """Input columns the reader uses (the others are never read from columnar inputs)."""
         names = [self.prompt_column, self.messages_column, self.id_column, *self.template_fields]
         names += [
-            c for c in (*SAMPLING_COLUMNS, *UNAPPLIED_COLUMNS, "max_completion_tokens") if c in self.columns
+            c
+            for c in (*SAMPLING_COLUMNS, *LOGPROB_FIELDS, *UNAPPLIED_COLUMNS, "max_completion_tokens")
+            if c in self.columns
         ]
         names += list(self.options.keep_columns)
         return list(dict.fromkeys(n for n in names if n is not None))

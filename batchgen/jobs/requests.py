@@ -123,4 +123,35 @@ def output_result(p: Prepared, out: Any) -> dict[str, Any]:
         values["error"] = f"{p.row.where}: {message}{flag_hint(message)}"
     else:
         values["output"] = c.text
+        if c.logprobs is not None:
+            values["logprobs"] = token_logprobs(c.token_ids, c.logprobs, p.row.sampling_params.logprobs)
+            values["cumulative_logprob"] = c.cumulative_logprob
     return result_row(p.row, **values)
+
+
+def token_logprobs(token_ids: list[int], positions: list[dict[int, Any]], top: int) -> list[dict[str, Any]]:
+    """The `logprobs` output value of a completion: per generated token, its `token_id`, `token`
+    (its text alone), `logprob` (natural log) and `top_logprobs`, the `top` most likely tokens at
+    that position, most likely first, each as {token_id, token, logprob}.
+
+    Args:
+        token_ids: the generated token ids.
+        positions: `CompletionOutput.logprobs`, one dict token id -> `Logprob` per generated token.
+        top: the request's `SamplingParams.logprobs`.
+    """
+    entries = []
+    for token_id, position in zip(token_ids, positions, strict=True):
+        chosen = position[token_id]
+        alternatives = sorted((lp.rank, t, lp) for t, lp in position.items() if lp.rank <= top)
+        entries.append(
+            {
+                "token_id": token_id,
+                "token": chosen.decoded_token,
+                "logprob": chosen.logprob,
+                "top_logprobs": [
+                    {"token_id": t, "token": lp.decoded_token, "logprob": lp.logprob}
+                    for _, t, lp in alternatives
+                ],
+            }
+        )
+    return entries

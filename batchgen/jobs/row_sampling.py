@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from batchgen.jobs.json_lines import to_json
-from batchgen.sampling_params import SamplingParams
+from batchgen.sampling_params import MAX_LOGPROBS, SamplingParams
 
 SAMPLING_COLUMNS = (
     "max_tokens",
@@ -27,26 +27,75 @@ SAMPLING_COLUMNS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "logprobs",
 )
-_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority"})
+_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority", "logprobs"})
 # Generation parameters of vLLM's SamplingParams and OpenAI's API that `batchgen run` does not
 # apply, with the value that asks for nothing. A row of a plain job that sets one to anything else is
 # an error row: ignoring it would silently give another output than the row asks for. Names that are
 # as likely to be data (`n`, `tools`) are left out here; OpenAI batch bodies check every field
-# (`OPENAI_BODY_FIELDS`). `logprobs` 0 asks for the sampled token's log probability (vLLM), so only
-# null is neutral there.
+# (`OPENAI_BODY_FIELDS`). `prompt_logprobs` 0 asks for the prompt tokens' log probabilities (vLLM),
+# so only null is neutral there.
 UNAPPLIED_COLUMNS = {
     "best_of": 1,
-    "logprobs": None,
-    "top_logprobs": 0,
     "prompt_logprobs": None,
     "logit_bias": None,
 }
 # Why each unapplied field is refused, where it is not that the output would change.
-NOT_WRITTEN = (
-    "batchgen run does not write log probabilities (the Python API's SamplingParams.logprobs returns them)"
-)
-UNAPPLIED_REASONS = {"logprobs": NOT_WRITTEN, "top_logprobs": NOT_WRITTEN, "prompt_logprobs": NOT_WRITTEN}
+UNAPPLIED_REASONS = {
+    "prompt_logprobs": "batchgen computes log probabilities of generated tokens only (set logprobs for those)"
+}
+# The two fields that ask for generated tokens' log probabilities, in their two dialects:
+# vLLM and OpenAI's completions API take `logprobs: K`; OpenAI's chat API takes `logprobs: true`
+# with `top_logprobs: K`.
+LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+
+
+def requested_logprobs(logprobs: Any, top_logprobs: Any, chat_api: bool = False) -> tuple[Any, str | None]:
+    """(the `SamplingParams.logprobs` a record asks for, None) or (None, the error naming the field).
+
+    `logprobs` true means `top_logprobs` alternatives (0 when unset), a number K means K, null or
+    false means the command's default. `top_logprobs` without `logprobs` true is an error, as in
+    OpenAI's API (and vLLM's server); so is a number in `logprobs` next to a `top_logprobs`, and in
+    the chat API (`chat_api`) a number other than 0 in `logprobs`, where OpenAI takes a boolean.
+    A `logprobs` number out of range is left for `SamplingParams` to refuse (it names the field).
+    """
+    if chat_api and logprobs == 0 and not isinstance(logprobs, bool):
+        logprobs = False  # a 0 reads as false (OpenAI's server coerces it), a 1 could mean K = 1
+    top_set = top_logprobs is not None and top_logprobs is not False
+    top_asks = top_set and top_logprobs != 0  # top_logprobs 0 asks for nothing beyond logprobs
+    if logprobs is True:
+        if not top_set:
+            return 0, None
+        k = (
+            int(top_logprobs)
+            if isinstance(top_logprobs, float) and top_logprobs.is_integer()
+            else top_logprobs
+        )
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+            return None, (
+                f"field 'top_logprobs' is {to_json(top_logprobs)}; it must be a whole number from 0 to "
+                f"{MAX_LOGPROBS} (the most likely tokens returned at each position)"
+            )
+        return k, None
+    if logprobs is None or logprobs is False:
+        if top_asks:
+            return None, (
+                f"field 'top_logprobs' is {to_json(top_logprobs)} but field 'logprobs' is not true; "
+                "set logprobs to true to get the top_logprobs most likely tokens at each position"
+            )
+        return None, None
+    if chat_api:
+        return None, (
+            f"field 'logprobs' is {to_json(logprobs)}, but the chat API takes true or false there; "
+            "set logprobs to true and top_logprobs to the number of alternatives"
+        )
+    if top_asks:
+        return None, (
+            f"fields 'logprobs' ({to_json(logprobs)}) and 'top_logprobs' are both set; give the number "
+            "of alternatives once: logprobs: K, or logprobs: true with top_logprobs: K"
+        )
+    return logprobs, None
 
 
 def stable_hash(obj: Any) -> int:

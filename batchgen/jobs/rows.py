@@ -15,10 +15,12 @@ from typing import Any
 from batchgen.jobs.formats import LONE_SURROGATE, check_messages, is_utf8, text_error
 from batchgen.jobs.json_lines import to_json
 from batchgen.jobs.row_sampling import (
+    LOGPROB_FIELDS,
     SAMPLING_COLUMNS,
     UNAPPLIED_COLUMNS,
     UNAPPLIED_REASONS,
     RowSampling,
+    requested_logprobs,
     stable_hash,
     unapplied_field_error,
 )
@@ -26,7 +28,14 @@ from batchgen.sampling_params import SamplingParams
 
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # Field names a plain job's column may be a misspelling of (see RowParser._note_near_misses).
-NEAR_MISS_TARGETS = (*SAMPLING_COLUMNS, *UNAPPLIED_COLUMNS, "max_completion_tokens", "prompt", "messages")
+NEAR_MISS_TARGETS = (
+    *SAMPLING_COLUMNS,
+    *UNAPPLIED_COLUMNS,
+    "top_logprobs",
+    "max_completion_tokens",
+    "prompt",
+    "messages",
+)
 
 
 @dataclass(slots=True)
@@ -119,7 +128,7 @@ class RowParser:
         self._sampling = RowSampling(options.defaults).resolve
         # Messages for the user, taken by the job runner as rows are read (`_note_near_misses`).
         self.notices: list[str] = []
-        # Known names are never near misses of another (max_completion_tokens applies, logprobs is refused).
+        # Known names are never near misses of another (max_completion_tokens applies, best_of is refused).
         self._names_checked: set[str] = set(self._data_columns) | set(NEAR_MISS_TARGETS)
 
     def salvaged_id(self, rec: dict | None) -> Any:
@@ -201,6 +210,11 @@ class RowParser:
             # OpenAI's newer name wins when set, as in batch lines (and in vLLM's OpenAI server)
             if rec.get("max_completion_tokens") is not None:
                 values["max_tokens"] = rec.get("max_completion_tokens")
+            # A template field or kept column named logprobs is data, as it was before batchgen
+            # wrote log probabilities.
+            asked = [None if f in self._data_columns else rec.get(f) for f in LOGPROB_FIELDS]
+            values["logprobs"], err = requested_logprobs(*asked)
+        if err is None:
             params, params_hash, err = self._sampling(values)
         if err is not None:
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
@@ -332,7 +346,11 @@ class RowParser:
             max_tokens = body.get("max_tokens")
         values = {k: body.get(k) for k in SAMPLING_COLUMNS if k != "max_tokens"}
         values["max_tokens"] = max_tokens
-        params, params_hash, err = self._sampling(values)
+        values["logprobs"], err = requested_logprobs(
+            body.get("logprobs"), body.get("top_logprobs"), chat_api=endpoint == "chat"
+        )
+        if err is None:
+            params, params_hash, err = self._sampling(values)
         if err is not None:
             return fail(err.replace("field '", "field 'body."))
         return JobRow(
@@ -348,16 +366,17 @@ class RowParser:
 
 
 def _unset(name: str, value: Any) -> bool:
-    """Whether an OpenAI body field asks for nothing: null, false, empty, or 0 (but `logprobs` 0
-    asks for the sampled token's log probability in the completions API)."""
+    """Whether an OpenAI body field asks for nothing: null, false, empty, or 0 (but `prompt_logprobs`
+    0 asks for the prompt tokens' log probabilities in vLLM's API)."""
     if value is None or value is False or (isinstance(value, list | dict) and not value):
         return True
-    return value == 0 and value is not True and name not in ("logprobs", "prompt_logprobs")
+    return value == 0 and value is not True and name != "prompt_logprobs"
 
 
 # Request fields honoured (or, like `model` and `user`, harmless to ignore). Anything else that is set
-# (logprobs, logit_bias, tools, response_format, ...) would silently change the meaning of the output.
+# (logit_bias, tools, response_format, ...) would silently change the meaning of the output.
 OPENAI_BODY_FIELDS = frozenset(
     {"messages", "prompt", "model", "user", "metadata", "stream", "n", "max_tokens", "max_completion_tokens"}
     | set(SAMPLING_COLUMNS)
+    | set(LOGPROB_FIELDS)
 )

@@ -46,7 +46,24 @@ OUTPUT_SCHEMA = pa.schema(
 )
 # Kept in parts only: resume identity and what OpenAI output lines need.
 INTERNAL_SCHEMA = pa.schema([("row_hash", pa.int64()), ("endpoint", pa.string()), ("created", pa.int64())])
-RESERVED_COLUMNS = frozenset(OUTPUT_SCHEMA.names) | frozenset(INTERNAL_SCHEMA.names)
+# Generated tokens' log probabilities (`--logprobs`, a row's `logprobs`): in every part, and in the
+# final output when some row asked for them (`batchgen.jobs.requests.token_logprobs` builds a value).
+_TOKEN_LOGPROB = [("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())]
+LOGPROB_SCHEMA = pa.schema(
+    [
+        ("cumulative_logprob", pa.float64()),
+        (
+            "logprobs",
+            pa.list_(pa.struct([*_TOKEN_LOGPROB, ("top_logprobs", pa.list_(pa.struct(_TOKEN_LOGPROB)))])),
+        ),
+    ]
+)
+RESERVED_COLUMNS = (
+    frozenset(OUTPUT_SCHEMA.names) | frozenset(INTERNAL_SCHEMA.names) | frozenset(LOGPROB_SCHEMA.names)
+)
+# Log-probability entries (a generated token or one of its alternatives) buffered before a commit
+# is due whatever the row count: each is a small dict, a few hundred bytes of Python objects.
+MAX_BUFFERED_LOGPROBS = 250_000
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
 
 
@@ -87,8 +104,9 @@ class PartWriter:
         self.keep_columns = keep_columns
         self.commit_rows = commit_rows
         self.commit_seconds = commit_seconds
-        self._names = OUTPUT_SCHEMA.names + INTERNAL_SCHEMA.names
+        self._names = OUTPUT_SCHEMA.names + INTERNAL_SCHEMA.names + LOGPROB_SCHEMA.names
         self._buf: dict[str, list] = {}
+        self._logprob_entries = 0
         self._reset()
         self._next_part = len(state.entries)
         self.committed_rows = sum(e.rows for e in state.entries)
@@ -96,6 +114,7 @@ class PartWriter:
     def _reset(self) -> None:
         self._buf = {n: [] for n in [*self._names, *self.keep_columns]}
         self._first_at = None
+        self._logprob_entries = 0
 
     @property
     def pending(self) -> int:
@@ -103,10 +122,12 @@ class PartWriter:
         return len(self._buf["row_index"])
 
     def add(self, row: dict[str, Any], keep: dict[str, Any] | None = None) -> None:
-        """Buffer one finished row: `row` has the OUTPUT_SCHEMA and INTERNAL_SCHEMA fields
-        (missing ones are null); `keep` maps kept column names to their values."""
+        """Buffer one finished row: `row` has the OUTPUT_SCHEMA, INTERNAL_SCHEMA and LOGPROB_SCHEMA
+        fields (missing ones are null); `keep` maps kept column names to their values."""
         for n in self._names:
             self._buf[n].append(row.get(n))
+        for position in row.get("logprobs") or ():
+            self._logprob_entries += 1 + len(position["top_logprobs"])
         for c in self.keep_columns:
             self._buf[c].append(None if keep is None else keep.get(c))
         if self._first_at is None:
@@ -115,7 +136,9 @@ class PartWriter:
     def due(self) -> bool:
         """True when the buffer should be committed (row count or age reached)."""
         n = self.pending
-        return n >= self.commit_rows or (n > 0 and time.monotonic() - self._first_at >= self.commit_seconds)
+        if n >= self.commit_rows or self._logprob_entries >= MAX_BUFFERED_LOGPROBS:
+            return True
+        return n > 0 and time.monotonic() - self._first_at >= self.commit_seconds
 
     def commit(self) -> PartEntry | None:
         """Write the buffered rows as one part (sorted by row_index) and record it; None if empty."""
@@ -123,6 +146,7 @@ class PartWriter:
             return None
         arrays = [pa.array(self._buf[f.name], f.type) for f in OUTPUT_SCHEMA]
         arrays += [pa.array(self._buf[f.name], f.type) for f in INTERNAL_SCHEMA]
+        arrays += [pa.array(self._buf[f.name], f.type) for f in LOGPROB_SCHEMA]
         arrays += [_keep_array(self._buf[c]) for c in self.keep_columns]
         table = pa.Table.from_arrays(arrays, names=[*self._names, *self.keep_columns]).sort_by("row_index")
         names = {e.part for e in self.state.entries}
@@ -147,10 +171,24 @@ class PartWriter:
         return entry
 
 
-def _unified_schema(paths: list[str], keep_columns: tuple[str, ...]) -> pa.Schema:
-    """Output schema of the final file: OUTPUT_SCHEMA, then the kept columns with types unified
-    across parts (a column whose parts disagree beyond null/int/float promotion becomes string)."""
-    fields = list(OUTPUT_SCHEMA)
+def has_logprobs(paths: list[str], header: dict[str, Any]) -> bool:
+    """Whether the final output gets the LOGPROB_SCHEMA columns: the command asked for log
+    probabilities (`--logprobs`, in the run header) or some committed row holds them."""
+    if header.get("options", {}).get("sampling", {}).get("logprobs") is not None:
+        return True
+    for path in paths:
+        if "cumulative_logprob" in pq.read_schema(path).names:  # parts of older versions lack it
+            column = pq.read_table(path, columns=["cumulative_logprob"])["cumulative_logprob"]
+            if column.null_count < len(column):
+                return True
+    return False
+
+
+def _unified_schema(paths: list[str], keep_columns: tuple[str, ...], logprobs: bool = False) -> pa.Schema:
+    """Output schema of the final file: OUTPUT_SCHEMA, LOGPROB_SCHEMA when `logprobs`, then the kept
+    columns with types unified across parts (a column whose parts disagree beyond null/int/float
+    promotion becomes string)."""
+    fields = list(OUTPUT_SCHEMA) + (list(LOGPROB_SCHEMA) if logprobs else [])
     if not keep_columns:
         return pa.schema(fields)
     schemas = [pq.read_schema(p) for p in paths]
@@ -175,9 +213,14 @@ def _cast_column(col: pa.ChunkedArray, t: pa.DataType) -> pa.ChunkedArray:
 
 
 def iter_ordered_chunks(
-    state: ResumeState, total_rows: int, keep_columns: tuple[str, ...] = (), chunk_rows: int = 20000
+    state: ResumeState,
+    total_rows: int,
+    keep_columns: tuple[str, ...] = (),
+    chunk_rows: int = 20000,
+    logprobs: bool = False,
 ):
-    """Yield (schema, table) chunks holding row indices [lo, lo + chunk_rows) in order.
+    """Yield (schema, table) chunks holding row indices [lo, lo + chunk_rows) in order; with
+    `logprobs` the schema has the LOGPROB_SCHEMA columns.
 
     Each chunk reads only the parts whose row range overlaps it, so memory is bounded by the chunk.
 
@@ -185,18 +228,22 @@ def iter_ordered_chunks(
         RuntimeError: a row index is missing or present twice (an invariant violation).
     """
     paths = {e.part: os.path.join(state.parts_dir, e.part) for e in state.entries}
-    schema = _unified_schema(list(paths.values()), keep_columns)
+    schema = _unified_schema(list(paths.values()), keep_columns, logprobs)
     target = pa.schema([*schema, *INTERNAL_SCHEMA])
     for lo in range(0, total_rows, chunk_rows):
         hi = min(lo + chunk_rows, total_rows)
         tables = []
         for e in state.entries:
             if e.max_row >= lo and e.min_row < hi:
-                t = pq.read_table(paths[e.part], columns=target.names)
+                # Parts written before a column existed (log probabilities) get it as nulls.
+                present = set(pq.read_schema(paths[e.part]).names)
+                t = pq.read_table(paths[e.part], columns=[n for n in target.names if n in present])
                 t = t.filter(pc.and_(pc.greater_equal(t["row_index"], lo), pc.less(t["row_index"], hi)))
-                tables.append(
-                    pa.Table.from_arrays([_cast_column(t[f.name], f.type) for f in target], schema=target)
-                )
+                columns = [
+                    _cast_column(t[f.name], f.type) if f.name in present else pa.nulls(t.num_rows, f.type)
+                    for f in target
+                ]
+                tables.append(pa.Table.from_arrays(columns, schema=target))
         t = pa.concat_tables(tables).sort_by("row_index") if tables else target.empty_table()
         if not np.array_equal(t["row_index"].to_numpy(), np.arange(lo, hi)):
             raise RuntimeError(
@@ -227,12 +274,13 @@ def finalize_output(
     """
     out = state.output_path
     tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp")
+    logprobs = has_logprobs([os.path.join(state.parts_dir, e.part) for e in state.entries], header)
     try:
         with open(tmp, "wb") as f:
             if output_format == "parquet":
-                _write_parquet(f, state, total_rows, header, keep_columns, chunk_rows)
+                _write_parquet(f, state, total_rows, header, keep_columns, chunk_rows, logprobs)
             else:
-                for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows):
+                for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows, logprobs):
                     names = schema.names
                     for row in t.to_pylist():
                         rec = (
@@ -262,19 +310,20 @@ def _write_parquet(
     header: dict[str, Any],
     keep_columns: tuple[str, ...],
     chunk_rows: int,
+    logprobs: bool,
 ) -> None:
     """The final Parquet output into the open file `f`, the run header and row count in the schema
-    metadata."""
+    metadata; with `logprobs`, the LOGPROB_SCHEMA columns."""
     meta = {HEADER_METADATA_KEY: json.dumps(header).encode(), NUM_ROWS_METADATA_KEY: str(total_rows).encode()}
     writer = None
     try:
-        for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows):
+        for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows, logprobs):
             if writer is None:
                 writer = pq.ParquetWriter(f, schema.with_metadata(meta))
             writer.write_table(t.select(schema.names).replace_schema_metadata(writer.schema.metadata))
         if writer is None:  # an empty job: an empty file with the schema
             schema = _unified_schema(
-                [os.path.join(state.parts_dir, e.part) for e in state.entries], keep_columns
+                [os.path.join(state.parts_dir, e.part) for e in state.entries], keep_columns, logprobs
             )
             writer = pq.ParquetWriter(f, schema.with_metadata(meta))
     finally:

@@ -100,7 +100,7 @@ def test_a_set_parameter_that_batchgen_does_not_apply_fails_the_row(tmp_path):
         {"prompt": "a", "best_of": 1, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": None},
         {"prompt": "b", "best_of": 3},
         {"prompt": "c", "top_logprobs": 2},
-        {"prompt": "d", "logprobs": 5},
+        {"prompt": "d", "prompt_logprobs": 5},
         {"prompt": "e", "n": 3},  # `n` is as likely a data column as a parameter in a plain job
     ]
     a, b, c, d, e = read(write_jsonl(tmp_path / "a.jsonl", rows))
@@ -110,7 +110,11 @@ def test_a_set_parameter_that_batchgen_does_not_apply_fails_the_row(tmp_path):
         "not be what the row asks for); remove the column, set it to null or 1, or pass --keep-columns "
         "best_of if it is data, not a parameter"
     )
-    assert "field 'top_logprobs' is 2" in c.error and "field 'logprobs' is 5" in d.error
+    assert "field 'top_logprobs' is 2 but field 'logprobs' is not true" in c.error
+    assert (
+        "field 'prompt_logprobs' is 5, but batchgen computes log probabilities of generated tokens only"
+        in (d.error)
+    )
     # NaN is named as NaN (JSON has no NaN: it would read "is null"); a logit_bias of zeros is neutral.
     pq.write_table(pa.table({"prompt": ["f", "g"], "best_of": [float("nan"), None]}), tmp_path / "n.parquet")
     f, g = read(str(tmp_path / "n.parquet"))
@@ -302,7 +306,7 @@ def test_openai_batch_chat_and_completion(tmp_path):
             "custom_id": "f",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"prompt": "p", "logprobs": True, "presence_penalty": 0},
+            "body": {"prompt": "p", "logit_bias": {"7": 3}, "presence_penalty": 0},
         },
         {  # vLLM's extra sampling fields are honoured, as its OpenAI server does
             "custom_id": "g",
@@ -313,7 +317,7 @@ def test_openai_batch_chat_and_completion(tmp_path):
     ]
     p = write_jsonl(tmp_path / "batch.jsonl", lines)
     assert detect_format(str(p)) == "openai"
-    a, b, c, dup, n2, bad, logprobs, extra = read(p)
+    a, b, c, dup, n2, bad, biased, extra = read(p)
     sp = extra.sampling_params
     assert (sp.min_p, sp.min_tokens, sp.ignore_eos, sp.stop_token_ids) == (0.2, 2, True, [5])
     assert (a.id, a.endpoint, a.prompt, a.sampling_params.max_tokens) == (
@@ -332,7 +336,7 @@ def test_openai_batch_chat_and_completion(tmp_path):
     assert "only n=1" in n2.error
     assert "field 'body.top_p'" in bad.error
     # A set field that would change the output is refused; an unset one (penalty 0) is harmless.
-    assert "field 'body.logprobs' is not supported" in logprobs.error
+    assert "field 'body.logit_bias' is not supported" in biased.error
 
 
 def test_openai_batch_refuses_column_options(tmp_path):
@@ -557,23 +561,22 @@ def test_misplaced_chat_fields_name_the_fix(tmp_path):
     assert d.error.endswith("a body with 'messages' goes to url /v1/chat/completions")
 
 
-def test_asking_for_logprobs_is_an_error_row_that_says_why(tmp_path):
-    """`logprobs` 0 asks for the sampled token's log probability (vLLM, OpenAI completions): an error
-    row like any other value, with the reason; `top_logprobs` 0 and chat's `logprobs: false` ask nothing."""
-    rows = [
-        {"prompt": "a", "logprobs": 0},
-        {"prompt": "b", "top_logprobs": 0},
-        {"prompt": "c", "logprobs": None},
-    ]
-    a, b, c = read(write_jsonl(tmp_path / "a.jsonl", rows))
-    assert "field 'logprobs' is 0, but batchgen run does not write log probabilities" in a.error
-    assert b.error is None and c.error is None
+def test_asking_for_prompt_logprobs_is_an_error_row_that_says_why(tmp_path):
+    """`prompt_logprobs` 0 asks for the prompt tokens' log probabilities (vLLM), which batchgen does
+    not compute: an error row like any other value, with the reason; null asks nothing."""
+    rows = [{"prompt": "a", "prompt_logprobs": 0}, {"prompt": "c", "prompt_logprobs": None}]
+    a, c = read(write_jsonl(tmp_path / "a.jsonl", rows))
+    assert (
+        "field 'prompt_logprobs' is 0, but batchgen computes log probabilities of generated tokens only"
+        in (a.error)
+    )
+    assert c.error is None
     lines = [
         {
             "custom_id": "x",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"prompt": "p", "logprobs": 0},
+            "body": {"prompt": "p", "prompt_logprobs": 0},
         },
         {
             "custom_id": "y",
@@ -583,5 +586,8 @@ def test_asking_for_logprobs_is_an_error_row_that_says_why(tmp_path):
         },
     ]
     x, y = read(write_jsonl(tmp_path / "batch.jsonl", lines))
-    assert "field 'body.logprobs' is not supported by batchgen (batchgen run does not write log" in x.error
-    assert y.error is None
+    assert (
+        "field 'body.prompt_logprobs' is not supported by batchgen (batchgen computes log probabilities"
+        in (x.error)
+    )
+    assert y.error is None and y.sampling_params.logprobs is None

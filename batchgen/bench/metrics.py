@@ -56,8 +56,11 @@ class StepRecord:
 
     `num_seqs` is the running batch size the hardware computed (padded rows included for static
     batching); `num_generation_tokens` counts only real output tokens, `num_sampled` every row
-    sampled (padding included). Engine-only fields are None for the Hugging Face baselines; the
-    last three set the step's roofline (`batchgen.bench.roofline`, see `StepStats` for their meaning).
+    sampled (padding included). Engine-only fields are None for the Hugging Face baselines:
+    `num_sampled`, `num_attended_keys` and `num_context_tokens` set the step's roofline
+    (`batchgen.bench.roofline`, see `StepStats` for their meaning); `num_prompt_tokens` (prefill
+    tokens computed, padding included) and `step_time_s` (seconds) split the run's time into
+    prefill and decode.
     """
 
     t: float
@@ -71,6 +74,8 @@ class StepRecord:
     num_sampled: int | None = None
     num_attended_keys: int | None = None
     num_context_tokens: int | None = None
+    num_prompt_tokens: int | None = None
+    step_time_s: float | None = None
 
 
 @dataclass
@@ -100,14 +105,21 @@ class RunResult:
 
     def timeline(self) -> dict[str, list[float]]:
         """Per-step arrays (`t`, `num_seqs`, `num_batched_tokens`, `num_generation_tokens`, and for
-        batchgen's configurations `num_sampled`, `num_attended_keys`, `num_context_tokens`)."""
+        batchgen's configurations `num_sampled`, `num_attended_keys`, `num_context_tokens`,
+        `num_prompt_tokens`, `step_time_s`)."""
         out = {
             "t": [round(s.t, 6) for s in self.steps],
             "num_seqs": [s.num_seqs for s in self.steps],
             "num_batched_tokens": [s.num_batched_tokens for s in self.steps],
             "num_generation_tokens": [s.num_generation_tokens for s in self.steps],
         }
-        for key in ("num_sampled", "num_attended_keys", "num_context_tokens"):
+        for key in (
+            "num_sampled",
+            "num_attended_keys",
+            "num_context_tokens",
+            "num_prompt_tokens",
+            "step_time_s",
+        ):
             if self.steps and all(getattr(s, key) is not None for s in self.steps):
                 out[key] = [getattr(s, key) for s in self.steps]
         return out
@@ -170,6 +182,14 @@ def summarize(result: RunResult) -> dict[str, Any]:
     for name, values in (("ttft", ttft), ("e2e", e2e), ("tpot", tpot)):
         for stat, v in distribution(values).items():
             out[f"{name}_{stat}_s"] = v
+    # Where the time went: steps that computed prompt tokens (chunked prefill mixes decodes in)
+    # and steps of decodes only; the scheduler's time between steps is in neither.
+    timed = [s for s in result.steps if s.step_time_s is not None and s.num_prompt_tokens is not None]
+    timed_all = bool(result.steps) and len(timed) == len(result.steps)
+    out |= {
+        "prefill_step_s": sum(s.step_time_s for s in timed if s.num_prompt_tokens) if timed_all else None,
+        "decode_step_s": sum(s.step_time_s for s in timed if not s.num_prompt_tokens) if timed_all else None,
+    }
     out |= {
         "num_steps": len(seqs),
         "batch_size_mean": float(np.mean(seqs)) if seqs else None,

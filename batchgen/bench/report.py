@@ -55,6 +55,8 @@ _ROWS: list[tuple[str, str, str, float, bool]] = [
     # The machine's matmul rate measured on either side of the run: a slow phase shows here.
     ("matmul GFLOP/s around run", "matmul_flops_per_s", "{:.0f}", 1e-9, False),
     ("wall time (s)", "wall_s", "{:.1f}", 1, True),
+    # Steps that computed prompt tokens / steps of decodes only: which phase a schedule saves in.
+    ("prefill / decode steps (s)", ("prefill_step_s", "decode_step_s"), "{:.1f}", 1, False),
     ("TTFT mean (s)", "ttft_mean_s", "{:.2f}", 1, True),
     ("TTFT p50 / p90", ("ttft_p50_s", "ttft_p90_s"), "{:.2f}", 1, False),
     ("TTFT p99 (s)", "ttft_p99_s", "{:.2f}", 1, True),

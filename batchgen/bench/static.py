@@ -70,6 +70,8 @@ def step_record(stats: Any, t0: float, real_generation_tokens: int | None = None
         num_sampled=stats.num_generation_tokens,
         num_attended_keys=stats.num_attended_keys,
         num_context_tokens=stats.num_context_tokens,
+        num_prompt_tokens=stats.num_prompt_tokens,
+        step_time_s=stats.step_time_s,
     )
 
 

@@ -188,9 +188,17 @@ def test_step_counts_and_roofline(bench_report) -> None:
         extra = configs[name]["extra"]
         assert m["roofline_s"] == extra["roofline_s"] > 0
         assert m["roofline_fraction"] == pytest.approx(extra["roofline_own_rate_s"] / m["wall_s"])
+        # prefill steps are those that computed prompt tokens: every prompt token (padding
+        # included) is computed in one, and the two phases' step times add up to the steps' time
+        prefill_steps = [i for i, p in enumerate(tl["num_prompt_tokens"]) if p]
+        assert sum(tl["num_prompt_tokens"]) == tokens - (sampled - n), name
+        assert m["prefill_step_s"] == pytest.approx(sum(tl["step_time_s"][i] for i in prefill_steps))
+        assert m["prefill_step_s"] + m["decode_step_s"] == pytest.approx(sum(tl["step_time_s"]))
+        assert 0 < m["prefill_step_s"] and 0 < m["decode_step_s"] and sum(tl["step_time_s"]) <= m["wall_s"]
     for c in report["configurations"]:
         if c["kind"].startswith("hf-") and c["status"] == "ok":
             assert c["metrics"]["roofline_s"] is None and "num_sampled" not in c["timeline"]
+            assert c["metrics"]["prefill_step_s"] is None and "step_time_s" not in c["timeline"]
 
 
 def test_bench_compare_script_smoke(tiny_model_dir, tmp_path: Path) -> None:

@@ -54,6 +54,7 @@ class LLMEngine:
         self.model_files = files
         self.model_config = files.config
         self.tokenizer = loader.load_tokenizer(files)
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone, for log probabilities
         self.eos_token_ids = loader.eos_token_ids(files, self.tokenizer)
         self.dtype = resolve_dtype(config.dtype, files.config, self.device)
         if (slow := slow_dtype_reason(self.dtype, self.device)) is not None:
@@ -364,7 +365,7 @@ class LLMEngine:
         of the sampled tokens' log probabilities), or (None, None) when the request asked for none."""
         if r.output_logprobs is None:
             return None, None
-        decoded: dict[int, str] = {}
+        decoded = self._token_texts  # shared by all requests: at most one entry per vocabulary token
 
         def text(token_id: int) -> str:
             if token_id not in decoded:

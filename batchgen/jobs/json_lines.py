@@ -87,21 +87,17 @@ def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
     return record
 
 
-def _token_bytes(token: str | None) -> list[int]:
-    return list((token or "").encode("utf-8", "backslashreplace"))
-
-
 def chat_logprobs(positions: list[dict[str, Any]]) -> dict[str, Any]:
     """OpenAI chat `choices[].logprobs` from an output row's `logprobs` value
     (`batchgen.jobs.requests.token_logprobs`): {"content": [{token, logprob, bytes, top_logprobs}],
-    "refusal": None}, bytes being the token text's UTF-8 bytes."""
+    "refusal": None}, `bytes` being the token's exact bytes as a list of integers."""
     content = [
         {
             "token": p["token"],
             "logprob": p["logprob"],
-            "bytes": _token_bytes(p["token"]),
+            "bytes": list(p["bytes"]),
             "top_logprobs": [
-                {"token": a["token"], "logprob": a["logprob"], "bytes": _token_bytes(a["token"])}
+                {"token": a["token"], "logprob": a["logprob"], "bytes": list(a["bytes"])}
                 for a in p["top_logprobs"]
             ],
         }
@@ -114,11 +110,12 @@ def completion_logprobs(positions: list[dict[str, Any]]) -> dict[str, Any]:
     """OpenAI (legacy) completions `choices[].logprobs` from an output row's `logprobs` value:
     parallel lists `tokens`, `token_logprobs`, `top_logprobs` (token text -> log probability of the
     most likely tokens and, as in OpenAI's API, of the sampled one: up to logprobs + 1 entries) and
-    `text_offset` (each token's character offset in the generated text, from 0)."""
-    offsets, offset = [], 0
+    `text_offset` (where each token starts in the generated text, in characters from 0; a token
+    that ends inside a character starts the next one at that character too)."""
+    offsets, generated = [], b""
     for p in positions:
-        offsets.append(offset)
-        offset += len(p["token"] or "")
+        offsets.append(len(generated.decode("utf-8", "ignore")))
+        generated += p["bytes"]
     return {
         "tokens": [p["token"] for p in positions],
         "token_logprobs": [p["logprob"] for p in positions],

@@ -12,6 +12,7 @@ from typing import Any
 from batchgen.config import EngineConfig
 from batchgen.jobs.formats import JOB_FILE_SUFFIXES, JSONL_SUFFIXES
 from batchgen.jobs.reader import JobInputError
+from batchgen.jobs.row_sampling import LOGPROB_COLUMNS
 from batchgen.jobs.writer import RESERVED_COLUMNS
 
 TRUNCATE_SIDES = ("left", "right")
@@ -167,6 +168,12 @@ def check_job_options(options: JobOptions) -> None:
     if bad:
         raise JobInputError(
             f"--keep-columns {', '.join(bad)}: these names are output columns; keep other columns"
+        )
+    kept_logprobs = [c for c in options.keep_columns if c in LOGPROB_COLUMNS]
+    if kept_logprobs and options.logprobs is not None:
+        raise JobInputError(
+            f"--keep-columns {', '.join(kept_logprobs)} and --logprobs: with --logprobs the output has "
+            f"columns {' and '.join(LOGPROB_COLUMNS)}; keep other columns, or rename that input column"
         )
     twice = sorted({c for c in options.keep_columns if options.keep_columns.count(c) > 1})
     if twice:

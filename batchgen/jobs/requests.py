@@ -13,6 +13,7 @@ from typing import Any
 
 from batchgen.jobs.options import JobOptions, flag_hint
 from batchgen.jobs.rows import JobRow
+from batchgen.jobs.token_bytes import TokenBytes, token_text
 from batchgen.jobs.truncate import truncate_chat, truncate_ids
 
 
@@ -107,8 +108,9 @@ def error_result(row: JobRow, message: str, prompt_tokens: int | None = None) ->
     )
 
 
-def output_result(p: Prepared, out: Any) -> dict[str, Any]:
-    """The output row of a prepared row from the engine's `RequestOutput` `out`."""
+def output_result(p: Prepared, out: Any, token_bytes: TokenBytes | None = None) -> dict[str, Any]:
+    """The output row of a prepared row from the engine's `RequestOutput` `out`; `token_bytes`
+    (the engine tokenizer's) gives the bytes of the tokens in its log probabilities."""
     c = out.outputs[0]
     metrics = out.metrics
     values: dict[str, Any] = {
@@ -124,34 +126,36 @@ def output_result(p: Prepared, out: Any) -> dict[str, Any]:
     else:
         values["output"] = c.text
         if c.logprobs is not None:
-            values["logprobs"] = token_logprobs(c.token_ids, c.logprobs, p.row.sampling_params.logprobs)
+            values["logprobs"] = token_logprobs(
+                c.token_ids, c.logprobs, p.row.sampling_params.logprobs, token_bytes or TokenBytes(None)
+            )
             values["cumulative_logprob"] = c.cumulative_logprob
     return result_row(p.row, **values)
 
 
-def token_logprobs(token_ids: list[int], positions: list[dict[int, Any]], top: int) -> list[dict[str, Any]]:
+def token_logprobs(
+    token_ids: list[int], positions: list[dict[int, Any]], top: int, token_bytes: TokenBytes
+) -> list[dict[str, Any]]:
     """The `logprobs` output value of a completion: per generated token, its `token_id`, `token`
-    (its text alone), `logprob` (natural log) and `top_logprobs`, the `top` most likely tokens at
-    that position, most likely first, each as {token_id, token, logprob}.
+    (its text alone; OpenAI's "bytes:\\xNN" name for part of a character), `bytes` (exact),
+    `logprob` (natural log) and `top_logprobs`, the `top` most likely tokens at that position, most
+    likely first, each as {token_id, token, bytes, logprob}.
 
     Args:
         token_ids: the generated token ids.
         positions: `CompletionOutput.logprobs`, one dict token id -> `Logprob` per generated token.
         top: the request's `SamplingParams.logprobs`.
+        token_bytes: the tokenizer's token id -> bytes.
     """
+
+    def entry(token_id: int, lp: Any) -> dict[str, Any]:
+        data = token_bytes(token_id, lp.decoded_token)
+        return {"token_id": token_id, "token": token_text(data), "bytes": data, "logprob": lp.logprob}
+
     entries = []
     for token_id, position in zip(token_ids, positions, strict=True):
-        chosen = position[token_id]
         alternatives = sorted((lp.rank, t, lp) for t, lp in position.items() if lp.rank <= top)
-        entries.append(
-            {
-                "token_id": token_id,
-                "token": chosen.decoded_token,
-                "logprob": chosen.logprob,
-                "top_logprobs": [
-                    {"token_id": t, "token": lp.decoded_token, "logprob": lp.logprob}
-                    for _, t, lp in alternatives
-                ],
-            }
-        )
+        chosen = entry(token_id, position[token_id])
+        chosen["top_logprobs"] = [entry(t, lp) for _, t, lp in alternatives]
+        entries.append(chosen)
     return entries

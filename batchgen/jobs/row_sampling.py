@@ -49,53 +49,73 @@ UNAPPLIED_REASONS = {
 # vLLM and OpenAI's completions API take `logprobs: K`; OpenAI's chat API takes `logprobs: true`
 # with `top_logprobs: K`.
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+# The output columns that hold them (`batchgen.jobs.writer.LOGPROB_SCHEMA`). A job that keeps an
+# input column of one of these names as data writes no log probabilities.
+LOGPROB_COLUMNS = ("cumulative_logprob", "logprobs")
+# A row's explicit "no log probabilities" (`logprobs: false`), which overrides `--logprobs`
+# where null takes it; `RowSampling` turns it into `SamplingParams.logprobs=None`.
+LOGPROBS_OFF = "off"
+
+
+def _shown(value: Any) -> str:
+    """A field value as JSON, NaN and infinities by name (JSON would write them as null)."""
+    return repr(value) if isinstance(value, float) and not math.isfinite(value) else to_json(value)
+
+
+def _count(value: Any) -> int | None:
+    """`value` as a number of alternatives (0 to MAX_LOGPROBS), or None when it is not one."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        return None
+    return value
 
 
 def requested_logprobs(logprobs: Any, top_logprobs: Any, chat_api: bool = False) -> tuple[Any, str | None]:
     """(the `SamplingParams.logprobs` a record asks for, None) or (None, the error naming the field).
 
-    `logprobs` true means `top_logprobs` alternatives (0 when unset), a number K means K, null or
-    false means the command's default. `top_logprobs` without `logprobs` true is an error, as in
-    OpenAI's API (and vLLM's server); so is a number in `logprobs` next to a `top_logprobs`, and in
-    the chat API (`chat_api`) a number other than 0 in `logprobs`, where OpenAI takes a boolean.
-    A `logprobs` number out of range is left for `SamplingParams` to refuse (it names the field).
+    `logprobs` true means `top_logprobs` alternatives (0 when unset), a number K means K, false
+    means none (`LOGPROBS_OFF`, whatever `--logprobs` says) and null the command's default.
+    `top_logprobs` without `logprobs` true is an error, as in OpenAI's API (and vLLM's server); so
+    is a number in `logprobs` next to a `top_logprobs`, and in the chat API (`chat_api`) a number
+    other than 0 (read as false) in `logprobs`, where OpenAI takes a boolean.
     """
     if chat_api and logprobs == 0 and not isinstance(logprobs, bool):
         logprobs = False  # a 0 reads as false (OpenAI's server coerces it), a 1 could mean K = 1
     top_set = top_logprobs is not None and top_logprobs is not False
     top_asks = top_set and top_logprobs != 0  # top_logprobs 0 asks for nothing beyond logprobs
-    if logprobs is True:
-        if not top_set:
-            return 0, None
-        k = (
-            int(top_logprobs)
-            if isinstance(top_logprobs, float) and top_logprobs.is_integer()
-            else top_logprobs
-        )
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
-            return None, (
-                f"field 'top_logprobs' is {to_json(top_logprobs)}; it must be a whole number from 0 to "
-                f"{MAX_LOGPROBS} (the most likely tokens returned at each position)"
-            )
-        return k, None
     if logprobs is None or logprobs is False:
         if top_asks:
             return None, (
-                f"field 'top_logprobs' is {to_json(top_logprobs)} but field 'logprobs' is not true; "
+                f"field 'top_logprobs' is {_shown(top_logprobs)} but field 'logprobs' is not true; "
                 "set logprobs to true to get the top_logprobs most likely tokens at each position"
             )
-        return None, None
+        return (None if logprobs is None else LOGPROBS_OFF), None
+    if logprobs is True:
+        k = _count(top_logprobs) if top_set else 0
+        if k is None:
+            return None, (
+                f"field 'top_logprobs' is {_shown(top_logprobs)}; it must be a whole number from 0 to "
+                f"{MAX_LOGPROBS} (the most likely tokens returned at each position)"
+            )
+        return k, None
     if chat_api:
         return None, (
-            f"field 'logprobs' is {to_json(logprobs)}, but the chat API takes true or false there; "
+            f"field 'logprobs' is {_shown(logprobs)}, but the chat API takes true or false there; "
             "set logprobs to true and top_logprobs to the number of alternatives"
+        )
+    k = _count(logprobs)
+    if k is None:
+        return None, (
+            f"field 'logprobs' is {_shown(logprobs)}; it must be true, false, or a whole number from 0 to "
+            f"{MAX_LOGPROBS} (the most likely tokens returned at each position besides the chosen one)"
         )
     if top_asks:
         return None, (
-            f"fields 'logprobs' ({to_json(logprobs)}) and 'top_logprobs' are both set; give the number "
+            f"fields 'logprobs' ({_shown(logprobs)}) and 'top_logprobs' are both set; give the number "
             "of alternatives once: logprobs: K, or logprobs: true with top_logprobs: K"
         )
-    return logprobs, None
+    return k, None
 
 
 def stable_hash(obj: Any) -> int:
@@ -159,6 +179,8 @@ class RowSampling:
         merged = dict(self.defaults)
         for k, v in overrides:
             merged[k] = int(v) if k in _INT_FIELDS and _whole(v) else v
+        if merged.get("logprobs") == LOGPROBS_OFF:
+            merged["logprobs"] = None
         try:
             params = SamplingParams(**merged)
         except (ValueError, TypeError) as e:

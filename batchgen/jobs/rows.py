@@ -15,6 +15,7 @@ from typing import Any
 from batchgen.jobs.formats import LONE_SURROGATE, check_messages, is_utf8, text_error
 from batchgen.jobs.json_lines import to_json
 from batchgen.jobs.row_sampling import (
+    LOGPROB_COLUMNS,
     LOGPROB_FIELDS,
     SAMPLING_COLUMNS,
     UNAPPLIED_COLUMNS,
@@ -126,6 +127,9 @@ class RowParser:
         self._prompt_columns = frozenset(c for c in prompt_columns if c is not None)
         self._data_columns = self._prompt_columns | {c for c in (id_column, *options.keep_columns) if c}
         self._sampling = RowSampling(options.defaults).resolve
+        # A kept input column named like an output column of log probabilities makes the job's
+        # log-probability fields data too: the output cannot hold both.
+        self._logprobs_are_data = any(c in options.keep_columns for c in LOGPROB_COLUMNS)
         # Messages for the user, taken by the job runner as rows are read (`_note_near_misses`).
         self.notices: list[str] = []
         # Known names are never near misses of another (max_completion_tokens applies, best_of is refused).
@@ -212,7 +216,10 @@ class RowParser:
                 values["max_tokens"] = rec.get("max_completion_tokens")
             # A template field or kept column named logprobs is data, as it was before batchgen
             # wrote log probabilities.
-            asked = [None if f in self._data_columns else rec.get(f) for f in LOGPROB_FIELDS]
+            asked = [
+                None if f in self._data_columns or self._logprobs_are_data else rec.get(f)
+                for f in LOGPROB_FIELDS
+            ]
             values["logprobs"], err = requested_logprobs(*asked)
         if err is None:
             params, params_hash, err = self._sampling(values)

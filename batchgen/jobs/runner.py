@@ -31,6 +31,7 @@ from batchgen.jobs.options import (
 from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions
 from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
 from batchgen.jobs.resume import make_header, prepare_output
+from batchgen.jobs.token_bytes import TokenBytes
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, count_output_errors, finalize_output
 from batchgen.model.fingerprint import model_fingerprint
@@ -298,6 +299,7 @@ def _loop(
     tokenizer = getattr(engine, "tokenizer", None)
     chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
     bos = getattr(tokenizer, "bos_token_id", None)
+    token_bytes = TokenBytes(tokenizer)
     max_len: int = engine.max_model_len
     inflight_limit = max(2 * config.max_num_seqs, 8)
     window: LookaheadWindow[Prepared] = LookaheadWindow(options.policy, options.window)
@@ -348,7 +350,7 @@ def _loop(
         if engine.has_unfinished_requests():
             for out in engine.step():
                 p = pending.pop(out.request_id)
-                finish(output_result(p, out), p.row.keep)
+                finish(output_result(p, out, token_bytes), p.row.keep)
         elif exhausted and not window:
             break
         dashboard.update(

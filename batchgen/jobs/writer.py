@@ -48,7 +48,12 @@ OUTPUT_SCHEMA = pa.schema(
 INTERNAL_SCHEMA = pa.schema([("row_hash", pa.int64()), ("endpoint", pa.string()), ("created", pa.int64())])
 # Generated tokens' log probabilities (`--logprobs`, a row's `logprobs`): in every part, and in the
 # final output when some row asked for them (`batchgen.jobs.requests.token_logprobs` builds a value).
-_TOKEN_LOGPROB = [("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())]
+_TOKEN_LOGPROB = [
+    ("token_id", pa.int32()),
+    ("token", pa.string()),
+    ("bytes", pa.binary()),
+    ("logprob", pa.float32()),
+]
 LOGPROB_SCHEMA = pa.schema(
     [
         ("cumulative_logprob", pa.float64()),
@@ -58,13 +63,19 @@ LOGPROB_SCHEMA = pa.schema(
         ),
     ]
 )
-RESERVED_COLUMNS = (
-    frozenset(OUTPUT_SCHEMA.names) | frozenset(INTERNAL_SCHEMA.names) | frozenset(LOGPROB_SCHEMA.names)
-)
+# Names --keep-columns may not take. The LOGPROB_SCHEMA names may be kept (as before batchgen wrote
+# log probabilities): such a job writes none (`logprob_fields`).
+RESERVED_COLUMNS = frozenset(OUTPUT_SCHEMA.names) | frozenset(INTERNAL_SCHEMA.names)
 # Log-probability entries (a generated token or one of its alternatives) buffered before a commit
 # is due whatever the row count: each is a small dict, a few hundred bytes of Python objects.
 MAX_BUFFERED_LOGPROBS = 250_000
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
+
+
+def logprob_fields(keep_columns: tuple[str, ...]) -> list[pa.Field]:
+    """The LOGPROB_SCHEMA fields a job's parts carry: none when a kept input column has one of
+    their names (its rows then ask for no log probabilities, `batchgen.jobs.rows.RowParser`)."""
+    return [] if set(keep_columns) & set(LOGPROB_SCHEMA.names) else list(LOGPROB_SCHEMA)
 
 
 def _keep_array(values: list[Any]) -> pa.Array:
@@ -104,7 +115,8 @@ class PartWriter:
         self.keep_columns = keep_columns
         self.commit_rows = commit_rows
         self.commit_seconds = commit_seconds
-        self._names = OUTPUT_SCHEMA.names + INTERNAL_SCHEMA.names + LOGPROB_SCHEMA.names
+        self._logprob_fields = logprob_fields(keep_columns)
+        self._names = OUTPUT_SCHEMA.names + INTERNAL_SCHEMA.names + [f.name for f in self._logprob_fields]
         self._buf: dict[str, list] = {}
         self._logprob_entries = 0
         self._reset()
@@ -126,7 +138,7 @@ class PartWriter:
         fields (missing ones are null); `keep` maps kept column names to their values."""
         for n in self._names:
             self._buf[n].append(row.get(n))
-        for position in row.get("logprobs") or ():
+        for position in (row.get("logprobs") or ()) if self._logprob_fields else ():
             self._logprob_entries += 1 + len(position["top_logprobs"])
         for c in self.keep_columns:
             self._buf[c].append(None if keep is None else keep.get(c))
@@ -146,7 +158,7 @@ class PartWriter:
             return None
         arrays = [pa.array(self._buf[f.name], f.type) for f in OUTPUT_SCHEMA]
         arrays += [pa.array(self._buf[f.name], f.type) for f in INTERNAL_SCHEMA]
-        arrays += [pa.array(self._buf[f.name], f.type) for f in LOGPROB_SCHEMA]
+        arrays += [pa.array(self._buf[f.name], f.type) for f in self._logprob_fields]
         arrays += [_keep_array(self._buf[c]) for c in self.keep_columns]
         table = pa.Table.from_arrays(arrays, names=[*self._names, *self.keep_columns]).sort_by("row_index")
         names = {e.part for e in self.state.entries}
@@ -274,7 +286,8 @@ def finalize_output(
     """
     out = state.output_path
     tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp")
-    logprobs = has_logprobs([os.path.join(state.parts_dir, e.part) for e in state.entries], header)
+    paths = [os.path.join(state.parts_dir, e.part) for e in state.entries]
+    logprobs = bool(logprob_fields(keep_columns)) and has_logprobs(paths, header)
     try:
         with open(tmp, "wb") as f:
             if output_format == "parquet":

@@ -125,17 +125,28 @@ def sample_logprobs(
 ) -> list[SampleLogprobs]:
     """Log probabilities of `token_ids` and the `top_ks[i]` best tokens of each row of `raw_logits`
     `[R, vocab]` (any float dtype; computed in float32). Ranks count the tokens strictly more likely,
-    plus one."""
+    plus one: read off the top k when every chosen token is among them (always for greedy rows),
+    else counted over the whole vocabulary (a pass as long as the log-softmax; on a subset of rows
+    it would cost a copy of them first).
+    """
     logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
-    chosen = torch.tensor(token_ids, device=logprobs.device)
-    chosen_lp = logprobs.gather(1, chosen[:, None])
-    ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
-    top_lp, top_ids = logprobs.topk(max(top_ks), dim=-1)  # to host once, not per row
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    chosen_lp = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])
+    k = max(top_ks)
+    if k:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        ranks = (top_lp > chosen_lp).sum(dim=-1) + 1
+        outside = bool((chosen_lp[:, 0] < top_lp[:, -1]).any())
+    else:  # only the chosen tokens: the row max says whether a rank needs counting
+        top_lp = top_ids = logprobs[:, :0]
+        ranks = torch.ones(len(token_ids), dtype=torch.long, device=logprobs.device)
+        outside = bool((chosen_lp[:, 0] < logprobs.amax(dim=-1)).any())
+    if outside:
+        ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()  # to the host once, not per row
     return [
         SampleLogprobs(token, value, rank, list(zip(top_ids[i][:k], top_lp[i][:k], strict=True)))
         for i, (token, value, rank, k) in enumerate(
-            zip(token_ids, chosen_lp[:, 0].tolist(), ranks, top_ks, strict=True)
+            zip(token_ids, chosen_lp[:, 0].tolist(), ranks.tolist(), top_ks, strict=True)
         )
     ]
 

@@ -435,6 +435,29 @@ def test_sample_logprobs_by_hand() -> None:
     assert [t for t, _ in a.top] == [3, 2] and [v for _, v in a.top] == pytest.approx([3 - norm, 2 - norm])
 
 
+@pytest.mark.parametrize("case", ["greedy", "sampled", "mixed"])
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_sample_logprobs_ranks_match_a_full_count(case: str, k: int) -> None:
+    """Ranks read off the top k (every chosen token among them) equal the count over the whole
+    vocabulary, with tied logits (small integers) in every row; so do the log probabilities."""
+    from batchgen.model.sampler import sample_logprobs
+
+    gen = torch.Generator().manual_seed(k)
+    logits = torch.randint(0, 4, (6, 40), generator=gen).float()
+    best = logits.argmax(dim=-1)
+    other = torch.randint(0, 40, (6,), generator=gen)
+    chosen = {"greedy": best, "sampled": other, "mixed": torch.where(torch.arange(6) % 2 == 0, best, other)}[
+        case
+    ]
+    found = sample_logprobs(logits, chosen.tolist(), [k] * 6)
+    lp = torch.log_softmax(logits, dim=-1)
+    for row, f in enumerate(found):
+        token = int(chosen[row])
+        assert f.rank == 1 + int((lp[row] > lp[row, token]).sum())
+        assert f.logprob == pytest.approx(float(lp[row, token]))
+        assert [v for _, v in f.top] == pytest.approx(sorted(lp[row].tolist(), reverse=True)[:k])
+
+
 def test_logprobs_zero_gives_the_sampled_token_only(tiny_llm) -> None:
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True, logprobs=0)
     (out,) = tiny_llm.generate([{"prompt_token_ids": [1, 5, 6]}], params)

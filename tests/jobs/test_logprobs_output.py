@@ -194,9 +194,11 @@ def read(path: Path, **options) -> list:
             "field 'top_logprobs' is 21; it must be a whole number from 0 to 20",
         ),
         ({"logprobs": True, "top_logprobs": "3"}, "field 'top_logprobs' is \"3\"; it must be a whole number"),
-        ({"logprobs": 21}, "logprobs must be None or in [0, 20], got 21"),
-        ({"logprobs": -1}, "logprobs must be None or in [0, 20], got -1"),
-        ({"logprobs": "5"}, "logprobs must be an integer, got '5'"),
+        ({"logprobs": 21}, "field 'logprobs' is 21; it must be true, false, or a whole number from 0 to 20"),
+        ({"logprobs": -1}, "field 'logprobs' is -1; it must be true, false, or a whole number"),
+        ({"logprobs": "true"}, "field 'logprobs' is \"true\"; it must be true, false, or a whole number"),
+        ({"logprobs": 2.5}, "field 'logprobs' is 2.5; it must be"),
+        ({"logprobs": 1e30}, "field 'logprobs' is 1e+30; it must be"),
         ({"prompt_logprobs": 0}, "batchgen computes log probabilities of generated tokens only"),
     ],
 )
@@ -218,6 +220,7 @@ def test_bad_logprob_fields_fail_their_row_and_name_the_fix(tmp_path, fields, er
         ({"logprobs": True, "top_logprobs": 5}, 5),
         ({"logprobs": True, "top_logprobs": 5.0}, 5),
         ({"logprobs": False, "top_logprobs": 0}, None),
+        ({"logprobs": False}, None),
         ({"logprobs": None}, None),
         ({"top_logprobs": 0}, None),
     ],
@@ -350,8 +353,9 @@ def test_parts_without_logprob_columns_are_read_as_nulls(tmp_path):
     position = {
         "token_id": 7,
         "token": "x",
+        "bytes": b"x",
         "logprob": -0.5,
-        "top_logprobs": [{"token_id": 7, "token": "x", "logprob": -0.5}],
+        "top_logprobs": [{"token_id": 7, "token": "x", "bytes": b"x", "logprob": -0.5}],
     }
     writer.add(
         {
@@ -380,3 +384,76 @@ def test_parts_without_logprob_columns_are_read_as_nulls(tmp_path):
     assert t.schema.names == [*OUTPUT_SCHEMA.names, "cumulative_logprob", "logprobs"]
     assert t["cumulative_logprob"].to_pylist() == [None, -0.5]
     assert t["logprobs"].to_pylist() == [None, [position]]
+
+
+def test_false_opts_a_row_out_of_the_flag_and_null_takes_it(tmp_path):
+    rows = [{"prompt": "a", "logprobs": False}, {"prompt": "b", "logprobs": None}, {"prompt": "c"}]
+    src = tmp_path / "job.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    off, null, absent = read(src, defaults={"max_tokens": 4, "logprobs": 3})
+    assert off.sampling_params.logprobs is None
+    assert null.sampling_params.logprobs == absent.sampling_params.logprobs == 3
+
+
+def test_a_kept_column_named_logprobs_is_data_and_the_job_writes_none(tmp_path, tiny):
+    """`--keep-columns logprobs` keeps an input column of that name as data, as before batchgen wrote
+    log probabilities: its rows ask for none, the output has the kept column once; with --logprobs
+    the two would collide, which is refused before any work."""
+    src = tmp_path / "keep.jsonl"
+    src.write_text(
+        json.dumps({"prompt": "a", "logprobs": "high"})
+        + "\n"
+        + json.dumps({"prompt": "b", "logprobs": 3})
+        + "\n"
+    )
+    (a, b) = read(src, keep_columns=("logprobs",))
+    assert (
+        a.error is None
+        and b.error is None
+        and a.sampling_params.logprobs is None is b.sampling_params.logprobs
+    )
+    run(str(src), "--model", str(tiny), "--max-tokens", "2", "--keep-columns", "logprobs", *ENGINE)
+    t = pq.read_table(tmp_path / "keep.out.parquet")
+    assert t.schema.names.count("logprobs") == 1 and "cumulative_logprob" not in t.schema.names
+    assert t["logprobs"].to_pylist() == ["high", "3"]  # mixed types are kept as text
+    r = CliRunner().invoke(
+        app, ["run", str(src), "--keep-columns", "logprobs", "--logprobs", "2", "--model", "/nonexistent"]
+    )
+    assert r.exit_code == 2 and "--keep-columns logprobs and --logprobs" in r.output
+
+
+def test_tokens_inside_a_character_have_their_bytes(tmp_path, default_model_dir):
+    """A byte-level BPE token that holds part of a UTF-8 character (an emoji is split in two here)
+    decodes alone as U+FFFD; the output gives its exact bytes and OpenAI's "bytes:\\xNN" name, so the
+    tokens' bytes join into the text."""
+    from transformers import AutoTokenizer
+
+    from batchgen.jobs.json_lines import chat_logprobs, completion_logprobs
+    from batchgen.jobs.requests import token_logprobs
+    from batchgen.jobs.token_bytes import TokenBytes
+    from batchgen.outputs import Logprob
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    text = " Hi 😀 é<|im_end|>"
+    ids = tok.encode(text)
+    positions = [{i: Logprob(-0.5, 1, tok.decode([i]))} for i in ids]
+    entries = token_logprobs(ids, positions, 1, TokenBytes(tok))
+    assert b"".join(e["bytes"] for e in entries) == text.encode()
+    partial = [e for e in entries if e["token"].startswith("bytes:")]
+    assert partial and all("\ufffd" not in e["token"] for e in entries)
+    assert partial[0]["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in partial[0]["bytes"])
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in entries)
+    chat = chat_logprobs(entries)["content"]
+    assert bytes(sum((c["bytes"] for c in chat), [])).decode() == text
+    offsets = completion_logprobs(entries)["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and max(offsets) <= len(text)
+    assert offsets[-1] == text.index("<|im_end|>")
+    # no tokenizer (or a token it does not know): the decoded text's UTF-8
+    assert TokenBytes(None)(5, "é") == "é".encode()
+
+
+def test_logprob_column_names_agree():
+    from batchgen.jobs.row_sampling import LOGPROB_COLUMNS
+    from batchgen.jobs.writer import LOGPROB_SCHEMA
+
+    assert tuple(LOGPROB_SCHEMA.names) == LOGPROB_COLUMNS

@@ -7,6 +7,7 @@ through these helpers; `as_text` also gives mixed-type kept columns one text for
 from __future__ import annotations
 
 import base64
+import codecs
 import datetime
 import json
 import math
@@ -95,9 +96,9 @@ def chat_logprobs(positions: list[dict[str, Any]]) -> dict[str, Any]:
         {
             "token": p["token"],
             "logprob": p["logprob"],
-            "bytes": list(p["bytes"]),
+            "bytes": list(_bytes_of(p)),
             "top_logprobs": [
-                {"token": a["token"], "logprob": a["logprob"], "bytes": list(a["bytes"])}
+                {"token": a["token"], "logprob": a["logprob"], "bytes": list(_bytes_of(a))}
                 for a in p["top_logprobs"]
             ],
         }
@@ -111,14 +112,28 @@ def completion_logprobs(positions: list[dict[str, Any]]) -> dict[str, Any]:
     parallel lists `tokens`, `token_logprobs`, `top_logprobs` (token text -> log probability of the
     most likely tokens and, as in OpenAI's API, of the sampled one: up to logprobs + 1 entries) and
     `text_offset` (where each token starts in the generated text, in characters from 0; a token
-    that ends inside a character starts the next one at that character too)."""
-    offsets, generated = [], b""
+    that ends inside a character gives the next token that character's offset too)."""
+    # An incremental decoder holds back a character's first bytes until the rest comes, and turns
+    # an invalid sequence into the one U+FFFD the text shows for it; a token whose first byte does
+    # not continue the held-back bytes starts after that U+FFFD.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, emitted = [], 0
     for p in positions:
-        offsets.append(len(generated.decode("utf-8", "ignore")))
-        generated += p["bytes"]
+        data = _bytes_of(p)
+        held = decoder.getstate()[0]
+        continues = bool(data) and 0x80 <= data[0] <= 0xBF
+        offsets.append(emitted + (1 if held and not continues else 0))
+        emitted += len(decoder.decode(data))
     return {
         "tokens": [p["token"] for p in positions],
         "token_logprobs": [p["logprob"] for p in positions],
         "top_logprobs": [{a["token"]: a["logprob"] for a in [*p["top_logprobs"], p]} for p in positions],
         "text_offset": offsets,
     }
+
+
+def _bytes_of(entry: dict[str, Any]) -> bytes:
+    """A token entry's bytes; the UTF-8 of its text for entries committed before batchgen stored
+    the bytes (their parts read them as null)."""
+    data = entry.get("bytes")
+    return data if data is not None else (entry.get("token") or "").encode("utf-8", "backslashreplace")

@@ -457,3 +457,37 @@ def test_logprob_column_names_agree():
     from batchgen.jobs.writer import LOGPROB_SCHEMA
 
     assert tuple(LOGPROB_SCHEMA.names) == LOGPROB_COLUMNS
+
+
+def test_text_offsets_follow_the_text_around_broken_characters():
+    """Offsets count the characters of the text as it reads: half an emoji followed by its other half
+    is one character; a character's first bytes followed by something else are the one U+FFFD the
+    text shows for them."""
+    from batchgen.jobs.json_lines import completion_logprobs
+
+    def entry(data: bytes) -> dict:
+        return {"token": "t", "bytes": data, "logprob": -1.0, "top_logprobs": []}
+
+    split_emoji = [entry(b" \xf0\x9f"), entry(b"\x98\x80"), entry(b" b")]  # " 😀 b"
+    assert completion_logprobs(split_emoji)["text_offset"] == [0, 1, 2]
+    broken = [entry(b"\xf0\x9f"), entry(b"a"), entry(b" b")]  # "\ufffda b"
+    assert b"".join(e["bytes"] for e in broken).decode("utf-8", "replace") == "\ufffda b"
+    assert completion_logprobs(broken)["text_offset"] == [0, 1, 2]
+
+
+def test_entries_committed_without_bytes_fall_back_to_their_text():
+    """Parts committed by a batchgen that did not store `bytes` read them as null; the OpenAI output
+    then uses the token's text (a resumed job finishes instead of failing at the final write)."""
+    from batchgen.jobs.json_lines import chat_logprobs, completion_logprobs
+
+    old = [
+        {
+            "token": "é",
+            "bytes": None,
+            "logprob": -0.1,
+            "top_logprobs": [{"token": "é", "bytes": None, "logprob": -0.1}],
+        }
+    ]
+    assert chat_logprobs(old)["content"][0]["bytes"] == list("é".encode())
+    assert chat_logprobs(old)["content"][0]["top_logprobs"][0]["bytes"] == list("é".encode())
+    assert completion_logprobs([*old, *old])["text_offset"] == [0, 1]

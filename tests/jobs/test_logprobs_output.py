@@ -491,3 +491,25 @@ def test_entries_committed_without_bytes_fall_back_to_their_text():
     assert chat_logprobs(old)["content"][0]["bytes"] == list("é".encode())
     assert chat_logprobs(old)["content"][0]["top_logprobs"][0]["bytes"] == list("é".encode())
     assert completion_logprobs([*old, *old])["text_offset"] == [0, 1]
+
+
+def test_many_buffered_logprob_entries_make_a_commit_due(tmp_path, monkeypatch):
+    """Rows with long log-probability lists are committed by their entry count, not only every
+    `commit_rows` rows, so the buffer's Python objects stay bounded."""
+    from batchgen.jobs import writer as writer_module
+    from batchgen.jobs.resume import make_header, prepare_output
+
+    monkeypatch.setattr(writer_module, "MAX_BUFFERED_LOGPROBS", 10)
+    state = prepare_output(
+        str(tmp_path / "o.parquet"), make_header({"path": "/x", "size": 1}, "t", {}), False
+    )
+    w = writer_module.PartWriter(state, commit_rows=1000, commit_seconds=3600)
+    top = [{"token_id": 1, "token": "a", "bytes": b"a", "logprob": -0.1}]
+    position = {"token_id": 1, "token": "a", "bytes": b"a", "logprob": -0.1, "top_logprobs": top}
+    base = {"finish_reason": "length", "endpoint": None, "created": 1, "cumulative_logprob": -0.4}
+    w.add({"row_index": 0, "id": "0", "row_hash": 1, **base, "logprobs": [position] * 4})  # 8 entries
+    assert not w.due()
+    w.add({"row_index": 1, "id": "1", "row_hash": 2, **base, "logprobs": [position] * 1})  # 10
+    assert w.due()
+    w.commit()
+    assert not w.due() and w.pending == 0

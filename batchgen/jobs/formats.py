@@ -123,18 +123,48 @@ def sniff_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
             return
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object names a key twice (Python's json, like most parsers, would keep the last)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _object_once_per_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads` object hook: the object as a dict, or DuplicateKeyError for a key named twice."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKeyError(key)
+            seen.add(key)
+    return record
+
+
 def iter_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
     """Yield (line_number, record, error) for each non-blank line; one bad line is one error.
 
-    A line that is a JSON object but for bytes that are not UTF-8 comes with its error and its
-    record as best read (those bytes replaced by U+FFFD), so its row can still be named by its id;
-    any other bad line comes with None."""
+    A line that is a JSON object but for bytes that are not UTF-8, or for a key it names twice
+    (`{"prompt": "a", "prompt": "b"}`: which one did the user mean?), comes with its error and its
+    record as best read (bad bytes replaced by U+FFFD, the last value of a repeated key), so its row
+    can still be named by its id; any other bad line comes with None."""
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
-                rec = json.loads(raw.rstrip(b"\r\n"))
+                rec = json.loads(raw.rstrip(b"\r\n"), object_pairs_hook=_object_once_per_key)
+            except DuplicateKeyError as e:
+                salvaged = json.loads(raw.rstrip(b"\r\n"))
+                yield (
+                    line_number,
+                    salvaged if isinstance(salvaged, dict) else None,
+                    f"key {e.key!r} appears twice in one object of the line (only one value can apply); "
+                    "keep one of them",
+                )
+                continue
             except UnicodeDecodeError as e:
                 salvaged = None
                 with contextlib.suppress(ValueError):

@@ -60,6 +60,34 @@ def test_a_line_that_is_not_utf8_keeps_its_id_when_the_id_is_whole(tmp_path):
     assert bad_id.id is None and "not valid UTF-8" in bad_id.error  # a damaged id names no input row
 
 
+def test_a_key_named_twice_fails_its_row_and_keeps_its_id(tmp_path):
+    """`{"prompt": "a", "prompt": "b"}` would run "b" silently (JSON parsers keep the last value):
+    the row fails naming the key, at any depth (a chat message with two contents too); the id is
+    kept for the error row, and the other rows run."""
+    p = write_jsonl(
+        tmp_path / "a.jsonl",
+        [{"id": "ok", "prompt": "fine"}],
+        {
+            1: '{"id": "twice", "prompt": "a", "prompt": "b"}',
+            2: '{"id": "nested", "messages": [{"role": "user", "content": "x", "content": "y"}]}',
+        },
+    )
+    ok, twice, nested = read(p)
+    assert ok.error is None
+    assert twice.id == "twice" and twice.error == (
+        "row 1 (line 2): key 'prompt' appears twice in one object of the line (only one value can apply); "
+        "keep one of them"
+    )
+    assert nested.id == "nested" and "key 'content' appears twice" in nested.error
+    lines = [
+        '{"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p", "max_tokens": 2, "max_tokens": 9}}',
+        '{"custom_id": "c2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p"}}',
+    ]
+    (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
+    dup, good = read(tmp_path / "b.jsonl")
+    assert dup.id == "c1" and "key 'max_tokens' appears twice" in dup.error and good.error is None
+
+
 def test_row_index_as_id_when_no_id_column(tmp_path):
     rows = read(write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a"}, {"prompt": "b"}]))
     assert [r.id for r in rows] == ["0", "1"]

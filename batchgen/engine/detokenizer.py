@@ -37,7 +37,8 @@ def check_stop(request: Request, tokenizer, max_model_len: int) -> str | None:
 
     Order as in vLLM: EOS (unless `ignore_eos`), stop token ids, stop strings (text cut before the
     match), then `max_tokens` and `max_model_len`. EOS and stop ids count only once `min_tokens`
-    tokens exist.
+    tokens exist, stop strings only once more than `min_tokens` do (vLLM's v1 detokenizer); a stop
+    string completed before then is not looked for again.
     """
     params = request.sampling_params
     token = request.token_ids[-1]
@@ -49,8 +50,8 @@ def check_stop(request: Request, tokenizer, max_model_len: int) -> str | None:
             request.stop_reason = token
             return "stop"
     if params.stop_strings:
-        new_text = detokenize_incrementally(tokenizer, request)
-        if new_text and _cut_at_stop_string(request, len(new_text)):
+        new_text = detokenize_incrementally(tokenizer, request)  # the text is kept up to date anyway
+        if new_text and num_out > params.min_tokens and _cut_at_stop_string(request, len(new_text)):
             return "stop"
     if num_out >= request.max_tokens or request.num_tokens >= max_model_len:
         return "length"

@@ -40,6 +40,14 @@ UNAPPLIED_COLUMNS = {
     "best_of": 1,
     "prompt_logprobs": None,
     "logit_bias": None,
+    "use_beam_search": False,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "response_format": {"type": "text"},
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
 }
 # Why each unapplied field is refused, where it is not that the output would change.
 UNAPPLIED_REASONS = {
@@ -139,11 +147,14 @@ def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset())
         if name in data_columns:
             continue
         value = rec.get(name)
-        if value is None or value is False or (value == neutral and value is not True):
+        if value is None or (value is False and neutral is not True):
+            continue
+        # the neutral value itself, but not true for a neutral 1 (best_of) nor 1 for a neutral true
+        if value == neutral and (value is True) == (neutral is True):
             continue
         if isinstance(value, list | dict) and not value:
             continue
-        if isinstance(value, dict) and all(v == 0 for v in value.values()):  # a logit_bias of zeros
+        if name == "logit_bias" and isinstance(value, dict) and all(v == 0 for v in value.values()):
             continue
         # to_json writes NaN and infinities as null, which would misname the value
         shown = repr(value) if isinstance(value, float) and not math.isfinite(value) else to_json(value)
@@ -152,7 +163,7 @@ def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset())
         )
         return (
             f"field '{name}' is {shown}, but {reason}; remove the column, set it to null"
-            + (f" or {neutral}" if neutral is not None else "")
+            + (f" or {to_json(neutral)}" if neutral is not None else "")
             + f", or pass --keep-columns {name} if it is data, not a parameter"
         )
     return None

@@ -234,6 +234,30 @@ def test_stop_string_spanning_two_tokens_is_cut_exactly(tokenizer) -> None:
     assert request.stop_reason == stop
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
+    """As vLLM: a stop string ends a request only once it has more than `min_tokens` tokens; one
+    completed before then stays in the text, and a later occurrence stops it."""
+    text = "1, 2, 3, 4, 5, 6, 5, 7"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+
+    def run(min_tokens: int) -> tuple[int, str | None, str]:
+        request = make_request(SamplingParams(stop=[" 5"], min_tokens=min_tokens), max_tokens=len(ids))
+        for token in ids:
+            request.token_ids.append(token)
+            if check_stop(request, tokenizer, max_model_len=4096):
+                break
+        return request.num_output_tokens, request.stop_reason, request.output_text
+
+    first = tokenizer.decode(ids).find(" 5")
+    count, reason, out = run(0)
+    assert reason == " 5" and out == text[:first]
+    late = text.find(" 5", first + 1)
+    # min_tokens past the first " 5": the text keeps it and stops at the second one
+    tokens_to_first = len(tokenizer.encode(text[: first + 2], add_special_tokens=False))
+    count, reason, out = run(tokens_to_first)
+    assert count > tokens_to_first and reason == " 5" and out == text[:late]
+
+
 def test_stop_string_inside_multibyte_characters(tokenizer) -> None:
     text = "Hi 😀 你好世界 🎉 done"
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -589,6 +589,41 @@ def test_misplaced_chat_fields_name_the_fix(tmp_path):
     assert d.error.endswith("a body with 'messages' goes to url /v1/chat/completions")
 
 
+def test_vllm_and_openai_fields_batchgen_does_not_apply_fail_the_row(tmp_path):
+    """Beam search, structured output, keeping the stop string or special tokens would each give
+    another output than the row asks for: error rows; their neutral values run."""
+    rows = [
+        {"prompt": "a", "use_beam_search": True},
+        {"prompt": "b", "include_stop_str_in_output": True},
+        {"prompt": "c", "skip_special_tokens": False},
+        {"prompt": "d", "response_format": {"type": "json_object"}},
+        {"prompt": "e", "guided_choice": ["yes", "no"]},
+        {
+            "prompt": "f",
+            "use_beam_search": False,
+            "include_stop_str_in_output": False,
+            "skip_special_tokens": True,
+            "response_format": {"type": "text"},
+            "guided_json": None,
+        },
+    ]
+    *bad, neutral = read(write_jsonl(tmp_path / "a.jsonl", rows))
+    assert neutral.error is None
+    for row, (name, shown) in zip(
+        bad,
+        [
+            ("use_beam_search", "true"),
+            ("include_stop_str_in_output", "true"),
+            ("skip_special_tokens", "false"),
+            ("response_format", '{"type": "json_object"}'),
+            ("guided_choice", '["yes", "no"]'),
+        ],
+        strict=True,
+    ):
+        assert f"field '{name}' is {shown}, but batchgen does not apply {name}" in row.error, row.error
+    assert "set it to null or true," in bad[2].error  # the neutral value, as JSON
+
+
 def test_asking_for_prompt_logprobs_is_an_error_row_that_says_why(tmp_path):
     """`prompt_logprobs` 0 asks for the prompt tokens' log probabilities (vLLM), which batchgen does
     not compute: an error row like any other value, with the reason; null asks nothing."""

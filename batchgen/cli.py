@@ -8,6 +8,7 @@ same command resumes).
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import sys
@@ -220,10 +221,15 @@ def _run_with_stop_handlers(options: JobOptions) -> None:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     except OSError as e:  # the disk, not the input: the output folder vanished, the disk filled up
+        folder = os.path.dirname(e.filename) if isinstance(e.filename, str) else None
+        if folder and not os.path.isdir(folder):  # the rows committed there went with it
+            kept = (
+                f"The folder {folder} is gone, and with it the rows committed there; fix the cause and rerun"
+            )
+        else:
+            kept = "Rows committed before this are kept; fix the cause and resume"
         typer.echo(
-            f"error: cannot write the job's output: {e}. Rows committed before this are kept; fix the "
-            f"cause and resume with:\n  {options.resume_command}",
-            err=True,
+            f"error: cannot write the job's output: {e}. {kept} with:\n  {options.resume_command}", err=True
         )
         raise typer.Exit(1) from None
     except KeyboardInterrupt:  # a second Ctrl-C, one during model loading, or SIGTERM: rows are kept

@@ -124,7 +124,8 @@ class SamplingParams:
             if not isinstance(self.stop_token_ids, list | tuple):
                 raise TypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
             for t in self.stop_token_ids:
-                integer("stop_token_ids[]", t)
+                if integer("stop_token_ids[]", t) < 0:
+                    raise ValueError(f"stop_token_ids must be token ids (>= 0), got {t}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")

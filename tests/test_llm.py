@@ -71,6 +71,12 @@ def test_ids_past_a_smaller_model_vocab_fail_their_row_not_the_call(tmp_path, ti
         assert "vocab_size is 1001 but its tokenizer has 49152 tokens" in out.error
     assert "[5000]" in ids_out.error
     assert good.error is None and len(good.outputs[0].token_ids) == 4
+    # A stop token id the model can never sample fails its request instead of running to max_tokens.
+    (never,) = llm.generate(
+        [{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=4, stop_token_ids=[7, 1001])
+    )
+    assert never.outputs[0].finish_reason == "error"
+    assert "stop_token_ids holds ids outside the vocabulary [0, 1001): [1001]" in never.error
 
 
 def test_chat_and_priority_as_in_vllm(tiny_model_dir):
@@ -86,6 +92,16 @@ def test_chat_and_priority_as_in_vllm(tiny_model_dir):
     assert len(llm.chat([talk, talk], params)) == 2
     with pytest.raises(TypeError, match="conversation"):
         llm.chat("Hello", params)
+    # OpenAI's content parts read as their text joined by newlines, as in job files and vLLM
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}
+    ]
+    joined = [{"role": "user", "content": "Hello\nthere"}]
+    assert llm.chat(parts, params)[0].prompt_token_ids == llm.chat(joined, params)[0].prompt_token_ids
+    (image,) = llm.chat(
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params
+    )
+    assert image.outputs[0].finish_reason == "error" and "'type': 'text'" in image.error
 
     prompts = [{"prompt_token_ids": [5, 6, i]} for i in range(3)]
     outs = llm.generate(prompts, params, priority=[2, 0, 1])

@@ -23,6 +23,7 @@ from batchgen import LLM, SamplingParams
         ({"stop": 5}, TypeError, "stop must be a string or a list of strings"),
         ({"stop_token_ids": 5}, TypeError, "stop_token_ids must be a list of token ids"),
         ({"stop_token_ids": [1, "2"]}, TypeError, r"stop_token_ids\[\] must be an integer"),
+        ({"stop_token_ids": [3, -1]}, ValueError, r"stop_token_ids must be token ids \(>= 0\), got -1"),
         ({"ignore_eos": "yes"}, TypeError, "ignore_eos must be True or False"),
         ({"skip_special_tokens": None}, TypeError, "skip_special_tokens must be True or False"),
         ({"priority": 1.0}, TypeError, "priority must be an integer"),

@@ -204,6 +204,17 @@ class LLMEngine:
         except (ValueError, TypeError) as exc:
             self._reject(request_id, None, [], arrival, f"invalid prompt: {exc}")
             return
+        vocab = min(len(self.tokenizer), int(self.model_config.vocab_size))
+        unknown = [t for t in params.stop_token_ids or () if t >= vocab]
+        if unknown:  # never sampled: the request would run to max_tokens while asking to stop
+            self._reject(
+                request_id,
+                text,
+                token_ids,
+                arrival,
+                f"stop_token_ids holds ids outside the vocabulary [0, {vocab}): {unknown[:5]}; fix or remove them",
+            )
+            return
         if len(token_ids) >= self.max_model_len:
             self._reject(
                 request_id,

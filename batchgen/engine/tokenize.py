@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def encode_prompt(tokenizer, prompt, vocab_size: int | None = None) -> tuple[str | None, list[int]]:
     """Turn one prompt into (text or None, token ids).
@@ -59,20 +61,36 @@ def _encode(tokenizer, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, list | tuple):
         if not prompt:
             raise ValueError("the message list is empty: give at least one message")
+        messages = []
         for i, message in enumerate(prompt):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {message!r:.80}")
-            if not isinstance(message["content"], str):
+            content = content_text(message["content"])
+            if content is None:
                 raise TypeError(
-                    f"message {i} 'content' must be a string, got {type(message['content']).__name__}"
+                    f"message {i} 'content' must be a string or a list of {{'type': 'text', 'text': ...}} "
+                    f"parts, got {message['content']!r:.80}"
                 )
-        if not any(m["content"].strip() for m in prompt):
+            messages.append({**message, "content": content})
+        if not any(m["content"].strip() for m in messages):
             raise ValueError("every message is empty: give some text")
-        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return text, _single_bos(tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"])
     if prompt is None:
         raise ValueError("the prompt is null: give a string, chat messages or token ids")
     raise TypeError(f"a prompt must be a string, a list of messages or a dict, got {type(prompt).__name__}")
+
+
+def content_text(content: Any) -> str | None:
+    """A chat message's content as text: a string, or OpenAI's list of content parts when every part
+    is `{"type": "text", "text": str}` (joined with newlines, as vLLM does); None otherwise."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
+        if all(isinstance(t, str) for t in parts):
+            return "\n".join(parts)
+    return None
 
 
 def _single_bos(tokenizer, ids: list[int]) -> list[int]:

@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from batchgen.engine.tokenize import content_text
+
 FORMATS_HELP = (
     "supported inputs: .jsonl (one JSON object a line), OpenAI batch .jsonl, .parquet, "
     "a Hugging Face dataset directory (save_to_disk), or hf://NAME[:CONFIG]:SPLIT"
@@ -234,18 +236,6 @@ def text_error(text: str, field: str) -> str | None:
     return f"field '{field}' {LONE_SURROGATE}, which is not valid Unicode; fix or remove that escape"
 
 
-def _content_text(content: Any) -> str | None:
-    """A message's content as text: a string, or OpenAI's list of content parts when every part is
-    `{"type": "text", "text": str}` (joined with newlines, as vLLM does); None otherwise."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
-        if all(isinstance(t, str) for t in parts):
-            return "\n".join(parts)
-    return None
-
-
 # The roles of OpenAI's chat API (and Llama 3's "ipython"): a chat template renders any string it is
 # given, so a typo such as "usr" would quietly make every prompt of a job a malformed one.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
@@ -276,7 +266,7 @@ def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]
         )
     out = []
     for i, m in enumerate(value):
-        text = _content_text(m.get("content")) if isinstance(m, dict) else None
+        text = content_text(m.get("content")) if isinstance(m, dict) else None
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or text is None:
             return None, (
                 f"field '{col}[{i}]' must be an object with a string 'role' and a 'content' that is a "

@@ -180,6 +180,12 @@ def check_job_options(options: JobOptions) -> None:
         raise JobInputError(f"--keep-columns names {', '.join(twice)} more than once; name each column once")
     if options.window < 1:
         raise JobInputError(f"--window must be >= 1 row, got {options.window}")
+    if options.template is not None and (options.prompt_column or options.messages_column):
+        flag = "--prompt-column" if options.prompt_column else "--messages-column"
+        raise JobInputError(
+            f"--template and {flag}: the template builds each prompt from its {{column}} fields, so "
+            f"{flag} would be ignored; give one of them"
+        )
     if options.prompt_column and options.messages_column:
         raise JobInputError(
             f"--prompt-column {options.prompt_column} and --messages-column {options.messages_column}: "

@@ -97,6 +97,7 @@ def test_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path):
     [
         (["--output", "out.csv"], "must end in .parquet"),
         (["--prompt-column", "prompt", "--messages-column", "messages"], "give one of them"),
+        (["--template", "{prompt}", "--prompt-column", "prompt"], "--template and --prompt-column"),
         (["--commit-every", "0"], "--commit-every must be >= 1"),
         (["--commit-interval", "-1"], "--commit-interval must be > 0"),
         (["--progress-interval", "0"], "--progress-interval must be > 0"),

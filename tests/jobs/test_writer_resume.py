@@ -529,15 +529,24 @@ def test_the_cli_reports_a_write_failure_without_a_traceback(tmp_path, monkeypat
     import batchgen.jobs.runner as runner_module
     from batchgen.cli import app
 
+    failing_path = [str(tmp_path / "x.parquet.parts" / "part-000001.parquet")]
+
     def failing_run(options, *args, **kwargs):
-        raise FileNotFoundError(2, "No such file or directory", "out/x.parquet.parts/part-000001.parquet")
+        raise OSError(28, "No space left on device", failing_path[0])
 
     monkeypatch.setattr(runner_module, "run_job", failing_run)
     src = job_file(tmp_path)
+    (tmp_path / "x.parquet.parts").mkdir()
     result = CliRunner().invoke(app, ["run", src, "--no-dashboard"])
     assert result.exit_code == 1
-    assert "error: cannot write the job's output" in result.stderr and "resume with" in result.stderr
+    assert "error: cannot write the job's output" in result.stderr
+    assert "Rows committed before this are kept; fix the cause and resume with" in result.stderr
     assert "Traceback" not in result.output
+    # A folder removed under the run took its committed rows with it: the message does not claim them.
+    failing_path[0] = str(tmp_path / "gone" / "x.parquet.parts" / "part-000001.parquet")
+    result = CliRunner().invoke(app, ["run", src, "--no-dashboard"])
+    assert result.exit_code == 1 and "Rows committed before this are kept" not in result.stderr
+    assert f"The folder {tmp_path / 'gone' / 'x.parquet.parts'} is gone" in result.stderr
 
 
 def test_progress_of_a_resumed_run_starts_from_the_committed_rows(tmp_path):

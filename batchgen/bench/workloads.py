@@ -237,7 +237,8 @@ class Workload:
         if clipped := p.get("num_clipped"):
             lines.append(
                 f"warning: {clipped} requests were shortened to fit max_model_len {p['max_model_len']} "
-                "(prompt + output tokens); raise --max-model-len or lower the lengths to run them whole"
+                f"(prompt + output tokens: prompts cut to {p['max_model_len'] - 1} tokens, then outputs to "
+                "the room left); raise --max-model-len or lower the lengths to run them whole"
             )
         if skipped := p.get("num_skipped"):
             lines.append(

@@ -346,8 +346,9 @@ def test_every_clipping_distribution_warns_with_the_count_and_the_limit(kw: dict
     clipped = sum(r.prompt_len + r.output_len == 64 for r in w.requests)
     assert clipped > 0 and w.params["num_clipped"] == clipped
     assert w.warnings() == [
-        f"warning: {clipped} requests were shortened to fit max_model_len 64 (prompt + output tokens); "
-        "raise --max-model-len or lower the lengths to run them whole"
+        f"warning: {clipped} requests were shortened to fit max_model_len 64 (prompt + output tokens: "
+        "prompts cut to 63 tokens, then outputs to the room left); raise --max-model-len or lower the "
+        "lengths to run them whole"
     ]
 
 
@@ -357,8 +358,9 @@ def test_file_workload_clipping_warns(tmp_path: Path) -> None:
     w = build_workload(WorkloadSpec(dist=f"file:{path}"), vocab_size=0, max_model_len=16, encode=encode_chars)
     assert [(r.prompt_len, r.output_len) for r in w.requests] == [(3, 13), (2, 3)]
     assert w.warnings() == [
-        "warning: 1 requests were shortened to fit max_model_len 16 (prompt + output tokens); "
-        "raise --max-model-len or lower the lengths to run them whole"
+        "warning: 1 requests were shortened to fit max_model_len 16 (prompt + output tokens: prompts cut "
+        "to 15 tokens, then outputs to the room left); raise --max-model-len or lower the lengths to run "
+        "them whole"
     ]
 
 

@@ -205,7 +205,9 @@ class RowSampling:
         """The message for overrides SamplingParams refused with `first`: that error, then every
         other field that fails on its own (checked alone on the defaults), so a row with two bad
         values is fixed in one go rather than in two reruns."""
-        named = [k for k, _ in overrides if k in str(first)]
+        # The field the message names first ("min_tokens (10) must be <= max_tokens (4)" is about
+        # min_tokens), not the first field of the row that it mentions somewhere.
+        named = sorted((k for k, _ in overrides if k in str(first)), key=lambda k: str(first).find(k))
         message = (
             f"invalid sampling value in {f'field {named[0]!r}' if named else 'sampling fields'}: {first}"
         )

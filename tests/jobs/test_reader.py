@@ -183,6 +183,7 @@ def test_every_bad_sampling_value_of_a_row_is_named_at_once(tmp_path):
         "to use the default"
     )
     assert pair.error.count("must be <=") == 1 and "min_tokens (50) must be <= max_tokens (5)" in pair.error
+    assert "invalid sampling value in field 'min_tokens'" in pair.error  # the field the rule is about
 
 
 @pytest.mark.parametrize("value", [None, "", "   "])

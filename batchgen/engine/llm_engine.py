@@ -204,7 +204,7 @@ class LLMEngine:
         except (ValueError, TypeError) as exc:
             self._reject(request_id, None, [], arrival, f"invalid prompt: {exc}")
             return
-        vocab = min(len(self.tokenizer), int(self.model_config.vocab_size))
+        vocab = min(len(self.tokenizer), int(self.model_config.vocab_size)) if params.stop_token_ids else 0
         unknown = [t for t in params.stop_token_ids or () if t >= vocab]
         if unknown:  # never sampled: the request would run to max_tokens while asking to stop
             self._reject(

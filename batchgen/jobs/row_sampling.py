@@ -156,8 +156,7 @@ def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset())
             continue
         if name == "logit_bias" and isinstance(value, dict) and all(v == 0 for v in value.values()):
             continue
-        # to_json writes NaN and infinities as null, which would misname the value
-        shown = repr(value) if isinstance(value, float) and not math.isfinite(value) else to_json(value)
+        shown = _shown(value)
         reason = UNAPPLIED_REASONS.get(
             name, f"batchgen does not apply {name} (the output would not be what the row asks for)"
         )

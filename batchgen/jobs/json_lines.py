@@ -67,22 +67,31 @@ def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
         "completion_tokens": row["completion_tokens"] or 0,
         "total_tokens": (row["prompt_tokens"] or 0) + (row["completion_tokens"] or 0),
     }
-    positions = row.get("logprobs")
+    first = {"output": row["output"], "finish_reason": row["finish_reason"], "logprobs": row.get("logprobs")}
+    completions = [first, *(row.get("more_choices") or ())]
     if row["endpoint"] == "completion":
-        logprobs = None if positions is None else completion_logprobs(positions)
-        choice = {
-            "index": 0,
-            "text": row["output"],
-            "logprobs": logprobs,
-            "finish_reason": row["finish_reason"],
-        }
+        choices = [
+            {
+                "index": i,
+                "text": c["output"],
+                "logprobs": None if c.get("logprobs") is None else completion_logprobs(c["logprobs"]),
+                "finish_reason": c["finish_reason"],
+            }
+            for i, c in enumerate(completions)
+        ]
         body = {"id": f"cmpl-{suffix}", "object": "text_completion"}
     else:
-        message = {"role": "assistant", "content": row["output"]}
-        logprobs = None if positions is None else chat_logprobs(positions)
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": row["finish_reason"]}
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c["output"]},
+                "logprobs": None if c.get("logprobs") is None else chat_logprobs(c["logprobs"]),
+                "finish_reason": c["finish_reason"],
+            }
+            for i, c in enumerate(completions)
+        ]
         body = {"id": f"chatcmpl-{suffix}", "object": "chat.completion"}
-    body.update({"created": row["created"], "model": model, "choices": [choice], "usage": usage})
+    body.update({"created": row["created"], "model": model, "choices": choices, "usage": usage})
     record["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     record["error"] = None
     return record

@@ -110,27 +110,50 @@ def error_result(row: JobRow, message: str, prompt_tokens: int | None = None) ->
 
 def output_result(p: Prepared, out: Any, token_bytes: TokenBytes | None = None) -> dict[str, Any]:
     """The output row of a prepared row from the engine's `RequestOutput` `out`; `token_bytes`
-    (the engine tokenizer's) gives the bytes of the tokens in its log probabilities."""
-    c = out.outputs[0]
+    (the engine tokenizer's) gives the bytes of the tokens in its log probabilities.
+
+    A request with n > 1 completions (an OpenAI batch line's `n`) keeps the first in `output` and
+    the others in `more_choices`; `completion_tokens` counts them all, as OpenAI's usage does."""
+    completions = out.outputs
+    c = completions[0]
     metrics = out.metrics
     values: dict[str, Any] = {
         "prompt_tokens": len(out.prompt_token_ids) or p.prompt_tokens,
-        "completion_tokens": len(c.token_ids),
+        "completion_tokens": sum(len(x.token_ids) for x in completions),
         "finish_reason": c.finish_reason or "length",
         "ttft_s": metrics.ttft,
         "latency_s": metrics.latency,
     }
-    if c.finish_reason == "error":
+    if out.error or any(x.finish_reason == "error" for x in completions):
         message = out.error or "the engine rejected the request"
+        values["finish_reason"] = "error"
         values["error"] = f"{p.row.where}: {message}{flag_hint(message)}"
-    else:
-        values["output"] = c.text
-        if c.logprobs is not None:
-            values["logprobs"] = token_logprobs(
-                c.token_ids, c.logprobs, p.row.sampling_params.logprobs, token_bytes or TokenBytes(None)
-            )
-            values["cumulative_logprob"] = c.cumulative_logprob
+        return result_row(p.row, **values)
+    top = p.row.sampling_params.logprobs
+    token_bytes = token_bytes or TokenBytes(None)
+    values["output"] = c.text
+    values.update(_logprob_values(c, top, token_bytes))
+    if len(completions) > 1:
+        values["more_choices"] = [
+            {
+                "output": x.text,
+                "finish_reason": x.finish_reason or "length",
+                "completion_tokens": len(x.token_ids),
+                **_logprob_values(x, top, token_bytes),
+            }
+            for x in completions[1:]
+        ]
     return result_row(p.row, **values)
+
+
+def _logprob_values(c: Any, top: int | None, token_bytes: TokenBytes) -> dict[str, Any]:
+    """`logprobs` and `cumulative_logprob` of a completion that has log probabilities, else {}."""
+    if c.logprobs is None:
+        return {}
+    return {
+        "logprobs": token_logprobs(c.token_ids, c.logprobs, top or 0, token_bytes),
+        "cumulative_logprob": c.cumulative_logprob,
+    }
 
 
 def token_logprobs(

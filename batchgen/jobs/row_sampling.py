@@ -29,7 +29,7 @@ SAMPLING_COLUMNS = (
     "repetition_penalty",
     "logprobs",
 )
-_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority", "logprobs"})
+_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority", "logprobs", "n"})
 # Generation parameters of vLLM's SamplingParams and OpenAI's API that `batchgen run` does not
 # apply, with the value that asks for nothing. A row of a plain job that sets one to anything else is
 # an error row: ignoring it would silently give another output than the row asks for. Names that are

@@ -342,17 +342,13 @@ class RowParser:
                 f"field 'body.{name}' is not supported by batchgen ({reason}); "
                 f"remove it (supported: {', '.join(sorted(OPENAI_BODY_FIELDS))})"
             )
-        n = body.get("n")
-        if n not in (None, 1):
-            return fail(
-                f"field 'body.n' is {n!r}; only n=1 is supported, split the request into several lines"
-            )
         # The newer name wins when it is set; a null one does not hide max_tokens.
         max_tokens = body.get("max_completion_tokens")
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
         values = {k: body.get(k) for k in SAMPLING_COLUMNS if k != "max_tokens"}
         values["max_tokens"] = max_tokens
+        values["n"] = body.get("n")  # completions in the line's `choices` (OpenAI batch output only)
         values["logprobs"], err = requested_logprobs(
             body.get("logprobs"), body.get("top_logprobs"), chat_api=endpoint == "chat"
         )

@@ -252,7 +252,7 @@ def run_job(
                     rows_read, finished = total or 0, True
                 else:
                     rows_read, finished = _loop(
-                        options, config, engine, reader, state, writer, dashboard, summary, interrupt
+                        options, config, engine, reader, state, writer, dashboard, summary, interrupt, fmt
                     )
                 summary.interrupted = not finished
                 summary.stop_signal = interrupt.signum if summary.interrupted else None
@@ -294,8 +294,10 @@ def _loop(
     dashboard: Any,
     summary: JobSummary,
     interrupt: _Interrupt,
+    fmt: str = "parquet",
 ) -> tuple[int, bool]:
-    """The admission / step / commit loop; returns (input rows read, whether every row finished)."""
+    """The admission / step / commit loop; returns (input rows read, whether every row finished).
+    `fmt` is the output format: only OpenAI batch output has room for n > 1 completions a row."""
     tokenizer = getattr(engine, "tokenizer", None)
     chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -334,12 +336,20 @@ def _loop(
             if row.error is not None:
                 finish(error_result(row, row.error), row.keep)
                 continue
+            if row.sampling_params.n > 1 and fmt != "openai":
+                message = (
+                    f"{row.where}: field 'body.n' is {row.sampling_params.n}, but only OpenAI batch output "
+                    "(an --output ending in .jsonl) has room for several completions a line; write that "
+                    "output, or split the line into n lines"
+                )
+                finish(error_result(row, message), row.keep)
+                continue
             prepared, error = prepare_row(row, engine, options, chat, bos, max_len)
             if error is not None:
                 finish(error_result(row, error, prepared and prepared.prompt_tokens), row.keep)
                 continue
             sp = row.sampling_params
-            work = prepared.prompt_tokens + (sp.max_tokens or max_len - prepared.prompt_tokens)
+            work = prepared.prompt_tokens + sp.n * (sp.max_tokens or max_len - prepared.prompt_tokens)
             window.push(prepared, work=work, priority=sp.priority)
         while window and engine.num_unfinished_requests() < inflight_limit and not interrupt.requested:
             p = window.pop()

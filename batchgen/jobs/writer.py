@@ -44,8 +44,6 @@ OUTPUT_SCHEMA = pa.schema(
         ("latency_s", pa.float64()),
     ]
 )
-# Kept in parts only: resume identity and what OpenAI output lines need.
-INTERNAL_SCHEMA = pa.schema([("row_hash", pa.int64()), ("endpoint", pa.string()), ("created", pa.int64())])
 # Generated tokens' log probabilities (`--logprobs`, a row's `logprobs`): in every part, and in the
 # final output when some row asked for them (`batchgen.jobs.requests.token_logprobs` builds a value).
 _TOKEN_LOGPROB = [
@@ -54,13 +52,26 @@ _TOKEN_LOGPROB = [
     ("bytes", pa.binary()),
     ("logprob", pa.float32()),
 ]
-LOGPROB_SCHEMA = pa.schema(
+LOGPROBS_TYPE = pa.list_(pa.struct([*_TOKEN_LOGPROB, ("top_logprobs", pa.list_(pa.struct(_TOKEN_LOGPROB)))]))
+LOGPROB_SCHEMA = pa.schema([("cumulative_logprob", pa.float64()), ("logprobs", LOGPROBS_TYPE)])
+# Kept in parts only: resume identity and what OpenAI output lines need, among which the
+# completions after the first of a line with n > 1 (`batchgen.jobs.requests.output_result`).
+MORE_CHOICES_TYPE = pa.list_(
+    pa.struct(
+        [
+            ("output", pa.string()),
+            ("finish_reason", pa.string()),
+            ("completion_tokens", pa.int64()),
+            *LOGPROB_SCHEMA,
+        ]
+    )
+)
+INTERNAL_SCHEMA = pa.schema(
     [
-        ("cumulative_logprob", pa.float64()),
-        (
-            "logprobs",
-            pa.list_(pa.struct([*_TOKEN_LOGPROB, ("top_logprobs", pa.list_(pa.struct(_TOKEN_LOGPROB)))])),
-        ),
+        ("row_hash", pa.int64()),
+        ("endpoint", pa.string()),
+        ("created", pa.int64()),
+        ("more_choices", MORE_CHOICES_TYPE),
     ]
 )
 # Names --keep-columns may not take. The LOGPROB_SCHEMA names may be kept (as before batchgen wrote
@@ -138,8 +149,10 @@ class PartWriter:
         fields (missing ones are null); `keep` maps kept column names to their values."""
         for n in self._names:
             self._buf[n].append(row.get(n))
-        for position in (row.get("logprobs") or ()) if self._logprob_fields else ():
-            self._logprob_entries += 1 + len(position["top_logprobs"])
+        if self._logprob_fields:
+            for completion in [row, *(row.get("more_choices") or ())]:
+                for position in completion.get("logprobs") or ():
+                    self._logprob_entries += 1 + len(position["top_logprobs"])
         for c in self.keep_columns:
             self._buf[c].append(None if keep is None else keep.get(c))
         if self._first_at is None:

@@ -1,0 +1,168 @@
+"""OpenAI batch lines with `n` > 1: n completions in the line's `choices`, equal to `LLM.chat`'s with
+the same SamplingParams, kept through a crash and resume; refused (per line) where the output
+format has no room for them."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import rich.console
+
+from batchgen.dashboard import Dashboard
+from batchgen.jobs.reader import JobReader
+from batchgen.jobs.runner import JobOptions, run_job
+from batchgen.sampling_params import SamplingParams
+
+MESSAGES = [{"role": "user", "content": "Name a fruit."}]
+ENGINE = {"dtype": "float32", "max_num_seqs": 4, "kv_cache_memory": "64MiB"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+def quiet() -> Dashboard:
+    return Dashboard(None, live=False, stream=io.StringIO(), console=rich.console.Console(file=io.StringIO()))
+
+
+def batch_file(path: Path, lines: list[tuple[str, str, dict]]) -> Path:
+    path.write_text(
+        "".join(
+            json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body}) + "\n"
+            for cid, url, body in lines
+        )
+    )
+    return path
+
+
+def test_n_completions_fill_choices(tmp_path, tiny):
+    from batchgen.llm import LLM
+
+    chat = {"messages": MESSAGES, "n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 5}
+    completion = {
+        "prompt": "Once upon a time",
+        "n": 2,
+        "temperature": 0.9,
+        "seed": 3,
+        "max_tokens": 4,
+        "logprobs": 1,
+    }
+    src = batch_file(
+        tmp_path / "batch.jsonl",
+        [
+            ("chat", "/v1/chat/completions", chat),
+            ("completion", "/v1/completions", completion),
+            ("one", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
+        ],
+    )
+    summary = run_job(JobOptions(str(src), engine={"model": str(tiny), **ENGINE}), dashboard=quiet())
+    assert summary.complete and summary.rows_ok == 3
+    c, p, one = [json.loads(x) for x in (tmp_path / "batch.out.jsonl").read_text().splitlines()]
+
+    llm = LLM(str(tiny), **ENGINE)
+    (ref,) = llm.chat(MESSAGES, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=5))
+    choices = c["response"]["body"]["choices"]
+    assert [x["index"] for x in choices] == [0, 1, 2]
+    assert [x["message"]["content"] for x in choices] == [o.text for o in ref.outputs]
+    assert [x["finish_reason"] for x in choices] == [o.finish_reason for o in ref.outputs]
+    assert c["response"]["body"]["usage"]["completion_tokens"] == sum(len(o.token_ids) for o in ref.outputs)
+    assert len({x["message"]["content"] for x in choices}) > 1  # seeds seed + i: different samples
+
+    (ref_p,) = llm.generate(
+        ["Once upon a time"], SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=4, logprobs=1)
+    )
+    choices = p["response"]["body"]["choices"]
+    assert [x["text"] for x in choices] == [o.text for o in ref_p.outputs]
+    for x, o in zip(choices, ref_p.outputs, strict=True):
+        assert len(x["logprobs"]["tokens"]) == len(o.token_ids)
+        assert x["logprobs"]["token_logprobs"] == pytest.approx(
+            [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)], abs=1e-4
+        )
+    assert len(one["response"]["body"]["choices"]) == 1
+
+
+def test_n_is_refused_where_the_output_has_one_completion_a_row(tmp_path, tiny):
+    src = batch_file(
+        tmp_path / "batch.jsonl",
+        [
+            ("two", "/v1/chat/completions", {"messages": MESSAGES, "n": 2, "max_tokens": 2}),
+            ("one", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
+        ],
+    )
+    out = tmp_path / "batch.parquet"
+    run_job(JobOptions(str(src), output=str(out), engine={"model": str(tiny), **ENGINE}), dashboard=quiet())
+    two, one = pq.read_table(out).to_pylist()
+    assert (
+        two["finish_reason"] == "error"
+        and "field 'body.n' is 2, but only OpenAI batch output" in two["error"]
+    )
+    assert one["error"] is None
+
+
+@pytest.mark.parametrize(
+    ("n", "message"),
+    [(0, "n must be in [1, 128]"), (129, "n must be in [1, 128]"), ("2", "n must be an integer")],
+)
+def test_bad_n_fails_its_line(tmp_path, n, message):
+    src = batch_file(
+        tmp_path / "batch.jsonl", [("a", "/v1/chat/completions", {"messages": MESSAGES, "n": n})]
+    )
+    (row,) = list(JobReader(str(src)))
+    assert message in row.error and "field 'body.n'" in row.error
+
+
+def test_a_crashed_job_with_n_resumes_with_every_choice(tmp_path, tiny):
+    from batchgen.engine.llm_engine import LLMEngine
+
+    lines = [
+        (
+            f"r{i}",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": f"Count to {i}."}], "n": 2, "max_tokens": 4},
+        )
+        for i in range(6)
+    ]
+    src = batch_file(tmp_path / "batch.jsonl", lines)
+
+    def options(out: Path) -> JobOptions:
+        return JobOptions(str(src), output=str(out), engine={"model": str(tiny), **ENGINE}, commit_rows=1)
+
+    def crashing(config):
+        engine = LLMEngine(config)
+        step, steps = engine.step, [0]
+
+        def crash_at_the_eighth_step():
+            steps[0] += 1
+            if steps[0] == 8:
+                raise RuntimeError("simulated crash")
+            return step()
+
+        engine.step = crash_at_the_eighth_step
+        return engine
+
+    reference = tmp_path / "reference.jsonl"
+    run_job(options(reference), dashboard=quiet())
+    out = tmp_path / "resumed.jsonl"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_job(options(out), crashing, dashboard=quiet())
+    summary = run_job(options(out), dashboard=quiet())
+    assert summary.complete and 0 < summary.rows_resumed < 6
+
+    def choices(path: Path) -> list:
+        return [
+            (
+                x["custom_id"],
+                [
+                    (c["index"], c["message"]["content"], c["finish_reason"])
+                    for c in x["response"]["body"]["choices"]
+                ],
+            )
+            for x in map(json.loads, path.read_text().splitlines())
+        ]
+
+    assert choices(out) == choices(reference) and all(len(c) == 2 for _, c in choices(out))

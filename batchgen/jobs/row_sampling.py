@@ -149,8 +149,8 @@ def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset())
         value = rec.get(name)
         if value is None or (value is False and neutral is not True):
             continue
-        # the neutral value itself, but not true for a neutral 1 (best_of) nor 1 for a neutral true
-        if value == neutral and (value is True) == (neutral is True):
+        # the neutral value itself (0 / 1 for a neutral false / true), but not true for a neutral 1
+        if value == neutral and (isinstance(neutral, bool) or (value is True) == (neutral is True)):
             continue
         if isinstance(value, list | dict) and not value:
             continue

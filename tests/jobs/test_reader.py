@@ -607,9 +607,10 @@ def test_vllm_and_openai_fields_batchgen_does_not_apply_fail_the_row(tmp_path):
             "response_format": {"type": "text"},
             "guided_json": None,
         },
+        {"prompt": "g", "use_beam_search": 0, "skip_special_tokens": 1},  # JSON writers' booleans
     ]
-    *bad, neutral = read(write_jsonl(tmp_path / "a.jsonl", rows))
-    assert neutral.error is None
+    *bad, neutral, numbers = read(write_jsonl(tmp_path / "a.jsonl", rows))
+    assert neutral.error is None and numbers.error is None
     for row, (name, shown) in zip(
         bad,
         [

@@ -277,13 +277,8 @@ def test_logprobs_take_part_in_the_row_identity(tmp_path):
 def test_a_crashed_job_resumes_with_the_same_logprobs(tmp_path, tiny):
     """Rows committed before a crash keep their log probabilities through the final assembly, and
     the rows run after the resume get the values an uninterrupted run gives them."""
-    import io
-
-    import rich.console
-
-    from batchgen.dashboard import Dashboard
-    from batchgen.engine.llm_engine import LLMEngine
     from batchgen.jobs.runner import JobOptions, run_job
+    from tests.jobs.real_engine import crashing_factory, quiet
 
     src = tmp_path / "job.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"{p} ({i})"}) + "\n" for i, p in enumerate(PROMPTS * 2)))
@@ -294,29 +289,11 @@ def test_a_crashed_job_resumes_with_the_same_logprobs(tmp_path, tiny):
             str(src), output=out, engine=engine, max_tokens=MAX_TOKENS, logprobs=2, commit_rows=2
         )
 
-    def quiet() -> Dashboard:
-        return Dashboard(
-            None, live=False, stream=io.StringIO(), console=rich.console.Console(file=io.StringIO())
-        )
-
-    def crashing(config):
-        real = LLMEngine(config)
-        step, steps = real.step, [0]
-
-        def crash_at_the_tenth_step():
-            steps[0] += 1
-            if steps[0] == 10:
-                raise RuntimeError("simulated crash")
-            return step()
-
-        real.step = crash_at_the_tenth_step
-        return real
-
     reference = tmp_path / "reference.parquet"
     run_job(options(str(reference)), dashboard=quiet())
     out = tmp_path / "resumed.parquet"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run_job(options(str(out)), crashing, dashboard=quiet())
+        run_job(options(str(out)), crashing_factory(10), dashboard=quiet())
     assert list(Path(str(out) + ".parts").glob("part-*.parquet"))  # some rows were committed
     summary = run_job(options(str(out)), dashboard=quiet())
     assert summary.complete and 0 < summary.rows_resumed < 8

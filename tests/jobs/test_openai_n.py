@@ -4,18 +4,16 @@ format has no room for them."""
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import rich.console
 
-from batchgen.dashboard import Dashboard
 from batchgen.jobs.reader import JobReader
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.sampling_params import SamplingParams
+from tests.jobs.real_engine import crashing_factory, quiet
 
 MESSAGES = [{"role": "user", "content": "Name a fruit."}]
 ENGINE = {"dtype": "float32", "max_num_seqs": 4, "kv_cache_memory": "64MiB"}
@@ -24,10 +22,6 @@ ENGINE = {"dtype": "float32", "max_num_seqs": 4, "kv_cache_memory": "64MiB"}
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir) -> Path:
     return tiny_model_dir("llama")
-
-
-def quiet() -> Dashboard:
-    return Dashboard(None, live=False, stream=io.StringIO(), console=rich.console.Console(file=io.StringIO()))
 
 
 def batch_file(path: Path, lines: list[tuple[str, str, dict]]) -> Path:
@@ -117,8 +111,6 @@ def test_bad_n_fails_its_line(tmp_path, n, message):
 
 
 def test_a_crashed_job_with_n_resumes_with_every_choice(tmp_path, tiny):
-    from batchgen.engine.llm_engine import LLMEngine
-
     lines = [
         (
             f"r{i}",
@@ -132,24 +124,11 @@ def test_a_crashed_job_with_n_resumes_with_every_choice(tmp_path, tiny):
     def options(out: Path) -> JobOptions:
         return JobOptions(str(src), output=str(out), engine={"model": str(tiny), **ENGINE}, commit_rows=1)
 
-    def crashing(config):
-        engine = LLMEngine(config)
-        step, steps = engine.step, [0]
-
-        def crash_at_the_eighth_step():
-            steps[0] += 1
-            if steps[0] == 8:
-                raise RuntimeError("simulated crash")
-            return step()
-
-        engine.step = crash_at_the_eighth_step
-        return engine
-
     reference = tmp_path / "reference.jsonl"
     run_job(options(reference), dashboard=quiet())
     out = tmp_path / "resumed.jsonl"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run_job(options(out), crashing, dashboard=quiet())
+        run_job(options(out), crashing_factory(8), dashboard=quiet())
     summary = run_job(options(out), dashboard=quiet())
     assert summary.complete and 0 < summary.rows_resumed < 6
 

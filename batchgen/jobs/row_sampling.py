@@ -28,6 +28,7 @@ SAMPLING_COLUMNS = (
     "frequency_penalty",
     "repetition_penalty",
     "logprobs",
+    "skip_special_tokens",
 )
 _INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority", "logprobs", "n"})
 # Generation parameters of vLLM's SamplingParams and OpenAI's API that `batchgen run` does not
@@ -42,7 +43,6 @@ UNAPPLIED_COLUMNS = {
     "logit_bias": None,
     "use_beam_search": False,
     "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
     "response_format": {"type": "text"},
     "guided_json": None,
     "guided_regex": None,
@@ -139,6 +139,19 @@ def _whole(value: Any) -> bool:
     return isinstance(value, float) and value.is_integer()
 
 
+def _coerce(name: str, value: Any) -> Any:
+    """A row's value as the SamplingParams field takes it: whole floats as ints for integer fields,
+    0 / 1 as false / true for `skip_special_tokens` (JSON writers' booleans), and `LOGPROBS_OFF` as
+    None (no log probabilities)."""
+    if name in _INT_FIELDS and _whole(value):
+        return int(value)
+    if name == "skip_special_tokens" and value in (0, 1) and not isinstance(value, bool):
+        return bool(value)
+    if name == "logprobs" and value == LOGPROBS_OFF:
+        return None
+    return value
+
+
 def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset()) -> str | None:
     """The error for a record that sets a generation parameter batchgen does not apply (see
     `UNAPPLIED_COLUMNS`), or None. Null, false, empty and neutral values (best_of=1, logprobs 0) pass, and
@@ -188,9 +201,7 @@ class RowSampling:
             return hit[0], hit[1], None
         merged = dict(self.defaults)
         for k, v in overrides:
-            merged[k] = int(v) if k in _INT_FIELDS and _whole(v) else v
-        if merged.get("logprobs") == LOGPROBS_OFF:
-            merged["logprobs"] = None
+            merged[k] = _coerce(k, v)
         try:
             params = SamplingParams(**merged)
         except (ValueError, TypeError) as e:
@@ -214,7 +225,7 @@ class RowSampling:
             if named and k == named[0]:
                 continue
             try:
-                SamplingParams(**{**self.defaults, k: int(v) if k in _INT_FIELDS and _whole(v) else v})
+                SamplingParams(**{**self.defaults, k: _coerce(k, v)})
             except (ValueError, TypeError) as e:
                 # A rule between two fields (min_tokens <= max_tokens) checked against a default
                 # would name a value the row does not have.

@@ -591,23 +591,21 @@ def test_misplaced_chat_fields_name_the_fix(tmp_path):
 
 
 def test_vllm_and_openai_fields_batchgen_does_not_apply_fail_the_row(tmp_path):
-    """Beam search, structured output, keeping the stop string or special tokens would each give
-    another output than the row asks for: error rows; their neutral values run."""
+    """Beam search, structured output or keeping the stop string would each give another output
+    than the row asks for: error rows; their neutral values run."""
     rows = [
         {"prompt": "a", "use_beam_search": True},
         {"prompt": "b", "include_stop_str_in_output": True},
-        {"prompt": "c", "skip_special_tokens": False},
         {"prompt": "d", "response_format": {"type": "json_object"}},
         {"prompt": "e", "guided_choice": ["yes", "no"]},
         {
             "prompt": "f",
             "use_beam_search": False,
             "include_stop_str_in_output": False,
-            "skip_special_tokens": True,
             "response_format": {"type": "text"},
             "guided_json": None,
         },
-        {"prompt": "g", "use_beam_search": 0, "skip_special_tokens": 1},  # JSON writers' booleans
+        {"prompt": "g", "use_beam_search": 0},  # JSON writers' booleans
     ]
     *bad, neutral, numbers = read(write_jsonl(tmp_path / "a.jsonl", rows))
     assert neutral.error is None and numbers.error is None
@@ -616,14 +614,39 @@ def test_vllm_and_openai_fields_batchgen_does_not_apply_fail_the_row(tmp_path):
         [
             ("use_beam_search", "true"),
             ("include_stop_str_in_output", "true"),
-            ("skip_special_tokens", "false"),
             ("response_format", '{"type": "json_object"}'),
             ("guided_choice", '["yes", "no"]'),
         ],
         strict=True,
     ):
         assert f"field '{name}' is {shown}, but batchgen does not apply {name}" in row.error, row.error
-    assert "set it to null or true," in bad[2].error  # the neutral value, as JSON
+    assert "set it to null or false," in bad[0].error  # the neutral value, as JSON
+
+
+def test_skip_special_tokens_applies_per_row(tmp_path):
+    """The engine applies `skip_special_tokens` (its detokenizer), so a row's value is a sampling
+    override like any other; 0 / 1 read as false / true, anything else fails the row by its name."""
+    rows = [
+        {"prompt": "a", "skip_special_tokens": False},
+        {"prompt": "b", "skip_special_tokens": 0},
+        {"prompt": "c", "skip_special_tokens": 1},
+        {"prompt": "d"},
+        {"prompt": "e", "skip_special_tokens": "no"},
+    ]
+    a, b, c, d, e = read(write_jsonl(tmp_path / "a.jsonl", rows))
+    assert [r.sampling_params.skip_special_tokens for r in (a, b, c, d)] == [False, False, True, True]
+    assert "invalid sampling value in field 'skip_special_tokens'" in e.error
+    # the value is part of the row's hashed parameters (its identity on resume)
+    assert a.sampling_params.to_dict() != d.sampling_params.to_dict() == c.sampling_params.to_dict()
+
+
+def test_a_row_opting_out_of_logprobs_does_not_add_to_another_fields_error(tmp_path):
+    rows = [{"prompt": "a", "logprobs": False, "temperature": -1}]
+    (row,) = read(write_jsonl(tmp_path / "a.jsonl", rows), defaults={"logprobs": 2})
+    assert row.error == (
+        "row 0 (line 1): invalid sampling value in field 'temperature': temperature must be >= 0, got -1; "
+        "fix the value or remove it to use the default"
+    )
 
 
 def test_asking_for_prompt_logprobs_is_an_error_row_that_says_why(tmp_path):

@@ -22,7 +22,7 @@ from batchgen.engine.sizing import (
     slow_dtype_reason,
 )
 from batchgen.engine.stats import EngineTotals, StepStats
-from batchgen.engine.tokenize import encode_prompt
+from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
 from batchgen.model import loader
 from batchgen.model.runner import ModelRunner, StepInput, StepOutput, kv_cache_bytes_per_block
 from batchgen.model.sampler import RowPenalty
@@ -55,6 +55,7 @@ class LLMEngine:
         self.model_config = files.config
         self.tokenizer = loader.load_tokenizer(files)
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for log probabilities
+        self.vocab_limit = vocabulary_limit(self.tokenizer, int(files.config.vocab_size))
         self.eos_token_ids = loader.eos_token_ids(files, self.tokenizer)
         self.dtype = resolve_dtype(config.dtype, files.config, self.device)
         if (slow := slow_dtype_reason(self.dtype, self.device)) is not None:
@@ -204,15 +205,15 @@ class LLMEngine:
         except (ValueError, TypeError) as exc:
             self._reject(request_id, None, [], arrival, f"invalid prompt: {exc}")
             return
-        vocab = min(len(self.tokenizer), int(self.model_config.vocab_size)) if params.stop_token_ids else 0
-        unknown = [t for t in params.stop_token_ids or () if t >= vocab]
+        unknown = [t for t in params.stop_token_ids or () if t >= self.vocab_limit]
         if unknown:  # never sampled: the request would run to max_tokens while asking to stop
             self._reject(
                 request_id,
                 text,
                 token_ids,
                 arrival,
-                f"stop_token_ids holds ids outside the vocabulary [0, {vocab}): {unknown[:5]}; fix or remove them",
+                f"stop_token_ids holds ids outside the vocabulary [0, {self.vocab_limit}): {unknown[:5]}; "
+                "fix or remove them",
             )
             return
         if len(token_ids) >= self.max_model_len:

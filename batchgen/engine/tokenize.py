@@ -20,7 +20,7 @@ def encode_prompt(tokenizer, prompt, vocab_size: int | None = None) -> tuple[str
         TypeError: a prompt of another type, or a malformed message.
     """
     text, ids = _encode(tokenizer, prompt)
-    limit = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
+    limit = vocabulary_limit(tokenizer, vocab_size)
     bad = [t for t in ids if not 0 <= t < limit]
     if bad:
         source = "prompt_token_ids holds" if _has_ids(prompt) else "the tokenizer produced"
@@ -32,6 +32,12 @@ def encode_prompt(tokenizer, prompt, vocab_size: int | None = None) -> tuple[str
         )
         raise ValueError(f"{source} ids outside the vocabulary [0, {limit}): {bad[:5]}{mismatch}")
     return text, ids
+
+
+def vocabulary_limit(tokenizer, vocab_size: int | None = None) -> int:
+    """One past the largest token id both the tokenizer and the model (its `vocab_size` embedding
+    rows, when given) know: ids at or above it cannot be embedded, nor ever sampled."""
+    return len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
 
 
 def _has_ids(prompt) -> bool:

@@ -255,13 +255,15 @@ def iter_ordered_chunks(
     paths = {e.part: os.path.join(state.parts_dir, e.part) for e in state.entries}
     schema = _unified_schema(list(paths.values()), keep_columns, logprobs)
     target = pa.schema([*schema, *INTERNAL_SCHEMA])
+    # Parts written before a column existed (log probabilities, more_choices) get it as nulls; each
+    # part's footer is read once here, not once per chunk its rows fall in.
+    columns_of = {part: set(pq.read_schema(path).names) for part, path in paths.items()}
     for lo in range(0, total_rows, chunk_rows):
         hi = min(lo + chunk_rows, total_rows)
         tables = []
         for e in state.entries:
             if e.max_row >= lo and e.min_row < hi:
-                # Parts written before a column existed (log probabilities) get it as nulls.
-                present = set(pq.read_schema(paths[e.part]).names)
+                present = columns_of[e.part]
                 t = pq.read_table(paths[e.part], columns=[n for n in target.names if n in present])
                 t = t.filter(pc.and_(pc.greater_equal(t["row_index"], lo), pc.less(t["row_index"], hi)))
                 columns = [

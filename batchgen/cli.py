@@ -19,6 +19,7 @@ import typer
 from batchgen import cli_types as opt
 from batchgen.config import POLICIES, EngineConfig
 from batchgen.stop_signals import STOP_SIGNALS
+from batchgen.tune import tune_command
 
 if TYPE_CHECKING:
     from batchgen.jobs.options import JobOptions
@@ -132,6 +133,7 @@ def run_command(
     preemption_mode: opt.PreemptionMode = EngineConfig.preemption_mode,
     aging_steps: opt.AgingSteps = EngineConfig.aging_steps,
     attention_backend: opt.AttentionBackend = EngineConfig.attention_backend,
+    kernels: opt.Kernels = EngineConfig.kernels,
     device: opt.Device = EngineConfig.device,
     num_threads: opt.NumThreads = EngineConfig.num_threads,
     # --- job mechanics ---
@@ -262,6 +264,8 @@ def _run_with_stop_handlers(options: JobOptions) -> None:
         )
         raise typer.Exit(3)
 
+
+app.command("tune")(tune_command)
 
 # ----- `batchgen bench`: registered by the bench package when it is present -----
 try:

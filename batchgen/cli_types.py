@@ -18,6 +18,7 @@ from batchgen.config import (
     ATTENTION_BACKENDS,
     DEVICES,
     DTYPES,
+    KERNEL_MODES,
     PREEMPTION_MODES,
     parse_memory_size,
 )
@@ -71,6 +72,13 @@ AgingSteps = Annotated[
     int, typer.Option(help="max-throughput: a request waiting this many steps is served next")
 ]
 AttentionBackend = Annotated[str, typer.Option(help=choices(ATTENTION_BACKENDS))]
+Kernels = Annotated[
+    str,
+    typer.Option(
+        help=choices(KERNEL_MODES)
+        + ": auto times each kernel on this machine (cached), reference is plain torch, native is batchgen's own"
+    ),
+]
 Device = Annotated[str, typer.Option(help=choices(DEVICES))]
 NumThreads = Annotated[int | None, typer.Option(help="torch CPU threads")]
 
@@ -90,6 +98,7 @@ ENGINE_OPTIONS = (
     "preemption_mode",
     "aging_steps",
     "attention_backend",
+    "kernels",
     "device",
     "num_threads",
 )

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 POLICIES = ("fcfs", "max-throughput", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# auto: measured on this machine; reference: plain torch; native: batchgen's own kernels, unmeasured.
+KERNEL_MODES = ("auto", "reference", "native")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Other spellings a vLLM or PyTorch user passes ("half" and "float" are vLLM's; torch dtypes are
 # matched by their str(), "torch.bfloat16"), mapped to the names above.
@@ -117,6 +119,9 @@ class EngineConfig:
             is served before any shorter one (bounds starvation).
         attention_backend: "auto" (triton on CUDA; on a CPU "cpu" when its C kernel builds, else
             "torch"), "torch" (plain torch, the reference), "cpu" or "triton".
+        kernels: "auto" (each linear shape and row bucket runs the implementation measured fastest
+            here, cached per machine), "reference" (plain torch; auto attention becomes "torch") or
+            "native" (batchgen's own kernels wherever they apply, unmeasured).
         device: "auto" (cuda when available), "cpu" or "cuda".
         seed: seed of the generator used by sampled requests that have no `seed` of their own.
         num_threads: torch intra-op threads on CPU; None keeps torch's default.
@@ -140,6 +145,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     aging_steps: int = 256
     attention_backend: str = "auto"
+    kernels: str = "auto"
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None
@@ -169,6 +175,7 @@ class EngineConfig:
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _check_positive_int("aging_steps", self.aging_steps)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("kernels", self.kernels, KERNEL_MODES)
         _check_choice("device", self.device, DEVICES)
         if self.num_threads is not None:
             _check_positive_int("num_threads", self.num_threads)

@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from batchgen.model import cpu_attention  # noqa: E402
+from batchgen.kernels.cpu import attention as cpu_attention  # noqa: E402
+
 from batchgen.model.attention import AttentionMetadata, CPUAttentionBackend, TorchAttentionBackend  # noqa: E402
 
 

@@ -135,8 +135,8 @@ def make_decode_inputs(k_all, v_all, batch, context, gen):
 
 
 def decode(bench: Bench) -> None:
-    from kernels import paged_decode_attention
-    from kernels.decode_attention import choose_num_splits, num_sms
+    from batchgen.kernels.triton import paged_decode_attention
+    from batchgen.kernels.triton.decode_attention import choose_num_splits, num_sms
 
     copy_gbps = bench.results.get("copy", {}).get("GBps")
     configs = []
@@ -193,7 +193,7 @@ def decode(bench: Bench) -> None:
 
 def decode_tiles(bench: Bench) -> None:
     """Tile sweep at the target point (TARGET); each config checked against the default config."""
-    from kernels import paged_decode_attention
+    from batchgen.kernels.triton import paged_decode_attention
 
     batch, context = TARGET
     blocks = batch * context // BLOCK_SIZE
@@ -253,8 +253,7 @@ def make_prefill_inputs(batch, query_len, prefix, gen):
 
 def prefill(bench: Bench) -> None:
     import torch.nn.functional as F
-
-    from kernels import paged_prefill_attention
+    from batchgen.kernels.triton import paged_prefill_attention
 
     batch, query_len = PREFILL_BATCH, PREFILL_CHUNK
     gen = torch.Generator(device=DEVICE).manual_seed(2)
@@ -300,7 +299,7 @@ def prefill(bench: Bench) -> None:
 
 
 def prefill_tiles(bench: Bench) -> None:
-    from kernels import paged_prefill_attention
+    from batchgen.kernels.triton import paged_prefill_attention
 
     batch, query_len = PREFILL_BATCH, PREFILL_CHUNK
     prefix = query_len

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from batchgen.model.cpu_linear import (  # noqa: E402
+from batchgen.kernels.cpu.linear import (  # noqa: E402
     Bf16Linear,
     bf16_kernel_available,
     can_prepack,

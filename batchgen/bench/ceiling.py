@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from batchgen.model.cpu_linear import (
+from batchgen.kernels.cpu.linear import (
     Bf16Linear,
     bf16_linear_applies,
     can_prepack,

@@ -116,6 +116,7 @@ def bench_command(
     preemption_mode: opt.PreemptionMode = EngineConfig.preemption_mode,
     aging_steps: opt.AgingSteps = EngineConfig.aging_steps,
     attention_backend: opt.AttentionBackend = EngineConfig.attention_backend,
+    kernels: opt.Kernels = EngineConfig.kernels,
     device: opt.Device = EngineConfig.device,
     num_threads: opt.NumThreads = EngineConfig.num_threads,
 ) -> None:

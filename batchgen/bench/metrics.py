@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 import torch
 
-from batchgen.model.cpu_linear import release_freed_heap
+from batchgen.kernels.cpu.linear import release_freed_heap
 
 
 @dataclass

@@ -111,9 +111,14 @@ class LLMEngine:
             num_swap_blocks,
             max_positions=self.max_model_len + 1,
             attention_backend=config.attention_backend,
+            kernels=config.kernels,
+            max_step_rows=self.max_num_batched_tokens,
+            max_logit_rows=config.max_num_seqs,
             seed=config.seed,
         )
         self.num_gpu_blocks = num_blocks
+        # What the kernel choice settled on, in a few words, for the start line.
+        self.kernel_summary = self.runner.kernel_choice.summary()
         self.block_manager = BlockManager(
             num_blocks, self.block_size, config.enable_prefix_caching, num_swap_blocks
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.config import EngineConfig
-from batchgen.model.cpu_linear import cpu_has_native_bf16
+from batchgen.kernels.cpu.linear import cpu_has_native_bf16
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -247,6 +247,8 @@ def run_job(
         writer = PartWriter(state, tuple(options.keep_columns), options.commit_rows, options.commit_seconds)
         with _Interrupt() as interrupt:
             dashboard.start()
+            if getattr(engine, "kernel_summary", ""):
+                dashboard.log(f"kernels {engine.kernel_summary}")
             try:
                 if engine is None:
                     rows_read, finished = total or 0, True

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from batchgen.model import cpu_attention, cpu_kernels, cpu_ops
+from batchgen.kernels.cpu import attention as cpu_attention
+from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.cpu import ops as cpu_ops
 from batchgen.model.sdpa import (  # noqa: F401  (gather_* re-exported)
     causal_attention,
     decode_group_attention,
@@ -181,7 +183,7 @@ class TorchAttentionBackend(AttentionBackend):
 class CPUAttentionBackend(TorchAttentionBackend):
     """The torch backend with its decodes, prefill chunks and KV-cache writes in compiled C kernels.
 
-    See `batchgen.model.cpu_attention` (decodes 2.3-2.9x faster than the gather + SDPA path at 64
+    See `batchgen.kernels.cpu.attention` (decodes 2.3-2.9x faster than the gather + SDPA path at 64
     sequences; prefill 2.8-3.6x torch's CPU SDPA in bf16). With this backend the model's bf16
     element-wise ops run as C kernels too (`fused_cpu_ops`). A dtype or head size the kernels are
     not compiled for takes the torch path.

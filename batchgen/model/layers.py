@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.model import cpu_ops
+from batchgen.kernels.cpu import ops as cpu_ops
 from batchgen.model.attention import AttentionBackend, AttentionMetadata
 
 

@@ -15,8 +15,7 @@ import numpy as np
 import torch
 
 from batchgen.model.attention import AttentionMetadata, select_backend
-from batchgen.model.cpu_linear import can_prepack, prepack_linears
-from batchgen.model.cpu_stack import DecoderStack
+from batchgen.model.kernel_choice import KernelChoice, apply_kernels
 from batchgen.model.layers import RotaryEmbedding
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.sampler import RowPenalty, SampleLogprobs, Sampler, SamplingBatch, sample_logprobs
@@ -108,7 +107,11 @@ class ModelRunner:
         num_blocks: device KV blocks (the engine sizes them from its memory budget).
         num_swap_blocks: CPU blocks for swapped-out requests.
         max_positions: rotary table length (>= max_model_len).
-        attention_backend: "auto", "torch", "cpu" or "triton".
+        attention_backend: "auto", "torch", "cpu" or "triton" ("auto" is "torch" under
+            `kernels="reference"`).
+        kernels: "auto", "reference" or "native" (`batchgen.model.kernel_choice`).
+        max_step_rows / max_logit_rows: the most rows of a step (`max_num_batched_tokens`) and of
+            its logits (`max_num_seqs`): the row buckets kernels are chosen for.
         seed: seed of the shared sampling generator.
     """
 
@@ -123,12 +126,17 @@ class ModelRunner:
         num_swap_blocks: int,
         max_positions: int,
         attention_backend: str = "auto",
+        kernels: str = "auto",
+        max_step_rows: int = 2048,
+        max_logit_rows: int = 256,
         seed: int = 0,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
+        if kernels == "reference" and attention_backend == "auto" and device.type == "cpu":
+            attention_backend = "torch"
         self.backend = select_backend(attention_backend, device)
         with torch.device("meta"):
             model = LlamaForCausalLM(config, self.backend, max_positions)
@@ -139,9 +147,9 @@ class ModelRunner:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         model.model.rotary = RotaryEmbedding(config, head_dim, max_positions).to(device)
         model.load_weights(weights)
-        if can_prepack(dtype, device):
-            prepack_linears(model)
-            model.decoder_stack = DecoderStack.for_model(model)
+        self.kernel_choice: KernelChoice = apply_kernels(
+            model, kernels, device, max_step_rows, max_logit_rows
+        )
         self.model = model.eval()
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         shape = (num_blocks, block_size, kv_heads, head_dim)

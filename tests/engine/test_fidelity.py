@@ -15,7 +15,7 @@ import transformers
 
 from batchgen import LLM, SamplingParams
 from batchgen.bench.job_workload import read_job_rows
-from batchgen.model import cpu_attention
+from batchgen.kernels.cpu import attention as cpu_attention
 
 XSUM = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "xsum" / "test.jsonl"
 INSTRUCTION = "Summarize the following article in one sentence.\n\n"

@@ -22,7 +22,10 @@ ON_GPU = torch.cuda.is_available()
 # the interpreter; the kernel tests then fail with this message instead of an obscure launch error.
 IMPORTED_TOO_EARLY = ""
 if not ON_GPU:
-    if "kernels.decode_attention" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    if (
+        "batchgen.kernels.triton.decode_attention" in sys.modules
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    ):
         IMPORTED_TOO_EARLY = (
             "kernels was imported (by an earlier test module) before tests/kernels/conftest.py set "
             "TRITON_INTERPRET=1, so its kernels are compiled for a GPU; run with TRITON_INTERPRET=1 in the "

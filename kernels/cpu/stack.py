@@ -3,50 +3,90 @@
 The Python forward of a decoder layer makes about ten kernel calls through ctypes, each with its
 tensor allocations and argument checks. `DecoderStack` hands the same kernels' whole sequence to C
 once a step: the same arithmetic in the same order, so its results equal the Python path's bit for
-bit (`tests/model/test_cpu_stack.py`). On the default model's 30 layers (2-core Zen 5, bf16), the
-202 decode steps of the bench workload took 3.64 / 3.67 s layer by layer and 3.22 / 3.18 s through
-the stack (`python scripts/profile_engine.py [--no-decoder-stack]`): about 2 ms a step.
+bit (`tests/kernels/cpu/test_cpu_stack.py`); `python scripts/profile_engine.py [--no-decoder-stack]`
+compares the two on a whole workload.
 
-It applies to bf16 models on the "cpu" attention backend whose linear layers are all `Bf16Linear`
-(AVX512-BF16) without biases and without Qwen3's per-head q/k norms; `DecoderStack.for_model`
-returns None otherwise, and the model keeps its per-layer path.
+It applies to bf16 models on the "cpu" attention backend whose linear layers run batchgen's own
+bf16 kernel (AVX512-BF16) without biases and without Qwen3's per-head q/k norms, for the row counts
+where that kernel was measured fastest (`batchgen.model.llama.build_decoder_stack`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from batchgen.model import cpu_attention, cpu_kernels
-from batchgen.model.attention import AttentionMetadata
-from batchgen.model.cpu_linear import Bf16Linear, bf16_kernel_available
+from batchgen.kernels.cpu import attention as cpu_attention
+from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.cpu.linear import bf16_kernel_available
 
 # Status codes of decoder_stack_bf16 (csrc/decoder_stack.c); its 1, a kernel refusing a shape,
-# cannot follow for_model's and __call__'s checks.
+# cannot follow the builder's and __call__'s checks.
 _OUT_OF_MEMORY, _BAD_SLOT = 2, 3
+
+
+@dataclass(frozen=True)
+class StackDims:
+    """A Llama-family decoder's sizes, as the stack needs them (no model object below the model layer).
+
+    Attributes:
+        hidden_size / intermediate_size: model and MLP widths.
+        num_q_heads / num_kv_heads / head_dim: attention heads (query heads a multiple of KV heads).
+        eps: RMSNorm epsilon; scale: attention softmax scale (1/sqrt(head_dim) unless configured).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer's weights for the stack: RMSNorm weights bf16 `[hidden]` (contiguous) and the
+    four projections as `Bf16Linear` packed weights (bf16 `[N/16, K/2, 16, 2]`, no biases)."""
+
+    input_norm: torch.Tensor
+    qkv_proj: torch.Tensor
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
 
 
 class DecoderStack:
     """Runs every decoder layer of a bf16 Llama-family model for one step in C.
 
-    Build it with `for_model` after the linears are packed (`cpu_linear.prepack_linears`). The
-    per-layer table of weight and cache addresses is built on first use and rebuilt when the KV
-    caches move.
+    The model side builds it (`batchgen.model.llama.build_decoder_stack`) from the layers' packed
+    weights. The per-layer table of weight and cache addresses is built on first use and rebuilt
+    when the KV caches move.
     """
 
-    def __init__(self, model) -> None:
-        """`model`: a `LlamaForCausalLM` for which `for_model` found the stack applicable."""
-        config = model.config
-        first = model.model.layers[0].self_attn
+    def __init__(self, dims: StackDims, layers: list[StackLayer], max_rows: int = 0) -> None:
+        """`dims` and `layers` as above; `max_rows`: the most rows of a step the stack takes (0: no
+        limit); bigger steps take the per-layer path (chosen by measurement, `kernels.registry`).
+
+        Raises:
+            RuntimeError: the C library or its bf16 linear kernel is not built here (`applies`).
+        """
+        if not self.applies(dims):
+            raise RuntimeError("the C decoder stack needs batchgen's bf16 kernels, which are not built here")
+        self.dims = dims
         self.num_q_heads, self.num_kv_heads, self.head_dim = (
-            first.num_heads,
-            first.num_kv_heads,
-            first.head_dim,
+            dims.num_q_heads,
+            dims.num_kv_heads,
+            dims.head_dim,
         )
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
-        self.eps = float(config.rms_norm_eps)
-        self.scale = float(first.scale)
-        self.layers = list(model.model.layers)
+        self.hidden_size = dims.hidden_size
+        self.intermediate_size = dims.intermediate_size
+        self.eps = float(dims.eps)
+        self.scale = float(dims.scale)
+        self.layers = list(layers)
+        self.max_rows = max_rows
         self._lib = cpu_kernels.load_library()
         self._table: torch.Tensor | None = None
         self._table_caches: tuple[int, ...] = ()
@@ -54,50 +94,26 @@ class DecoderStack:
         self._workspace_per_token = 0  # bf16 elements a token needs; set with the table
         self._workspace = torch.empty(0, dtype=torch.bfloat16)
 
-    @classmethod
-    def for_model(cls, model) -> DecoderStack | None:
-        """A stack for `model`, or None where it does not apply (see the module docstring)."""
+    @staticmethod
+    def applies(dims: StackDims) -> bool:
+        """Whether the library is built with the bf16 linear kernel and both attention kernels take
+        these head sizes in bf16."""
         lib = cpu_kernels.load_library()
-        if lib is None or not bf16_kernel_available() or not model.model.layers:
-            return None
-        if not getattr(model.model.layers[0].self_attn.backend, "fused_cpu_ops", False):
-            return None
-        first = model.model.layers[0].self_attn
-        if not (
-            cpu_attention.supports(torch.bfloat16, first.head_dim, first.num_heads, first.num_kv_heads)
-            and cpu_attention.supports_prefill(
-                torch.bfloat16, first.head_dim, first.num_heads, first.num_kv_heads
-            )
-        ):
-            return None
-        for layer in model.model.layers:
-            linears = (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            )
-            if not all(isinstance(x, Bf16Linear) and x.bias is None for x in linears):
-                return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if layer.self_attn.qk_norm or not all(
-                w.dtype == torch.bfloat16 and w.is_contiguous() for w in norms
-            ):
-                return None
-            if layer.self_attn.scale != first.scale:
-                return None
-        return cls(model)
+        if lib is None or not bf16_kernel_available():
+            return False
+        heads = (torch.bfloat16, dims.head_dim, dims.num_q_heads, dims.num_kv_heads)
+        return cpu_attention.supports(*heads) and cpu_attention.supports_prefill(*heads)
 
     def takes(self, hidden: torch.Tensor, max_rows: int) -> bool:
         """Whether this step's residual stream `hidden` `[T, hidden_size]` goes through the stack:
         bf16, contiguous, at least one row and no more than `max_rows` (the model slices bigger
-        steps, `prefill_row_chunk`; 0 means no limit)."""
+        steps, `prefill_row_chunk`) nor the stack's own `max_rows` (0 means no limit)."""
         rows = hidden.shape[0]
         return (
             hidden.dtype == torch.bfloat16
             and hidden.is_contiguous()
             and rows > 0
-            and (max_rows <= 0 or rows <= max_rows)
+            and all(limit <= 0 or rows <= limit for limit in (max_rows, self.max_rows))
         )
 
     def __call__(
@@ -105,7 +121,7 @@ class DecoderStack:
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta,
     ) -> torch.Tensor:
         """Run every layer on `hidden` (bf16 `[T, hidden_size]`, updated in place; `takes` must hold).
 
@@ -113,7 +129,9 @@ class DecoderStack:
             hidden: the step's embeddings, bf16 `[T, hidden_size]`, contiguous.
             cos_sin: the step's rotary tables, bf16 `[T, 1, head_dim]` each.
             kv_caches: per layer, bf16 (K, V) `[num_blocks, block_size, Hkv, head_dim]`, contiguous.
-            meta: the step's attention metadata (decodes first, then prefill chunks).
+            meta: the step's attention metadata (decodes first, then prefill chunks): an object with
+                `slot_mapping`, `block_tables`, `seq_lens`, `query_start_loc`, `num_decodes` and
+                `num_seqs` as `batchgen.model.attention.AttentionMetadata` has them.
 
         Returns:
             the last layer's MLP output, bf16 `[T, hidden_size]`, not yet added to `hidden` (as the
@@ -180,7 +198,7 @@ class DecoderStack:
             )
         if status == _OUT_OF_MEMORY:
             raise RuntimeError("the C decoder stack could not allocate its attention scratch memory")
-        if status:  # for_model and the checks above admit only shapes the kernels take
+        if status:  # the builder and the checks above admit only shapes the kernels take
             raise RuntimeError(f"the C decoder stack refused the step (status {status})")
         return delta
 
@@ -205,19 +223,9 @@ class DecoderStack:
                     )
         rows = []
         for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            rows.append(
-                [
-                    layer.input_layernorm.weight.data_ptr(),
-                    attn.qkv_proj.packed_weight.data_ptr(),
-                    attn.o_proj.packed_weight.data_ptr(),
-                    layer.post_attention_layernorm.weight.data_ptr(),
-                    mlp.gate_up_proj.packed_weight.data_ptr(),
-                    mlp.down_proj.packed_weight.data_ptr(),
-                    k.data_ptr(),
-                    v.data_ptr(),
-                ]
-            )
+            weights = (layer.input_norm, layer.qkv_proj, layer.o_proj, layer.post_norm)
+            weights += (layer.gate_up_proj, layer.down_proj)
+            rows.append([w.data_ptr() for w in weights] + [k.data_ptr(), v.data_ptr()])
         self._table = torch.tensor(rows, dtype=torch.int64)
         num_blocks, block_size = shape[0], shape[1]
         self._dims = torch.tensor(

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from batchgen.model.cpu_kernels import load_library
+from batchgen.kernels.cpu.library import load_library
 
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from batchgen.model.cpu_linear import (
+from batchgen.kernels.cpu.linear import (
     Bf16Linear,
     PrepackedLinear,
     bf16_kernel_available,
@@ -129,7 +129,7 @@ def test_applies_only_to_shapes_and_dtypes_it_takes() -> None:
 
 
 def test_building_one_without_the_kernel_says_why(monkeypatch):
-    from batchgen.model import cpu_linear
+    from batchgen.kernels.cpu import linear as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: False)
     assert not cpu_linear.bf16_linear_applies(torch.zeros(64, 96, dtype=torch.bfloat16))
@@ -147,7 +147,7 @@ def test_benchmark_script_smoke():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "linear_bench.py"
+    script = Path(__file__).resolve().parents[3] / "scripts" / "linear_bench.py"
     args = ["--rows", "1", "7", "--layers", "1", "--rounds", "1", "--num-threads", "1"]
     result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.model import cpu_attention, cpu_kernels
-from tests.model.paged_cases import assert_cpu_backend_matches_torch, cached_step, shuffled_caches
+from batchgen.kernels.cpu import attention as cpu_attention
+from batchgen.kernels.cpu import library as cpu_kernels
+from tests.kernels.cpu.paged_cases import assert_cpu_backend_matches_torch, cached_step, shuffled_caches
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels._compiler() is None, reason="no C compiler ($CC, cc, gcc, clang) to build the CPU kernels"
@@ -149,7 +150,7 @@ def test_unsupported_shapes_are_refused():
 
 def test_benchmark_script_smoke():
     """scripts/cpu_prefill_attention_bench.py runs (tiny sizes; no timings checked)."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "cpu_prefill_attention_bench.py"
+    script = Path(__file__).resolve().parents[3] / "scripts" / "cpu_prefill_attention_bench.py"
     args = ["--lengths", "5,40", "--rounds", "2", "--dtype", "float32"]
     result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -19,7 +19,7 @@
  * and V rows from L1 for each query head of a group instead (REGISTER_LIGHT). On a 2-core AVX2
  * EPYC, float32, 58 sequences around 400 tokens, 30 layers (`scripts/cpu_attention_bench.py
  * --dtype float32 --num-seqs 58 --median-context 400`): 267 -> 131 ms a step, 4.9 -> 10 GB/s of
- * K/V. Compiled and loaded at run time by batchgen/model/cpu_attention.py.
+ * K/V. Compiled and loaded at run time by kernels/cpu/attention.py.
  */
 #include <math.h>
 #include <stdint.h>

@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernel tests need it (Linux x86-64)")
 
+from batchgen.kernels.triton import paged_prefill_attention  # noqa: E402
 from batchgen.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from kernels import paged_prefill_attention  # noqa: E402
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 

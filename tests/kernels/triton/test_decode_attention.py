@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernel tests need it (Linux x86-64)")
 
+from batchgen.kernels.triton import choose_num_splits, paged_decode_attention  # noqa: E402
 from batchgen.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from kernels import choose_num_splits, paged_decode_attention  # noqa: E402
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -152,7 +152,7 @@ def test_split_and_unsplit_agree(device, helpers, gen):
 
 
 def test_strided_block_tables_and_auto_splits(device, helpers, gen):
-    from kernels.decode_attention import num_sms
+    from batchgen.kernels.triton.decode_attention import num_sms
 
     lens = [600, 9]
     # The auto choice must split here (2 programs; the table spans 608 tokens), on CPU and on a GPU.

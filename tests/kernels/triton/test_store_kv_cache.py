@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernel tests need it (Linux x86-64)")
 
+from batchgen.kernels.triton import store_kv_cache  # noqa: E402
 from batchgen.model.attention import store_kv_cache_torch  # noqa: E402
-from kernels import store_kv_cache  # noqa: E402
 
 
 @pytest.mark.parametrize(

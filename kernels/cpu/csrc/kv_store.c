@@ -7,7 +7,7 @@
  * contiguous within the row), rows `key_stride` / `value_stride` bytes apart; k_cache and v_cache
  * [num_slots] rows of `row_bytes` (the [num_blocks, block_size, num_kv_heads, head_dim] cache, with
  * slot = block * block_size + offset, as PagedAttention, Kwon et al. 2023, arXiv:2309.06180).
- * Compiled with the other kernels into one library by batchgen/model/cpu_kernels.py.
+ * Compiled with the other kernels into one library by kernels/cpu/library.py.
  */
 #include <stdint.h>
 #include <string.h>

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import LOG2E, load_rows, mma, paged_rows
-from kernels.store_kv_cache import (
+from batchgen.kernels.triton.decode_attention import LOG2E, load_rows, mma, paged_rows
+from batchgen.kernels.triton.store_kv_cache import (
     FLOAT_DTYPES,
     check_device,
     check_inner_contiguous,

@@ -5,11 +5,11 @@ The sources are compiled together with the system C compiler (`$CC`, else `cc`) 
 torch headers are involved, so a build takes about two seconds. Where there is no compiler, or
 `BATCHGEN_CPU_KERNELS=0` is set, `load_library()` returns None and every caller keeps its torch path.
 
-The library holds the paged decode and prefill attention (wrapped by `batchgen.model.cpu_attention`), one-call
+The library holds the paged decode and prefill attention (wrapped by `batchgen.kernels.cpu.attention`), one-call
 versions of a decoder layer's bf16 element-wise chains and the write of a step's K/V rows into the
-paged cache (wrapped by `batchgen.model.cpu_ops`), the bf16 linear layer for CPUs with AVX512-BF16
-(wrapped by `batchgen.model.cpu_linear.Bf16Linear`), and a driver that runs all of a step's decoder
-layers through these kernels in one call (wrapped by `batchgen.model.cpu_stack`).
+paged cache (wrapped by `batchgen.kernels.cpu.ops`), the bf16 linear layer for CPUs with AVX512-BF16
+(wrapped by `batchgen.kernels.cpu.linear.Bf16Linear`), and a driver that runs all of a step's decoder
+layers through these kernels in one call (wrapped by `batchgen.kernels.cpu.stack`).
 """
 
 from __future__ import annotations

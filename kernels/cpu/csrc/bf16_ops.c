@@ -8,7 +8,7 @@
  *
  * Rows are contiguous `cols` bfloat16 values at `stride` elements apart. Large calls are split over
  * `num_threads` OpenMP threads by rows; small ones (decode steps) stay on the calling thread.
- * Compiled with paged_decode_attention.c into one library by batchgen/model/cpu_kernels.py.
+ * Compiled with paged_decode_attention.c into one library by kernels/cpu/library.py.
  */
 #include <math.h>
 #include <stdint.h>

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from batchgen import LLM
-from batchgen.model import cpu_attention, cpu_kernels
-from tests.model.paged_cases import assert_cpu_backend_matches_torch, cached_step, shuffled_caches
+from batchgen.kernels.cpu import attention as cpu_attention
+from batchgen.kernels.cpu import library as cpu_kernels
+from tests.kernels.cpu.paged_cases import assert_cpu_backend_matches_torch, cached_step, shuffled_caches
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels._compiler() is None, reason="no C compiler ($CC, cc, gcc, clang) to build the CPU kernels"
@@ -116,7 +117,7 @@ def test_engine_uses_the_kernel_by_default_on_cpu(tiny_model_dir):
 
 def test_benchmark_script_smoke():
     """scripts/cpu_attention_bench.py runs (a tiny size; no timings checked)."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "cpu_attention_bench.py"
+    script = Path(__file__).resolve().parents[3] / "scripts" / "cpu_attention_bench.py"
     args = ["--num-seqs", "4", "--median-context", "20", "--layers", "1", "--rounds", "1"]
     result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

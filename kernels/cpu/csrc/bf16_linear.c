@@ -1,6 +1,6 @@
 /* bf16 linear layers on CPUs with AVX512-BF16: y = x W^T + b with float32 accumulation.
  *
- * oneDNN's prepacked bf16 matmul (batchgen/model/cpu_linear.py) ran the default model's linears at
+ * oneDNN's prepacked bf16 matmul (kernels/cpu/linear.py) ran the default model's linears at
  * 30-40 GB/s of weights on decode steps (1-16 rows), about half of what two cores stream from
  * DRAM, and gained little from more rows until about 64. Here the weight is packed once into
  * strips of 16 output columns whose K dimension is stored in pairs, [N/16][K/2][16][2], so one
@@ -18,9 +18,9 @@
  * (`scripts/profile_engine.py`, interleaved runs) went from 11.1 / 11.0 s to 10.0 / 9.8 s.
  *
  * Layouts: x [M] rows of K bf16, `ldx` elements apart; w_packed [N/16][K/2][16][2] bf16 (packed by
- * batchgen/model/cpu_linear.py); bias float32 [N] or NULL; y [M] rows of N bf16, `ldy` elements apart,
+ * kernels/cpu/linear.py); bias float32 [N] or NULL; y [M] rows of N bf16, `ldy` elements apart,
  * rounded to nearest even from the float32 sums. N must be a multiple of 16 and K even.
- * Compiled with the other kernels into one library by batchgen/model/cpu_kernels.py.
+ * Compiled with the other kernels into one library by kernels/cpu/library.py.
  */
 #include <stdint.h>
 #include <string.h>

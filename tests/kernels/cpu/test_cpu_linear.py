@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen import LLM, SamplingParams
-from batchgen.model import runner as runner_module
-from batchgen.model.cpu_linear import (
+from batchgen.kernels.cpu.linear import (
     Bf16Linear,
+    PlainLinear,
     PrepackedLinear,
+    TunedLinear,
     bf16_kernel_available,
     can_prepack,
     cpu_has_native_bf16,
@@ -77,30 +78,32 @@ def test_prepack_replaces_every_linear_and_keeps_the_tied_embedding(dtype: torch
         assert model.head(model.block(x)).shape == (3, 50)
 
 
+@pytest.mark.parametrize("kernels", ["native", "auto"])
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=NO_NATIVE_BF16)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_engine_prepacks_and_matches_the_unpacked_engine(
-    tiny_model_dir, monkeypatch, arch: str, dtype: str
+def test_engine_kernels_match_the_reference_engine(
+    tiny_model_dir, arch: str, dtype: str, kernels: str
 ) -> None:
-    """Greedy tokens are identical with and without prepacking (qwen2: tied head and biases)."""
+    """Greedy tokens are identical with batchgen's kernels (native: packed by rule; auto: measured)
+    and with plain torch (qwen2: tied head and biases)."""
     path = str(tiny_model_dir(arch))
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
-    llm = LLM(path, dtype=dtype, max_num_seqs=4, device="cpu")
+    llm = LLM(path, dtype=dtype, max_num_seqs=4, device="cpu", kernels=kernels)
     modules = list(llm.llm_engine.runner.model.modules())
-    packed = [m for m in modules if isinstance(m, (PrepackedLinear, Bf16Linear))]
-    assert len(packed) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down) + LM head
-    # bf16 with batchgen's kernel: every layer of the tiny model has shapes it takes.
-    own_kernel = dtype == "bfloat16" and bf16_kernel_available()
-    assert all(isinstance(m, Bf16Linear) == own_kernel for m in packed)
+    replaced = [m for m in modules if isinstance(m, (PrepackedLinear, Bf16Linear, PlainLinear, TunedLinear))]
+    assert len(replaced) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down) + LM head
+    assert not any(isinstance(m, nn.Linear) for m in modules)
+    if kernels == "native":  # bf16 with batchgen's kernel: every layer of the tiny model has shapes it takes
+        own_kernel = dtype == "bfloat16" and bf16_kernel_available()
+        assert all(isinstance(m, Bf16Linear) == own_kernel for m in replaced)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
-    monkeypatch.setattr(runner_module, "can_prepack", lambda dtype, device: False)
-    plain = LLM(path, dtype=dtype, max_num_seqs=4, device="cpu")
-    assert not any(
-        isinstance(m, (PrepackedLinear, Bf16Linear)) for m in plain.llm_engine.runner.model.modules()
-    )
+    plain = LLM(path, dtype=dtype, max_num_seqs=4, device="cpu", kernels="reference")
+    plain_modules = list(plain.llm_engine.runner.model.modules())
+    assert sum(isinstance(m, nn.Linear) for m in plain_modules) == 2 * 4 + 1
+    assert plain.llm_engine.runner.backend.name == "torch"
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert got == expected
     assert all(len(t) == 12 for t in got)

@@ -4,14 +4,14 @@ One-call versions of a decoder layer's bf16 element-wise chains: RMSNorm with th
 it, SiLU-and-multiply and the rotary embedding; and the write of a step's K/V rows into the paged
 cache. On a decode step each replaces one or several ATen calls whose dispatch costs more than their
 arithmetic. Each function checks shapes, dtypes and strides before it hands pointers to C; the
-library is built and loaded by `batchgen.model.cpu_kernels`.
+library is built and loaded by `batchgen.kernels.cpu.library`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from batchgen.model import cpu_kernels
+from batchgen.kernels.cpu import library as cpu_kernels
 
 
 def bf16_ops_apply(x: torch.Tensor) -> bool:

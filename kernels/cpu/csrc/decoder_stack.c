@@ -3,7 +3,7 @@
  * The model's Python forward calls about ten C kernels a layer (norms, four linears, rotary, the
  * K/V store, attention, SiLU-and-multiply), each through ctypes with its torch allocations and
  * argument checks: about 2 ms a step outside the kernels for the default model's 30 layers
- * (batchgen/model/cpu_stack.py has the measurement). Here the same kernels run in the same order on the same inputs,
+ * (scripts/profile_engine.py measures it). Here the same kernels run in the same order on the same inputs,
  * so the result is bit for bit the Python path's; only the calls between them move into C. This is
  * the CPU counterpart of replaying a captured CUDA graph (as vLLM does for its decode steps).
  *
@@ -19,8 +19,8 @@
  * so on return `delta` holds the last layer's MLP output, not yet added to `hidden` (the caller adds
  * it for the rows it samples, as the Python path does).
  *
- * Compiled with the other kernels into one library by batchgen/model/cpu_kernels.py; wrapped by
- * batchgen/model/cpu_stack.py, which checks every shape, layout and bound before calling.
+ * Compiled with the other kernels into one library by kernels/cpu/library.py; wrapped by
+ * kernels/cpu/stack.py, which checks every shape, layout and bound before calling.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -51,7 +51,7 @@ int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache,
 /* Columns of the per-layer table `layers` [num_layers][LAYER_FIELDS]: addresses, as int64. */
 enum {
   INPUT_NORM,     /* bf16 [H] */
-  QKV_WEIGHT,     /* packed bf16 (batchgen/model/cpu_linear.py Bf16Linear) of [Q + 2 KV, H] */
+  QKV_WEIGHT,     /* packed bf16 (kernels/cpu/linear.py Bf16Linear) of [Q + 2 KV, H] */
   O_WEIGHT,       /* packed [H, Q] */
   POST_NORM,      /* bf16 [H] */
   GATE_UP_WEIGHT, /* packed [2 I, H] */

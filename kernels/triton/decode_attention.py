@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.store_kv_cache import (
+from batchgen.kernels.triton.store_kv_cache import (
     FLOAT_DTYPES,
     check_device,
     check_inner_contiguous,

@@ -28,7 +28,7 @@
  *   block_tables       int32 [num_seqs, table_stride]
  *   seq_lens           int32 [num_seqs], context length after this chunk (>= its query rows)
  * Arithmetic is float32 whatever the storage type (float32 or bfloat16).
- * Compiled and loaded at run time by batchgen/model/cpu_kernels.py.
+ * Compiled and loaded at run time by kernels/cpu/library.py.
  */
 #include <math.h>
 #include <stdint.h>

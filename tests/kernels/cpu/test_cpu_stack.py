@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.model.cpu_linear import bf16_kernel_available
-from batchgen.model.cpu_stack import DecoderStack
+from batchgen.kernels.cpu.linear import bf16_kernel_available
+from batchgen.kernels.cpu.stack import DecoderStack
 from batchgen.model.runner import StepInput
 
 pytestmark = pytest.mark.skipif(
@@ -20,7 +20,14 @@ BLOCK = 16
 
 
 def tiny_bf16_llm(tiny_model_dir, arch: str = "llama") -> LLM:
-    return LLM(str(tiny_model_dir(arch)), dtype="bfloat16", max_num_seqs=8, device="cpu", block_size=BLOCK)
+    return LLM(
+        str(tiny_model_dir(arch)),
+        dtype="bfloat16",
+        max_num_seqs=8,
+        device="cpu",
+        block_size=BLOCK,
+        kernels="native",
+    )
 
 
 def step_inputs(spec: list[tuple[int, int, int]]) -> list[StepInput]:

@@ -1,32 +1,47 @@
-"""Linear layers with oneDNN-prepacked weights, for float32 and bf16 on CPU.
+"""CPU linear layers: the candidates the kernel registry times, and `TunedLinear`, which runs the
+one measured fastest for each step's row count.
 
-`F.linear` on a CPU bf16 weight hands oneDNN a plain row-major matrix, which oneDNN reorders into
-its blocked (AMX/AVX-512) layout on every call. Decode steps multiply only a few rows, so that
-reorder is a large share of each matmul. Reordering each weight once at load time is what
-PyTorch's inductor does on CPU when it freezes a model (`torch._inductor.config.freezing`) and
-what Intel's extension for PyTorch does; here it is done by hand so no compile step is needed.
+- `PlainLinear` ("torch"): `F.linear`, torch's own path (MKL's sgemm in float32; in bf16 oneDNN with a
+  reorder of the plain weight on every call).
+- `PrepackedLinear` ("onednn"): the weight reordered once into oneDNN's blocked layout (what
+  PyTorch's inductor does when it freezes a CPU model, `torch._inductor.config.freezing`), so no call
+  pays the reorder; oneDNN then runs its best ISA for the machine (AMX tiles where there are some).
+- `Bf16Linear` ("bf16_c"): batchgen's own AVX512-BF16 kernel (`csrc/bf16_linear.c`) on a weight
+  packed for VDPBF16PS.
 
-Measured on the default model's shapes (1 thread, all 30 layers, bf16, AMX): 34.6 -> 23.4 ms at 1
-row, 47.9 -> 35.2 ms at 64 rows, 186 -> 70 ms at 256 rows, and about the same at 2048 rows.
-
-float32 gains too, against MKL's sgemm that `F.linear` calls: on a 2-core AVX2 EPYC (2 threads, all
-30 layers), 54 -> 21 ms at 2 rows, 49 -> 30 ms at 8 rows, 77 -> 62 ms at 32 rows and about the same
-from 64 rows up; the default model's 49,152-row LM head takes 24 -> 7 ms at 8 rows. A whole
-long-tail bench workload (`scripts/profile_engine.py`) went from 90.3 to 72.2 s.
-
-On a CPU with AVX512-BF16, bf16 linears go one step further: `Bf16Linear` runs batchgen's own
-kernel (`csrc/bf16_linear.c`) on a weight packed for VDPBF16PS, about 1.2-1.45x faster than oneDNN's
-prepacked path up to 64 rows (decode steps) and as fast at 2,048 (prefill chunks).
+Which is fastest depends on the machine and on the row count (few rows are memory-bound, many are
+compute-bound), so none is chosen by rule: `linear_candidates` lists what applies to a weight and
+`kernels.registry.choose` times them (`batchgen.model.kernel_choice` wires it into the model).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from batchgen.model import cpu_kernels
+from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.registry import bucket_index
+
+# oneDNN's ISA names at or above which an AVX512-BF16 kernel may run: ONEDNN_MAX_CPU_ISA below them
+# emulates a machine without it, and batchgen's own bf16 kernel honours that too.
+_ISAS_WITH_AVX512_BF16 = (
+    "AVX512_CORE_BF16",
+    "AVX512_CORE_FP16",
+    "AVX512_CORE_AMX",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512",
+    "AVX10_1_512_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+    "ALL",
+    "DEFAULT",
+)
 
 
 class PrepackedLinear(nn.Module):
@@ -155,7 +170,11 @@ def bf16_linear_applies(weight: torch.Tensor) -> bool:
 
 
 def bf16_kernel_available() -> bool:
-    """Whether the C library is built here with the AVX512-BF16 linear kernel."""
+    """Whether the C library is built here with the AVX512-BF16 linear kernel (and no
+    `ONEDNN_MAX_CPU_ISA` below AVX512_CORE_BF16 emulates a machine without it)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    if cap and cap.upper() not in _ISAS_WITH_AVX512_BF16:  # a lesser machine is being emulated
+        return False
     lib = cpu_kernels.load_library()
     return lib is not None and bool(lib.bf16_linear_available())
 
@@ -200,7 +219,8 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
 
 def prepack_linears(model: nn.Module) -> int:
     """Replace every `nn.Linear` in `model` (weights already loaded) by a `Bf16Linear` where
-    `bf16_linear_applies`, else by a `PrepackedLinear`.
+    `bf16_linear_applies`, else by a `PrepackedLinear`: `--kernels native`, batchgen's own kernels
+    wherever they apply, unmeasured.
 
     A tied LM head gets its own packed copy (the embedding keeps the plain weight for lookups):
     about `vocab x hidden x dtype size` bytes more memory. Returns the number of layers replaced.
@@ -231,3 +251,64 @@ def release_freed_heap() -> None:
     trim = getattr(process, "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+class PlainLinear(nn.Module):
+    """`y = x @ W^T + b` through `F.linear` on the plain weight `[out_features, in_features]` (torch's
+    own path: the "torch" candidate). Input `[..., in_features]`, output `[..., out_features]`, the
+    weight's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def linear_candidates(weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, Callable[[], nn.Module]]:
+    """Builders of every linear implementation that takes this CPU weight `[N, K]` (float32 or bf16):
+    "torch" always, "onednn" where `can_prepack`, "bf16_c" where `bf16_linear_applies`. Each builder
+    packs its own copy of the weight when called."""
+    weight, bias = weight.detach(), None if bias is None else bias.detach()
+    builders: dict[str, Callable[[], nn.Module]] = {"torch": lambda: PlainLinear(weight, bias)}
+    if can_prepack(weight.dtype, weight.device):
+        builders["onednn"] = lambda: PrepackedLinear(
+            pack_weight(weight), bias, weight.shape[1], weight.shape[0]
+        )
+    if bf16_linear_applies(weight):
+        builders["bf16_c"] = lambda: Bf16Linear.from_weight(weight, bias)
+    return builders
+
+
+class TunedLinear(nn.Module):
+    """A linear layer that runs, for each call's row count, the implementation measured fastest there.
+
+    Holds one module per implementation it uses (so one packed weight layout each: memory grows by
+    one weight copy per extra implementation) and a table from `kernels.registry.ROW_BUCKETS` index
+    to module. Input `[M, in_features]` (or `[..., in_features]`, counted as rows), output
+    `[..., out_features]`, the weight's dtype. The look-up is a bit length and a list index.
+    """
+
+    def __init__(self, impls: dict[str, nn.Module], by_bucket: list[str]) -> None:
+        """`impls`: name -> built module (all of one weight); `by_bucket`: the name used at each
+        bucket index (its length covers every bucket; the last serves bigger steps too)."""
+        super().__init__()
+        self.impls = nn.ModuleDict(impls)
+        self.by_bucket = list(by_bucket)
+        self._calls = [impls[name] for name in by_bucket]
+        first = next(iter(impls.values()))
+        self.in_features, self.out_features = first.in_features, first.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
+        return self._calls[min(bucket_index(rows), len(self._calls) - 1)](x)
+
+    def kind_at(self, rows: int) -> str:
+        """The implementation name a call of `rows` rows runs."""
+        return self.by_bucket[min(bucket_index(rows), len(self.by_bucket) - 1)]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, by_bucket={self.by_bucket}"

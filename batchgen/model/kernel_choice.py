@@ -1,0 +1,242 @@
+"""Which kernels the loaded model runs: `--kernels auto|reference|native`.
+
+- "auto" (default): every linear shape of the model gets, per row bucket, the implementation measured
+  fastest on this machine (`kernels.registry.choose` over `kernels.cpu.linear.linear_candidates`),
+  and the one-call C decoder stack runs the steps whose row counts all its linears chose batchgen's
+  own bf16 kernel for (it runs exactly those kernels, minus the per-layer Python calls).
+- "reference": plain torch (`F.linear`, the torch attention backend): the oracle, and a fallback.
+- "native": batchgen's own kernels wherever they apply, unmeasured (the bf16 C linear on a CPU with
+  AVX512-BF16, else oneDNN-prepacked weights; the decoder stack for every step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from batchgen.config import KERNEL_MODES
+from batchgen.kernels.cpu.linear import (
+    Bf16Linear,
+    TunedLinear,
+    can_prepack,
+    linear_candidates,
+    prepack_linears,
+)
+from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
+from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, buckets_up_to, choose, machine_key
+
+logger = logging.getLogger(__name__)
+
+# Relative tolerance of a linear candidate against the float32 product of the same inputs: float32
+# kernels differ in summation order only; bf16 rounds the output (2^-8) and may sum in bf16 pairs.
+_LINEAR_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class KernelChoice:
+    """What `apply_kernels` chose: per linear shape the implementation at each row bucket, the rows
+    up to which the decoder stack runs (None: not at all; 0: every step), and the tuning table
+    (None unless "auto")."""
+
+    mode: str
+    linears: dict[str, list[str]] = field(default_factory=dict)
+    stack_max_rows: int | None = None
+    table: TuningTable | None = None
+    seconds: float = 0.0  # spent choosing: measuring, or looking up a cached table, and packing
+
+    def summary(self) -> str:
+        """A few words for the start line, e.g. "auto: linear onednn (1-2048 rows)"."""
+        if self.mode == "native":
+            return "native: batchgen's own kernels where they apply" + (
+                "; decoder stack" if self.stack_max_rows is not None else ""
+            )
+        if self.mode == "reference" or not self.linears:
+            return f"{self.mode}: plain torch"
+        spans: dict[str, list[int]] = {}
+        for by_bucket in self.linears.values():
+            for rows, name in zip(ROW_BUCKETS, by_bucket, strict=False):
+                spans.setdefault(name, []).append(rows)
+        parts = [f"{name} ({min(rows)}-{max(rows)} rows)" for name, rows in spans.items()]
+        stack = ""
+        if self.stack_max_rows is not None:
+            stack = f"; decoder stack up to {self.stack_max_rows or 'any'} rows"
+        return f"{self.mode}: linear " + ", ".join(parts) + stack
+
+
+def _named_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            yield name, module
+
+
+def _shape_name(linear: nn.Linear) -> str:
+    return f"{linear.out_features}x{linear.in_features}" + ("+bias" if linear.bias is not None else "")
+
+
+def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[str]:
+    """The implementation name at each row bucket up to `max_rows`, for `linear`'s shape and dtype,
+    from `table` or measured on random inputs of that shape (added to `table`)."""
+    builders = linear_candidates(linear.weight, linear.bias)
+    buckets = buckets_up_to(max_rows)
+    if len(builders) == 1:
+        return [next(iter(builders))] * len(buckets)
+    weight = linear.weight.detach()
+    dtype = weight.dtype
+    generator = torch.Generator().manual_seed(0)
+    inputs: dict[int, torch.Tensor] = {}
+    built: dict[str, nn.Module] = {}
+
+    def x(rows: int) -> torch.Tensor:
+        if rows not in inputs:
+            inputs.clear()  # one bucket's input at a time: 2,048 rows of a wide layer are megabytes
+            inputs[rows] = torch.randn(rows, linear.in_features, generator=generator).to(dtype)
+        return inputs[rows]
+
+    def reference(rows: int) -> torch.Tensor:
+        bias = None if linear.bias is None else linear.bias.float()
+        return nn.functional.linear(x(rows).float(), weight.float(), bias)
+
+    def candidate(name: str):
+        def setup(rows: int):
+            if name not in built:
+                built[name] = builders[name]()
+            module, data = built[name], x(rows)
+            return lambda: module(data)
+
+        return setup
+
+    chosen = choose(
+        table,
+        "linear",
+        f"{_shape_name(linear)}:{str(dtype).removeprefix('torch.')}",
+        buckets,
+        {name: candidate(name) for name in builders},
+        reference,
+        _LINEAR_RTOL.get(dtype, 2e-2),
+        work=lambda rows: 2.0 * rows * linear.in_features * linear.out_features,
+    )
+    return [chosen[rows] for rows in buckets]
+
+
+def apply_kernels(
+    model: nn.Module, mode: str, device: torch.device, max_rows: int, max_logit_rows: int
+) -> KernelChoice:
+    """Put the chosen linear implementations into `model` (weights loaded) and set its decoder stack.
+
+    Args:
+        model: a `LlamaForCausalLM` with its weights loaded, on `device`.
+        mode: one of `KERNEL_MODES`.
+        max_rows: the most rows a step can have (`max_num_batched_tokens`): the largest bucket timed.
+        max_logit_rows: the most rows the LM head sees in a step (`max_num_seqs`).
+
+    Raises:
+        ValueError: an unknown `mode`.
+    """
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}; got {mode!r}")
+    dtype = next(model.parameters()).dtype
+    if mode == "reference" or not can_prepack(dtype, device):
+        return KernelChoice(mode if device.type == "cpu" else "reference")
+    if mode == "native":
+        prepack_linears(model)
+        model.decoder_stack = build_decoder_stack(model, max_rows=0)
+        return KernelChoice("native", stack_max_rows=0 if model.decoder_stack is not None else None)
+    start = time.perf_counter()
+    table = TuningTable.load(machine_key(dtype))
+    choice = KernelChoice("auto", table=table)
+    by_shape: dict[str, list[str]] = {}
+    for name, linear in list(_named_linears(model)):
+        rows = max_logit_rows if name.endswith("lm_head") else max_rows
+        key = f"{_shape_name(linear)}@{rows}"
+        if key not in by_shape:
+            by_shape[key] = tune_linear(table, linear, rows)
+        by_bucket = by_shape[key]
+        choice.linears[key] = by_bucket
+        builders = linear_candidates(linear.weight, linear.bias)
+        impls = {kind: builders[kind]() for kind in dict.fromkeys(by_bucket)}
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(
+            parent, child, TunedLinear(impls, by_bucket) if len(impls) > 1 else next(iter(impls.values()))
+        )
+    table.save()
+    stack_rows = _stack_rows(model)
+    model.decoder_stack = build_decoder_stack(model, max_rows=stack_rows) if stack_rows else None
+    choice.stack_max_rows = stack_rows if model.decoder_stack is not None else None
+    choice.seconds = time.perf_counter() - start
+    return choice
+
+
+def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:
+    """The packed bf16 weight of batchgen's own kernel in `linear` (a `Bf16Linear`, or a
+    `TunedLinear` holding one), where it has one and no bias (the stack adds none)."""
+    if isinstance(linear, TunedLinear):
+        linear = linear.impls["bf16_c"] if "bf16_c" in linear.impls else None
+    if not isinstance(linear, Bf16Linear) or linear.bias is not None:
+        return None
+    return linear.packed_weight
+
+
+def _stack_rows(model: nn.Module) -> int:
+    """The largest bucket bound up to which every decoder-layer linear runs "bf16_c" (0: none):
+    there the stack runs the very kernels the per-layer path would, without its Python calls."""
+    linears = [
+        linear
+        for layer in model.model.layers
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
+    if not all(isinstance(linear, TunedLinear) for linear in linears):
+        return 0
+    best = 0
+    for index, rows in enumerate(ROW_BUCKETS[: min(len(x.by_bucket) for x in linears)]):
+        if any(linear.by_bucket[index] != "bf16_c" for linear in linears):
+            break
+        best = rows
+    return best
+
+
+def build_decoder_stack(model: nn.Module, max_rows: int) -> DecoderStack | None:
+    """The C decoder stack for `model`, or None where it does not apply: a bf16 model on the "cpu"
+    attention backend whose layer linears all hold batchgen's bf16 kernel, without biases or
+    Qwen3's q/k norms, with one attention scale. `max_rows`: the stack's row limit (0: none)."""
+    layers = model.model.layers
+    if not layers or not getattr(layers[0].self_attn.backend, "fused_cpu_ops", False):
+        return None
+    first = layers[0].self_attn
+    config = model.config
+    dims = StackDims(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_q_heads=first.num_heads,
+        num_kv_heads=first.num_kv_heads,
+        head_dim=first.head_dim,
+        eps=float(config.rms_norm_eps),
+        scale=float(first.scale),
+    )
+    if not DecoderStack.applies(dims):
+        return None
+    stack_layers = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        weights = [_bf16_weight(p) for p in projections]
+        if any(w is None for w in weights):
+            return None
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if attn.qk_norm or attn.scale != first.scale:
+            return None
+        if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in norms):
+            return None
+        qkv, o, gate_up, down = weights
+        stack_layers.append(StackLayer(norms[0], qkv, o, norms[1], gate_up, down))
+    return DecoderStack(dims, stack_layers, max_rows=max_rows)

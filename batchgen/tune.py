@@ -1,0 +1,87 @@
+"""`batchgen tune`: load the model, choose its kernels (measuring what the cache lacks) and print
+the table: op, shape, row bucket, each candidate's time and rate, and the chosen one."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from batchgen import cli_types as opt
+from batchgen.config import EngineConfig
+
+
+def table_rows(table) -> list[dict]:
+    """The tuning table's entries with each candidate's rate (GFLOP/s or GB/s) next to its time."""
+    rows = []
+    for row in table.rows():
+        rates = {}
+        for name, ms in row["ms"].items():
+            if ms and row.get("work"):
+                rates[name] = row["work"] / (ms * 1e-3) / 1e9
+        rows.append({**row, "rate": rates})
+    return rows
+
+
+def print_table(rows: list[dict], seconds: float, summary: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kernel choice ({summary}); chosen in {seconds:.2f} s", title_justify="left")
+    for column in ("op", "shape", "rows", "candidates: ms (GFLOP/s)", "chosen"):
+        table.add_column(column, justify="right" if column == "rows" else "left")
+    for row in rows:
+        cells = []
+        for name, ms in row["ms"].items():
+            if ms is None:
+                reason = row["dropped"].get(name)
+                cells.append(f"{name} {'dropped' if reason else 'not timed (slower)'}")
+            else:
+                rate = row["rate"].get(name)
+                cells.append(f"{name} {ms:.3f}" + (f" ({rate:.0f})" if rate else ""))
+        table.add_row(row["op"], row["shape"], str(row["rows"]), ", ".join(cells), row["chosen"])
+    Console().print(table)
+
+
+def tune_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the table as JSON lines")] = False,
+    model: opt.Model = EngineConfig.model,
+    dtype: opt.Dtype = EngineConfig.dtype,
+    max_num_seqs: opt.MaxNumSeqs = EngineConfig.max_num_seqs,
+    max_num_batched_tokens: opt.MaxNumBatchedTokens = EngineConfig.max_num_batched_tokens,
+    max_model_len: opt.MaxModelLen = EngineConfig.max_model_len,
+    kv_cache_memory: opt.KvCacheMemory = "64MiB",
+    attention_backend: opt.AttentionBackend = EngineConfig.attention_backend,
+    device: opt.Device = EngineConfig.device,
+    num_threads: opt.NumThreads = EngineConfig.num_threads,
+) -> None:
+    """Choose the kernels for a model on this machine and print the measured table (cached: a
+    second call, like a second `batchgen run`, measures nothing)."""
+    from batchgen.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        kv_cache_memory=kv_cache_memory,
+        attention_backend=attention_backend,
+        device=device,
+        num_threads=num_threads,
+        kernels="auto",
+    )
+    engine = LLMEngine(config)
+    choice = engine.runner.kernel_choice
+    seconds = choice.seconds
+    if choice.table is None:
+        typer.echo(f"kernels {choice.summary()}: nothing to measure on {engine.device} in {engine.dtype}")
+        return
+    rows = table_rows(choice.table)
+    if as_json:
+        for row in rows:
+            typer.echo(json.dumps(row))
+        return
+    print_table(rows, seconds, choice.summary())
+    typer.echo(f"cache: {choice.table.path}")

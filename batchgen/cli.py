@@ -134,6 +134,7 @@ def run_command(
     aging_steps: opt.AgingSteps = EngineConfig.aging_steps,
     attention_backend: opt.AttentionBackend = EngineConfig.attention_backend,
     kernels: opt.Kernels = EngineConfig.kernels,
+    one_weight_layout: opt.OneWeightLayout = EngineConfig.one_weight_layout,
     device: opt.Device = EngineConfig.device,
     num_threads: opt.NumThreads = EngineConfig.num_threads,
     # --- job mechanics ---

@@ -79,6 +79,9 @@ Kernels = Annotated[
         + ": auto times each kernel on this machine (cached), reference is plain torch, native is batchgen's own"
     ),
 ]
+OneWeightLayout = Annotated[
+    bool, typer.Option(help="--kernels auto: one weight copy per linear (less memory, maybe slower)")
+]
 Device = Annotated[str, typer.Option(help=choices(DEVICES))]
 NumThreads = Annotated[int | None, typer.Option(help="torch CPU threads")]
 
@@ -99,6 +102,7 @@ ENGINE_OPTIONS = (
     "aging_steps",
     "attention_backend",
     "kernels",
+    "one_weight_layout",
     "device",
     "num_threads",
 )

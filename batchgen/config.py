@@ -122,6 +122,8 @@ class EngineConfig:
         kernels: "auto" (each linear shape and row bucket runs the implementation measured fastest
             here, cached per machine), "reference" (plain torch; auto attention becomes "torch") or
             "native" (batchgen's own kernels wherever they apply, unmeasured).
+        one_weight_layout: under "auto", hold one weight layout per linear layer (no second copy
+            for the row counts where another implementation is over 10% faster).
         device: "auto" (cuda when available), "cpu" or "cuda".
         seed: seed of the generator used by sampled requests that have no `seed` of their own.
         num_threads: torch intra-op threads on CPU; None keeps torch's default.
@@ -146,6 +148,7 @@ class EngineConfig:
     aging_steps: int = 256
     attention_backend: str = "auto"
     kernels: str = "auto"
+    one_weight_layout: bool = False
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None

@@ -169,7 +169,10 @@ def _valid_entry(entry) -> bool:
 
 
 def fastest_seconds(
-    calls: Mapping[str, Callable[[], object]], min_rounds: int = 5, max_rounds: int = 30, min_total_s: float = 0.05
+    calls: Mapping[str, Callable[[], object]],
+    min_rounds: int = 5,
+    max_rounds: int = 30,
+    min_total_s: float = 0.05,
 ) -> dict[str, float]:
     """Each call's fastest wall time in seconds over interleaved rounds (A, B, A, B, ...).
 

@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchgen.kernels.cpu import attention as cpu_attention  # noqa: E402
-
 from batchgen.model.attention import AttentionMetadata, CPUAttentionBackend, TorchAttentionBackend  # noqa: E402
 
 

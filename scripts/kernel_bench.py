@@ -253,6 +253,7 @@ def make_prefill_inputs(batch, query_len, prefix, gen):
 
 def prefill(bench: Bench) -> None:
     import torch.nn.functional as F
+
     from batchgen.kernels.triton import paged_prefill_attention
 
     batch, query_len = PREFILL_BATCH, PREFILL_CHUNK

@@ -27,13 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from batchgen.kernels.cpu import library as cpu_kernels  # noqa: E402
-
 from batchgen.bench.model_facts import bench_workload  # noqa: E402
 from batchgen.bench.spec import WorkloadSpec  # noqa: E402
 from batchgen.bench.static import bench_sampling_params, warmup_engine, warmup_prompt  # noqa: E402
 from batchgen.config import EngineConfig  # noqa: E402
 from batchgen.engine.llm_engine import LLMEngine  # noqa: E402
+from batchgen.kernels.cpu import library as cpu_kernels  # noqa: E402
 
 # The C library's entry points that run a step's work (the others answer questions about it).
 C_KERNELS = (

@@ -112,6 +112,7 @@ class LLMEngine:
             max_positions=self.max_model_len + 1,
             attention_backend=config.attention_backend,
             kernels=config.kernels,
+            one_weight_layout=config.one_weight_layout,
             max_step_rows=self.max_num_batched_tokens,
             max_logit_rows=config.max_num_seqs,
             seed=config.seed,

@@ -26,6 +26,7 @@ from batchgen.kernels.cpu.linear import (
     can_prepack,
     linear_candidates,
     prepack_linears,
+    release_freed_heap,
 )
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
 from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, buckets_up_to, choose, machine_key
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 # Relative tolerance of a linear candidate against the float32 product of the same inputs: float32
 # kernels differ in summation order only; bf16 rounds the output (2^-8) and may sum in bf16 pairs.
 _LINEAR_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+# A second weight layout (and its memory) is kept only for buckets where it is this much faster.
+SECOND_LAYOUT_GAIN = 1.10
 
 
 @dataclass
@@ -48,24 +51,29 @@ class KernelChoice:
     stack_max_rows: int | None = None
     table: TuningTable | None = None
     seconds: float = 0.0  # spent choosing: measuring, or looking up a cached table, and packing
+    extra_weight_bytes: int = 0  # weight copies held for a second layout (`plan_layouts`)
 
     def summary(self) -> str:
-        """A few words for the start line, e.g. "auto: linear onednn (1-2048 rows)"."""
+        """A few words for the start line, e.g. "auto: linear onednn 80%, torch 20%" (shares of the
+        (shape, row bucket) pairs)."""
         if self.mode == "native":
             return "native: batchgen's own kernels where they apply" + (
                 "; decoder stack" if self.stack_max_rows is not None else ""
             )
         if self.mode == "reference" or not self.linears:
             return f"{self.mode}: plain torch"
-        spans: dict[str, list[int]] = {}
+        uses: dict[str, int] = {}
         for by_bucket in self.linears.values():
-            for rows, name in zip(ROW_BUCKETS, by_bucket, strict=False):
-                spans.setdefault(name, []).append(rows)
-        parts = [f"{name} ({min(rows)}-{max(rows)} rows)" for name, rows in spans.items()]
+            for name in by_bucket:
+                uses[name] = uses.get(name, 0) + 1
+        total = sum(uses.values())
+        parts = [f"{name} {100 * n / total:.0f}%" for name, n in sorted(uses.items(), key=lambda x: -x[1])]
         stack = ""
         if self.stack_max_rows is not None:
             stack = f"; decoder stack up to {self.stack_max_rows or 'any'} rows"
-        return f"{self.mode}: linear " + ", ".join(parts) + stack
+        extra = self.extra_weight_bytes / 2**20
+        memory = f"; second weight layouts {extra:.0f} MiB" if extra else ""
+        return f"{self.mode}: linear " + ", ".join(parts) + stack + memory
 
 
 def _named_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
@@ -78,13 +86,14 @@ def _shape_name(linear: nn.Linear) -> str:
     return f"{linear.out_features}x{linear.in_features}" + ("+bias" if linear.bias is not None else "")
 
 
-def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[str]:
-    """The implementation name at each row bucket up to `max_rows`, for `linear`'s shape and dtype,
-    from `table` or measured on random inputs of that shape (added to `table`)."""
+def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[dict[str, float | None]]:
+    """Each candidate's time (ms; None where not timed or dropped) at each row bucket up to
+    `max_rows`, for `linear`'s shape and dtype, from `table` or measured on random inputs of that
+    shape (added to `table`)."""
     builders = linear_candidates(linear.weight, linear.bias)
     buckets = buckets_up_to(max_rows)
     if len(builders) == 1:
-        return [next(iter(builders))] * len(buckets)
+        return [{next(iter(builders)): 0.0}] * len(buckets)
     weight = linear.weight.detach()
     dtype = weight.dtype
     generator = torch.Generator().manual_seed(0)
@@ -110,21 +119,58 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[st
 
         return setup
 
-    chosen = choose(
+    shape = f"{_shape_name(linear)}:{str(dtype).removeprefix('torch.')}"
+    choose(
         table,
         "linear",
-        f"{_shape_name(linear)}:{str(dtype).removeprefix('torch.')}",
+        shape,
         buckets,
         {name: candidate(name) for name in builders},
         reference,
         _LINEAR_RTOL.get(dtype, 2e-2),
         work=lambda rows: 2.0 * rows * linear.in_features * linear.out_features,
     )
-    return [chosen[rows] for rows in buckets]
+    return [table.entries[f"linear|{shape}|{rows}"]["ms"] for rows in buckets]
+
+
+def plan_layouts(times: list[dict[str, float | None]], one_layout: bool = False) -> list[str]:
+    """The implementation to run at each bucket, given each candidate's time there.
+
+    Every implementation a layer runs holds its own copy of the weight, so a second one must pay
+    for its memory: one primary implementation (the least total slowdown against the fastest over
+    all buckets) runs everywhere, except at the buckets where another is more than
+    `SECOND_LAYOUT_GAIN` faster (so the result is always within that of the fastest). With
+    `one_layout`, the primary runs everywhere.
+    """
+    names = list(dict.fromkeys(name for bucket in times for name in bucket))
+
+    def slowdown(name: str) -> float:
+        total = 0.0
+        for bucket in times:
+            timed = [t for t in bucket.values() if t is not None]
+            mine = bucket.get(name)
+            total += float("inf") if mine is None else mine / max(min(timed), 1e-9)
+        return total
+
+    primary = min(names, key=slowdown)
+    if one_layout or len(names) == 1:
+        return [primary] * len(times)
+    plan = []
+    for bucket in times:
+        timed = {n: t for n, t in bucket.items() if t is not None}
+        fastest = min(timed, key=timed.__getitem__)
+        mine = bucket.get(primary)
+        plan.append(fastest if mine is None or mine > SECOND_LAYOUT_GAIN * timed[fastest] else primary)
+    return plan
 
 
 def apply_kernels(
-    model: nn.Module, mode: str, device: torch.device, max_rows: int, max_logit_rows: int
+    model: nn.Module,
+    mode: str,
+    device: torch.device,
+    max_rows: int,
+    max_logit_rows: int,
+    one_layout: bool = False,
 ) -> KernelChoice:
     """Put the chosen linear implementations into `model` (weights loaded) and set its decoder stack.
 
@@ -133,6 +179,7 @@ def apply_kernels(
         mode: one of `KERNEL_MODES`.
         max_rows: the most rows a step can have (`max_num_batched_tokens`): the largest bucket timed.
         max_logit_rows: the most rows the LM head sees in a step (`max_num_seqs`).
+        one_layout: hold one weight layout per linear (`plan_layouts`), at some speed.
 
     Raises:
         ValueError: an unknown `mode`.
@@ -154,17 +201,20 @@ def apply_kernels(
         rows = max_logit_rows if name.endswith("lm_head") else max_rows
         key = f"{_shape_name(linear)}@{rows}"
         if key not in by_shape:
-            by_shape[key] = tune_linear(table, linear, rows)
+            by_shape[key] = plan_layouts(tune_linear(table, linear, rows), one_layout)
         by_bucket = by_shape[key]
         choice.linears[key] = by_bucket
         builders = linear_candidates(linear.weight, linear.bias)
         impls = {kind: builders[kind]() for kind in dict.fromkeys(by_bucket)}
+        weight_bytes = linear.weight.numel() * linear.weight.element_size()
+        choice.extra_weight_bytes += (len(impls) - 1) * weight_bytes
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(
             parent, child, TunedLinear(impls, by_bucket) if len(impls) > 1 else next(iter(impls.values()))
         )
     table.save()
+    release_freed_heap()  # the plain weights that no implementation kept
     stack_rows = _stack_rows(model)
     model.decoder_stack = build_decoder_stack(model, max_rows=stack_rows) if stack_rows else None
     choice.stack_max_rows = stack_rows if model.decoder_stack is not None else None

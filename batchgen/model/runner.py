@@ -109,7 +109,8 @@ class ModelRunner:
         max_positions: rotary table length (>= max_model_len).
         attention_backend: "auto", "torch", "cpu" or "triton" ("auto" is "torch" under
             `kernels="reference"`).
-        kernels: "auto", "reference" or "native" (`batchgen.model.kernel_choice`).
+        kernels: "auto", "reference" or "native" (`batchgen.model.kernel_choice`);
+            `one_weight_layout` holds one weight copy per linear under "auto".
         max_step_rows / max_logit_rows: the most rows of a step (`max_num_batched_tokens`) and of
             its logits (`max_num_seqs`): the row buckets kernels are chosen for.
         seed: seed of the shared sampling generator.
@@ -127,6 +128,7 @@ class ModelRunner:
         max_positions: int,
         attention_backend: str = "auto",
         kernels: str = "auto",
+        one_weight_layout: bool = False,
         max_step_rows: int = 2048,
         max_logit_rows: int = 256,
         seed: int = 0,
@@ -148,7 +150,7 @@ class ModelRunner:
         model.model.rotary = RotaryEmbedding(config, head_dim, max_positions).to(device)
         model.load_weights(weights)
         self.kernel_choice: KernelChoice = apply_kernels(
-            model, kernels, device, max_step_rows, max_logit_rows
+            model, kernels, device, max_step_rows, max_logit_rows, one_layout=one_weight_layout
         )
         self.model = model.eval()
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -92,7 +92,9 @@ def test_engine_kernels_match_the_reference_engine(
 
     llm = LLM(path, dtype=dtype, max_num_seqs=4, device="cpu", kernels=kernels)
     modules = list(llm.llm_engine.runner.model.modules())
-    replaced = [m for m in modules if isinstance(m, (PrepackedLinear, Bf16Linear, PlainLinear, TunedLinear))]
+    kinds = (PrepackedLinear, Bf16Linear, PlainLinear, TunedLinear)
+    inside_tuned = {id(impl) for m in modules if isinstance(m, TunedLinear) for impl in m.impls.values()}
+    replaced = [m for m in modules if isinstance(m, kinds) and id(m) not in inside_tuned]
     assert len(replaced) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down) + LM head
     assert not any(isinstance(m, nn.Linear) for m in modules)
     if kernels == "native":  # bf16 with batchgen's kernel: every layer of the tiny model has shapes it takes

@@ -39,7 +39,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # A candidate this many times slower than the fastest at two buckets in a row is not timed at the
 # larger ones (its time there is recorded as None): tuning stays seconds, not minutes.
 PRUNE_RATIO = 3.0
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: linear times taken over weights that stream from memory (`calls_per_run`)
 # Environment switches that change which code oneDNN, torch or batchgen's kernels run.
 _ENV_KEYS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "BATCHGEN_CPU_KERNELS", "ATEN_CPU_CAPABILITY")
 
@@ -213,6 +213,8 @@ def choose(
     rtol: float,
     work: Callable[[int], float] | None = None,
     unit: str = "flop",
+    calls_per_run: int = 1,
+    prune: bool = True,
 ) -> dict[int, str]:
     """The fastest correct candidate of `op` at each row bucket, measured (or looked up in `table`).
 
@@ -224,7 +226,13 @@ def choose(
             on `rows` rows of prepared input. A `setup` or call that raises drops the candidate.
         reference: `rows` -> the reference output for that input; a candidate whose output differs
             by more than `rtol` (relative to the reference's largest magnitude) is dropped.
-        work: `rows` -> flops (or bytes) of one call, kept for the printed rates.
+        work: `rows` -> flops (or bytes) of one op, kept for the printed rates.
+        calls_per_run: how many ops one call runs (e.g. on distinct weights, so that they stream
+            from memory as in a model step instead of staying in a core's cache); the recorded
+            times are per op.
+        prune: stop timing a candidate after two buckets in a row at `PRUNE_RATIO` times the
+            fastest: right where a candidate only falls further behind as rows grow (a vector
+            kernel against a matrix-unit one), wrong where the lead changes hands.
 
     Returns:
         bucket -> chosen candidate name.
@@ -245,7 +253,7 @@ def choose(
         expected = reference(rows)
         ready: dict[str, Callable[[], torch.Tensor]] = {}
         for name, setup in candidates.items():
-            if name in dropped or slow_streak[name] >= 2:
+            if name in dropped or (prune and slow_streak[name] >= 2):
                 continue
             try:
                 call = setup(rows)
@@ -255,7 +263,7 @@ def choose(
             except Exception as exc:  # noqa: BLE001  a broken candidate must never stop the run
                 dropped[name] = f"{type(exc).__name__}: {exc}"
                 logger.warning("kernel %s for %s %s dropped at %d rows: %s", name, op, shape, rows, exc)
-        measured = {name: 1e3 * s for name, s in fastest_seconds(ready).items()}
+        measured = {name: 1e3 * s / calls_per_run for name, s in fastest_seconds(ready).items()}
         times: dict[str, float | None] = {name: measured.get(name) for name in candidates}
         timed = {n: t for n, t in times.items() if t is not None}
         if not timed:

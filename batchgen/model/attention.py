@@ -9,6 +9,7 @@ https://arxiv.org/abs/2309.06180).
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu import ops as cpu_ops
+from batchgen.kernels.registry import bucket_index
 from batchgen.model.sdpa import (  # noqa: F401  (gather_* re-exported)
     causal_attention,
     decode_group_attention,
@@ -202,28 +204,65 @@ class CPUAttentionBackend(TorchAttentionBackend):
         else:
             TorchAttentionBackend._store(key, value, k_cache, v_cache, meta)
 
+    # Per row bucket (`kernels.registry.ROW_BUCKETS`) of a prefill chunk without a cached prefix:
+    # "c" (the C kernel) or "sdpa" (torch's SDPA, which runs oneDNN's AMX kernels where the CPU has
+    # them), measured by `batchgen.model.attention_choice`; None: the C kernel for every chunk.
+    prefill_by_bucket: list[str] | None = None
+
     def _prefill(self, query, key, value, k_cache, v_cache, meta, scale, out):
         _, num_heads, head_dim = query.shape
         if not cpu_attention.supports_prefill(query.dtype, head_dim, num_heads, k_cache.shape[2]):
             TorchAttentionBackend._prefill(query, key, value, k_cache, v_cache, meta, scale, out)
             return
-        nd = meta.num_decodes
-        query_starts = meta.scratch.get("prefill_query_starts")
-        first_layer = query_starts is None  # the same tables in every layer: check them once
+        segments = meta.scratch.get("prefill_segments")
+        first_layer = segments is None  # the same tables in every layer: check them once
         if first_layer:
-            starts = meta.query_start_loc[nd:]
-            query_starts = meta.scratch["prefill_query_starts"] = (starts - starts[0]).to(torch.int32)
-        cpu_attention.paged_prefill_attention_cpu(
-            query.contiguous(),
-            k_cache,
-            v_cache,
-            meta.block_tables[nd:],
-            meta.seq_lens[nd:],
-            query_starts,
-            scale,
-            check_bounds=first_layer,
-            out=out,
-        )
+            segments = meta.scratch["prefill_segments"] = self._prefill_segments(meta)
+        for kind, rows, seqs, query_starts in segments:
+            if kind == "sdpa":  # one chunk with no cached prefix: its own K/V are the whole context
+                out[rows] = causal_attention(query[rows], key[rows], value[rows], scale)
+                continue
+            cpu_attention.paged_prefill_attention_cpu(
+                query[rows].contiguous(),
+                k_cache,
+                v_cache,
+                meta.block_tables[seqs],
+                meta.seq_lens[seqs],
+                query_starts,
+                scale,
+                check_bounds=first_layer,
+                out=out[rows],
+            )
+
+    def _prefill_segments(self, meta: AttentionMetadata) -> list[tuple[str, slice, slice, Any]]:
+        """The step's prefill chunks as runs of consecutive sequences for one kernel call each:
+        (kind, their rows after the decodes, their sequence indices, for "c" their int32 query
+        starts from 0)."""
+        nd, by_bucket = meta.num_decodes, self.prefill_by_bucket
+        kinds = []
+        for i in range(nd, meta.num_seqs):
+            qlen = meta.query_lens_cpu[i]
+            fresh = qlen == meta.seq_lens_cpu[i]
+            use_sdpa = (
+                by_bucket is not None
+                and fresh
+                and by_bucket[min(bucket_index(qlen), len(by_bucket) - 1)] == "sdpa"
+            )
+            kinds.append("sdpa" if use_sdpa else "c")
+        segments = []
+        row, i = 0, 0
+        while i < len(kinds):
+            j = i + 1
+            while j < len(kinds) and kinds[i] == "c" == kinds[j]:
+                j += 1
+            lengths = meta.query_lens_cpu[nd + i : nd + j]
+            rows = slice(row, row + sum(lengths))
+            starts = None
+            if kinds[i] == "c":
+                starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            segments.append((kinds[i], rows, slice(nd + i, nd + j), starts))
+            row, i = rows.stop, j
+        return segments
 
     def _decode(self, query, k_cache, v_cache, meta, scale):
         num_decodes, num_heads, head_dim = query.shape

@@ -2,8 +2,9 @@
 
 - "auto" (default): every linear shape of the model gets, per row bucket, the implementation measured
   fastest on this machine (`kernels.registry.choose` over `kernels.cpu.linear.linear_candidates`),
-  and the one-call C decoder stack runs the steps whose row counts all its linears chose batchgen's
-  own bf16 kernel for (it runs exactly those kernels, minus the per-layer Python calls).
+  prefill chunks get the faster of the C attention kernel and torch's SDPA (`attention_choice`),
+  and the one-call C decoder stack runs the steps up to the row count where it was measured faster
+  than the per-layer path (`stack_choice`).
 - "reference": plain torch (`F.linear`, the torch attention backend): the oracle, and a fallback.
 - "native": batchgen's own kernels wherever they apply, unmeasured (the bf16 C linear on a CPU with
   AVX512-BF16, else oneDNN-prepacked weights; the decoder stack for every step).
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from batchgen.config import KERNEL_MODES
+from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu.linear import (
     Bf16Linear,
     TunedLinear,
@@ -30,6 +32,9 @@ from batchgen.kernels.cpu.linear import (
 )
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
 from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, buckets_up_to, choose, machine_key
+from batchgen.model.attention import CPUAttentionBackend
+from batchgen.model.attention_choice import tune_prefill_attention
+from batchgen.model.stack_choice import tune_decoder_stack
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,8 @@ logger = logging.getLogger(__name__)
 _LINEAR_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 # A second weight layout (and its memory) is kept only for buckets where it is this much faster.
 SECOND_LAYOUT_GAIN = 1.10
+# The weight bytes one linear timing call runs over (`_timing_copies`).
+_STREAMED_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -50,6 +57,7 @@ class KernelChoice:
     linears: dict[str, list[str]] = field(default_factory=dict)
     stack_max_rows: int | None = None
     table: TuningTable | None = None
+    prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c" or "sdpa"
     seconds: float = 0.0  # spent choosing: measuring, or looking up a cached table, and packing
     extra_weight_bytes: int = 0  # weight copies held for a second layout (`plan_layouts`)
 
@@ -73,7 +81,11 @@ class KernelChoice:
             stack = f"; decoder stack up to {self.stack_max_rows or 'any'} rows"
         extra = self.extra_weight_bytes / 2**20
         memory = f"; second weight layouts {extra:.0f} MiB" if extra else ""
-        return f"{self.mode}: linear " + ", ".join(parts) + stack + memory
+        attention = ""
+        if "sdpa" in self.prefill_attention:
+            first = ROW_BUCKETS[self.prefill_attention.index("sdpa")]
+            attention = f"; prefill attention torch SDPA from {first} rows"
+        return f"{self.mode}: linear " + ", ".join(parts) + stack + attention + memory
 
 
 def _named_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
@@ -88,8 +100,13 @@ def _shape_name(linear: nn.Linear) -> str:
 
 def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[dict[str, float | None]]:
     """Each candidate's time (ms; None where not timed or dropped) at each row bucket up to
-    `max_rows`, for `linear`'s shape and dtype, from `table` or measured on random inputs of that
-    shape (added to `table`)."""
+    `max_rows`, for `linear`'s shape and dtype, from `table` or measured (added to `table`).
+
+    Measured on random inputs, each call running the candidate over `_timing_copies` weights of
+    the shape (the layer's own first, checked against the float32 reference): a model step runs
+    dozens of layers, so their weights come from memory, not from a core's cache, and one weight
+    timed over and over would favour the kernels that gain most from a warm cache.
+    """
     builders = linear_candidates(linear.weight, linear.bias)
     buckets = buckets_up_to(max_rows)
     if len(builders) == 1:
@@ -97,8 +114,11 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
     weight = linear.weight.detach()
     dtype = weight.dtype
     generator = torch.Generator().manual_seed(0)
+    copies = _timing_copies(weight)
+    scale = weight.float().std().item() or 0.02
+    others = [(torch.randn(weight.shape, generator=generator) * scale).to(dtype) for _ in range(copies - 1)]
     inputs: dict[int, torch.Tensor] = {}
-    built: dict[str, nn.Module] = {}
+    built: dict[str, list[nn.Module]] = {}
 
     def x(rows: int) -> torch.Tensor:
         if rows not in inputs:
@@ -113,9 +133,18 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
     def candidate(name: str):
         def setup(rows: int):
             if name not in built:
-                built[name] = builders[name]()
-            module, data = built[name], x(rows)
-            return lambda: module(data)
+                built[name] = [builders[name]()] + [
+                    linear_candidates(other, linear.bias)[name]() for other in others
+                ]
+            modules, data = built[name], x(rows)
+            first, rest = modules[0], modules[1:]
+
+            def call() -> torch.Tensor:
+                for module in rest:
+                    module(data)
+                return first(data)
+
+            return call
 
         return setup
 
@@ -129,8 +158,16 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
         reference,
         _LINEAR_RTOL.get(dtype, 2e-2),
         work=lambda rows: 2.0 * rows * linear.in_features * linear.out_features,
+        calls_per_run=copies,
     )
     return [table.entries[f"linear|{shape}|{rows}"]["ms"] for rows in buckets]
+
+
+def _timing_copies(weight: torch.Tensor) -> int:
+    """How many weights of `weight`'s shape one timing call runs: enough to hold
+    `_STREAMED_BYTES` (more than a core's L2 cache on current x86 server CPUs, 1-2 MiB), at most 32."""
+    weight_bytes = weight.numel() * weight.element_size()
+    return max(1, min(32, -(-_STREAMED_BYTES // weight_bytes)))
 
 
 def plan_layouts(times: list[dict[str, float | None]], one_layout: bool = False) -> list[str]:
@@ -196,30 +233,84 @@ def apply_kernels(
     start = time.perf_counter()
     table = TuningTable.load(machine_key(dtype))
     choice = KernelChoice("auto", table=table)
+    # The decoder stack needs every layer linear in batchgen's bf16 layout: held for its measurement
+    # even where the per-layer path does not use it, and dropped again where the stack loses.
+    stack_possible = dtype == torch.bfloat16 and not one_layout and _fused_cpu_backend(model)
     by_shape: dict[str, list[str]] = {}
     for name, linear in list(_named_linears(model)):
-        rows = max_logit_rows if name.endswith("lm_head") else max_rows
+        is_head = name.endswith("lm_head")
+        rows = max_logit_rows if is_head else max_rows
         key = f"{_shape_name(linear)}@{rows}"
         if key not in by_shape:
             by_shape[key] = plan_layouts(tune_linear(table, linear, rows), one_layout)
         by_bucket = by_shape[key]
         choice.linears[key] = by_bucket
         builders = linear_candidates(linear.weight, linear.bias)
-        impls = {kind: builders[kind]() for kind in dict.fromkeys(by_bucket)}
-        weight_bytes = linear.weight.numel() * linear.weight.element_size()
-        choice.extra_weight_bytes += (len(impls) - 1) * weight_bytes
+        kinds = list(dict.fromkeys(by_bucket))
+        if stack_possible and not is_head and "bf16_c" in builders and "bf16_c" not in kinds:
+            kinds.append("bf16_c")
+        impls = {kind: builders[kind]() for kind in kinds}
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(
             parent, child, TunedLinear(impls, by_bucket) if len(impls) > 1 else next(iter(impls.values()))
         )
+    _choose_prefill_attention(model, table, dtype, max_rows, choice)
+    stack = build_decoder_stack(model, max_rows=0)
+    stack_rows = tune_decoder_stack(model, stack, table, max_logit_rows) if stack is not None else 0
+    if stack_rows:
+        stack.max_rows = stack_rows
+    model.decoder_stack = stack if stack_rows else None
+    choice.stack_max_rows = stack_rows or None
+    choice.extra_weight_bytes = _drop_unused_layouts(
+        model, keep_stack_layout=bool(stack_rows), element_size=torch.empty((), dtype=dtype).element_size()
+    )
     table.save()
-    release_freed_heap()  # the plain weights that no implementation kept
-    stack_rows = _stack_rows(model)
-    model.decoder_stack = build_decoder_stack(model, max_rows=stack_rows) if stack_rows else None
-    choice.stack_max_rows = stack_rows if model.decoder_stack is not None else None
+    release_freed_heap()  # the plain weights, and the layouts, that no implementation kept
     choice.seconds = time.perf_counter() - start
     return choice
+
+
+def _fused_cpu_backend(model: nn.Module) -> bool:
+    layers = model.model.layers
+    return bool(layers) and getattr(layers[0].self_attn.backend, "fused_cpu_ops", False)
+
+
+def _drop_unused_layouts(model: nn.Module, keep_stack_layout: bool, element_size: int) -> int:
+    """Remove the implementations no row bucket runs (the bf16 layout held for the stack's
+    measurement, unless the stack runs); a layer left with one is replaced by it. Returns the bytes
+    of the second weight layouts still held."""
+    extra = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, TunedLinear):
+            continue
+        keep = set(module.by_bucket) | ({"bf16_c"} if keep_stack_layout else set())
+        for kind in [k for k in module.impls if k not in keep]:
+            del module.impls[kind]
+        weight_bytes = module.in_features * module.out_features * element_size
+        extra += (len(module.impls) - 1) * weight_bytes
+        if len(module.impls) == 1:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, next(iter(module.impls.values())))
+    return extra
+
+
+def _choose_prefill_attention(
+    model: nn.Module, table: TuningTable, dtype: torch.dtype, max_rows: int, choice: KernelChoice
+) -> None:
+    """Measure and set the "cpu" backend's prefill attention per row bucket (`attention_choice`)."""
+    layers = model.model.layers
+    backend = layers[0].self_attn.backend if layers else None
+    if not isinstance(backend, CPUAttentionBackend):
+        return
+    attn = layers[0].self_attn
+    if not cpu_attention.supports_prefill(dtype, attn.head_dim, attn.num_heads, attn.num_kv_heads):
+        return
+    backend.prefill_by_bucket = tune_prefill_attention(
+        table, attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_rows
+    )
+    choice.prefill_attention = backend.prefill_by_bucket
 
 
 def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:
@@ -230,29 +321,6 @@ def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:
     if not isinstance(linear, Bf16Linear) or linear.bias is not None:
         return None
     return linear.packed_weight
-
-
-def _stack_rows(model: nn.Module) -> int:
-    """The largest bucket bound up to which every decoder-layer linear runs "bf16_c" (0: none):
-    there the stack runs the very kernels the per-layer path would, without its Python calls."""
-    linears = [
-        linear
-        for layer in model.model.layers
-        for linear in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
-    if not all(isinstance(linear, TunedLinear) for linear in linears):
-        return 0
-    best = 0
-    for index, rows in enumerate(ROW_BUCKETS[: min(len(x.by_bucket) for x in linears)]):
-        if any(linear.by_bucket[index] != "bf16_c" for linear in linears):
-            break
-        best = rows
-    return best
 
 
 def build_decoder_stack(model: nn.Module, max_rows: int) -> DecoderStack | None:

@@ -102,6 +102,42 @@ def test_backend_prefill_and_mixed_steps_match_torch_backend():
 
 
 @pytest.mark.parametrize(
+    "by_bucket",
+    [["sdpa"] * 12, ["c", "sdpa"] * 6, ["c"] * 6 + ["sdpa"] * 6],
+    ids=["sdpa-everywhere", "alternating", "sdpa-from-64-rows"],
+)
+def test_measured_sdpa_chunks_match_torch_backend(by_bucket):
+    """With the measured choice sending some chunks to torch's SDPA (only those without a cached
+    prefix) and the rest to the C kernel in runs of consecutive sequences, a prefill step and a
+    mixed step equal the torch backend's outputs."""
+    query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.float32, 64, 3, 16)
+    chunk_lens = [chunk for _, chunk in CHUNKS]
+    used = []
+    for num_decodes in (0, 2):
+        first_rows = [query[int(starts[i]) : int(starts[i]) + 1] for i in range(num_decodes)]
+        rows = torch.cat([*first_rows, query[int(starts[num_decodes]) :]])
+        query_lens = [1] * num_decodes + chunk_lens[num_decodes:]
+        step_lens = seq_lens.clone()
+        step_lens[:num_decodes] = 1
+        meta = cached_step(query_lens, step_lens, tables, num_decodes)
+        key = chunk_rows(k_cache, tables, step_lens.tolist(), query_lens)
+        value = chunk_rows(v_cache, tables, step_lens.tolist(), query_lens)
+        assert_cpu_backend_matches_torch(
+            rows, key, value, k_cache, v_cache, meta, prefill_by_bucket=by_bucket
+        )
+        kinds = [kind for kind, *_ in meta.scratch["prefill_segments"]]
+        fresh = [prefix == 0 for prefix, _ in CHUNKS[num_decodes:]]
+        expected = []
+        for is_fresh, chunk in zip(fresh, chunk_lens[num_decodes:], strict=True):
+            kind = "sdpa" if is_fresh and by_bucket[(chunk - 1).bit_length()] == "sdpa" else "c"
+            if not (expected and expected[-1] == "c" == kind):
+                expected.append(kind)
+        assert kinds == expected
+        used += kinds
+    assert "sdpa" in used and "c" in used
+
+
+@pytest.mark.parametrize(
     "change, message",
     [
         (lambda t, s, q: s.__setitem__(1, 0), "more query rows than context"),

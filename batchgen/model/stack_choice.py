@@ -1,0 +1,138 @@
+"""The measured choice between the one-call C decoder stack and the per-layer path, by step rows.
+
+The stack (`kernels/cpu/stack.py`) runs every decoder layer of a step in one C call with batchgen's
+bf16 linear kernel; the per-layer path runs each layer's ops from Python with the linears the
+registry chose per row bucket (oneDNN's, say, where it is faster). The stack saves the Python
+and dispatch cost of some ten calls a layer, which is most of a small decode step; its linears
+lose to a matrix-unit kernel as rows grow. Where the crossing lies depends on the machine, so
+`tune_decoder_stack` times a synthetic decode step of the real model both ways at each row bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchgen.kernels.cpu.linear import TunedLinear
+from batchgen.kernels.cpu.stack import DecoderStack
+from batchgen.kernels.registry import TuningTable, buckets_up_to, choose, matches
+from batchgen.model.attention import AttentionMetadata
+
+# Context tokens of each synthetic sequence; all but its last block are shared by every sequence
+# (read-only), so the caches stay small at any row count. The attention kernel is the same C kernel
+# on both paths, so the context length hardly moves the comparison.
+_CONTEXT = 64
+_BLOCK_SIZE = 16
+# Relative tolerance of the stack's logits against the per-layer path on the same kernels (bf16,
+# float32 sums): they differ by the order of a few sums at most.
+_RTOL = 2e-2
+
+
+def _decode_step(rows: int, num_layers: int, num_kv_heads: int, head_dim: int, vocab: int, generator):
+    """Inputs of a decode step of `rows` sequences at `_CONTEXT` tokens each, and its caches."""
+    shared = _CONTEXT // _BLOCK_SIZE - 1
+    num_blocks = shared + rows
+    shape = (num_blocks, _BLOCK_SIZE, num_kv_heads, head_dim)
+    caches = [
+        (
+            (torch.randn(shape, generator=generator) * 0.5).to(torch.bfloat16),
+            (torch.randn(shape, generator=generator) * 0.5).to(torch.bfloat16),
+        )
+        for _ in range(num_layers)
+    ]
+    tables = torch.tensor([[*range(shared), shared + r] for r in range(rows)], dtype=torch.int32)
+    last = _CONTEXT - 1
+    slots = (shared + torch.arange(rows)) * _BLOCK_SIZE + last % _BLOCK_SIZE
+    input_ids = torch.randint(0, vocab, (rows,), generator=generator)
+    positions = torch.full((rows,), last, dtype=torch.int64)
+
+    def meta() -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+            seq_lens=torch.full((rows,), _CONTEXT, dtype=torch.int32),
+            block_tables=tables,
+            num_decodes=rows,
+            max_query_len=1,
+            max_seq_len=_CONTEXT,
+            query_lens_cpu=[1] * rows,
+            seq_lens_cpu=[_CONTEXT] * rows,
+        )
+
+    return input_ids, positions, caches, meta
+
+
+def tune_decoder_stack(model: nn.Module, stack: DecoderStack, table: TuningTable, max_rows: int) -> int:
+    """The largest row bucket up to which `stack` is faster than the per-layer path at every
+    bucket (0: at none), from `table` or measured on decode steps of `model` (added to `table`).
+
+    Args:
+        model: a bf16 `LlamaForCausalLM` with its linears chosen; its `decoder_stack` is left None.
+        stack: the model's decoder stack (no row limit).
+        max_rows: the largest step to consider (the decode batch limit, `max_num_seqs`).
+    """
+    config = model.config
+    attn = model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(0)
+    steps: dict[int, tuple] = {}
+
+    def step(rows: int):
+        if rows not in steps:
+            steps.clear()
+            steps[rows] = _decode_step(
+                rows, len(model.model.layers), attn.num_kv_heads, attn.head_dim, config.vocab_size, generator
+            )
+        return steps[rows]
+
+    def forward(rows: int, use_stack: bool) -> torch.Tensor:
+        input_ids, positions, caches, meta = step(rows)
+        model.decoder_stack = stack if use_stack else None
+        try:
+            return model(input_ids, positions, caches, meta(), torch.arange(rows))
+        finally:
+            model.decoder_stack = None
+
+    def same_kernels_per_layer(rows: int) -> torch.Tensor:
+        """The per-layer path on the very kernels the stack runs (batchgen's bf16 linear in every
+        decoder layer), which the stack must match whatever the per-layer path chose at `rows`."""
+        layer_linears = [m for m in model.model.layers.modules() if isinstance(m, TunedLinear)]
+        saved = [m._by_rows for m in layer_linears]
+        try:
+            for m in layer_linears:
+                m._by_rows = [m.impls["bf16_c"].forward]
+            return forward(rows, use_stack=False)
+        finally:
+            for m, by_rows in zip(layer_linears, saved, strict=True):
+                m._by_rows = by_rows
+
+    def stack_setup(rows: int):
+        if not matches(forward(rows, use_stack=True), same_kernels_per_layer(rows), _RTOL):
+            raise ValueError(
+                f"its logits differ from the per-layer path on its kernels by more than {_RTOL:g}"
+            )
+        return lambda: forward(rows, use_stack=True)
+
+    def layers_setup(rows: int):
+        return lambda: forward(rows, use_stack=False)
+
+    layers = len(model.model.layers)
+    shape = f"{layers}x{config.hidden_size}x{config.intermediate_size}:{attn.num_heads}x{attn.num_kv_heads}x{attn.head_dim}"
+    buckets = buckets_up_to(max_rows)
+    chosen = choose(
+        table,
+        "decoder_stack",
+        shape,
+        buckets,
+        {"stack": stack_setup, "layers": layers_setup},
+        # The per-layer path is the engine's own (its linears each checked by the registry), and its
+        # kernels round differently from the stack's: the stack is checked in `stack_setup`.
+        lambda rows: forward(rows, use_stack=False),
+        float("inf"),
+        prune=True,  # the stack's linears only fall further behind as rows grow
+    )
+    best = 0
+    for rows in buckets:
+        if chosen[rows] != "stack":
+            break
+        best = rows
+    return best

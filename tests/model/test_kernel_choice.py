@@ -1,0 +1,251 @@
+"""`--kernels auto` on a loaded model: measured, correct, cached, and honest about what it runs.
+
+The registry itself (`kernels.registry.choose`) is tested in tests/kernels/test_registry.py; these
+tests run whole engines on the tiny random-weight models, in float32, against `--kernels reference`
+(plain torch) and Hugging Face.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from batchgen import LLM, SamplingParams
+from batchgen.kernels import registry
+from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.cpu import linear as cpu_linear
+from batchgen.kernels.cpu.linear import PlainLinear, TunedLinear
+from batchgen.model import kernel_choice
+
+PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40, 90)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def fresh_tuning_cache(tmp_path, monkeypatch):
+    """Each test measures on its own (an empty tuning cache under tmp_path)."""
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_model_dir) -> list[list[int]]:
+    llm = LLM(
+        str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4, device="cpu", kernels="reference"
+    )
+    return _tokens(llm)
+
+
+class _Slow(PlainLinear):
+    """Right answer, 3 ms late: must never be chosen."""
+
+    def forward(self, x):
+        time.sleep(0.003)
+        return super().forward(x)
+
+
+class _Wrong(PlainLinear):
+    """Fast and wrong (a zero output): must be dropped."""
+
+    def forward(self, x):
+        return torch.zeros(*x.shape[:-1], self.out_features, dtype=x.dtype)
+
+
+def test_a_slow_candidate_is_never_chosen_and_a_wrong_one_is_dropped(
+    tiny_model_dir, reference_tokens, monkeypatch, caplog
+):
+    real = cpu_linear.linear_candidates
+
+    def with_bad_ones(weight, bias):
+        builders = real(weight, bias)
+        builders["slow"] = lambda: _Slow(weight.detach(), bias)
+        builders["wrong"] = lambda: _Wrong(weight.detach(), bias)
+        return builders
+
+    monkeypatch.setattr(kernel_choice, "linear_candidates", with_bad_ones)
+    with caplog.at_level("WARNING", logger="batchgen.kernels.registry"):
+        llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4, device="cpu", kernels="auto")
+    choice = llm.llm_engine.runner.kernel_choice
+    used = {name for by_bucket in choice.linears.values() for name in by_bucket}
+    assert used and not used & {"slow", "wrong"}
+    modules = list(llm.llm_engine.runner.model.modules())
+    assert not any(isinstance(m, (_Slow, _Wrong)) for m in modules)
+    entries = [entry for key, entry in choice.table.entries.items() if key.startswith("linear|")]
+    assert entries and all(entry["ms"]["wrong"] is None for entry in entries)  # never timed
+    assert all("wrong" in entry["dropped"] and "slow" not in entry["dropped"] for entry in entries)
+    # One warning line per linear shape for the wrong candidate (at its first bucket), not one per bucket.
+    warnings = [r for r in caplog.records if "kernel wrong" in r.getMessage()]
+    assert 1 <= len(warnings) <= len(choice.linears)
+    assert _tokens(llm) == reference_tokens
+
+
+def test_a_second_start_measures_nothing(tiny_model_dir, reference_tokens, monkeypatch):
+    path = str(tiny_model_dir("llama"))
+    first = LLM(path, dtype="float32", max_num_seqs=4, device="cpu", kernels="auto")
+    assert first.llm_engine.runner.kernel_choice.table.entries
+    del first
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a second start must take its choice from the cached table")
+
+    monkeypatch.setattr(registry, "fastest_seconds", no_timing)
+    second = LLM(path, dtype="float32", max_num_seqs=4, device="cpu", kernels="auto")
+    choice = second.llm_engine.runner.kernel_choice
+    assert choice.seconds < 1.0
+    assert _tokens(second) == reference_tokens
+
+
+@pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no C compiler to build the CPU kernels")
+def test_prefill_chunks_on_torch_sdpa_give_the_reference_tokens(
+    tiny_model_dir, reference_tokens, monkeypatch
+):
+    """Where the measurement sends long prefill chunks to torch's SDPA, the tokens stay the reference's."""
+    monkeypatch.setattr(kernel_choice, "tune_prefill_attention", lambda *a, **k: ["c"] * 4 + ["sdpa"] * 8)
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4, device="cpu", kernels="auto")
+    backend = llm.llm_engine.runner.backend
+    assert backend.name == "cpu" and backend.prefill_by_bucket[-1] == "sdpa"
+    assert "prefill attention torch SDPA from 16 rows" in llm.llm_engine.runner.kernel_choice.summary()
+    assert _tokens(llm) == reference_tokens
+
+
+def test_tuned_linear_runs_the_implementation_of_each_row_bucket():
+    """A 3-row call runs the 4-row bucket's implementation, a 5-row one the 8-row bucket's, and calls
+    past the last bucket its implementation."""
+    weight = torch.randn(32, 16)
+    calls = []
+
+    class Tagged(PlainLinear):
+        def __init__(self, tag):
+            super().__init__(weight, None)
+            self.tag = tag
+
+        def forward(self, x):
+            calls.append(self.tag)
+            return super().forward(x)
+
+    tuned = TunedLinear({"a": Tagged("a"), "b": Tagged("b")}, ["a", "a", "a", "b"])  # buckets 1, 2, 4, 8
+    for rows in (1, 3, 4, 5, 8, 100):
+        out = tuned(torch.randn(rows, 16))
+        torch.testing.assert_close(out, nn.functional.linear(torch.zeros(rows, 16), weight) + out)
+    assert calls == ["a", "a", "a", "b", "b", "b"]
+    assert [tuned.kind_at(r) for r in (1, 3, 4, 5, 8, 100)] == calls
+
+
+_EMULATED_RUN = """
+import json, sys
+from batchgen import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", max_num_seqs=4, device="cpu", kernels="auto")
+prompts = [{"prompt_token_ids": ids} for ids in json.loads(sys.argv[2])]
+params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+choice = llm.llm_engine.runner.kernel_choice
+print(json.dumps({
+    "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
+    "linears": choice.linears,
+    "table": str(choice.table.path),
+}))
+"""
+
+
+@pytest.mark.parametrize("isa", ["AVX512_CORE_BF16", "AVX2"])
+def test_emulated_lesser_cpus_match_hugging_face(tiny_model_dir, tmp_path, isa):
+    """`ONEDNN_MAX_CPU_ISA` (oneDNN's own switch) emulates a CPU without AMX or without AVX-512: the
+    engine chooses its kernels again under its own table and stays token-identical to transformers."""
+    from tests.engine.test_fidelity import hf_greedy
+
+    path = tiny_model_dir("llama")
+    prompt_ids = [p["prompt_token_ids"] for p in PROMPTS]
+    env = {**os.environ, "BATCHGEN_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    runs = {}
+    for cap in (None, isa):
+        run_env = {k: v for k, v in env.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+        if cap:
+            run_env["ONEDNN_MAX_CPU_ISA"] = cap
+        result = subprocess.run(
+            [sys.executable, "-c", _EMULATED_RUN, str(path), json.dumps(prompt_ids)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=run_env,
+            cwd=tmp_path,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[cap] = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = hf_greedy(path, prompt_ids, GREEDY.max_tokens, ignore_eos=True)
+    assert runs[isa]["tokens"] == expected
+    assert runs[None]["tokens"] == expected
+    assert runs[isa]["table"] != runs[None]["table"]  # another machine key: measured again, not reused
+
+
+NEEDS_BF16_KERNEL = pytest.mark.skipif(
+    not cpu_linear.bf16_kernel_available() or not cpu_linear.can_prepack(torch.bfloat16, torch.device("cpu")),
+    reason="the C decoder stack needs batchgen's bf16 linear kernel (AVX512-BF16) and oneDNN bf16",
+)
+
+
+def _held_layouts_match_the_choice(llm: LLM) -> None:
+    """Each tuned linear holds the layouts its buckets run, plus the stack's where the stack runs;
+    the reported extra bytes are those layouts."""
+    runner = llm.llm_engine.runner
+    choice, model = runner.kernel_choice, runner.model
+    stack_runs = model.decoder_stack is not None
+    extra = 0
+    for name, module in model.named_modules():
+        if isinstance(module, TunedLinear):
+            in_layers = name.startswith("model.layers.")
+            assert set(module.impls) == set(module.by_bucket) | (
+                {"bf16_c"} if stack_runs and in_layers else set()
+            )
+            extra += (len(module.impls) - 1) * module.in_features * module.out_features * 2
+    assert choice.extra_weight_bytes == extra
+    assert (choice.stack_max_rows is None) == (not stack_runs)
+
+
+@NEEDS_BF16_KERNEL
+def test_the_stack_runs_where_measured_faster_and_holds_its_layout_only_then(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16", max_num_seqs=8, device="cpu", kernels="auto")
+    choice = llm.llm_engine.runner.kernel_choice
+    entries = {k: e for k, e in choice.table.entries.items() if k.startswith("decoder_stack|")}
+    assert len(entries) == 4  # row buckets 1, 2, 4, 8 (max_num_seqs)
+    faster = [
+        int(k.rsplit("|", 1)[1])
+        for k, e in sorted(entries.items(), key=lambda x: int(x[0].rsplit("|", 1)[1]))
+    ]
+    expected = 0
+    for rows in faster:
+        if entries[f"{next(iter(entries)).rsplit('|', 1)[0]}|{rows}"]["chosen"] != "stack":
+            break
+        expected = rows
+    assert (choice.stack_max_rows or 0) == expected
+    _held_layouts_match_the_choice(llm)
+
+
+@NEEDS_BF16_KERNEL
+def test_a_stack_that_computes_wrong_is_dropped(tiny_model_dir, monkeypatch, caplog):
+    from batchgen.kernels.cpu.stack import DecoderStack
+
+    real_call = DecoderStack.__call__
+
+    def wrong(self, hidden, cos_sin, kv_caches, meta):
+        return real_call(self, hidden, cos_sin, kv_caches, meta) * 3
+
+    monkeypatch.setattr(DecoderStack, "__call__", wrong)
+    with caplog.at_level("WARNING", logger="batchgen.kernels.registry"):
+        llm = LLM(
+            str(tiny_model_dir("llama")), dtype="bfloat16", max_num_seqs=8, device="cpu", kernels="auto"
+        )
+    assert llm.llm_engine.runner.model.decoder_stack is None
+    assert llm.llm_engine.runner.kernel_choice.stack_max_rows is None
+    assert any("kernel stack for decoder_stack" in r.getMessage() for r in caplog.records)
+    _held_layouts_match_the_choice(llm)

@@ -288,6 +288,15 @@ def render(report: dict[str, Any], console: Any = None) -> None:
             ],
         )
     console.print(table)
+    kernels = {c["extra"]["kernels"]: c for c in configs if c.get("extra", {}).get("kernels")}
+    for summary, c in kernels.items():
+        extra = c["extra"]
+        layouts = " (--one-weight-layout holds one)" if extra["second_layout_mib"] else ""
+        console.print(
+            f"kernels ({c['name']}): {summary}{layouts}; chosen in {extra['kernel_choice_s']:.2f} s",
+            soft_wrap=True,
+            highlight=False,
+        )
     for c in configs:
         if c["status"] != "ok":
             console.print(f"[yellow]{c['name']} {c['status']}[/]: {c['reason']}")

@@ -343,6 +343,18 @@ def median_run(runs: list[RunResult]) -> RunResult:
     return chosen
 
 
+def _record_kernels(result: RunResult, engine: Any) -> None:
+    """The engine's kernel choice in `result.extra`: its summary and the memory of the second weight
+    layouts it holds (MiB), which the report states next to the speed they buy."""
+    runner = getattr(engine, "runner", None)
+    choice = getattr(runner, "kernel_choice", None)
+    if choice is None:
+        return
+    result.extra["kernels"] = choice.summary()
+    result.extra["second_layout_mib"] = round(choice.extra_weight_bytes / 2**20, 1)
+    result.extra["kernel_choice_s"] = round(choice.seconds, 3)
+
+
 def _run_one(
     plan: ConfigPlan,
     settings: BenchSettings,
@@ -357,8 +369,11 @@ def _run_one(
         engine = factory(engine_config_for(settings, plan))
         if plan.kind == "continuous":
             aging = settings.engine.aging_steps if plan.policy == "max-throughput" else None
-            return run_continuous(engine, workload, plan.name, plan.policy or "fcfs", aging, monitor)
-        return run_static(engine, workload, settings.static_batch_size, pad, plan.name, monitor)
+            result = run_continuous(engine, workload, plan.name, plan.policy or "fcfs", aging, monitor)
+        else:
+            result = run_static(engine, workload, settings.static_batch_size, pad, plan.name, monitor)
+        _record_kernels(result, engine)
+        return result
     if facts.hf_dir is None:
         facts.hf_dir = resolve_hf_dir(settings.engine.model)
     model = load_hf_model(facts.hf_dir, facts.dtype, facts.device)

@@ -9,6 +9,7 @@ import torch
 
 from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.cpu_threads import CpuThreads
 from batchgen.engine.detokenizer import check_stop, final_text
 from batchgen.engine.parallel_sampling import SampleGroups, child_params
 from batchgen.engine.policy import make_policy
@@ -48,6 +49,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        # Before the kernels are measured: they are timed at the thread count the run will use.
+        self.cpu_threads = CpuThreads(config.num_threads) if config.device != "cuda" else None
         # Before any model work: "cuda" without CUDA is a ValueError naming `device`, not torch's assert.
         self.device = torch.device(resolve_device(config.device))
         files = loader.resolve_model(config.model)
@@ -288,6 +291,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the requests that finished in it (rejected ones included)."""
         start = time.perf_counter()
+        if self.cpu_threads is not None:
+            self.cpu_threads.maybe_adjust()
         self.last_step = None  # set again below when the step runs the model
         finished = self._rejected
         self._rejected = []

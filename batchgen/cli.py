@@ -144,9 +144,29 @@ def run_command(
     commit_every: Annotated[int, typer.Option(help="Commit a part every this many finished rows")] = 1000,
     commit_interval: Annotated[float, typer.Option(help="...or every this many seconds")] = 10.0,
     progress_interval: Annotated[float, typer.Option(help="Seconds between plain progress lines")] = 5.0,
+    # --- Prometheus metrics (the `batchgen[metrics]` extra) ---
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(min=0, max=65535, help="Serve Prometheus metrics at http://HOST:PORT/metrics"),
+    ] = None,
+    metrics_host: Annotated[
+        str,
+        typer.Option(
+            help="Address --metrics-port listens on: 127.0.0.1 lets only this machine read the metrics; "
+            "0.0.0.0 (your choice) lets any machine that reaches this one read them"
+        ),
+    ] = "127.0.0.1",
+    metrics_file: Annotated[
+        str | None,
+        typer.Option(
+            help="Also write the metrics to this file every few seconds, atomically (for node_exporter's "
+            "textfile collector, which reads *.prom files)"
+        ),
+    ] = None,
 ) -> None:
     """Run a job file through the engine into an output file; rerun the same command to resume."""
     from batchgen.jobs.runner import JobOptions
+    from batchgen.metrics import MetricsOptions
 
     engine = opt.engine_options(locals())
     # A name given twice is kept once (dict keys keep the first order).
@@ -186,6 +206,7 @@ def run_command(
         dashboard=not no_dashboard,
         progress_interval=progress_interval,
         resume_command="batchgen " + shlex.join(resume_args),
+        metrics=MetricsOptions(port=metrics_port, host=metrics_host, file=metrics_file),
     )
     _run_and_exit(options)
 

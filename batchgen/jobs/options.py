@@ -14,6 +14,7 @@ from batchgen.jobs.formats import JOB_FILE_SUFFIXES, JSONL_SUFFIXES
 from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.row_sampling import LOGPROB_COLUMNS
 from batchgen.jobs.writer import RESERVED_COLUMNS
+from batchgen.metrics import MetricsOptions
 
 TRUNCATE_SIDES = ("left", "right")
 
@@ -37,6 +38,7 @@ class JobOptions:
         commit_rows / commit_seconds: commit a part at least this often (rows, seconds).
         dashboard: show the Rich live view when stdout is a terminal.
         resume_command: printed on SIGINT so the user can continue.
+        metrics: Prometheus metrics over HTTP and / or in a textfile (`batchgen.metrics`).
     """
 
     input: str
@@ -70,6 +72,7 @@ class JobOptions:
     dashboard: bool = True
     progress_interval: float = 5.0
     resume_command: str | None = None
+    metrics: MetricsOptions = field(default_factory=MetricsOptions)
 
     def sampling_defaults(self) -> dict[str, Any]:
         """CLI sampling defaults as SamplingParams keyword arguments (`logprobs` only when set, so the

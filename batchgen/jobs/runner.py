@@ -34,6 +34,7 @@ from batchgen.jobs.resume import make_header, prepare_output
 from batchgen.jobs.token_bytes import TokenBytes
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, count_output_errors, finalize_output
+from batchgen.metrics import JobMetrics, NullMetrics
 from batchgen.model.fingerprint import model_fingerprint
 from batchgen.sampling_params import SamplingParams
 from batchgen.stop_signals import STOP_SIGNALS
@@ -226,6 +227,7 @@ def run_job(
     state = prepare_output(output, header, options.overwrite)
     if state.complete:
         return _finished_summary(output, fmt, reader)
+    metrics: JobMetrics | NullMetrics = NullMetrics()
     try:
         total = reader.count_rows()
         if dashboard is None:
@@ -240,11 +242,18 @@ def run_job(
         # write, needs no model: loading one (a GGUF conversion on first use) would be wasted time.
         nothing_left = total is not None and len(state.committed) >= total
         try:
+            # Before the model loads: a metrics port in use stops the command with nothing started.
+            metrics = JobMetrics.open(options.metrics)
             engine = None if nothing_left else (engine_factory or default_engine_factory)(config)
         except BaseException:
             state.discard_if_unused()
             raise
         writer = PartWriter(state, tuple(options.keep_columns), options.commit_rows, options.commit_seconds)
+        files = getattr(engine, "model_files", None)
+        model_name = getattr(files, "name", None) or os.path.basename(_model_label(options).rstrip("/"))
+        metrics.bind(model_name, total, writer.committed_rows)
+        if metrics.url:
+            dashboard.log(f"metrics at {metrics.url}")
         with _Interrupt() as interrupt:
             dashboard.start()
             if getattr(engine, "kernel_summary", ""):
@@ -254,7 +263,17 @@ def run_job(
                     rows_read, finished = total or 0, True
                 else:
                     rows_read, finished = _loop(
-                        options, config, engine, reader, state, writer, dashboard, summary, interrupt, fmt
+                        options,
+                        config,
+                        engine,
+                        reader,
+                        state,
+                        writer,
+                        dashboard,
+                        summary,
+                        interrupt,
+                        fmt,
+                        metrics,
                     )
                 summary.interrupted = not finished
                 summary.stop_signal = interrupt.signum if summary.interrupted else None
@@ -267,11 +286,10 @@ def run_job(
                 raise
             with interrupt.shielded():
                 writer.commit()
+            metrics.on_rows(writer.committed_rows, summary.rows_error, idle=True)
             dashboard.stop()
         if not summary.interrupted:
             summary.rows_total = rows_read
-            files = getattr(engine, "model_files", None)
-            model_name = getattr(files, "name", None) or os.path.basename(_model_label(options).rstrip("/"))
             finalize_output(state, rows_read, fmt, header, tuple(options.keep_columns), model_name)
             summary.complete = True
         summary.wall_s = time.perf_counter() - start
@@ -283,6 +301,7 @@ def run_job(
         dashboard.print_summary(summary)
         return summary
     finally:
+        metrics.close()  # the file's last write holds the final counts
         state.release()
 
 
@@ -297,6 +316,7 @@ def _loop(
     summary: JobSummary,
     interrupt: _Interrupt,
     fmt: str = "parquet",
+    metrics: JobMetrics | NullMetrics | None = None,
 ) -> tuple[int, bool]:
     """The admission / step / commit loop; returns (input rows read, whether every row finished).
     `fmt` is the output format: only OpenAI batch output has room for n > 1 completions a row."""
@@ -311,6 +331,7 @@ def _loop(
     rows = iter(reader)
     rows_read = 0
     exhausted = False
+    metrics = metrics or NullMetrics()
 
     def finish(result: dict[str, Any], keep: dict[str, Any] | None) -> None:
         writer.add(result, keep)
@@ -361,8 +382,10 @@ def _loop(
             pending[rid] = p
         if engine.has_unfinished_requests():
             for out in engine.step():
+                metrics.on_request(out)
                 p = pending.pop(out.request_id)
                 finish(output_result(p, out, token_bytes), p.row.keep)
+            metrics.on_step(getattr(engine, "last_step", None), getattr(engine, "totals", None))
         elif exhausted and not window:
             break
         dashboard.update(
@@ -371,6 +394,7 @@ def _loop(
             getattr(engine, "last_step", None),
             getattr(engine, "totals", None),
         )
+        metrics.on_rows(writer.committed_rows, summary.rows_error)
     finished = exhausted and not window and not pending
     if not finished:
         for rid in pending:

@@ -8,11 +8,15 @@ same command resumes).
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import shlex
 import signal
 import sys
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -208,7 +212,48 @@ def run_command(
         resume_command="batchgen " + shlex.join(resume_args),
         metrics=MetricsOptions(port=metrics_port, host=metrics_host, file=metrics_file),
     )
-    _run_and_exit(options)
+    (_job_action.get() or _run_and_exit)(options)
+
+
+# `batchgen plan` takes exactly `run`'s options: it calls `run_command` with this set to the plan.
+_job_action: ContextVar[Callable[[JobOptions], None] | None] = ContextVar("job_action", default=None)
+
+
+def plan_command(**values: Any) -> None:
+    """Plan a job without running it: rows, error rows, prompt tokens, output budget, prefix-cache
+    savings and KV-cache memory, from the job file and the model's tokenizer (no weights are loaded)."""
+    as_json = values.pop("json_output")
+
+    def plan(options: JobOptions) -> None:
+        from batchgen.jobs.plan import format_plan, plan_job
+        from batchgen.jobs.reader import JobInputError
+
+        try:
+            result = plan_job(options, progress=True)
+        except JobInputError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_plan(result))
+
+    token = _job_action.set(plan)
+    try:
+        run_command(**values)
+    finally:
+        _job_action.reset(token)
+
+
+_run_signature = inspect.signature(run_command, eval_str=True)
+_json_option = inspect.Parameter(
+    "json_output",
+    inspect.Parameter.KEYWORD_ONLY,
+    default=False,
+    annotation=Annotated[bool, typer.Option("--json", help="Print the plan as JSON")],
+)
+plan_command.__signature__ = _run_signature.replace(  # type: ignore[attr-defined]
+    parameters=[*_run_signature.parameters.values(), _json_option]
+)
+plan_command.__annotations__ = {p.name: p.annotation for p in plan_command.__signature__.parameters.values()}
+app.command("plan")(plan_command)
 
 
 def _run_and_exit(options: JobOptions) -> None:

@@ -42,6 +42,17 @@ def engine_prompt(row: JobRow, system_prompt: str | None, chat: bool) -> str | l
     return f"{system_prompt}\n\n{p}" if system_prompt else p
 
 
+def several_completions_error(row: JobRow, fmt: str) -> str | None:
+    """The error of a row asking for n > 1 completions in an output with room for one, else None."""
+    if row.sampling_params.n > 1 and fmt != "openai":
+        return (
+            f"{row.where}: field 'body.n' is {row.sampling_params.n}, but only OpenAI batch output "
+            "(an --output ending in .jsonl) has room for several completions a line; write that "
+            "output, or split the line into n lines"
+        )
+    return None
+
+
 def prepare_row(
     row: JobRow, engine: Any, options: JobOptions, chat: bool, bos: int | None, max_len: int
 ) -> tuple[Prepared | None, str | None]:

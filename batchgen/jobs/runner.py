@@ -29,7 +29,13 @@ from batchgen.jobs.options import (
     output_format,
 )
 from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions
-from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
+from batchgen.jobs.requests import (
+    Prepared,
+    error_result,
+    output_result,
+    prepare_row,
+    several_completions_error,
+)
 from batchgen.jobs.resume import make_header, prepare_output
 from batchgen.jobs.token_bytes import TokenBytes
 from batchgen.jobs.window import LookaheadWindow
@@ -166,6 +172,45 @@ def _finished_summary(output: str, fmt: str, reader: JobReader) -> JobSummary:
     return summary
 
 
+def check_run_options(options: JobOptions) -> EngineConfig:
+    """The checks on a job's options that need no input nor model; returns the engine config.
+
+    Raises:
+        JobInputError: naming the option (and its flag) that is out of range.
+    """
+    check_job_options(options)
+    try:
+        config = EngineConfig(**options.engine, policy=options.policy)
+        resolve_device(config.device)  # "cuda" without CUDA fails here, before the output is touched
+    except (TypeError, ValueError) as e:
+        raise JobInputError(f"invalid engine option: {e}{flag_hint(str(e))}") from e
+    try:
+        # The job-wide defaults apply to every row: a bad one is the command's error, not the rows'.
+        SamplingParams(**options.sampling_defaults())
+    except (TypeError, ValueError) as e:
+        # The message names the field first ("temperature must be >= 0"); name its flag.
+        fields = [f for f in options.sampling_defaults() if str(e).startswith(f) or f"({f})" in str(e)]
+        flag = f" (flag --{fields[0].replace('_', '-')})" if fields else ""
+        raise JobInputError(f"invalid sampling option: {e}{flag}") from e
+    return config
+
+
+def job_reader(options: JobOptions) -> JobReader:
+    """The job file's reader, with the job's columns, template, sampling defaults and limit."""
+    return JobReader(
+        options.input,
+        ReaderOptions(
+            prompt_column=options.prompt_column,
+            messages_column=options.messages_column,
+            id_column=options.id_column,
+            template=options.template,
+            keep_columns=tuple(options.keep_columns),
+            defaults=options.sampling_defaults(),
+            limit=options.limit,
+        ),
+    )
+
+
 def run_job(
     options: JobOptions,
     engine_factory: Callable[[EngineConfig], Any] | None = None,
@@ -187,32 +232,8 @@ def run_job(
             whose header changed (the CLI exits with code 2).
     """
     start = time.perf_counter()
-    check_job_options(options)
-    try:
-        config = EngineConfig(**options.engine, policy=options.policy)
-        resolve_device(config.device)  # "cuda" without CUDA fails here, before the output is touched
-    except (TypeError, ValueError) as e:
-        raise JobInputError(f"invalid engine option: {e}{flag_hint(str(e))}") from e
-    try:
-        # The job-wide defaults apply to every row: a bad one is the command's error, not the rows'.
-        SamplingParams(**options.sampling_defaults())
-    except (TypeError, ValueError) as e:
-        # The message names the field first ("temperature must be >= 0"); name its flag.
-        fields = [f for f in options.sampling_defaults() if str(e).startswith(f) or f"({f})" in str(e)]
-        flag = f" (flag --{fields[0].replace('_', '-')})" if fields else ""
-        raise JobInputError(f"invalid sampling option: {e}{flag}") from e
-    reader = JobReader(
-        options.input,
-        ReaderOptions(
-            prompt_column=options.prompt_column,
-            messages_column=options.messages_column,
-            id_column=options.id_column,
-            template=options.template,
-            keep_columns=tuple(options.keep_columns),
-            defaults=options.sampling_defaults(),
-            limit=options.limit,
-        ),
-    )
+    config = check_run_options(options)
+    reader = job_reader(options)
     output = options.output or default_output_path(options.input, reader.format)
     check_output_path(output, options.input)
     fmt = output_format(output, reader.format)
@@ -359,12 +380,7 @@ def _loop(
             if row.error is not None:
                 finish(error_result(row, row.error), row.keep)
                 continue
-            if row.sampling_params.n > 1 and fmt != "openai":
-                message = (
-                    f"{row.where}: field 'body.n' is {row.sampling_params.n}, but only OpenAI batch output "
-                    "(an --output ending in .jsonl) has room for several completions a line; write that "
-                    "output, or split the line into n lines"
-                )
+            if (message := several_completions_error(row, fmt)) is not None:
                 finish(error_result(row, message), row.keep)
                 continue
             prepared, error = prepare_row(row, engine, options, chat, bos, max_len)

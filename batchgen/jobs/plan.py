@@ -10,17 +10,63 @@ prompt and output budget), and the prefix-cache estimate keeps at most the cache
 from __future__ import annotations
 
 import math
+import os
 from array import array
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from batchgen.config import EngineConfig, resolve_device
+from batchgen.jobs.manifest import MANIFEST, CommittedRows, PartEntry
 from batchgen.jobs.options import JobOptions, default_output_path, output_format
 from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.requests import prepare_row, several_completions_error
+from batchgen.jobs.resume import header_differences, parts_dir_for
 
 FIRST_ERRORS = 5
+
+
+def committed_rows(output: str, header: dict[str, Any]) -> tuple[CommittedRows | None, str | None]:
+    """(rows an earlier run committed to `output`'s parts, a note when `run` would not resume them),
+    read only: no lock is taken and a torn manifest line is skipped, not cut, so a live run is safe.
+
+    Raises:
+        JobInputError: a committed part cannot be read.
+    """
+    import json
+
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    parts_dir = parts_dir_for(output)
+    path = os.path.join(parts_dir, MANIFEST)
+    if not os.path.exists(path):
+        done = os.path.exists(output)
+        return None, (f"{output} exists: run reports it complete or refuses it" if done else None)
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data[: data.rfind(b"\n") + 1].splitlines()
+    try:
+        old = json.loads(lines[0])["header"]
+        entries = [PartEntry(**json.loads(line)) for line in lines[1:] if line.strip()]
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None, f"{path} is damaged: run refuses it without --overwrite"
+    if not entries:
+        return None, None
+    if diffs := header_differences(old, header):
+        return None, (
+            f"{output} has {sum(e.rows for e in entries)} rows committed by a run with other settings "
+            f"({'; '.join(diffs)}): run refuses them without --overwrite; every row is planned"
+        )
+    idx, hashes = [], []
+    for e in entries:
+        try:
+            t = pq.read_table(os.path.join(parts_dir, e.part), columns=["row_index", "row_hash"])
+        except Exception as err:  # pyarrow raises several types for a missing or damaged file
+            raise JobInputError(f"committed part {e.part} in {parts_dir} cannot be read ({err})") from err
+        idx.append(t.column("row_index").to_numpy())
+        hashes.append(t.column("row_hash").to_numpy())
+    return CommittedRows(np.concatenate(idx).astype(np.int64), np.concatenate(hashes).astype(np.int64)), None
 
 
 class TokenizerEngine:
@@ -84,6 +130,7 @@ class JobPlan:
     input: str
     model: str
     rows: int = 0
+    rows_resumed: int = 0  # committed by an earlier run: not planned
     rows_valid: int = 0
     rows_error: int = 0
     rows_too_long: int = 0
@@ -93,6 +140,7 @@ class JobPlan:
     prompt_tokens_p99: int = 0
     prompt_tokens_max: int = 0
     max_output_tokens: int = 0  # the output budget: each row's max_tokens (times n), capped by room
+    prefix_caching: bool = True
     prefix_cache_tokens: int = 0  # prompt tokens the prefix cache would serve (full shared blocks)
     max_model_len: int = 0
     block_size: int = 0
@@ -103,6 +151,7 @@ class JobPlan:
     max_num_seqs: int = 0
     typical_row_tokens: int = 0  # p50 prompt + mean output budget
     seqs_that_fit: int = 0  # typical rows the KV cache holds at once (at most max_num_seqs run)
+    note: str | None = None  # about the rows an earlier run committed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,11 +199,15 @@ def plan_job(options: JobOptions, engine: Any = None, progress: bool = False) ->
     """
     import numpy as np
 
-    from batchgen.jobs.runner import check_run_options, job_reader
+    from batchgen.jobs.runner import check_run_options, job_header, job_reader
 
     config = check_run_options(options)
     reader = job_reader(options)
-    fmt = output_format(options.output or default_output_path(options.input, reader.format), reader.format)
+    output = options.output or default_output_path(options.input, reader.format)
+    fmt = output_format(output, reader.format)
+    committed, note = (
+        (None, None) if options.overwrite else committed_rows(output, job_header(options, reader, fmt))
+    )
     if engine is None:
         from batchgen.model.loader import ModelNotFoundError
 
@@ -167,7 +220,7 @@ def plan_job(options: JobOptions, engine: Any = None, progress: bool = False) ->
     bos = getattr(tokenizer, "bos_token_id", None)
     max_len = engine.max_model_len
     files = getattr(engine, "model_files", None)
-    plan = JobPlan(reader.source, getattr(files, "name", None) or str(config.model or "default"))
+    plan = JobPlan(reader.source, getattr(files, "name", None) or str(config.model or "default"), note=note)
     prompts, budgets = array("l"), array("l")
     prefix = _PrefixEstimate(engine.block_size, engine.num_blocks) if config.enable_prefix_caching else None
 
@@ -185,6 +238,9 @@ def plan_job(options: JobOptions, engine: Any = None, progress: bool = False) ->
         )
     for row in rows:
         plan.rows = row.row_index + 1
+        if committed is not None and committed.is_committed(row.row_index, row.row_hash, row.where):
+            plan.rows_resumed += 1
+            continue
         if row.error is not None:
             error(row.error)
             continue
@@ -230,6 +286,7 @@ def plan_job(options: JobOptions, engine: Any = None, progress: bool = False) ->
         plan.typical_row_tokens = plan.prompt_tokens_p50 + math.ceil(float(b.mean()))
         per_row = _blocks(plan.typical_row_tokens, engine.block_size)
         plan.seqs_that_fit = min(engine.num_blocks // max(per_row, 1), config.max_num_seqs)
+    plan.prefix_caching = prefix is not None
     if prefix is not None:
         plan.prefix_cache_tokens = prefix.hit_tokens
     return plan
@@ -241,21 +298,26 @@ def _mib(n: int) -> str:
 
 def format_plan(plan: JobPlan) -> str:
     """The plan as the lines `batchgen plan` prints."""
+    resumed = f"{plan.rows_resumed} committed by an earlier run; of the rest " if plan.rows_resumed else ""
     saved = 100 * plan.prefix_cache_tokens / plan.prompt_tokens if plan.prompt_tokens else 0.0
     lines = [
         f"job: {plan.input} (model {plan.model})",
-        f"rows: {plan.rows} ({plan.rows_valid} valid, {plan.rows_error} error rows, "
+        f"rows: {plan.rows} ({resumed}{plan.rows_valid} valid, {plan.rows_error} error rows, "
         f"{plan.rows_too_long} of them too long for max_model_len {plan.max_model_len})",
         f"prompt tokens: {plan.prompt_tokens} (p50 {plan.prompt_tokens_p50}, p99 {plan.prompt_tokens_p99}, "
         f"max {plan.prompt_tokens_max})",
         f"output budget: {plan.max_output_tokens} tokens (each row's max_tokens, capped by max_model_len)",
         f"prefix cache: about {plan.prefix_cache_tokens} prompt tokens ({saved:.0f}%) served from shared "
-        f"prefixes of {plan.block_size}-token blocks",
+        f"prefixes of {plan.block_size}-token blocks"
+        if plan.prefix_caching
+        else "prefix cache: off (--no-enable-prefix-caching)",
         f"KV cache: {plan.kv_cache_tokens} tokens at {plan.kv_bytes_per_token} bytes a token; the largest row "
         f"needs {plan.largest_row_tokens} tokens ({_mib(plan.largest_row_kv_bytes)}); "
         f"{plan.seqs_that_fit} typical rows ({plan.typical_row_tokens} tokens) fit at once, "
         f"max_num_seqs {plan.max_num_seqs}",
     ]
+    if plan.note:
+        lines.append(f"note: {plan.note}")
     if plan.first_errors:
         lines.append(f"first error rows ({len(plan.first_errors)} of {plan.rows_error}):")
         lines += [f"  {e}" for e in plan.first_errors]

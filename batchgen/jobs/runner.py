@@ -89,6 +89,16 @@ def _header_options(options: JobOptions, reader: JobReader, fmt: str) -> dict[st
     }
 
 
+def job_header(options: JobOptions, reader: JobReader, fmt: str) -> dict[str, Any]:
+    """What a resumed run must share with the run that committed the rows (input, model, options)."""
+    return make_header(
+        reader.identity(),
+        _model_label(options),
+        _header_options(options, reader, fmt),
+        model_fingerprint(options.engine.get("model")),
+    )
+
+
 def validate_job(reader: JobReader, limit: int = 10) -> None:
     """--strict: read every row and fail on the first `limit` invalid ones (no model needed).
 
@@ -237,12 +247,7 @@ def run_job(
     output = options.output or default_output_path(options.input, reader.format)
     check_output_path(output, options.input)
     fmt = output_format(output, reader.format)
-    header = make_header(
-        reader.identity(),
-        _model_label(options),
-        _header_options(options, reader, fmt),
-        model_fingerprint(options.engine.get("model")),
-    )
+    header = job_header(options, reader, fmt)
     if options.strict:
         validate_job(reader)
     state = prepare_output(output, header, options.overwrite)

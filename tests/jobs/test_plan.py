@@ -63,6 +63,53 @@ def test_plan_command_prints_json(tmp_path, tiny_model_dir):
     assert text.returncode == 0 and "rows: 10 (10 valid, 0 error rows" in text.stdout
 
 
+def test_plan_of_a_resumed_job_plans_the_rows_left(tmp_path, tiny_model_dir):
+    from tests.jobs.fake_engine import fake_factory
+
+    src = tmp_path / "job.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt": f"Question {i}?"}) for i in range(20)) + "\n")
+    options = JobOptions(
+        str(src),
+        max_tokens=5,
+        commit_rows=4,
+        engine={"model": str(tiny_model_dir("llama")), "max_num_seqs": 3},
+    )
+
+    def crash(step: int) -> None:
+        if step == 8:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError):
+        run_job(options, fake_factory(on_step=crash), dashboard=quiet())
+    plan = plan_job(options)
+    summary = run_job(options, fake_factory(), dashboard=quiet())
+    assert 0 < plan.rows_resumed == summary.rows_resumed < 20
+    assert plan.rows_valid == summary.rows_ok == 20 - plan.rows_resumed
+    assert plan.note is None
+
+
+def test_plan_of_a_job_with_other_settings_committed(tmp_path, tiny_model_dir):
+    from tests.jobs.fake_engine import fake_factory
+
+    src = tmp_path / "job.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt": f"Question {i}?"}) for i in range(6)) + "\n")
+    engine = {"model": str(tiny_model_dir("llama")), "max_num_seqs": 2}
+
+    def crash(step: int) -> None:
+        if step == 6:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError):
+        run_job(
+            JobOptions(str(src), max_tokens=4, commit_rows=1, engine=engine),
+            fake_factory(on_step=crash),
+            dashboard=quiet(),
+        )
+    plan = plan_job(JobOptions(str(src), max_tokens=9, engine=engine))
+    assert plan.rows_resumed == 0 and plan.rows_valid == 6
+    assert "committed by a run with other settings" in plan.note and "max_tokens" in plan.note
+
+
 def test_plan_refuses_a_missing_input(tmp_path):
     with pytest.raises(JobInputError):
         plan_job(JobOptions(str(tmp_path / "nope.jsonl")))

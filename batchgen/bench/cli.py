@@ -91,6 +91,9 @@ def bench_command(
         Path | None,
         typer.Option(help="--baselines vllm: the python of a virtual environment with vLLM (docs/vllm.md)."),
     ] = None,
+    vllm_timeout: Annotated[
+        float, typer.Option(help="--baselines vllm: stop a vLLM run after this many seconds (0 = never).")
+    ] = 0.0,
     static_batch_size: Annotated[int, typer.Option(help="Requests per static batch.")] = 8,
     output: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
     plot: Annotated[
@@ -171,6 +174,7 @@ def bench_command(
             repeat=repeat,
             warmup_run=warmup_run,
             vllm_python=str(vllm_python) if vllm_python is not None else None,
+            vllm_timeout_s=vllm_timeout or None,
         )
         # Everything that can fail without the model fails now, not after minutes of benchmarking.
         resolve_device(settings.engine.device)

@@ -127,6 +127,10 @@ class BenchSettings:
                 "--baselines vllm needs --vllm-python PATH, the python of a virtual environment with "
                 "vLLM installed (see docs/vllm.md)"
             )
+        if self.vllm_timeout_s is not None and not self.vllm_timeout_s > 0:
+            raise ValueError(
+                f"vllm timeout must be > 0 seconds (0 on the command line = never), got {self.vllm_timeout_s}"
+            )
         if self.vllm_python and "vllm" not in self.baselines:
             raise ValueError("--vllm-python applies to --baselines vllm only; add vllm to --baselines")
 

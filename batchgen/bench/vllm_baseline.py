@@ -11,8 +11,9 @@ the workload.
 
 What it measures: throughput and wall time. `LLM.generate` returns every output at the end, so
 there are no per-request latencies or steps; the report shows those as "-". Peak RSS is the largest
-sum, over the child and its processes (vLLM's engine core runs in one of its own), of their
-resident memory, sampled every 0.1 s; CPU utilisation is not measured.
+sum, over the child and its processes (vLLM's engine core and worker run in their own), of their
+resident memory, sampled every 0.1 s (shared pages count once per process; vLLM's whole KV cache is
+in it); CPU utilisation is not measured.
 
 Environment of the child (each set only when the user has not set it):
     VLLM_CPU_KVCACHE_SPACE     GiB of KV cache on a CPU (`DEFAULT_KVCACHE_GIB`).

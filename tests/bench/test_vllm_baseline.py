@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from rich.console import Console
 
@@ -48,6 +49,7 @@ if mode == "crash":
     print("Segmentation fault in the fake engine", file=sys.stderr)
     sys.exit(139)
 if mode == "sleep":
+    open(os.environ["FAKE_VLLM_PIDFILE"], "w").write(str(os.getpid()))
     time.sleep(60)
 if mode == "short":
     counts[0] -= 1
@@ -63,6 +65,13 @@ if mode == "no-vllm":
 json.dump(result, open(result_path, "w"))
 sys.exit(0 if "error" not in result else 3)
 """
+
+
+def _log_of(error: Exception) -> Path:
+    """The child's log an error names (it must exist)."""
+    log = Path(str(error).rsplit("its log: ", 1)[1])
+    assert log.is_file()
+    return log
 
 
 @pytest.fixture
@@ -241,8 +250,9 @@ def test_vllm_error_names_the_stage_and_keeps_the_log(
     monkeypatch.setenv("FAKE_VLLM_MODE", "load-error")
     with pytest.raises(
         VllmRunError, match="failed while loading the model: ValueError: no such architecture"
-    ):
+    ) as info:
         run_child(fake_python, request_for(workload([(3, 2)])), child_env(1))
+    _log_of(info.value).unlink()  # it was kept for the user
 
 
 def test_crash_without_result(fake_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -252,15 +262,18 @@ def test_crash_without_result(fake_python: Path, monkeypatch: pytest.MonkeyPatch
     message = str(info.value)
     assert "exited with status 139 before reporting a result" in message
     assert "Segmentation fault in the fake engine" in message
-    log = Path(message.rsplit("its log: ", 1)[1])
+    log = _log_of(info.value)
     assert "Segmentation fault" in log.read_text()
     log.unlink()
 
 
-def test_timeout_kills_the_child(fake_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_timeout_kills_the_child(fake_python: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_VLLM_MODE", "sleep")
-    with pytest.raises(VllmRunError, match="ran past 1 s and was stopped"):
+    monkeypatch.setenv("FAKE_VLLM_PIDFILE", str(tmp_path / "pid"))
+    with pytest.raises(VllmRunError, match="ran past 1 s and was stopped") as info:
         run_child(fake_python, request_for(workload([(3, 2)])), child_env(1), timeout_s=1)
+    assert not psutil.pid_exists(int((tmp_path / "pid").read_text()))
+    _log_of(info.value).unlink()
 
 
 def test_settings_need_the_interpreter() -> None:
@@ -268,6 +281,8 @@ def test_settings_need_the_interpreter() -> None:
         BenchSettings(baselines=["vllm"])
     with pytest.raises(ValueError, match="--vllm-python applies to --baselines vllm only"):
         BenchSettings(vllm_python="/usr/bin/python3")
+    with pytest.raises(ValueError, match="vllm timeout must be > 0 seconds"):
+        BenchSettings(baselines=["vllm"], vllm_python="/usr/bin/python3", vllm_timeout_s=-1.0)
 
 
 # --- the report --------------------------------------------------------------------------------------

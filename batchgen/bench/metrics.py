@@ -10,10 +10,10 @@ Definitions (vLLM's benchmark names):
     output tokens/s   real output tokens (padding never counts) / wall time.
     total tokens/s    (real prompt tokens + real output tokens) / wall time.
     wall time         bench start (time 0, where arrivals are measured from) -> last finish.
-A run whose `extra["per_request_times"]` is False (the vLLM baseline) knows only its wall time: its
-latencies and step count are None.
     mean batch size   mean over steps of the sequences in the step (running batch size).
 All times are `time.perf_counter()` seconds relative to the configuration's start.
+A run whose `extra["per_request_times"]` is False (the vLLM baseline) knows only its wall time: its
+latencies and step count are None.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class RunResult:
     """Everything measured for one configuration.
 
     Attributes:
-        name: configuration label ("continuous/fcfs", "static/b8", "hf-static/b8", "hf-cb").
+        name: configuration label ("continuous/fcfs", "static/b8", "hf-static/b8", "hf-cb", "vllm").
         kind: "continuous", "static", "hf-static", "hf-cb" or "vllm".
         policy: scheduling policy for batchgen configurations, else None.
         requests / steps: the records.

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from batchgen import cli_types as opt
+from batchgen.bench.cli import bench_command
 from batchgen.config import POLICIES, EngineConfig
 from batchgen.stop_signals import STOP_SIGNALS
 from batchgen.tune import tune_command
@@ -268,10 +269,6 @@ def _run_with_stop_handlers(options: JobOptions) -> None:
 
 app.command("tune")(tune_command)
 
-# ----- `batchgen bench`: registered by the bench package when it is present -----
-try:
-    from batchgen.bench.cli import bench_command
-except ImportError:
-    bench_command = None
-if bench_command is not None:
-    app.command("bench")(bench_command)
+# Imported at the top, unguarded: an import error in the bench is a bug to see, not a reason for
+# `batchgen bench` to vanish from `--help` without a word.
+app.command("bench")(bench_command)

@@ -29,3 +29,12 @@ def test_help_runs_through_the_console_entry_point() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "run" in proc.stdout and "bench" in proc.stdout
+
+
+def test_an_import_error_in_the_bench_fails_loudly() -> None:
+    """`batchgen bench` was registered inside `try/except ImportError`: a broken import silently
+    removed the command. It must stop the CLI with the import error instead."""
+    code = "import sys; sys.modules['batchgen.bench.cli'] = None; import batchgen.cli"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode != 0
+    assert "ModuleNotFoundError: import of batchgen.bench.cli halted" in proc.stderr

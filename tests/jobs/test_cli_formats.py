@@ -158,6 +158,39 @@ def test_run_and_bench_take_the_same_engine_options():
     assert run["max_num_seqs"][:2] == (("--max-num-seqs",), EngineConfig.max_num_seqs)
 
 
+def test_engine_flags_that_change_nothing_warn_once(tmp_path):
+    """--aging-steps under fcfs / priority, --swap-space without swap preemption and
+    --gpu-memory-utilization on a CPU were silent no-ops; each given one gets one warning line.
+    Defaults and flags that apply warn nothing."""
+    src = tmp_path / "j.jsonl"
+    src.write_text(json.dumps({"prompt": "p"}) + "\n")
+    flags = ["--aging-steps", "10", "--swap-space", "2", "--gpu-memory-utilization", "0.5", "--device", "cpu"]
+    r = invoke(str(src), "--model", NO_MODEL, *flags)
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 3, r.stderr
+    assert "--aging-steps applies only to --policy max-throughput (this run: fcfs)" in warnings[0]
+    assert "--swap-space applies only with --preemption-mode swap" in warnings[1]
+    assert "--gpu-memory-utilization applies only on CUDA" in warnings[2]
+    r = invoke(str(src), "--model", NO_MODEL, "--policy", "priority", "--aging-steps", "10")
+    assert r.stderr.count("warning: --aging-steps") == 1
+    applied = ["--policy", "max-throughput", "--aging-steps", "10", "--preemption-mode", "swap"]
+    r = invoke(str(src), "--model", NO_MODEL, *applied, "--swap-space", "2", "--device", "cpu")
+    assert "warning:" not in r.stderr, r.stderr
+    r = invoke(str(src), "--model", NO_MODEL, "--device", "cpu")
+    assert "warning:" not in r.stderr, r.stderr
+
+
+def test_inert_options_for_bench_policy_lists():
+    """`batchgen bench` checks the same flags; its --policy is a comma list."""
+    from batchgen.cli_types import inert_options
+
+    engine = {"preemption_mode": "recompute", "device": "cpu"}
+    assert inert_options(engine, {"aging_steps"}, "fcfs,max-throughput") == []
+    assert inert_options(engine, {"aging_steps"}, "fcfs,priority")[0].startswith("--aging-steps applies only")
+    assert inert_options({**engine, "preemption_mode": "swap"}, {"swap_space"}, "fcfs") == []
+    assert inert_options({**engine, "device": "cuda"}, {"gpu_memory_utilization"}, "fcfs") == []
+
+
 # ----- real runs on a tiny model -----
 
 

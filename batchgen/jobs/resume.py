@@ -75,6 +75,19 @@ def _same_model(old: dict[str, Any], new: dict[str, Any]) -> bool:
     )
 
 
+def _input_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """What differs between two inputs that name other rows: another input (job30.jsonl and
+    job30.parquet share the default output job30.out.parquet), or the same one changed since."""
+    where_old = old.get("path") or old.get("hub")
+    where_new = new.get("path") or new.get("hub")
+    if where_old and where_new and where_old != where_new:
+        return (
+            f"it was written from another input, {where_old} (this run reads {where_new}); give this "
+            "run its own --output"
+        )
+    return "the input file changed (its size or content)"
+
+
 def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Human-readable list of what changed between two headers (empty when equal). The input and
     model are compared by content where their content is hashed, not by path (`_same_input`,
@@ -83,7 +96,7 @@ def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     if old.get("version") != new.get("version"):
         diffs.append(f"header version {old.get('version')} -> {new.get('version')}")
     if not _same_input(old.get("input"), new.get("input")):
-        diffs.append("the input file changed (its size or content)")
+        diffs.append(_input_difference(old.get("input") or {}, new.get("input") or {}))
     if _same_model(old, new):
         pass
     elif old.get("model") != new.get("model"):

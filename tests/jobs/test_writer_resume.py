@@ -686,3 +686,17 @@ def test_signals_during_a_commit_are_only_recorded():
         assert interrupt.requested and interrupt.signum == signal.SIGINT
         with pytest.raises(KeyboardInterrupt):  # outside the shield a second signal stops at once
             os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_an_output_written_from_another_input_says_so(tmp_path):
+    """job.jsonl and job.parquet share the default output job.out.parquet: the refusal names the
+    other input, not "the input file changed"."""
+    job = job_file(tmp_path)
+    rows = [json.loads(line) for line in Path(job).read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "job.parquet")
+    assert run(JobOptions(job, engine={"max_num_seqs": 4})).complete
+    with pytest.raises(JobInputError) as e:
+        run(JobOptions(str(tmp_path / "job.parquet"), engine={"max_num_seqs": 4}))
+    message = str(e.value)
+    assert f"it was written from another input, {job} (this run reads {tmp_path / 'job.parquet'})" in message
+    assert "the input file changed" not in message and "--output" in message

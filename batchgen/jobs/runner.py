@@ -30,7 +30,7 @@ from batchgen.jobs.options import (
 )
 from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions
 from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
-from batchgen.jobs.resume import make_header, prepare_output
+from batchgen.jobs.resume import make_header, prepare_output, remove_earlier_output
 from batchgen.jobs.token_bytes import TokenBytes
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, count_output_errors, finalize_output
@@ -244,6 +244,8 @@ def run_job(
         except BaseException:
             state.discard_if_unused()
             raise
+        if options.overwrite and remove_earlier_output(output):
+            dashboard.log(f"--overwrite: removed the earlier output {output}; this run writes it anew")
         writer = PartWriter(state, tuple(options.keep_columns), options.commit_rows, options.commit_seconds)
         with _Interrupt() as interrupt:
             dashboard.start()

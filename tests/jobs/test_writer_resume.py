@@ -688,6 +688,38 @@ def test_signals_during_a_commit_are_only_recorded():
             os.kill(os.getpid(), signal.SIGINT)
 
 
+def test_an_interrupted_overwrite_leaves_no_earlier_output_beside_its_parts(tmp_path):
+    """`--overwrite` used to replace the earlier output only at the end: interrupted, it left the
+    previous job's complete output next to the new run's parts, where it passed for the new result.
+    The earlier output goes once the new run has its engine, and the run says so."""
+    import io
+
+    from rich.console import Console
+
+    job = job_file(tmp_path)
+    out = tmp_path / "job.out.parquet"
+    assert run(JobOptions(job, engine={"max_num_seqs": 4})).complete and out.exists()
+    log = io.StringIO()
+    board = Dashboard(None, live=False, stream=log, console=Console(file=io.StringIO()))
+
+    def interrupt(step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    opts = JobOptions(job, temperature=0.5, engine={"max_num_seqs": 4}, commit_rows=2, overwrite=True)
+    s = run_job(opts, fake_factory(on_step=interrupt), dashboard=board)
+    assert s.interrupted and not out.exists()
+    assert f"--overwrite: removed the earlier output {out}" in log.getvalue()
+    resumed = run(JobOptions(job, temperature=0.5, engine={"max_num_seqs": 4}, commit_rows=2))
+    assert resumed.complete and resumed.rows_resumed > 0 and len(table_rows(str(out))) == 40
+    # A JSON-lines output goes with its sidecar (a later run must not take it for complete).
+    jout = tmp_path / "job.out.jsonl"
+    assert run(JobOptions(job, output=str(jout), engine={"max_num_seqs": 4})).complete
+    sidecar = tmp_path / ".job.out.jsonl.batchgen.json"
+    assert sidecar.exists()
+    opts = JobOptions(job, output=str(jout), top_k=3, engine={"max_num_seqs": 4}, overwrite=True)
+    s = run_job(opts, fake_factory(on_step=interrupt), dashboard=quiet())
+    assert s.interrupted and not jout.exists() and not sidecar.exists()
 def test_an_output_written_from_another_input_says_so(tmp_path):
     """job.jsonl and job.parquet share the default output job.out.parquet: the refusal names the
     other input, not "the input file changed"."""

@@ -108,10 +108,32 @@ class JobSummary:
     complete: bool = False
     already_complete: bool = False
     first_error: str | None = None  # this run's first error row's message, for the summary
+    output_error_rows: int | None = None  # error rows in the whole finished output (earlier runs' too)
 
     @property
     def rows_done(self) -> int:
         return self.rows_ok + self.rows_error + self.rows_resumed
+
+    def to_dict(self, exit_code: int) -> dict[str, Any]:
+        """The summary a script reads (`batchgen run --summary-json`): the output, whether it is
+        complete, row counts (`error_rows`: error rows in the whole output once it is complete,
+        else this run's), the first error message of this run and the command's exit code."""
+        return {
+            "output": self.output_path,
+            "complete": self.complete,
+            "interrupted": self.interrupted,
+            "rows": self.rows_total,
+            "rows_done": self.rows_done,
+            "rows_ok_this_run": self.rows_ok,
+            "rows_error_this_run": self.rows_error,
+            "rows_from_earlier_runs": self.rows_resumed,
+            "error_rows": self.output_error_rows if self.output_error_rows is not None else self.rows_error,
+            "first_error": self.first_error,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "wall_s": round(self.wall_s, 3),
+            "exit_code": exit_code,
+        }
 
     @property
     def every_row_failed(self) -> bool:

@@ -162,6 +162,7 @@ def _finished_summary(output: str, fmt: str, reader: JobReader) -> JobSummary:
     except (OSError, ValueError, pa.ArrowException):  # unreadable: report it complete, uncounted
         return summary
     summary.rows_ok = rows - summary.rows_error
+    summary.output_error_rows = summary.rows_error
     return summary
 
 
@@ -276,6 +277,10 @@ def run_job(
             model_name = getattr(files, "name", None) or os.path.basename(_model_label(options).rstrip("/"))
             finalize_output(state, rows_read, fmt, header, tuple(options.keep_columns), model_name)
             summary.complete = True
+            summary.output_error_rows = summary.rows_error
+            if summary.rows_resumed:  # the earlier runs' error rows are in the output too
+                with contextlib.suppress(OSError, ValueError, pa.ArrowException):
+                    summary.output_error_rows = count_output_errors(output, fmt)[1]
         summary.wall_s = time.perf_counter() - start
         if summary.interrupted:
             dashboard.log(

@@ -97,6 +97,25 @@ def run_command(
     top_k: Annotated[int, typer.Option(help="0 or -1 = off")] = 0,
     seed: Annotated[int | None, typer.Option(help="Per-request sampling seed")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")] = None,
+    stop_token_ids: Annotated[
+        list[str] | None,
+        typer.Option(help="Token ids that end a row, besides EOS (comma-separated or repeated)"),
+    ] = None,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p x the top token's probability")] = 0.0,
+    min_tokens: Annotated[
+        int, typer.Option(help="EOS and stop token ids count only after this many tokens")
+    ] = 0,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="Generate past EOS up to max_tokens")
+    ] = False,
+    n: Annotated[
+        int,
+        typer.Option(
+            "--n",
+            help="Completions per row (vLLM's n): all n in a 'choices' column, the first also in "
+            "'output' (OpenAI batch output: the line's choices)",
+        ),
+    ] = 1,
     presence_penalty: Annotated[
         float, typer.Option(help="Subtracted from generated tokens' logits, [-2, 2]")
     ] = 0.0,
@@ -182,6 +201,11 @@ def run_command(
         top_k=top_k,
         seed=seed,
         stop=tuple(stop or ()),
+        stop_token_ids=_token_ids(stop_token_ids),
+        min_p=min_p,
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
+        n=n,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,

@@ -241,7 +241,7 @@ class JobReader:
         names = [self.prompt_column, self.messages_column, self.id_column, *self.template_fields]
         names += [
             c
-            for c in (*SAMPLING_COLUMNS, *LOGPROB_FIELDS, *UNAPPLIED_COLUMNS, "max_completion_tokens")
+            for c in (*SAMPLING_COLUMNS, *LOGPROB_FIELDS, *UNAPPLIED_COLUMNS, "max_completion_tokens", "n")
             if c in self.columns
         ]
         names += list(self.options.keep_columns)

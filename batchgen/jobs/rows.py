@@ -34,6 +34,7 @@ OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completi
 # Field names a plain job's column may be a misspelling of (see RowParser._note_near_misses).
 NEAR_MISS_TARGETS = (
     *SAMPLING_COLUMNS,
+    "n",
     *UNAPPLIED_COLUMNS,
     "top_logprobs",
     "max_completion_tokens",
@@ -254,8 +255,16 @@ class RowParser:
                 for f in LOGPROB_FIELDS
             ]
             values["logprobs"], err = requested_logprobs(*asked)
+            # vLLM's n: completions per row (the output's `choices`); a template field, kept or id
+            # column of that name is data.
+            values["n"] = None if "n" in self._data_columns else rec.get("n")
         if err is None:
             params, params_hash, err = self._sampling(values)
+            if err is not None and err.startswith("invalid sampling value in field 'n'"):
+                err += (
+                    " (field 'n' is the number of completions to sample, as vLLM's n; if the column is "
+                    "data, pass --keep-columns n)"
+                )
         if err is not None:
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         if keep is not None and not all(is_utf8(v) for v in keep.values() if isinstance(v, str)):

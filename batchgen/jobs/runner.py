@@ -198,7 +198,7 @@ def run_job(
         SamplingParams(**options.sampling_defaults())
     except (TypeError, ValueError) as e:
         # The message names the field first ("temperature must be >= 0"); name its flag.
-        fields = [f for f in options.sampling_defaults() if str(e).startswith(f) or f"({f})" in str(e)]
+        fields = [f for f in options.sampling_defaults() if str(e).startswith(f"{f} ") or f"({f})" in str(e)]
         flag = f" (flag --{fields[0].replace('_', '-')})" if fields else ""
         raise JobInputError(f"invalid sampling option: {e}{flag}") from e
     reader = JobReader(
@@ -257,7 +257,7 @@ def run_job(
                     rows_read, finished = total or 0, True
                 else:
                     rows_read, finished = _loop(
-                        options, config, engine, reader, state, writer, dashboard, summary, interrupt, fmt
+                        options, config, engine, reader, state, writer, dashboard, summary, interrupt
                     )
                 summary.interrupted = not finished
                 summary.stop_signal = interrupt.signum if summary.interrupted else None
@@ -303,10 +303,8 @@ def _loop(
     dashboard: Any,
     summary: JobSummary,
     interrupt: _Interrupt,
-    fmt: str = "parquet",
 ) -> tuple[int, bool]:
-    """The admission / step / commit loop; returns (input rows read, whether every row finished).
-    `fmt` is the output format: only OpenAI batch output has room for n > 1 completions a row."""
+    """The admission / step / commit loop; returns (input rows read, whether every row finished)."""
     tokenizer = getattr(engine, "tokenizer", None)
     chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -344,14 +342,6 @@ def _loop(
                 continue
             if row.error is not None:
                 finish(error_result(row, row.error), row.keep)
-                continue
-            if row.sampling_params.n > 1 and fmt != "openai":
-                message = (
-                    f"{row.where}: field 'body.n' is {row.sampling_params.n}, but only OpenAI batch output "
-                    "(an --output ending in .jsonl) has room for several completions a line; write that "
-                    "output, or split the line into n lines"
-                )
-                finish(error_result(row, message), row.keep)
                 continue
             prepared, error = prepare_row(row, engine, options, chat, bos, max_len)
             if error is not None:

@@ -134,6 +134,38 @@ def test_invalid_sampling_flags_exit_2_before_the_model(tmp_path):
         assert "invalid sampling option" in r.stderr and r.stderr.strip().endswith(f"(flag {flag})"), r.stderr
 
 
+def test_vllm_sampling_fields_are_job_wide_flags(tmp_path, monkeypatch):
+    """--n, --min-p, --min-tokens, --ignore-eos and --stop-token-ids set every row's default, as
+    the row fields of those names do; bad values exit 2 naming the flag."""
+    import batchgen.jobs.runner as runner_module
+
+    seen = []
+    monkeypatch.setattr(runner_module, "run_job", lambda options, *a, **k: seen.append(options) or 1 / 0)
+    src = tmp_path / "j.jsonl"
+    src.write_text(json.dumps({"prompt": "p"}) + "\n")
+    flags = ["--n", "3", "--min-p", "0.05", "--min-tokens", "2", "--ignore-eos"]
+    invoke(str(src), *flags, "--stop-token-ids", "7,9", "--stop-token-ids", "11", "--temperature", "0.7")
+    (options,) = seen
+    defaults = options.sampling_defaults()
+    assert {k: defaults[k] for k in ("n", "min_p", "min_tokens", "ignore_eos", "stop_token_ids")} == {
+        "n": 3,
+        "min_p": 0.05,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "stop_token_ids": [7, 9, 11],
+    }
+    monkeypatch.undo()
+    for flag, value in [("--min-p", "2"), ("--n", "0"), ("--min-tokens", "-1")]:
+        r = invoke(str(src), "--model", NO_MODEL, flag, value)
+        assert r.exit_code == 2 and r.stderr.strip().endswith(f"(flag {flag})"), r.stderr
+    r = invoke(str(src), "--model", NO_MODEL, "--stop-token-ids", "2,eos")
+    assert r.exit_code == 2 and "'eos' is not a token id" in r.stderr
+    # Unset, they leave the run header as it was before they existed.
+    assert not {"n", "min_p", "min_tokens", "ignore_eos", "stop_token_ids"} & set(
+        runner_module.JobOptions("x.jsonl").sampling_defaults()
+    )
+
+
 def test_missing_model_exits_2(tmp_path):
     src = tmp_path / "j.jsonl"
     src.write_text(json.dumps({"prompt": "p"}) + "\n")
@@ -232,7 +264,8 @@ def test_jsonl_input(tmp_path, tiny):
 
 def test_parquet_input_with_template(tmp_path, tiny):
     src = tmp_path / "docs.parquet"
-    pq.write_table(pa.table({"document": PROMPTS, "n": list(range(5))}), src, row_group_size=2)
+    # "num": a column the job does not use (a column "n" would be vLLM's n, completions per row).
+    pq.write_table(pa.table({"document": PROMPTS, "num": list(range(5))}), src, row_group_size=2)
     out = tmp_path / "summaries.parquet"
     r = invoke(
         str(src),

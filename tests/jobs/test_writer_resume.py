@@ -720,6 +720,8 @@ def test_an_interrupted_overwrite_leaves_no_earlier_output_beside_its_parts(tmp_
     opts = JobOptions(job, output=str(jout), top_k=3, engine={"max_num_seqs": 4}, overwrite=True)
     s = run_job(opts, fake_factory(on_step=interrupt), dashboard=quiet())
     assert s.interrupted and not jout.exists() and not sidecar.exists()
+
+
 def test_an_output_written_from_another_input_says_so(tmp_path):
     """job.jsonl and job.parquet share the default output job.out.parquet: the refusal names the
     other input, not "the input file changed"."""

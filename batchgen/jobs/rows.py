@@ -127,9 +127,9 @@ class RowParser:
         self.id_column = id_column
         self.template_fields = template_fields
         self._seen_custom_ids: dict[int, int] = {}
-        # Plain rows' ids -> (row index, line) of their first row, and the duplicates warned about
+        # Plain rows' ids -> row index and line of their first row, and the duplicates warned about
         # (kept across passes: a --strict pass and the run's own warn once).
-        self._seen_ids: dict[str, tuple[int, int | None]] = {}
+        self._seen_ids: dict[int, int] = {}
         self._duplicates_noted: set[str] = set()
         prompt_columns = (prompt_column, messages_column, *template_fields)
         self._prompt_columns = frozenset(c for c in prompt_columns if c is not None)
@@ -209,13 +209,16 @@ class RowParser:
         has: both rows run (ids are the user's data), but output joined on `id` would mix them.
         At most `MAX_DUPLICATE_NOTICES` are given, then one line that more were left out; ids are
         remembered for the first `MAX_TRACKED_IDS` rows of a pass (bounded memory)."""
-        first = self._seen_ids.get(rid)
-        if first is None:
+        # Keyed by the id's hash, the first row packed into one int: about 100 bytes an id.
+        key = hash(rid)
+        packed = self._seen_ids.get(key)
+        if packed is None:
             if len(self._seen_ids) < MAX_TRACKED_IDS:
-                self._seen_ids[rid] = (row_index, line_number)
+                self._seen_ids[key] = (row_index << 32) | (line_number or 0)
             return
         if rid in self._duplicates_noted:
             return
+        first = (packed >> 32, (packed & 0xFFFFFFFF) or None)
         self._duplicates_noted.add(rid)
         if len(self._duplicates_noted) > MAX_DUPLICATE_NOTICES:
             if len(self._duplicates_noted) == MAX_DUPLICATE_NOTICES + 1:

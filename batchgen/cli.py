@@ -99,7 +99,9 @@ def run_command(
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")] = None,
     stop_token_ids: Annotated[
         list[str] | None,
-        typer.Option(help="Token ids that end a row, besides EOS (comma-separated or repeated)"),
+        typer.Option(
+            help="Token ids that end a row, besides EOS (comma-separated or repeated)", metavar="IDS"
+        ),
     ] = None,
     min_p: Annotated[float, typer.Option(help="Drop tokens below min_p x the top token's probability")] = 0.0,
     min_tokens: Annotated[

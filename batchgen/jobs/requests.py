@@ -112,8 +112,9 @@ def output_result(p: Prepared, out: Any, token_bytes: TokenBytes | None = None) 
     """The output row of a prepared row from the engine's `RequestOutput` `out`; `token_bytes`
     (the engine tokenizer's) gives the bytes of the tokens in its log probabilities.
 
-    A request with n > 1 completions (an OpenAI batch line's `n`) keeps the first in `output` and
-    the others in `more_choices`; `completion_tokens` counts them all, as OpenAI's usage does."""
+    A request with n > 1 completions (a row's or an OpenAI batch line's `n`, or `--n`) keeps the
+    first in `output` and the others in `more_choices`; `completion_tokens` counts them all, as
+    OpenAI's usage does. The final output lists them all in `choices` (`batchgen.jobs.writer`)."""
     completions = out.outputs
     c = completions[0]
     metrics = out.metrics

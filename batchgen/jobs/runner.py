@@ -30,7 +30,7 @@ from batchgen.jobs.options import (
 )
 from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions
 from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
-from batchgen.jobs.resume import make_header, prepare_output
+from batchgen.jobs.resume import make_header, prepare_output, remove_earlier_output
 from batchgen.jobs.token_bytes import TokenBytes
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, count_output_errors, finalize_output
@@ -162,6 +162,7 @@ def _finished_summary(output: str, fmt: str, reader: JobReader) -> JobSummary:
     except (OSError, ValueError, pa.ArrowException):  # unreadable: report it complete, uncounted
         return summary
     summary.rows_ok = rows - summary.rows_error
+    summary.output_error_rows = summary.rows_error
     return summary
 
 
@@ -197,7 +198,7 @@ def run_job(
         SamplingParams(**options.sampling_defaults())
     except (TypeError, ValueError) as e:
         # The message names the field first ("temperature must be >= 0"); name its flag.
-        fields = [f for f in options.sampling_defaults() if str(e).startswith(f) or f"({f})" in str(e)]
+        fields = [f for f in options.sampling_defaults() if str(e).startswith(f"{f} ") or f"({f})" in str(e)]
         flag = f" (flag --{fields[0].replace('_', '-')})" if fields else ""
         raise JobInputError(f"invalid sampling option: {e}{flag}") from e
     reader = JobReader(
@@ -244,6 +245,8 @@ def run_job(
         except BaseException:
             state.discard_if_unused()
             raise
+        if options.overwrite and remove_earlier_output(output):
+            dashboard.log(f"--overwrite: removed the earlier output {output}; this run writes it anew")
         writer = PartWriter(state, tuple(options.keep_columns), options.commit_rows, options.commit_seconds)
         with _Interrupt() as interrupt:
             dashboard.start()
@@ -254,7 +257,7 @@ def run_job(
                     rows_read, finished = total or 0, True
                 else:
                     rows_read, finished = _loop(
-                        options, config, engine, reader, state, writer, dashboard, summary, interrupt, fmt
+                        options, config, engine, reader, state, writer, dashboard, summary, interrupt
                     )
                 summary.interrupted = not finished
                 summary.stop_signal = interrupt.signum if summary.interrupted else None
@@ -274,6 +277,10 @@ def run_job(
             model_name = getattr(files, "name", None) or os.path.basename(_model_label(options).rstrip("/"))
             finalize_output(state, rows_read, fmt, header, tuple(options.keep_columns), model_name)
             summary.complete = True
+            summary.output_error_rows = summary.rows_error
+            if summary.rows_resumed:  # the earlier runs' error rows are in the output too
+                with contextlib.suppress(OSError, ValueError, pa.ArrowException):
+                    summary.output_error_rows = count_output_errors(output, fmt)[1]
         summary.wall_s = time.perf_counter() - start
         if summary.interrupted:
             dashboard.log(
@@ -296,10 +303,8 @@ def _loop(
     dashboard: Any,
     summary: JobSummary,
     interrupt: _Interrupt,
-    fmt: str = "parquet",
 ) -> tuple[int, bool]:
-    """The admission / step / commit loop; returns (input rows read, whether every row finished).
-    `fmt` is the output format: only OpenAI batch output has room for n > 1 completions a row."""
+    """The admission / step / commit loop; returns (input rows read, whether every row finished)."""
     tokenizer = getattr(engine, "tokenizer", None)
     chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -337,14 +342,6 @@ def _loop(
                 continue
             if row.error is not None:
                 finish(error_result(row, row.error), row.keep)
-                continue
-            if row.sampling_params.n > 1 and fmt != "openai":
-                message = (
-                    f"{row.where}: field 'body.n' is {row.sampling_params.n}, but only OpenAI batch output "
-                    "(an --output ending in .jsonl) has room for several completions a line; write that "
-                    "output, or split the line into n lines"
-                )
-                finish(error_result(row, message), row.keep)
                 continue
             prepared, error = prepare_row(row, engine, options, chat, bos, max_len)
             if error is not None:

@@ -86,7 +86,9 @@ def bench_command(
     policy: Annotated[
         str, typer.Option(help="Comma list of fcfs, max-throughput, priority (continuous).")
     ] = "fcfs",
-    baselines: Annotated[str, typer.Option(help="Comma list of hf-static, hf-cb, vllm (or none).")] = "",
+    baselines: Annotated[
+        str, typer.Option("--baselines", "--baseline", help="Comma list of hf-static, hf-cb, vllm (or none).")
+    ] = "",
     vllm_python: Annotated[
         Path | None,
         typer.Option(help="--baselines vllm: the python of a virtual environment with vLLM (docs/vllm.md)."),

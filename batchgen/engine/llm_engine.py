@@ -1,4 +1,4 @@
-"""LLMEngine: the step loop (schedule -> execute -> sample -> update -> outputs)."""
+"""LLMEngine: the step loop (schedule -> execute -> scheduler.update -> outputs)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.detokenizer import check_stop, final_text
+from batchgen.engine.detokenizer import final_text
 from batchgen.engine.parallel_sampling import SampleGroups, child_params
 from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
@@ -24,8 +24,9 @@ from batchgen.engine.sizing import (
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
 from batchgen.model import loader
-from batchgen.model.runner import ModelRunner, StepInput, StepOutput, kv_cache_bytes_per_block
+from batchgen.model.runner import ModelRunner, kv_cache_bytes_per_block
 from batchgen.model.sampler import RowPenalty
+from batchgen.model.step import StepInput, StepOutput
 from batchgen.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -130,6 +131,8 @@ class LLMEngine:
             self.max_num_batched_tokens,
             config.enable_chunked_prefill,
             config.preemption_mode,
+            tokenizer=self.tokenizer,
+            max_model_len=self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
         self.groups = SampleGroups()  # requests with n > 1
@@ -301,7 +304,9 @@ class LLMEngine:
         self.runner.swap_in(sched.swap_in)
         sampled = self.runner.execute(self._step_inputs(sched)) if sched.scheduled else StepOutput([], [])
         now = time.perf_counter()
-        finished += self._update(sched, sampled, scheduled_at=start, now=now)
+        for r in self.scheduler.update(sched, sampled, scheduled_at=start, now=now):
+            del self.requests[r.request_id]
+            finished.append(self._output(r))
         outputs = self.groups.collect(finished)
         self._record(sched, start, now, len(sampled.token_ids), len(outputs), kv_cache_usage)
         return outputs
@@ -339,44 +344,6 @@ class LLMEngine:
                 )
             )
         return inputs
-
-    def _update(
-        self, sched: SchedulerOutput, sampled: StepOutput, scheduled_at: float, now: float
-    ) -> list[RequestOutput]:
-        """Apply the step's sampled tokens; `scheduled_at` (step start) and `now` (after the forward)
-        are `perf_counter` seconds."""
-        outputs = []
-        errors = sampled.errors or [None] * len(sampled.token_ids)
-        tokens = iter(zip(sampled.token_ids, sampled.logprobs, errors, strict=True))
-        for item in sched.scheduled:
-            r = item.request
-            if r.first_scheduled_time is None:  # the wait ends when the step that serves it begins
-                r.first_scheduled_time = scheduled_at
-            r.num_computed_tokens = item.start + item.num_new_tokens
-            self.block_manager.cache_full_blocks(r)
-            if not item.samples:
-                continue
-            token, logprobs, error = next(tokens)
-            if error is not None:  # no valid token: the request fails here, with what it has so far
-                r.error = error
-                outputs.append(self._finish(r, "error", now))
-                continue
-            r.token_ids.append(token)
-            if r.output_logprobs is not None:
-                r.output_logprobs.append(logprobs)
-            if r.first_token_time is None:
-                r.first_token_time = now
-            reason = check_stop(r, self.tokenizer, self.max_model_len)
-            if reason is not None:
-                outputs.append(self._finish(r, reason, now))
-        return outputs
-
-    def _finish(self, r: Request, reason: str, now: float) -> RequestOutput:
-        """End a running request with `reason` at `now` (perf_counter s): its blocks freed, its output."""
-        r.finish_reason, r.finish_time = reason, now
-        self.scheduler.finish(r)
-        del self.requests[r.request_id]
-        return self._output(r)
 
     def _logprobs(self, r: Request) -> tuple[list[dict[int, Logprob]] | None, float | None]:
         """(per output token: token id -> `Logprob` of the top tokens and the sampled one, the sum
@@ -428,9 +395,7 @@ class LLMEngine:
         num_finished: int,
         kv_cache_usage: float,
     ) -> None:
-        decodes = sum(
-            1 for s in sched.scheduled if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens
-        )
+        decodes = sched.num_decodes
         stats = StepStats(
             step=self.totals.steps,
             time=now,

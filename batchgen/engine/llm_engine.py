@@ -14,17 +14,11 @@ from batchgen.engine.parallel_sampling import SampleGroups, child_params
 from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
-from batchgen.engine.sizing import (
-    model_limit_reason,
-    model_max_len,
-    num_kv_blocks,
-    resolve_dtype,
-    slow_dtype_reason,
-)
+from batchgen.engine.sizing import plan_engine, resolve_dtype, slow_dtype_reason
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
 from batchgen.model import loader
-from batchgen.model.runner import ModelRunner, kv_cache_bytes_per_block
+from batchgen.model.runner import ModelRunner
 from batchgen.model.sampler import RowPenalty
 from batchgen.model.step import StepInput, StepOutput
 from batchgen.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -63,44 +57,10 @@ class LLMEngine:
             logger.warning("dtype %s: %s; --dtype auto picks the fastest one here", config.dtype, slow)
         self.block_size = config.block_size
 
-        model_len = model_max_len(files.config)
-        per_block = kv_cache_bytes_per_block(files.config, self.block_size, self.dtype)
-        num_blocks = num_kv_blocks(config, self.device, self.dtype, per_block, files.config)
-        if config.max_model_len is not None and config.max_model_len > model_len:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's limit of {model_len} tokens"
-                f"{model_limit_reason(files.config)}"
-            )
-        capacity = num_blocks * self.block_size
-        more_memory = "kv_cache_memory" + (
-            " (or gpu_memory_utilization)" if self.device.type == "cuda" else ""
-        )
-        if config.max_model_len is not None and config.max_model_len > capacity:
-            # As vLLM: a cache that cannot hold one full-length sequence is a configuration error.
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {self.block_size}), fewer than "
-                f"max_model_len {config.max_model_len}: raise {more_memory} or lower max_model_len"
-            )
-        self.max_model_len = min(config.max_model_len or model_len, capacity)
-        # Said wherever max_model_len is quoted, so a too-small cache is not mistaken for a limit
-        # the user set.
-        self.max_model_len_note = ""
-        # What a prompt too long for max_model_len can do about it: at the model's own limit,
-        # raising max_model_len is not an option.
-        self.too_long_fix = "shorten or truncate the prompt, or raise max_model_len"
-        if self.max_model_len == model_len:
-            self.too_long_fix = (
-                f"shorten or truncate the prompt: {model_len} tokens is the model's limit"
-                f"{model_limit_reason(files.config)}"
-            )
-        if self.max_model_len < model_len and config.max_model_len is None:
-            self.max_model_len_note = (
-                f" (lowered from the model's {model_len}: the KV cache holds only {capacity} tokens; "
-                f"raise {more_memory})"
-            )
-            logger.warning("max_model_len is %d%s", self.max_model_len, self.max_model_len_note)
-        self.max_num_batched_tokens = self._token_budget()
-        num_swap_blocks = config.swap_bytes // per_block if config.preemption_mode == "swap" else 0
+        self.plan = plan_engine(config, files.config, self.device, self.dtype)
+        self.max_model_len = self.plan.max_model_len
+        self.max_num_batched_tokens = self.plan.max_num_batched_tokens
+        num_blocks, num_swap_blocks = self.plan.num_blocks, self.plan.num_swap_blocks
 
         self.runner = ModelRunner(
             files.config,
@@ -140,18 +100,15 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.totals = EngineTotals()
 
-    def _token_budget(self) -> int:
-        cfg = self.config
-        if cfg.max_num_batched_tokens is not None:
-            if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) is below max_model_len "
-                    f"({self.max_model_len}) with chunked prefill off: raise it, lower max_model_len, "
-                    "or enable chunked prefill"
-                )
-            return cfg.max_num_batched_tokens
-        default = 8192 if self.device.type == "cuda" else 2048
-        return default if cfg.enable_chunked_prefill else max(default, self.max_model_len)
+    @property
+    def model_name(self) -> str:
+        """The model's short display name (GGUF stem, hub repo name or directory name)."""
+        return self.model_files.name
+
+    @property
+    def start_line(self) -> str:
+        """What the engine settled on at start, for the job's log: the kernel choice."""
+        return f"kernels {self.kernel_summary}" if self.kernel_summary else ""
 
     # ---- requests ----
     def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -161,6 +118,11 @@ class LLMEngine:
             ValueError / TypeError: empty or malformed prompt, or token ids the model cannot embed.
         """
         return encode_prompt(self.tokenizer, prompt, vocab_size=int(self.model_config.vocab_size))
+
+    def check_prompt_len(self, num_tokens: int) -> str | None:
+        """Why a prompt of `num_tokens` tokens can never run here (no room for one output token
+        within max_model_len), or None when it fits. The one length check: jobs ask it too."""
+        return self.plan.check_prompt_len(num_tokens)
 
     def add_request(
         self,
@@ -225,16 +187,8 @@ class LLMEngine:
                 "fix or remove them",
             )
             return
-        if len(token_ids) >= self.max_model_len:
-            self._reject(
-                request_id,
-                text,
-                token_ids,
-                arrival,
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}"
-                f"{self.max_model_len_note} (room is needed for at least one output token): "
-                f"{self.too_long_fix}",
-            )
+        if (too_long := self.check_prompt_len(len(token_ids))) is not None:
+            self._reject(request_id, text, token_ids, arrival, too_long)
             return
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

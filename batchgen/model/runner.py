@@ -15,19 +15,10 @@ import torch
 
 from batchgen.model.attention import AttentionMetadata, select_backend
 from batchgen.model.kernel_choice import KernelChoice, apply_kernels
-from batchgen.model.layers import RotaryEmbedding
+from batchgen.model.layers import RotaryEmbedding, attention_heads
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.sampler import SampleLogprobs, Sampler, SamplingBatch, sample_logprobs
 from batchgen.model.step import StepInput, StepOutput
-
-
-def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block: K and V, in every layer, `block_size` tokens x KV heads x head_dim x
-    the dtype's size."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
 
 
 def allocate_kv_caches(
@@ -107,14 +98,13 @@ class ModelRunner:
         if model.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         # Rotary tables were built on meta: rebuild them for real, and in float32 as the reference does.
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        _, kv_heads, head_dim = attention_heads(config)
         model.model.rotary = RotaryEmbedding(config, head_dim, max_positions).to(device)
         model.load_weights(weights)
         self.kernel_choice: KernelChoice = apply_kernels(
             model, kernels, device, max_step_rows, max_logit_rows, one_layout=one_weight_layout
         )
         self.model = model.eval()
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.kv_caches = allocate_kv_caches(config.num_hidden_layers, shape, dtype, device)
         self.num_blocks = num_blocks

@@ -24,7 +24,7 @@ from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.policy import FCFSPolicy, MaxThroughputPolicy, Policy, PriorityPolicy, make_policy
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
-from batchgen.model.runner import kv_cache_bytes_per_block
+from batchgen.engine.sizing import kv_cache_bytes_per_block
 from batchgen.model.step import StepOutput
 from batchgen.sampling_params import SamplingParams
 

@@ -17,7 +17,7 @@ from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sizing import plan_engine, resolve_dtype, slow_dtype_reason
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
-from batchgen.model import loader
+from batchgen.model.loading import loader
 from batchgen.model.runner import ModelRunner
 from batchgen.model.sampler import RowPenalty
 from batchgen.model.step import StepInput, StepOutput

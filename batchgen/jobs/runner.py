@@ -35,7 +35,7 @@ from batchgen.jobs.resume import make_header, prepare_output
 from batchgen.jobs.token_bytes import TokenBytes
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, count_output_errors, finalize_output
-from batchgen.model.fingerprint import model_fingerprint
+from batchgen.model.loading.fingerprint import model_fingerprint
 from batchgen.sampling_params import SamplingParams
 from batchgen.stop_signals import STOP_SIGNALS
 
@@ -47,7 +47,7 @@ def default_engine_factory(config: EngineConfig) -> Engine:
         JobInputError: the model is missing or unsupported, or the engine options conflict.
     """
     from batchgen.engine.llm_engine import LLMEngine
-    from batchgen.model.loader import ModelNotFoundError
+    from batchgen.model.loading.architectures import ModelNotFoundError
 
     try:
         return LLMEngine(config)

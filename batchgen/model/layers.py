@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels.cpu import ops as cpu_ops
-from batchgen.model.attention import AttentionBackend, AttentionMetadata
+from batchgen.model.attention.base import AttentionBackend, AttentionMetadata
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from batchgen.model.attention import AttentionBackend, AttentionMetadata
+from batchgen.model.attention.base import AttentionBackend, AttentionMetadata
 from batchgen.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, attention_heads
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -191,7 +191,7 @@ def run_bench(
             (e.g. `device` cuda without CUDA, a missing model) or the workload cannot be built
             (a missing job file or trace, a job file without a usable row).
     """
-    from batchgen.model.loader import ModelNotFoundError
+    from batchgen.model.loading.architectures import ModelNotFoundError
 
     factory = engine_factory or default_engine_factory
     if settings.engine.num_threads is not None:

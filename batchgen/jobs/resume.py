@@ -45,7 +45,7 @@ def make_header(
     model_fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """The run header: input identity, model (its name or path, and the digest of its files from
-    `batchgen.model.fingerprint`), and every option that changes the output rows."""
+    `batchgen.model.loading.fingerprint`), and every option that changes the output rows."""
     return {
         "version": HEADER_VERSION,
         "input": input_identity,

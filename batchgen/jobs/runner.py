@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.config import EngineConfig, resolve_device
+from batchgen.engine.protocol import Engine
 from batchgen.jobs.options import (
     JobOptions,
     JobSummary,
@@ -34,19 +35,19 @@ from batchgen.jobs.resume import make_header, prepare_output, remove_earlier_out
 from batchgen.jobs.token_bytes import TokenBytes
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, count_output_errors, finalize_output
-from batchgen.model.fingerprint import model_fingerprint
+from batchgen.model.loading.fingerprint import model_fingerprint
 from batchgen.sampling_params import SamplingParams
 from batchgen.stop_signals import STOP_SIGNALS
 
 
-def default_engine_factory(config: EngineConfig) -> Any:
+def default_engine_factory(config: EngineConfig) -> Engine:
     """Build the real engine (imported here so pre-flight checks never load torch or a model).
 
     Raises:
         JobInputError: the model is missing or unsupported, or the engine options conflict.
     """
     from batchgen.engine.llm_engine import LLMEngine
-    from batchgen.model.loader import ModelNotFoundError
+    from batchgen.model.loading.architectures import ModelNotFoundError
 
     try:
         return LLMEngine(config)
@@ -168,14 +169,14 @@ def _finished_summary(output: str, fmt: str, reader: JobReader) -> JobSummary:
 
 def run_job(
     options: JobOptions,
-    engine_factory: Callable[[EngineConfig], Any] | None = None,
+    engine_factory: Callable[[EngineConfig], Engine] | None = None,
     dashboard: Any = None,
 ) -> JobSummary:
     """Run one job to completion, or until SIGINT.
 
     Args:
         options: the job (see JobOptions).
-        engine_factory: EngineConfig -> engine with the LLMEngine API; default builds LLMEngine.
+        engine_factory: EngineConfig -> an `Engine` (the protocol); the default builds LLMEngine.
         dashboard: a `batchgen.dashboard.Dashboard` (default: one chosen from `options.dashboard`).
 
     Returns:
@@ -250,8 +251,8 @@ def run_job(
         writer = PartWriter(state, tuple(options.keep_columns), options.commit_rows, options.commit_seconds)
         with _Interrupt() as interrupt:
             dashboard.start()
-            if getattr(engine, "kernel_summary", ""):
-                dashboard.log(f"kernels {engine.kernel_summary}")
+            if engine is not None and engine.start_line:
+                dashboard.log(engine.start_line)
             try:
                 if engine is None:
                     rows_read, finished = total or 0, True
@@ -273,8 +274,7 @@ def run_job(
             dashboard.stop()
         if not summary.interrupted:
             summary.rows_total = rows_read
-            files = getattr(engine, "model_files", None)
-            model_name = getattr(files, "name", None) or os.path.basename(_model_label(options).rstrip("/"))
+            model_name = (engine and engine.model_name) or os.path.basename(_model_label(options).rstrip("/"))
             finalize_output(state, rows_read, fmt, header, tuple(options.keep_columns), model_name)
             summary.complete = True
             summary.output_error_rows = summary.rows_error
@@ -296,7 +296,7 @@ def run_job(
 def _loop(
     options: JobOptions,
     config: EngineConfig,
-    engine: Any,
+    engine: Engine,
     reader: JobReader,
     state: Any,
     writer: PartWriter,
@@ -305,7 +305,7 @@ def _loop(
     interrupt: _Interrupt,
 ) -> tuple[int, bool]:
     """The admission / step / commit loop; returns (input rows read, whether every row finished)."""
-    tokenizer = getattr(engine, "tokenizer", None)
+    tokenizer = engine.tokenizer
     chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
     bos = getattr(tokenizer, "bos_token_id", None)
     token_bytes = TokenBytes(tokenizer)
@@ -365,8 +365,8 @@ def _loop(
         dashboard.update(
             summary.rows_done,
             summary.rows_error,
-            getattr(engine, "last_step", None),
-            getattr(engine, "totals", None),
+            engine.last_step,
+            engine.totals,
         )
     finished = exhausted and not window and not pending
     if not finished:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from batchgen import LLM
 from batchgen.engine.detokenizer import check_stop, detokenize_incrementally
 from batchgen.engine.request import Request
-from batchgen.model.loader import load_tokenizer, resolve_model
+from batchgen.model.loading.loader import load_tokenizer, resolve_model
 from batchgen.model.sampler import Sampler, SamplingBatch, filter_probs
 from batchgen.sampling_params import SamplingParams
 

@@ -1,9 +1,9 @@
 """The `batchgen` command line (Typer). Thin: parses options and calls `batchgen.jobs.run_job`.
 
-Exit codes of `batchgen run`: 0 done (error rows included), 3 done but every row of the job failed
-(the output holds the error rows), 2 bad input or options (before any model work), 1 the output could
-not be written, 130 / 143 / 129 interrupted by SIGINT / SIGTERM / SIGHUP (committed rows kept; the
-same command resumes).
+Exit codes of `batchgen run`: 0 done (error rows included: `--summary-json` gives their count), 3
+done but every row of the job failed (the output holds the error rows), 2 bad input or options
+(before any model work), 1 the output could not be written, 130 / 143 / 129 interrupted by SIGINT /
+SIGTERM / SIGHUP (committed rows kept; the same command resumes).
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from batchgen import cli_types as opt
+from batchgen.bench.cli import bench_command
 from batchgen.config import POLICIES, EngineConfig
 from batchgen.stop_signals import STOP_SIGNALS
 from batchgen.tune import tune_command
 
 if TYPE_CHECKING:
-    from batchgen.jobs.options import JobOptions
+    from batchgen.jobs.options import JobOptions, JobSummary
 
 app = typer.Typer(
     name="batchgen",
@@ -100,6 +101,27 @@ def run_command(
     top_k: Annotated[int, typer.Option(help="0 or -1 = off")] = 0,
     seed: Annotated[int | None, typer.Option(help="Per-request sampling seed")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")] = None,
+    stop_token_ids: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Token ids that end a row, besides EOS (comma-separated or repeated)", metavar="IDS"
+        ),
+    ] = None,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p x the top token's probability")] = 0.0,
+    min_tokens: Annotated[
+        int, typer.Option(help="EOS and stop token ids count only after this many tokens")
+    ] = 0,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="Generate past EOS up to max_tokens")
+    ] = False,
+    n: Annotated[
+        int,
+        typer.Option(
+            "--n",
+            help="Completions per row (vLLM's n): all n in a 'choices' column, the first also in "
+            "'output' (OpenAI batch output: the line's choices)",
+        ),
+    ] = 1,
     presence_penalty: Annotated[
         float, typer.Option(help="Subtracted from generated tokens' logits, [-2, 2]")
     ] = 0.0,
@@ -167,6 +189,14 @@ def run_command(
             "textfile collector, which reads *.prom files)"
         ),
     ] = None,
+    summary_json: Annotated[
+        str | None,
+        typer.Option(
+            help="Also write the outcome as JSON to this file (rows, error rows, complete, exit code) "
+            "for scripts; a job with some error rows exits 0, so read error_rows here",
+            metavar="PATH",
+        ),
+    ] = None,
 ) -> None:
     """Run a job file through the engine into an output file; rerun the same command to resume."""
     from batchgen.jobs.runner import JobOptions
@@ -197,6 +227,11 @@ def run_command(
         top_k=top_k,
         seed=seed,
         stop=tuple(stop or ()),
+        stop_token_ids=_token_ids(stop_token_ids),
+        min_p=min_p,
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
+        n=n,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
@@ -212,11 +247,13 @@ def run_command(
         resume_command="batchgen " + shlex.join(resume_args),
         metrics=MetricsOptions(port=metrics_port, host=metrics_host, file=metrics_file),
     )
-    (_job_action.get() or _run_and_exit)(options)
+    (_job_action.get() or _run_and_exit)(options, summary_json)
 
 
 # `batchgen plan` takes exactly `run`'s options: it calls `run_command` with this set to the plan.
-_job_action: ContextVar[Callable[[JobOptions], None] | None] = ContextVar("job_action", default=None)
+_job_action: ContextVar[Callable[[JobOptions, str | None], None] | None] = ContextVar(
+    "job_action", default=None
+)
 
 
 def plan_command(**values: Any) -> None:
@@ -224,7 +261,7 @@ def plan_command(**values: Any) -> None:
     savings and KV-cache memory, from the job file and the model's tokenizer (no weights are loaded)."""
     as_json = values.pop("json_output")
 
-    def plan(options: JobOptions) -> None:
+    def plan(options: JobOptions, summary_json: str | None) -> None:
         from batchgen.jobs.plan import format_plan, plan_job
         from batchgen.jobs.reader import JobInputError
 
@@ -256,20 +293,62 @@ plan_command.__annotations__ = {p.name: p.annotation for p in plan_command.__sig
 app.command("plan")(plan_command)
 
 
-def _run_and_exit(options: JobOptions) -> None:
+def _token_ids(values: list[str] | None) -> tuple[int, ...]:
+    """`--stop-token-ids` values (each a comma list) as token ids.
+
+    Raises:
+        typer.BadParameter: a value that is not a whole number (a usage error, exit 2).
+    """
+    ids = []
+    for item in values or ():
+        for part in item.split(","):
+            if not part.strip():
+                continue
+            try:
+                ids.append(int(part))
+            except ValueError:
+                raise typer.BadParameter(
+                    f"{part.strip()!r} is not a token id; give whole numbers, e.g. --stop-token-ids 2,13",
+                    param_hint="--stop-token-ids",
+                ) from None
+    return tuple(ids)
+
+
+def _run_and_exit(options: JobOptions, summary_json: str | None = None) -> None:
     """`run_job` with the command's signal handling and exit codes. The process's handlers are
     restored on the way out, so an in-process caller (a test runner, say) does not inherit ignored
     signals, nor pass them on to the processes it starts; the `batchgen` command itself ignores
     them again until it exits (`batchgen.__main__.main`)."""
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     try:
-        _run_with_stop_handlers(options)
+        _run_with_stop_handlers(options, summary_json)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _run_with_stop_handlers(options: JobOptions) -> None:
+def _write_summary(path: str, summary: JobSummary, exit_code: int) -> None:
+    """`--summary-json`: the run's outcome (`JobSummary.to_dict`) as JSON, written atomically. A
+    failure to write it is reported, not raised: the job itself is done."""
+    import json
+    from pathlib import Path
+
+    from batchgen.cache import write_atomically
+
+    try:
+        write_atomically(Path(path), (json.dumps(summary.to_dict(exit_code), indent=1) + "\n").encode())
+    except OSError as e:
+        typer.echo(f"error: --summary-json {path} could not be written: {e}", err=True)
+
+
+def _exit_code(summary: JobSummary) -> int:
+    """`batchgen run`'s exit code for a run that returned (see the module docstring)."""
+    if summary.interrupted:  # the shell's convention: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM)
+        return 128 + (summary.stop_signal or signal.SIGINT)
+    return 3 if summary.every_row_failed else 0
+
+
+def _run_with_stop_handlers(options: JobOptions, summary_json: str | None = None) -> None:
     from batchgen.jobs.reader import JobInputError
     from batchgen.jobs.runner import run_job
 
@@ -310,6 +389,8 @@ def _run_with_stop_handlers(options: JobOptions) -> None:
     # of the process has nothing left to stop, and must not kill it with a KeyboardInterrupt traceback.
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
+    if summary_json is not None:
+        _write_summary(summary_json, summary, _exit_code(summary))
     if summary.already_complete:
         errors = (
             f", {summary.rows_error} of its {summary.rows_done} rows are error rows"
@@ -319,8 +400,8 @@ def _run_with_stop_handlers(options: JobOptions) -> None:
         typer.echo(
             f"{summary.output_path} is already complete (same input and settings){errors}; --overwrite redoes it"
         )
-    if summary.interrupted:  # the shell's convention: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM)
-        raise typer.Exit(128 + (summary.stop_signal or signal.SIGINT))
+    if summary.interrupted:
+        raise typer.Exit(_exit_code(summary))
     if summary.every_row_failed:
         # A script that checks the exit code must not take an output of nothing but errors for a
         # finished job; the rows stay recorded, so a fixed command reruns with --overwrite.
@@ -334,10 +415,6 @@ def _run_with_stop_handlers(options: JobOptions) -> None:
 
 app.command("tune")(tune_command)
 
-# ----- `batchgen bench`: registered by the bench package when it is present -----
-try:
-    from batchgen.bench.cli import bench_command
-except ImportError:
-    bench_command = None
-if bench_command is not None:
-    app.command("bench")(bench_command)
+# Imported at the top, unguarded: an import error in the bench is a bug to see, not a reason for
+# `batchgen bench` to vanish from `--help` without a word.
+app.command("bench")(bench_command)

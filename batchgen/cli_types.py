@@ -10,6 +10,7 @@ Each option is an `Annotated` type that both commands declare with the same defa
 
 from __future__ import annotations
 
+import importlib
 from typing import Annotated, Any
 
 import typer
@@ -109,5 +110,70 @@ ENGINE_OPTIONS = (
 
 
 def engine_options(values: dict[str, Any]) -> dict[str, Any]:
-    """The engine options out of a command's parameters (`locals()`): `EngineConfig` keyword arguments."""
-    return {name: values[name] for name in ENGINE_OPTIONS}
+    """The engine options out of a command's parameters (`locals()`): `EngineConfig` keyword arguments.
+
+    Inside a command, each engine flag given on the command line that has no effect with the other
+    options (see `inert_options`) gets one warning line on stderr."""
+    engine = {name: values[name] for name in ENGINE_OPTIONS}
+    given = _given_options(ENGINE_OPTIONS)
+    for message in inert_options(engine, given, str(values.get("policy") or "fcfs")):
+        typer.echo(f"warning: {message}", err=True)
+    return engine
+
+
+def _given_options(names: tuple[str, ...]) -> set[str]:
+    """The parameters among `names` that the running command got from its command line (or the
+    environment), not from their defaults; empty outside a command.
+
+    Typer runs on Click, its own copy of it in recent versions: the context functions are taken
+    from the package `typer.Context` is built on, whichever it is."""
+    core = importlib.import_module(typer.Context.__mro__[1].__module__)  # click.core or its copy
+    context = importlib.import_module(core.__name__.rsplit(".", 1)[0] + ".globals")
+    ctx = context.get_current_context(silent=True)
+    if ctx is None:
+        return set()
+    unset = (None, core.ParameterSource.DEFAULT, core.ParameterSource.DEFAULT_MAP)
+    return {name for name in names if ctx.get_parameter_source(name) not in unset}
+
+
+def inert_options(engine: dict[str, Any], given: set[str], policy: str) -> list[str]:
+    """Why each engine option in `given` (the ones the user set) changes nothing with the others.
+
+    Args:
+        engine: `EngineConfig` keyword arguments.
+        given: names of the options set on the command line.
+        policy: the command's `--policy` value (a comma list for `batchgen bench`).
+
+    Returns:
+        One message per such option, naming its flag and what would make it apply: `--aging-steps`
+        outside max-throughput, `--swap-space` without `--preemption-mode swap`, and
+        `--gpu-memory-utilization` when the engine runs on a CPU (resolving `--device auto` imports
+        torch, only then).
+    """
+    messages = []
+    policies = {p.strip() for p in policy.split(",") if p.strip()}
+    if "aging_steps" in given and "max-throughput" not in policies:
+        messages.append(
+            f"--aging-steps applies only to --policy max-throughput (this run: {policy}); it is ignored"
+        )
+    if "swap_space" in given and engine.get("preemption_mode") != "swap":
+        messages.append(
+            "--swap-space applies only with --preemption-mode swap (this run preempts by "
+            f"{engine.get('preemption_mode')}); it is ignored"
+        )
+    if "gpu_memory_utilization" in given and _runs_on_cpu(engine.get("device") or "auto"):
+        messages.append(
+            "--gpu-memory-utilization applies only on CUDA; this run is on the CPU, whose KV cache "
+            "size is --kv-cache-memory (default 1GiB); it is ignored"
+        )
+    return messages
+
+
+def _runs_on_cpu(device: str) -> bool:
+    if device == "cpu":
+        return True
+    if device == "cuda":
+        return False
+    import torch  # --device auto: what it resolves to (only asked when the flag was given)
+
+    return not torch.cuda.is_available()

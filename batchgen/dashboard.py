@@ -85,6 +85,7 @@ class Dashboard:
         self.rows_done = 0
         self.rows_error = 0
         self._rows_at_start: int | None = None
+        self._updated_at: float | None = None  # perf_counter of the latest update
         self.step: StepStats | None = None
         self.totals = EngineTotals()
 
@@ -98,6 +99,7 @@ class Dashboard:
         # Rows are None here and taken from the first update (resumed rows are not this run's work).
         self._samples.clear()
         self._samples.append((self._start, 0, 0, None))
+        self._updated_at = None
         if not self.live_mode:
             self._emit("[batchgen] engine ready; first step running (a large first prefill can take a while)")
         if self.live_mode:
@@ -138,6 +140,7 @@ class Dashboard:
                 t0, g0, p0, _ = self._samples[0]
                 self._samples[0] = (t0, g0, p0, rows_done)
         self.rows_done, self.rows_error = rows_done, rows_error
+        self._updated_at = now
         if step is not None:
             self.step = step
         if totals is not None:
@@ -159,17 +162,27 @@ class Dashboard:
         self._emit(self.progress_line())
 
     def rates(self) -> tuple[float, float, float]:
-        """Rolling (generation tokens/s, prompt tokens/s, rows/s) over the last `rate_window_s`."""
-        if len(self._samples) < 2:
+        """Rolling (generation tokens/s, prompt tokens/s, rows/s) from the oldest sample of the last
+        `rate_window_s` to the latest update (not to the latest sample, which may be up to half a
+        second older: rows that finished since would be missed)."""
+        if not self._samples or (len(self._samples) < 2 and self._updated_at is None):
             return 0.0, 0.0, 0.0
         t0, g0, p0, r0 = self._samples[0]
-        t1, g1, p1, r1 = self._samples[-1]
+        t = self.totals
+        t1, g1, p1, r1 = (
+            (self._updated_at, t.generation_tokens, t.prompt_tokens, self.rows_done)
+            if self._updated_at is not None
+            else self._samples[-1]
+        )
         r0 = r1 if r0 is None else r0
         dt = t1 - t0
         return ((g1 - g0) / dt, (p1 - p0) / dt, (r1 - r0) / dt) if dt > 0 else (0.0, 0.0, 0.0)
 
     def eta_s(self) -> float | None:
-        """Seconds left at the rolling row rate (None when the total or the rate is unknown)."""
+        """Seconds left at the rolling row rate of the recent steps (`rates`): 0 once every row is
+        done; None when the total or the rate is unknown."""
+        if self.total_rows is not None and self.rows_done >= self.total_rows:
+            return 0.0
         rows_per_s = self.rates()[2]
         if self.total_rows is None or rows_per_s <= 0:
             return None
@@ -184,7 +197,8 @@ class Dashboard:
         return {
             "rows": f"{self.rows_done}/{total}{pct}",
             "errors": str(self.rows_error),
-            "eta": format_duration(self.eta_s()),
+            # Once stopped there is nothing left to estimate (an interrupted run's rest is unknown).
+            "eta": format_duration(self.eta_s()) if self._stopped is None else "-",
             "elapsed": format_duration(time.perf_counter() - self._start),
             "gen tok/s": f"{gen:.0f}",
             "prompt tok/s": f"{prompt:.0f}",
@@ -200,12 +214,13 @@ class Dashboard:
     # ----- views -----
 
     def progress_line(self) -> str:
-        """One plain progress line (what CI logs show)."""
+        """One plain progress line (what CI logs show); the last one, after `stop()`, has no ETA."""
         f = self.fields()
+        eta = f" eta {f['eta']}" if self._stopped is None else ""
         return (
             f"[batchgen] rows {f['rows']} err {f['errors']} | gen {f['gen tok/s']} tok/s "
             f"prompt {f['prompt tok/s']} tok/s | batch {f['batch']} | {f['queues']} | kv {f['kv cache']} "
-            f"| prefix hit {f['prefix hit']} | preempt {f['preemptions']} | elapsed {f['elapsed']} eta {f['eta']}"
+            f"| prefix hit {f['prefix hit']} | preempt {f['preemptions']} | elapsed {f['elapsed']}{eta}"
         )
 
     def render(self) -> RenderableType:

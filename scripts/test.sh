@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
-[ -n "${VIRTUAL_ENV:-}" ] || source .venv/bin/activate
+source .venv/bin/activate  # where setup.sh installed, whichever virtual environment was active
 python -m pytest -q "$@"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.model.loader import (
+from batchgen.model.loading.loader import (
     DEFAULT_MODEL_PACKAGE,
     TOKENIZER_FILES,
     ModelFiles,

@@ -29,3 +29,46 @@ def test_help_runs_through_the_console_entry_point() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "run" in proc.stdout and "bench" in proc.stdout
+
+
+def test_an_import_error_in_the_bench_fails_loudly() -> None:
+    """`batchgen bench` was registered inside `try/except ImportError`: a broken import silently
+    removed the command. It must stop the CLI with the import error instead."""
+    code = "import sys; sys.modules['batchgen.bench.cli'] = None; import batchgen.cli"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode != 0
+    assert "ModuleNotFoundError: import of batchgen.bench.cli halted" in proc.stderr
+
+
+def test_third_party_progress_bars_are_off_without_a_terminal() -> None:
+    """GGUF conversion and weight loading draw tqdm bars on stderr; in a log (no terminal) each is
+    one long line of carriage-return redraws. The command turns them off there, before the
+    libraries that read the switches are imported; a switch the user set is kept."""
+    code = (
+        "import os, sys\n"
+        "sys.argv = ['batchgen', '--help']\n"
+        "import batchgen.__main__ as m\n"
+        "try:\n    m.main()\nexcept SystemExit:\n    pass\n"
+        "from tqdm import tqdm\n"
+        "for _ in tqdm(range(3), desc='Converting and de-quantizing GGUF tensors'): pass\n"
+        "print(os.environ.get('TQDM_DISABLE'), os.environ.get('HF_HUB_DISABLE_PROGRESS_BARS'))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "1 1"
+    assert "GGUF tensors" not in proc.stderr
+    env = {**__import__("os").environ, "HF_HUB_DISABLE_PROGRESS_BARS": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60, env=env
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "1 0"
+
+
+def test_third_party_progress_bars_stay_on_a_terminal() -> None:
+    from batchgen.__main__ import quiet_third_party_progress
+
+    class Terminal:
+        def isatty(self) -> bool:
+            return True
+
+    assert quiet_third_party_progress(Terminal()) is False

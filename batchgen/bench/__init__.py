@@ -1,4 +1,4 @@
-"""`batchgen bench`: workloads, configurations (continuous, static, Hugging Face baselines), metrics, report.
+"""`batchgen bench`: workloads, configurations (continuous, static, Hugging Face and vLLM baselines), metrics, report.
 
 Modules:
     workloads     request lengths and prompts (longtail, uniform, fixed, Azure traces), arrivals
@@ -7,6 +7,7 @@ Modules:
     continuous    continuous batching through batchgen's engine
     static        padded static batching through batchgen's own engine (and helpers both share)
     hf_baselines  transformers `generate` in static batches and transformers' continuous batching
+    vllm_baseline vLLM's `LLM.generate` in vLLM's own interpreter; vllm_child is what runs there
     metrics       per-request / per-step records, latency and throughput summaries, resource use
     ceiling       the workload's FLOPs and the measured matmul rate: the compute ceiling
     report        Rich table, JSON report, PNG plot

@@ -21,6 +21,7 @@ from batchgen.kernels.cpu.linear import (
     pack_weight,
     prepacked_linear,
 )
+from batchgen.model.layers import attention_heads
 
 
 @dataclass(frozen=True)
@@ -38,15 +39,14 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
         """From a transformers `PretrainedConfig` (Llama, Mistral, Qwen2/3, SmolLM)."""
-        heads = int(config.num_attention_heads)
-        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+        heads, kv_heads, head_dim = attention_heads(config)
         return cls(
             hidden_size=int(config.hidden_size),
             intermediate_size=int(config.intermediate_size),
             num_layers=int(config.num_hidden_layers),
             num_heads=heads,
-            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             vocab_size=int(config.vocab_size),
         )
 

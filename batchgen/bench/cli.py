@@ -4,6 +4,10 @@ Example (the comparison of issue 4, on a CPU, default model in bf16)::
 
     batchgen bench --dist longtail --num-prompts 64 --mode continuous,static \\
         --policy fcfs,max-throughput --baselines hf-static,hf-cb --output bench.json --plot bench.png
+
+With vLLM's own build side by side (its own virtual environment, see docs/vllm.md)::
+
+    batchgen bench --baselines vllm --vllm-python /work/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -82,7 +86,16 @@ def bench_command(
     policy: Annotated[
         str, typer.Option(help="Comma list of fcfs, max-throughput, priority (continuous).")
     ] = "fcfs",
-    baselines: Annotated[str, typer.Option(help="Comma list of hf-static, hf-cb (or none).")] = "",
+    baselines: Annotated[
+        str, typer.Option("--baselines", "--baseline", help="Comma list of hf-static, hf-cb, vllm (or none).")
+    ] = "",
+    vllm_python: Annotated[
+        Path | None,
+        typer.Option(help="--baselines vllm: the python of a virtual environment with vLLM (docs/vllm.md)."),
+    ] = None,
+    vllm_timeout: Annotated[
+        float, typer.Option(help="--baselines vllm: stop a vLLM run after this many seconds (0 = never).")
+    ] = 0.0,
     static_batch_size: Annotated[int, typer.Option(help="Requests per static batch.")] = 8,
     output: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
     plot: Annotated[
@@ -121,7 +134,7 @@ def bench_command(
     device: opt.Device = EngineConfig.device,
     num_threads: opt.NumThreads = EngineConfig.num_threads,
 ) -> None:
-    """Benchmark continuous against static batching and Hugging Face on one workload.
+    """Benchmark continuous against static batching, Hugging Face and vLLM on one workload.
 
     Prints a table (ratios against the first configuration), the compute ceiling, and optionally
     writes a JSON report and a PNG timeline. Exits 2 for bad options or inputs (unwritable
@@ -162,6 +175,8 @@ def bench_command(
             measure_ceiling=ceiling,
             repeat=repeat,
             warmup_run=warmup_run,
+            vllm_python=str(vllm_python) if vllm_python is not None else None,
+            vllm_timeout_s=vllm_timeout or None,
         )
         # Everything that can fail without the model fails now, not after minutes of benchmarking.
         resolve_device(settings.engine.device)

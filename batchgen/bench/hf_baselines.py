@@ -39,7 +39,7 @@ def resolve_hf_dir(model: str | None) -> Path:
         RuntimeError: when the loader is unavailable and `model` is not a directory.
     """
     try:
-        from batchgen.model.loader import resolve_model
+        from batchgen.model.loading.loader import resolve_model
     except ImportError as exc:
         if model is not None and Path(model).is_dir():
             return Path(model)

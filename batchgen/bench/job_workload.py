@@ -8,21 +8,14 @@ warning; only a file with no usable row is an error.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from batchgen.bench.spec import BenchInputError, WorkloadSpec
-from batchgen.bench.workloads import (
-    BenchRequest,
-    PromptEncoder,
-    Workload,
-    arrival_params,
-    arrival_times,
-    clip_lengths,
-)
+
+# Turns a job-file prompt (a string or chat messages) into token ids.
+PromptEncoder = Callable[[Any], list[int]]
 
 
 def read_job_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -132,13 +125,15 @@ def _row_request(row: dict[str, Any], encode: PromptEncoder, output_len: int) ->
     return list(ids), max_tokens if max_tokens is not None else output_len
 
 
-def file_workload(spec: WorkloadSpec, encode: PromptEncoder, max_model_len: int) -> Workload:
-    """The first `spec.num_prompts` usable rows (0 = all) of the job file `spec.dist[5:]` as a workload.
+def read_workload_rows(
+    spec: WorkloadSpec, encode: PromptEncoder
+) -> tuple[list[list[int]], list[int], list[str]]:
+    """The first `spec.num_prompts` usable rows (0 = all) of the job file `spec.dist[5:]`: their
+    prompt token ids, their output lengths and a note per unusable row skipped ("line 3: not JSON
+    (...)"); `workloads.build_workload` makes the workload of them.
 
     Prompts are tokenized by `encode` (rows with `prompt_token_ids` are taken as they are); a row
-    without `max_tokens` runs `spec.output_len` tokens. Lengths are clipped to `max_model_len`.
-    Unusable rows are skipped: `params["num_skipped"]` counts them and `params["first_skipped"]`
-    names the first ("line 3: not JSON (...)"); `Workload.warnings` turns that into a log line.
+    without `max_tokens` runs `spec.output_len` tokens.
 
     Raises:
         BenchInputError: the file is absent or unreadable, or has no usable row (naming the first bad one).
@@ -168,24 +163,4 @@ def file_workload(spec: WorkloadSpec, encode: PromptEncoder, max_model_len: int)
             f"--dist {spec.dist}: no usable row in {path}: {found}; "
             "give rows with a prompt, messages or prompt_token_ids"
         )
-    inputs, outputs, clipped = clip_lengths(
-        np.asarray([len(p) for p in prompts], dtype=np.float64),
-        np.asarray(outs, dtype=np.float64),
-        max_model_len,
-    )
-    arrivals = arrival_times(spec, len(prompts))
-    requests = [
-        BenchRequest(str(i), p[: int(k)], int(o), float(a))
-        for i, (p, k, o, a) in enumerate(zip(prompts, inputs, outputs, arrivals, strict=True))
-    ]
-    params = {
-        "dist": "file",
-        "path": str(path),
-        "num_prompts": len(requests),
-        "default_output_len": spec.output_len,
-        "max_model_len": max_model_len,
-        "num_clipped": clipped,
-        "num_skipped": len(skipped),
-        "first_skipped": skipped[0] if skipped else None,
-    } | arrival_params(spec)
-    return Workload(f"file:{path.name}", requests, params)
+    return prompts, outs, skipped

@@ -12,6 +12,8 @@ Definitions (vLLM's benchmark names):
     wall time         bench start (time 0, where arrivals are measured from) -> last finish.
     mean batch size   mean over steps of the sequences in the step (running batch size).
 All times are `time.perf_counter()` seconds relative to the configuration's start.
+A run whose `extra["per_request_times"]` is False (the vLLM baseline) knows only its wall time: its
+latencies and step count are None.
 """
 
 from __future__ import annotations
@@ -83,8 +85,8 @@ class RunResult:
     """Everything measured for one configuration.
 
     Attributes:
-        name: configuration label ("continuous/fcfs", "static/b8", "hf-static/b8", "hf-cb").
-        kind: "continuous", "static", "hf-static" or "hf-cb".
+        name: configuration label ("continuous/fcfs", "static/b8", "hf-static/b8", "hf-cb", "vllm").
+        kind: "continuous", "static", "hf-static", "hf-cb" or "vllm".
         policy: scheduling policy for batchgen configurations, else None.
         requests / steps: the records.
         resources: `ResourceMonitor.result()` of the timed section.
@@ -202,6 +204,13 @@ def summarize(result: RunResult) -> dict[str, Any]:
         # baselines admit whole batches, so a count of their steps would say nothing (shown as "-").
         "max_wait_steps": max(wait_steps) if wait_steps and result.kind == "continuous" else None,
     }
+    if result.extra.get("per_request_times") is False:
+        # Only the run's wall time is known (vLLM's LLM.generate returns every output at the end):
+        # each request's "finish" is that wall time, so its latencies and steps would be made up.
+        for name in ("ttft", "e2e", "tpot"):
+            for stat in ("mean", "p50", "p90", "p99"):
+                out[f"{name}_{stat}_s"] = None
+        out["num_steps"] = None
     bound = result.extra.get("aging_bound_steps")
     out["aging_bound_steps"] = bound
     out["aging_bound_held"] = (

@@ -11,7 +11,10 @@ JSON layout (`schema` "batchgen-bench/1"):
     (`metrics.summarize` plus `ceiling_fraction`, against the matmul rate measured around that run,
     `matmul_flops_per_s`; `roofline_s` at the median matmul rate, and `roofline_fraction` against
     the roofline at the rate measured around the run: see `bench.roofline`), ratios (metric / the base's metric, for the
-    keys in `RATIO_KEYS`), extra, notes, and the per-step timeline.
+    keys in `RATIO_KEYS`), ratios_vs_vllm (metric / the vLLM baseline's, for the keys in
+    `VLLM_RATIO_KEYS`, when a vLLM baseline ran: above 1 in throughput means faster than vLLM),
+    extra, notes, and the per-step timeline. `vllm_base` names that vLLM configuration (None when
+    none ran) and `software.vllm` its version.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ RATIO_KEYS = (
     "wall_s",
     "roofline_s",
 )
+
+VLLM_RATIO_KEYS = ("output_tokens_per_s", "total_tokens_per_s", "wall_s")
 
 # (label, metric key, format, unit scale); `x` marks rows that show a ratio to the base column.
 _ROWS: list[tuple[str, str, str, float, bool]] = [
@@ -156,12 +161,27 @@ def build_report(
         for key in RATIO_KEYS:
             a, b = c["metrics"].get(key), base["metrics"].get(key)
             c["ratios"][key] = a / b if a is not None and b else None
+    vllm = next((c for c in configs if c["kind"] == "vllm" and c["status"] == "ok"), None)
+    software = _software()
+    if vllm is not None:
+        software["vllm"] = str(vllm["extra"].get("vllm_version"))
+    for c in configs:
+        if vllm is None or c["status"] != "ok" or c is vllm:
+            continue
+        c["ratios_vs_vllm"] = {
+            key: (
+                a / b
+                if (a := c["metrics"].get(key)) is not None and (b := vllm["metrics"].get(key))
+                else None
+            )
+            for key in VLLM_RATIO_KEYS
+        }
     return {
         "schema": "batchgen-bench/1",
         "command": " ".join(sys.argv),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "hardware": _hardware(),
-        "software": _software(),
+        "software": software,
         "model": model_info,
         "engine_options": dataclasses.asdict(settings.engine),
         "static_batch_size": settings.static_batch_size,
@@ -174,6 +194,7 @@ def build_report(
         "ceiling": ceiling,
         "process_peak_rss_mb": process_peak_rss_mb(),
         "ratio_base": base["name"] if base else None,
+        "vllm_base": vllm["name"] if vllm else None,
         "configurations": configs,
     }
 
@@ -274,6 +295,8 @@ def render(report: dict[str, Any], console: Any = None) -> None:
                 text += f" ({ratio:.2f}x)"
             cells.append(text)
         table.add_row(label, *cells)
+        if key == "output_tokens_per_s" and report.get("vllm_base"):
+            table.add_row(f"output tokens/s / {report['vllm_base']}", *[_vs_vllm_cell(c) for c in configs])
     held = [
         c["metrics"].get("aging_bound_held")
         for c in configs
@@ -302,6 +325,16 @@ def render(report: dict[str, Any], console: Any = None) -> None:
             console.print(f"[yellow]{c['name']} {c['status']}[/]: {c['reason']}")
         for note in c["notes"]:
             console.print(f"note: {note}")
+
+
+def _vs_vllm_cell(config: dict[str, Any]) -> str:
+    """A configuration's output tokens/s over the vLLM baseline's ("1.00x" for vLLM itself)."""
+    if config["status"] != "ok":
+        return config["status"]
+    if config["kind"] == "vllm":
+        return "1.00x"
+    ratio = config.get("ratios_vs_vllm", {}).get("output_tokens_per_s")
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def check_plot_format(path: str | Path) -> None:

@@ -6,6 +6,7 @@ Configurations, in this order (ratios in the report are against the first one th
     static/b<N>          padded static batches of N through batchgen's engine (`bench.static`)
     hf-static/b<N>       transformers `generate` in padded static batches of N (`bench.hf_baselines`)
     hf-cb                transformers' continuous batching
+    vllm                 vLLM's `LLM.generate` in its own interpreter (`bench.vllm_baseline`)
 `--mode static,continuous` puts static first. Every configuration gets a fresh engine or model, a
 short untimed warm-up, the same workload, dtype and thread count. The workload's compute ceiling
 (`ceiling.workload_flops` / `ceiling.measure_matmul_rate`) uses the matmul rate measured before the
@@ -49,11 +50,18 @@ from batchgen.bench.roofline import (
 )
 from batchgen.bench.spec import BenchInputError, WorkloadSpec
 from batchgen.bench.static import run_static
+from batchgen.bench.vllm_baseline import (
+    VllmRunError,
+    VllmUnavailable,
+    child_request,
+    offline_reason,
+    run_vllm,
+)
 from batchgen.bench.workloads import Workload
 from batchgen.config import POLICIES, EngineConfig
 
 MODES = ("continuous", "static")
-BASELINES = ("hf-static", "hf-cb")
+BASELINES = ("hf-static", "hf-cb", "vllm")
 
 
 @dataclass
@@ -75,6 +83,8 @@ class BenchSettings:
             The process's one-time costs (oneDNN generates a kernel for each new batch shape, about
             1-9 ms each; allocator growth) otherwise land on whichever configuration runs first:
             it took about 15% longer than later runs of the same configuration.
+        vllm_python: the interpreter of a virtual environment with vLLM (baseline `vllm` only).
+        vllm_timeout_s: stop a vLLM run after this many seconds (None = never).
     """
 
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
@@ -86,6 +96,8 @@ class BenchSettings:
     measure_ceiling: bool = True
     repeat: int = 1
     warmup_run: bool = True
+    vllm_python: str | None = None
+    vllm_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         for name, values, allowed in (
@@ -110,6 +122,17 @@ class BenchSettings:
             raise ValueError(f"static_batch_size must be >= 1, got {self.static_batch_size}")
         if self.repeat < 1:
             raise ValueError(f"repeat must be >= 1, got {self.repeat}")
+        if "vllm" in self.baselines and not self.vllm_python:
+            raise ValueError(
+                "--baselines vllm needs --vllm-python PATH, the python of a virtual environment with "
+                "vLLM installed (see docs/vllm.md)"
+            )
+        if self.vllm_timeout_s is not None and not self.vllm_timeout_s > 0:
+            raise ValueError(
+                f"vllm timeout must be > 0 seconds (0 on the command line = never), got {self.vllm_timeout_s}"
+            )
+        if self.vllm_python and "vllm" not in self.baselines:
+            raise ValueError("--vllm-python applies to --baselines vllm only; add vllm to --baselines")
 
 
 @dataclass(frozen=True)
@@ -132,9 +155,7 @@ def plan_configs(settings: BenchSettings) -> list[ConfigPlan]:
             plans.append(ConfigPlan(f"static/b{b}", "static", "fcfs"))
     for base in settings.baselines:
         plans.append(
-            ConfigPlan(f"hf-static/b{b}", "hf-static")
-            if base == "hf-static"
-            else ConfigPlan("hf-cb", "hf-cb")
+            ConfigPlan(f"hf-static/b{b}", "hf-static") if base == "hf-static" else ConfigPlan(base, base)
         )
     return plans
 
@@ -170,7 +191,7 @@ def run_bench(
             (e.g. `device` cuda without CUDA, a missing model) or the workload cannot be built
             (a missing job file or trace, a job file without a usable row).
     """
-    from batchgen.model.loader import ModelNotFoundError
+    from batchgen.model.loading.architectures import ModelNotFoundError
 
     factory = engine_factory or default_engine_factory
     if settings.engine.num_threads is not None:
@@ -257,7 +278,7 @@ def run_bench(
         bandwidth = ceiling["memory"]["bytes_per_s"]
         for result in results:
             own_rate = result.extra.get("matmul_flops_per_s")
-            if result.skipped or own_rate is None:
+            if result.skipped or own_rate is None or not result.steps:  # vllm: no steps to price
                 continue
             # At the median rates, so that two configurations' rooflines differ only by their
             # schedules; the share reached is against the matmul rate measured around the run. The
@@ -309,7 +330,7 @@ def _run_logged(
     try:
         with ResourceMonitor() as monitor:
             result = _run_one(plan, settings, facts, workload, factory, monitor)
-        if not result.skipped:
+        if not result.skipped and plan.kind != "vllm":  # vllm's ran in other processes: it has its own
             result.resources = monitor.result()
     except Exception as exc:  # keep the other configurations' results
         log(traceback.format_exc())
@@ -376,6 +397,8 @@ def _run_one(
         return result
     if facts.hf_dir is None:
         facts.hf_dir = resolve_hf_dir(settings.engine.model)
+    if plan.kind == "vllm":
+        return _run_vllm(plan, settings, facts, workload)
     model = load_hf_model(facts.hf_dir, facts.dtype, facts.device)
     if plan.kind == "hf-static":
         return run_hf_static(model, workload, settings.static_batch_size, pad, plan.name, monitor)
@@ -391,3 +414,34 @@ def _run_one(
         name=plan.name,
         monitor=monitor,
     )
+
+
+def _run_vllm(plan: ConfigPlan, settings: BenchSettings, facts: ModelFacts, workload: Workload) -> RunResult:
+    """The vLLM baseline; a vLLM that cannot run is skipped and one that fails is failed, each with
+    its one-line reason (no traceback: the cause is vLLM's or its environment's, not the bench's)."""
+    if (reason := offline_reason(workload)) is not None:
+        return RunResult(plan.name, plan.kind, skipped=reason)
+    request = child_request(
+        workload,
+        model_dir=facts.hf_dir,
+        dtype=str(facts.dtype).replace("torch.", ""),
+        max_model_len=facts.max_model_len,
+        max_num_seqs=settings.engine.max_num_seqs,
+        max_num_batched_tokens=facts.max_num_batched_tokens,
+        gpu_memory_utilization=settings.engine.gpu_memory_utilization if facts.device == "cuda" else None,
+    )
+    try:
+        return run_vllm(
+            settings.vllm_python or "",
+            workload,
+            request,
+            num_threads=settings.engine.num_threads or torch.get_num_threads(),
+            name=plan.name,
+            timeout_s=settings.vllm_timeout_s,
+        )
+    except VllmUnavailable as exc:
+        return RunResult(plan.name, plan.kind, skipped=str(exc))
+    except VllmRunError as exc:
+        result = RunResult(plan.name, plan.kind, skipped=f"failed: {exc}")
+        result.extra["failed"] = True
+        return result

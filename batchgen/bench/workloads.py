@@ -47,12 +47,14 @@ Arrivals: all requests at time 0 (offline) by default; `request_rate` R > 0 draw
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from batchgen.bench.job_workload import PromptEncoder, read_workload_rows
 from batchgen.bench.spec import WorkloadSpec
 from batchgen.bench.traces import LONGTAIL_INPUT, LONGTAIL_OUTPUT, TRACE_FILES, load_azure_trace
 
@@ -276,9 +278,6 @@ class Workload:
         }
 
 
-PromptEncoder = Callable[[Any], list[int]]
-
-
 def build_workload(
     spec: WorkloadSpec,
     *,
@@ -303,8 +302,6 @@ def build_workload(
     if spec.dist.startswith("file:"):
         if encode is None:
             raise ValueError("file: workloads need an encoder for the prompts")
-        from batchgen.bench.job_workload import file_workload  # it builds on this module's types
-
         return file_workload(spec, encode, max_model_len)
     plan = sample_lengths(spec, max_model_len)
     prompts = random_prompts(plan.input_lens, allowed_token_ids(vocab_size, special_token_ids), spec.seed)
@@ -315,6 +312,41 @@ def build_workload(
     ]
     params = plan.params | arrival_params(spec)
     return Workload(spec.dist, requests, params)
+
+
+def file_workload(spec: WorkloadSpec, encode: PromptEncoder, max_model_len: int) -> Workload:
+    """The first `spec.num_prompts` usable rows (0 = all) of the job file `spec.dist[5:]` as a
+    workload (`job_workload.read_workload_rows`), lengths clipped to `max_model_len`.
+
+    Unusable rows are skipped: `params["num_skipped"]` counts them and `params["first_skipped"]`
+    names the first ("line 3: not JSON (...)"); `Workload.warnings` turns that into a log line.
+
+    Raises:
+        BenchInputError: the file is absent or unreadable, or has no usable row (naming the first bad one).
+    """
+    prompts, outs, skipped = read_workload_rows(spec, encode)
+    path = Path(spec.dist[5:])
+    inputs, outputs, clipped = clip_lengths(
+        np.asarray([len(p) for p in prompts], dtype=np.float64),
+        np.asarray(outs, dtype=np.float64),
+        max_model_len,
+    )
+    arrivals = arrival_times(spec, len(prompts))
+    requests = [
+        BenchRequest(str(i), p[: int(k)], int(o), float(a))
+        for i, (p, k, o, a) in enumerate(zip(prompts, inputs, outputs, arrivals, strict=True))
+    ]
+    params = {
+        "dist": "file",
+        "path": str(path),
+        "num_prompts": len(requests),
+        "default_output_len": spec.output_len,
+        "max_model_len": max_model_len,
+        "num_clipped": clipped,
+        "num_skipped": len(skipped),
+        "first_skipped": skipped[0] if skipped else None,
+    } | arrival_params(spec)
+    return Workload(f"file:{path.name}", requests, params)
 
 
 def arrival_params(spec: WorkloadSpec) -> dict[str, Any]:

@@ -148,21 +148,25 @@ class BlockManager:
     # ---- allocation ----
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_prefix: list[int] | None = None
-    ) -> bool:
+    ) -> int | None:
         """Make room for `num_new_tokens` more tokens of `request`, taking `cached_prefix` blocks first.
 
-        With a `cached_prefix` (from `find_cached_prefix`, for a request holding no blocks), those
-        blocks join the request's block table and its computed tokens start after them. Returns False
-        and changes nothing when there are not enough free blocks.
+        A `cached_prefix` (from `find_cached_prefix`, for a request holding no blocks) joins the
+        request's block table; the caller counts those tokens as computed, and `num_new_tokens`
+        are the ones after them.
+
+        Returns:
+            The tokens the cached prefix holds (0 without one), or None, changing nothing, when
+            there are not enough free blocks.
         """
         cached_prefix = cached_prefix or []
-        num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        hit = len(cached_prefix) * self.block_size
         num_held = len(request.block_table) + len(cached_prefix)
-        needed = self.blocks_needed(num_computed + num_new_tokens) - num_held
+        needed = self.blocks_needed(request.num_computed_tokens + hit + num_new_tokens) - num_held
         # Cached blocks sitting in the free pool stop being free once taken.
         reviving = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - reviving:
-            return False
+            return None
         for block_id in cached_prefix:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -170,12 +174,9 @@ class BlockManager:
             block.ref_count += 1
             request.block_table.append(block_id)
             request.block_hashes.append(block.block_hash)
-        if cached_prefix:
-            request.num_computed_tokens = num_computed
-            request.num_cached_tokens = num_computed
         for _ in range(max(needed, 0)):
             request.block_table.append(self._take_free_block())
-        return True
+        return hit
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
@@ -227,9 +228,13 @@ class BlockManager:
         """Bring a swapped request back; returns (swap block, device block) copies."""
         mapping = [(cpu, self._take_free_block()) for cpu in request.swap_table]
         request.block_table = [dev for _, dev in mapping]
-        self.free_swap_blocks.extend(cpu for cpu, _ in mapping)
-        request.swap_table = []
+        self.release_swap(request)
         extra = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
         for _ in range(max(extra, 0)):
             request.block_table.append(self._take_free_block())
         return mapping
+
+    def release_swap(self, request: Request) -> None:
+        """Return the request's CPU swap blocks to the pool (swapped in, or aborted while swapped out)."""
+        self.free_swap_blocks.extend(request.swap_table)
+        request.swap_table = []

@@ -1,4 +1,4 @@
-"""LLMEngine: the step loop (schedule -> execute -> sample -> update -> outputs)."""
+"""LLMEngine: the step loop (schedule -> execute -> scheduler.update -> outputs)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,18 @@ import torch
 from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cpu_threads import CpuThreads
-from batchgen.engine.detokenizer import check_stop, final_text
+from batchgen.engine.detokenizer import final_text
 from batchgen.engine.parallel_sampling import SampleGroups, child_params
 from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
-from batchgen.engine.sizing import (
-    model_limit_reason,
-    model_max_len,
-    num_kv_blocks,
-    resolve_dtype,
-    slow_dtype_reason,
-)
+from batchgen.engine.sizing import plan_engine, resolve_dtype, slow_dtype_reason
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
-from batchgen.model import loader
-from batchgen.model.runner import ModelRunner, StepInput, StepOutput, kv_cache_bytes_per_block
+from batchgen.model.loading import loader
+from batchgen.model.runner import ModelRunner
 from batchgen.model.sampler import RowPenalty
+from batchgen.model.step import StepInput, StepOutput
 from batchgen.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -65,44 +60,10 @@ class LLMEngine:
             logger.warning("dtype %s: %s; --dtype auto picks the fastest one here", config.dtype, slow)
         self.block_size = config.block_size
 
-        model_len = model_max_len(files.config)
-        per_block = kv_cache_bytes_per_block(files.config, self.block_size, self.dtype)
-        num_blocks = num_kv_blocks(config, self.device, self.dtype, per_block, files.config)
-        if config.max_model_len is not None and config.max_model_len > model_len:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's limit of {model_len} tokens"
-                f"{model_limit_reason(files.config)}"
-            )
-        capacity = num_blocks * self.block_size
-        more_memory = "kv_cache_memory" + (
-            " (or gpu_memory_utilization)" if self.device.type == "cuda" else ""
-        )
-        if config.max_model_len is not None and config.max_model_len > capacity:
-            # As vLLM: a cache that cannot hold one full-length sequence is a configuration error.
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {self.block_size}), fewer than "
-                f"max_model_len {config.max_model_len}: raise {more_memory} or lower max_model_len"
-            )
-        self.max_model_len = min(config.max_model_len or model_len, capacity)
-        # Said wherever max_model_len is quoted, so a too-small cache is not mistaken for a limit
-        # the user set.
-        self.max_model_len_note = ""
-        # What a prompt too long for max_model_len can do about it: at the model's own limit,
-        # raising max_model_len is not an option.
-        self.too_long_fix = "shorten or truncate the prompt, or raise max_model_len"
-        if self.max_model_len == model_len:
-            self.too_long_fix = (
-                f"shorten or truncate the prompt: {model_len} tokens is the model's limit"
-                f"{model_limit_reason(files.config)}"
-            )
-        if self.max_model_len < model_len and config.max_model_len is None:
-            self.max_model_len_note = (
-                f" (lowered from the model's {model_len}: the KV cache holds only {capacity} tokens; "
-                f"raise {more_memory})"
-            )
-            logger.warning("max_model_len is %d%s", self.max_model_len, self.max_model_len_note)
-        self.max_num_batched_tokens = self._token_budget()
-        num_swap_blocks = config.swap_bytes // per_block if config.preemption_mode == "swap" else 0
+        self.plan = plan_engine(config, files.config, self.device, self.dtype)
+        self.max_model_len = self.plan.max_model_len
+        self.max_num_batched_tokens = self.plan.max_num_batched_tokens
+        num_blocks, num_swap_blocks = self.plan.num_blocks, self.plan.num_swap_blocks
 
         self.runner = ModelRunner(
             files.config,
@@ -133,6 +94,8 @@ class LLMEngine:
             self.max_num_batched_tokens,
             config.enable_chunked_prefill,
             config.preemption_mode,
+            tokenizer=self.tokenizer,
+            max_model_len=self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
         self.groups = SampleGroups()  # requests with n > 1
@@ -140,18 +103,15 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.totals = EngineTotals()
 
-    def _token_budget(self) -> int:
-        cfg = self.config
-        if cfg.max_num_batched_tokens is not None:
-            if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) is below max_model_len "
-                    f"({self.max_model_len}) with chunked prefill off: raise it, lower max_model_len, "
-                    "or enable chunked prefill"
-                )
-            return cfg.max_num_batched_tokens
-        default = 8192 if self.device.type == "cuda" else 2048
-        return default if cfg.enable_chunked_prefill else max(default, self.max_model_len)
+    @property
+    def model_name(self) -> str:
+        """The model's short display name (GGUF stem, hub repo name or directory name)."""
+        return self.model_files.name
+
+    @property
+    def start_line(self) -> str:
+        """What the engine settled on at start, for the job's log: the kernel choice."""
+        return f"kernels {self.kernel_summary}" if self.kernel_summary else ""
 
     # ---- requests ----
     def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -161,6 +121,11 @@ class LLMEngine:
             ValueError / TypeError: empty or malformed prompt, or token ids the model cannot embed.
         """
         return encode_prompt(self.tokenizer, prompt, vocab_size=int(self.model_config.vocab_size))
+
+    def check_prompt_len(self, num_tokens: int) -> str | None:
+        """Why a prompt of `num_tokens` tokens can never run here (no room for one output token
+        within max_model_len), or None when it fits. The one length check: jobs ask it too."""
+        return self.plan.check_prompt_len(num_tokens)
 
     def add_request(
         self,
@@ -225,16 +190,8 @@ class LLMEngine:
                 "fix or remove them",
             )
             return
-        if len(token_ids) >= self.max_model_len:
-            self._reject(
-                request_id,
-                text,
-                token_ids,
-                arrival,
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}"
-                f"{self.max_model_len_note} (room is needed for at least one output token): "
-                f"{self.too_long_fix}",
-            )
+        if (too_long := self.check_prompt_len(len(token_ids))) is not None:
+            self._reject(request_id, text, token_ids, arrival, too_long)
             return
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -306,7 +263,9 @@ class LLMEngine:
         self.runner.swap_in(sched.swap_in)
         sampled = self.runner.execute(self._step_inputs(sched)) if sched.scheduled else StepOutput([], [])
         now = time.perf_counter()
-        finished += self._update(sched, sampled, scheduled_at=start, now=now)
+        for r in self.scheduler.update(sched, sampled, scheduled_at=start, now=now):
+            del self.requests[r.request_id]
+            finished.append(self._output(r))
         outputs = self.groups.collect(finished)
         self._record(sched, start, now, len(sampled.token_ids), len(outputs), kv_cache_usage)
         return outputs
@@ -344,44 +303,6 @@ class LLMEngine:
                 )
             )
         return inputs
-
-    def _update(
-        self, sched: SchedulerOutput, sampled: StepOutput, scheduled_at: float, now: float
-    ) -> list[RequestOutput]:
-        """Apply the step's sampled tokens; `scheduled_at` (step start) and `now` (after the forward)
-        are `perf_counter` seconds."""
-        outputs = []
-        errors = sampled.errors or [None] * len(sampled.token_ids)
-        tokens = iter(zip(sampled.token_ids, sampled.logprobs, errors, strict=True))
-        for item in sched.scheduled:
-            r = item.request
-            if r.first_scheduled_time is None:  # the wait ends when the step that serves it begins
-                r.first_scheduled_time = scheduled_at
-            r.num_computed_tokens = item.start + item.num_new_tokens
-            self.block_manager.cache_full_blocks(r)
-            if not item.samples:
-                continue
-            token, logprobs, error = next(tokens)
-            if error is not None:  # no valid token: the request fails here, with what it has so far
-                r.error = error
-                outputs.append(self._finish(r, "error", now))
-                continue
-            r.token_ids.append(token)
-            if r.output_logprobs is not None:
-                r.output_logprobs.append(logprobs)
-            if r.first_token_time is None:
-                r.first_token_time = now
-            reason = check_stop(r, self.tokenizer, self.max_model_len)
-            if reason is not None:
-                outputs.append(self._finish(r, reason, now))
-        return outputs
-
-    def _finish(self, r: Request, reason: str, now: float) -> RequestOutput:
-        """End a running request with `reason` at `now` (perf_counter s): its blocks freed, its output."""
-        r.finish_reason, r.finish_time = reason, now
-        self.scheduler.finish(r)
-        del self.requests[r.request_id]
-        return self._output(r)
 
     def _logprobs(self, r: Request) -> tuple[list[dict[int, Logprob]] | None, float | None]:
         """(per output token: token id -> `Logprob` of the top tokens and the sampled one, the sum
@@ -433,9 +354,7 @@ class LLMEngine:
         num_finished: int,
         kv_cache_usage: float,
     ) -> None:
-        decodes = sum(
-            1 for s in sched.scheduled if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens
-        )
+        decodes = sched.num_decodes
         stats = StepStats(
             step=self.totals.steps,
             time=now,

@@ -4,30 +4,46 @@ There are no prefill and decode phases. Each request knows how many of its token
 hands out tokens until each catches up (vLLM v1's design, after Orca's iteration-level scheduling, Yu et
 al. 2022). A decode is one token, an unfinished prompt gets its next chunk (chunked prefill), and both
 share a step. Running requests come first, then swapped ones, then waiting ones in policy order.
+
+The scheduler owns the request lifecycle: `schedule()` decides a step, `update()` applies what the
+step sampled (tokens appended, stop conditions, full blocks cached, finished requests freed), as
+vLLM v1's `update_from_output` and nano-vllm's `postprocess` do.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.detokenizer import check_stop
 from batchgen.engine.policy import Policy
 from batchgen.engine.request import Request, RequestStatus
+from batchgen.model.step import StepOutput, is_decode
 
 
 @dataclass
 class ScheduledRequest:
-    """A request's share of a step: `num_new_tokens` tokens from position `start` on."""
+    """A request's share of a step: `num_new_tokens` tokens from position `start` on.
+
+    `samples` (set at construction, so it still holds once the step's token is appended): the step
+    reaches the request's last token, so a new token is sampled.
+    """
 
     request: Request
     start: int
     num_new_tokens: int
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
 
     @property
-    def samples(self) -> bool:
-        """True when the step reaches the request's last token, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def is_decode(self) -> bool:
+        return is_decode(self.num_new_tokens, self.samples)
 
 
 @dataclass
@@ -35,11 +51,11 @@ class SchedulerOutput:
     """The scheduler's decision for one step, consumed by the model runner.
 
     Attributes:
-        scheduled: the step's requests, decodes (one new token) first, then prefill chunks.
+        scheduled: the step's requests, decodes (`ScheduledRequest.is_decode`) first, then
+            prefill chunks.
         swap_out: (device block, CPU block) copies to run before anything else.
         swap_in: (CPU block, device block) copies to run before the forward pass.
         preempted: requests preempted in this step.
-        num_prompt_tokens: tokens in the step that are not single-token decodes.
         prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
     """
 
@@ -54,6 +70,10 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.is_decode)
+
 
 class Scheduler:
     """Decides each step's batch and keeps the queues.
@@ -66,6 +86,8 @@ class Scheduler:
         enable_chunked_prefill: allow a prompt to be split across steps; when off a prompt is
             scheduled whole or not at all.
         preemption_mode: "recompute" or "swap" (falls back to recompute when swap space is full).
+        tokenizer: decodes outputs for stop strings (None: no request may have stop strings).
+        max_model_len: a request stops ("length") once it holds this many tokens (None: no limit).
     """
 
     def __init__(
@@ -76,6 +98,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "recompute",
+        *,
+        tokenizer: Any = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.policy = policy
@@ -83,6 +108,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
+        self.tokenizer = tokenizer
+        self.max_model_len = sys.maxsize if max_model_len is None else max_model_len
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.step_index = 0
@@ -110,8 +137,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.swapped:
             self.swapped.remove(request)
-            self.block_manager.free_swap_blocks.extend(request.swap_table)
-            request.swap_table = []
+            self.block_manager.release_swap(request)
         else:
             self.policy.remove(request)
         self.block_manager.free(request)
@@ -126,7 +152,7 @@ class Scheduler:
         while queue and budget > 0:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(request, num_new):
+            while self.block_manager.allocate_slots(request, num_new) is None:
                 victim = self.policy.victim(queue + [request])
                 self._preempt(victim, out)
                 if victim is request:
@@ -146,7 +172,7 @@ class Scheduler:
                 self._admit_waiting(out, budget)
 
         # Decodes first: the attention backends expect them at the front of the flat batch.
-        out.scheduled.sort(key=lambda s: 0 if (s.num_new_tokens == 1 and s.samples) else 1)
+        out.scheduled.sort(key=lambda s: 0 if s.is_decode else 1)
         self.step_index += 1
         return out
 
@@ -178,10 +204,14 @@ class Scheduler:
             if not self.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
-            if not self.block_manager.allocate_slots(request, num_new, hits):
+            hit = self.block_manager.allocate_slots(request, num_new, hits)
+            if hit is None:
                 # Head-of-line: nobody overtakes the next request in policy order for blocks, so
                 # an aged request gets the next blocks that free up.
                 break
+            if hit:  # its cached prefix counts as computed: the chunk starts after it
+                request.num_computed_tokens += hit
+                request.num_cached_tokens = request.num_computed_tokens
             self.policy.pop(self.step_index)
             out.prefix_cache_queries += request.num_tokens if not request.num_preemptions else 0
             out.prefix_cache_hits += (
@@ -208,8 +238,60 @@ class Scheduler:
         self.policy.push(request)
 
     # ---- after the forward pass ----
-    def finish(self, request: Request) -> None:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: StepOutput,
+        scheduled_at: float | None = None,
+        now: float | None = None,
+    ) -> list[Request]:
+        """Apply a step's results: computed tokens advance, full blocks join the prefix cache, each
+        sampled token is appended and the stop conditions checked (`detokenizer.check_stop`).
+
+        Args:
+            out: the step, as `schedule()` returned it.
+            sampled: one token (with its log probabilities and error, if any) per scheduled request
+                that `samples`, in `out.scheduled` order.
+            scheduled_at / now: `perf_counter` seconds at the step's start (a request's wait ends
+                then) and after its forward pass (first-token and finish times); None: now.
+
+        Returns:
+            The requests that finished in the step, in step order: `finish_reason` ("stop",
+            "length" or "error", with `error` set) and `finish_time` set, blocks freed, status
+            FINISHED.
+        """
+        now = time.perf_counter() if now is None else now
+        scheduled_at = now if scheduled_at is None else scheduled_at
+        finished: list[Request] = []
+        errors = sampled.errors or [None] * len(sampled.token_ids)
+        tokens = iter(zip(sampled.token_ids, sampled.logprobs, errors, strict=True))
+        for item in out.scheduled:
+            r = item.request
+            if r.first_scheduled_time is None:  # the wait ends when the step that serves it begins
+                r.first_scheduled_time = scheduled_at
+            r.num_computed_tokens = item.start + item.num_new_tokens
+            self.block_manager.cache_full_blocks(r)
+            if not item.samples:
+                continue
+            token, logprobs, error = next(tokens)
+            if error is not None:  # no valid token: the request fails here, with what it has so far
+                r.error = error
+                finished.append(self._finish(r, "error", now))
+                continue
+            r.token_ids.append(token)
+            if r.output_logprobs is not None:
+                r.output_logprobs.append(logprobs)
+            if r.first_token_time is None:
+                r.first_token_time = now
+            reason = check_stop(r, self.tokenizer, self.max_model_len)
+            if reason is not None:
+                finished.append(self._finish(r, reason, now))
+        return finished
+
+    def _finish(self, request: Request, reason: str, now: float) -> Request:
         """Drop a finished request from the running queue and release its blocks."""
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
+        request.finish_reason, request.finish_time = reason, now
+        return request

@@ -1,15 +1,22 @@
 """How big things are: the compute dtype, the model's usable length and the KV cache's block count.
 
 The engine's sizing decisions, apart from the step loop: what `--dtype auto` means, how long a
-sequence the model serves exactly, and how many KV blocks a memory budget holds.
+sequence the model serves exactly, how many bytes a KV block takes and how many blocks a memory
+budget holds. `plan_engine` makes them all at once and returns them as one `EnginePlan`.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from batchgen.config import EngineConfig
 from batchgen.kernels.cpu.linear import cpu_has_native_bf16
+from batchgen.model.layers import attention_heads
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,6 +55,114 @@ def slow_dtype_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     if dtype == torch.bfloat16 and not cpu_has_native_bf16():
         return "this CPU has no native bfloat16 (AVX-512 bf16 or AMX): bfloat16 matmuls are emulated, far below float32"
     return None
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """The engine's sizes, decided once at start (`plan_engine`).
+
+    Attributes:
+        num_blocks: device KV blocks.
+        num_swap_blocks: CPU swap blocks (0 unless `preemption_mode` is "swap").
+        bytes_per_block: one KV block, K and V in every layer (`kv_cache_bytes_per_block`).
+        max_model_len: the longest sequence served (prompt + output), in tokens.
+        max_num_batched_tokens: the token budget of a step.
+        max_model_len_note: said wherever max_model_len is quoted, so a limit the KV cache lowered
+            is not mistaken for one the user set ("" when it was not lowered).
+        too_long_fix: what a prompt too long for max_model_len can do about it.
+    """
+
+    num_blocks: int
+    num_swap_blocks: int
+    bytes_per_block: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_model_len_note: str = ""
+    too_long_fix: str = "shorten or truncate the prompt, or raise max_model_len"
+
+    def check_prompt_len(self, num_tokens: int) -> str | None:
+        """Why a prompt of `num_tokens` tokens can never run (it leaves no room for one output
+        token), or None when it fits."""
+        if num_tokens < self.max_model_len:
+            return None
+        return (
+            f"prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}"
+            f"{self.max_model_len_note} (room is needed for at least one output token): {self.too_long_fix}"
+        )
+
+
+def plan_engine(config: EngineConfig, model_config, device: torch.device, dtype: torch.dtype) -> EnginePlan:
+    """Size the engine: KV blocks from the memory budget, max_model_len within the model's limit
+    and the cache, the step's token budget.
+
+    Raises:
+        ValueError: an explicit `max_model_len` above the model's limit or above what the cache
+            holds; a token budget below max_model_len with chunked prefill off; a CPU cache larger
+            than the memory available, or smaller than one block (`num_kv_blocks`).
+    """
+    model_len = model_max_len(model_config)
+    per_block = kv_cache_bytes_per_block(model_config, config.block_size, dtype)
+    num_blocks = num_kv_blocks(config, device, dtype, per_block, model_config)
+    if config.max_model_len is not None and config.max_model_len > model_len:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit of {model_len} tokens"
+            f"{model_limit_reason(model_config)}"
+        )
+    capacity = num_blocks * config.block_size
+    more_memory = "kv_cache_memory" + (" (or gpu_memory_utilization)" if device.type == "cuda" else "")
+    if config.max_model_len is not None and config.max_model_len > capacity:
+        # As vLLM: a cache that cannot hold one full-length sequence is a configuration error.
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer "
+            f"than max_model_len {config.max_model_len}: raise {more_memory} or lower max_model_len"
+        )
+    max_model_len = min(config.max_model_len or model_len, capacity)
+    note, fix = "", "shorten or truncate the prompt, or raise max_model_len"
+    if max_model_len == model_len:  # at the model's own limit, raising max_model_len is no option
+        fix = f"shorten or truncate the prompt: {model_len} tokens is the model's limit{model_limit_reason(model_config)}"
+    elif config.max_model_len is None:  # lowered to what the cache holds
+        note = (
+            f" (lowered from the model's {model_len}: the KV cache holds only {capacity} tokens; "
+            f"raise {more_memory})"
+        )
+        fix = "shorten or truncate the prompt, or give the KV cache more memory"
+        logger.warning("max_model_len is %d%s", max_model_len, note)
+    return EnginePlan(
+        num_blocks=num_blocks,
+        num_swap_blocks=config.swap_bytes // per_block if config.preemption_mode == "swap" else 0,
+        bytes_per_block=per_block,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=token_budget(config, device, max_model_len),
+        max_model_len_note=note,
+        too_long_fix=fix,
+    )
+
+
+def token_budget(config: EngineConfig, device: torch.device, max_model_len: int) -> int:
+    """`max_num_batched_tokens`: as given, else 8192 on CUDA and 2048 on a CPU (at least
+    max_model_len with chunked prefill off, so a whole prompt fits a step).
+
+    Raises:
+        ValueError: a given budget below max_model_len with chunked prefill off.
+    """
+    if config.max_num_batched_tokens is not None:
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) is below max_model_len "
+                f"({max_model_len}) with chunked prefill off: raise it, lower max_model_len, "
+                "or enable chunked prefill"
+            )
+        return config.max_num_batched_tokens
+    default = 8192 if device.type == "cuda" else 2048
+    return default if config.enable_chunked_prefill else max(default, max_model_len)
+
+
+def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block: K and V, in every layer, `block_size` tokens x KV heads x head_dim x
+    the dtype's size (the cache layout is `[num_blocks, block_size, num_kv_heads, head_dim]`)."""
+    _, kv_heads, head_dim = attention_heads(config)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
 
 
 def num_kv_blocks(

@@ -100,6 +100,11 @@ def content_text(content: Any) -> str | None:
 
 
 def _single_bos(tokenizer, ids: list[int]) -> list[int]:
+    """`ids` with a doubled leading BOS collapsed to one (a chat template that writes the BOS, or a
+    text that starts with it, tokenized by a tokenizer that adds one too). A missing BOS is not
+    added: whether a prompt starts with one is the tokenizer's `add_bos_token` (plain text) or the
+    chat template's choice, as in vLLM and Hugging Face `generate` (Qwen's models have none).
+    BOS tokens after the first position are left alone."""
     bos = tokenizer.bos_token_id
     while bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
         ids = ids[1:]

@@ -296,3 +296,40 @@ def parse_hf_reference(source: str) -> tuple[str, str | None, str]:
     if len(parts) == 3 and all(parts):
         return parts[0], parts[1], parts[2]
     raise JobInputError(f"bad dataset reference {source!r}; write hf://NAME:SPLIT or hf://NAME:CONFIG:SPLIT")
+
+
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def hub_offline() -> bool:
+    """Whether Hugging Face's offline switch is on (`HF_HUB_OFFLINE` or `HF_DATASETS_OFFLINE`)."""
+    return any(
+        os.environ.get(name, "").upper() in _TRUE for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
+def check_hub_reachable(source: str, timeout_s: float = 3.0) -> None:
+    """Fail at once when the hub (`HF_ENDPOINT`, default https://huggingface.co) does not answer,
+    instead of the half a minute of retries `datasets.load_dataset` spends offline. Any HTTP answer
+    counts; proxies come from the usual environment variables.
+
+    Raises:
+        JobInputError: naming `source`, the endpoint and the fixes (HF_HUB_OFFLINE=1 for a cached
+            copy, or a local file or dataset directory).
+    """
+    import urllib.error
+    import urllib.request
+
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout_s).close()
+        return
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (OSError, ValueError) as e:  # URLError, timeouts, refused connections, a bad endpoint
+        why = getattr(e, "reason", None) or e
+    raise JobInputError(
+        f"cannot reach the Hugging Face hub at {endpoint} to stream {source} ({why}). Without a network, "
+        "set HF_HUB_OFFLINE=1 to read the copy in the local Hugging Face cache (a dataset loaded "
+        "before), or pass a local job file or dataset directory (save_to_disk)"
+    )

@@ -30,10 +30,12 @@ class JobOptions:
         engine: EngineConfig keyword arguments (model, dtype, max_num_seqs, ...), without `policy`.
         policy: "fcfs", "max-throughput" or "priority" (window order and engine scheduling).
         window: look-ahead window size in rows.
-        max_tokens / temperature / top_p / top_k / seed / stop / presence_penalty / frequency_penalty /
-            repetition_penalty / logprobs: sampling defaults; row columns override. With `logprobs`
-            (0-20) the output gets columns `logprobs` (per generated token: its id, text, log
-            probability and the `logprobs` most likely alternatives) and `cumulative_logprob`.
+        max_tokens / temperature / top_p / top_k / min_p / seed / stop / stop_token_ids / min_tokens /
+            ignore_eos / presence_penalty / frequency_penalty / repetition_penalty / logprobs / n:
+            sampling defaults (vLLM's meanings); row columns override. With `logprobs` (0-20) the
+            output gets columns `logprobs` (per generated token: its id, text, log probability and
+            the `logprobs` most likely alternatives) and `cumulative_logprob`; with `n` > 1 (or a
+            row's `n`), a `choices` column holding each row's n completions.
         truncate_prompt: None (an over-long prompt is an error row), "left" or "right" (tokens cut there).
         commit_rows / commit_seconds: commit a part at least this often (rows, seconds).
         dashboard: show the Rich live view when stdout is a terminal.
@@ -63,6 +65,11 @@ class JobOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
     truncate_prompt: str | None = None
     policy: str = "fcfs"
     window: int = 1024
@@ -75,8 +82,9 @@ class JobOptions:
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
 
     def sampling_defaults(self) -> dict[str, Any]:
-        """CLI sampling defaults as SamplingParams keyword arguments (`logprobs` only when set, so the
-        resume header of a job that asks for none is what it was before the option existed)."""
+        """CLI sampling defaults as SamplingParams keyword arguments. The options added after the
+        first ones (`logprobs`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `n`) only when
+        set, so the resume header of a job that uses none of them is what it was before they existed."""
         defaults = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -90,6 +98,14 @@ class JobOptions:
         }
         if self.logprobs is not None:
             defaults["logprobs"] = self.logprobs
+        later = {
+            "min_p": (self.min_p, 0.0),
+            "min_tokens": (self.min_tokens, 0),
+            "ignore_eos": (self.ignore_eos, False),
+            "stop_token_ids": (list(self.stop_token_ids) or None, None),
+            "n": (self.n, 1),
+        }
+        defaults.update({name: value for name, (value, unset) in later.items() if value != unset})
         return defaults
 
 
@@ -111,10 +127,32 @@ class JobSummary:
     complete: bool = False
     already_complete: bool = False
     first_error: str | None = None  # this run's first error row's message, for the summary
+    output_error_rows: int | None = None  # error rows in the whole finished output (earlier runs' too)
 
     @property
     def rows_done(self) -> int:
         return self.rows_ok + self.rows_error + self.rows_resumed
+
+    def to_dict(self, exit_code: int) -> dict[str, Any]:
+        """The summary a script reads (`batchgen run --summary-json`): the output, whether it is
+        complete, row counts (`error_rows`: error rows in the whole output once it is complete,
+        else this run's), the first error message of this run and the command's exit code."""
+        return {
+            "output": self.output_path,
+            "complete": self.complete,
+            "interrupted": self.interrupted,
+            "rows": self.rows_total,
+            "rows_done": self.rows_done,
+            "rows_ok_this_run": self.rows_ok,
+            "rows_error_this_run": self.rows_error,
+            "rows_from_earlier_runs": self.rows_resumed,
+            "error_rows": self.output_error_rows if self.output_error_rows is not None else self.rows_error,
+            "first_error": self.first_error,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "wall_s": round(self.wall_s, 3),
+            "exit_code": exit_code,
+        }
 
     @property
     def every_row_failed(self) -> bool:

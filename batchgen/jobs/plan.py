@@ -20,7 +20,7 @@ from batchgen.config import EngineConfig, resolve_device
 from batchgen.jobs.manifest import MANIFEST, CommittedRows, PartEntry
 from batchgen.jobs.options import JobOptions, default_output_path, output_format
 from batchgen.jobs.reader import JobInputError
-from batchgen.jobs.requests import prepare_row, several_completions_error
+from batchgen.jobs.requests import prepare_row
 from batchgen.jobs.resume import header_differences, parts_dir_for
 
 FIRST_ERRORS = 5
@@ -70,22 +70,21 @@ def committed_rows(output: str, header: dict[str, Any]) -> tuple[CommittedRows |
 
 
 class TokenizerEngine:
-    """What `prepare_row` needs of an engine (`tokenizer`, `encode_prompt`, `max_model_len` and its
-    note) and the KV-cache sizes, from the model's files without its weights; `max_model_len` follows
-    `LLMEngine`'s rule (the smaller of the option or the model's limit, and the cache's capacity).
+    """What `prepare_row` needs of an engine (`tokenizer`, `encode_prompt`, `check_prompt_len`,
+    `max_model_len`) and the KV-cache sizes, from the model's files without its weights: the sizes
+    are `LLMEngine`'s own (`plan_engine`).
 
     Raises:
-        ValueError: `max_model_len` above the model's limit or the cache's capacity (as the engine).
+        ValueError: options the engine refuses too (`plan_engine`).
         ModelNotFoundError / UnsupportedModelError: from the loader.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         import torch
 
-        from batchgen.engine.sizing import model_limit_reason, model_max_len, num_kv_blocks, resolve_dtype
+        from batchgen.engine.sizing import plan_engine, resolve_dtype
         from batchgen.engine.tokenize import vocabulary_limit
-        from batchgen.model import loader
-        from batchgen.model.runner import kv_cache_bytes_per_block
+        from batchgen.model.loading import loader
 
         device = torch.device(resolve_device(config.device))
         files = loader.resolve_model(config.model)
@@ -93,29 +92,20 @@ class TokenizerEngine:
         self.model_config = files.config
         self.tokenizer = loader.load_tokenizer(files)
         self.vocab_limit = vocabulary_limit(self.tokenizer, int(files.config.vocab_size))
-        self.dtype = resolve_dtype(config.dtype, files.config, device)
         self.block_size = config.block_size
-        self.bytes_per_block = kv_cache_bytes_per_block(files.config, self.block_size, self.dtype)
-        self.num_blocks = num_kv_blocks(config, device, self.dtype, self.bytes_per_block, files.config)
-        model_len = model_max_len(files.config)
-        capacity = self.num_blocks * self.block_size
-        if config.max_model_len is not None and config.max_model_len > model_len:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's limit of {model_len} tokens"
-                f"{model_limit_reason(files.config)}"
-            )
-        if config.max_model_len is not None and config.max_model_len > capacity:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of {self.block_size}), "
-                f"fewer than max_model_len {config.max_model_len}: raise kv_cache_memory or lower max_model_len"
-            )
-        self.max_model_len = min(config.max_model_len or model_len, capacity)
-        self.max_model_len_note = ""
-        if self.max_model_len < model_len and config.max_model_len is None:
-            self.max_model_len_note = (
-                f" (lowered from the model's {model_len}: the KV cache holds only {capacity} tokens; "
-                "raise kv_cache_memory)"
-            )
+        self.plan = plan_engine(
+            config, files.config, device, resolve_dtype(config.dtype, files.config, device)
+        )
+        self.max_model_len = self.plan.max_model_len
+        self.num_blocks = self.plan.num_blocks
+        self.bytes_per_block = self.plan.bytes_per_block
+
+    @property
+    def model_name(self) -> str | None:
+        return self.model_files.name
+
+    def check_prompt_len(self, num_tokens: int) -> str | None:
+        return self.plan.check_prompt_len(num_tokens)
 
     def encode_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
         from batchgen.engine.tokenize import encode_prompt
@@ -209,7 +199,7 @@ def plan_job(options: JobOptions, engine: Any = None, progress: bool = False) ->
         (None, None) if options.overwrite else committed_rows(output, job_header(options, reader, fmt))
     )
     if engine is None:
-        from batchgen.model.loader import ModelNotFoundError
+        from batchgen.model.loading.architectures import ModelNotFoundError
 
         try:
             engine = TokenizerEngine(config)
@@ -219,8 +209,7 @@ def plan_job(options: JobOptions, engine: Any = None, progress: bool = False) ->
     chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
     bos = getattr(tokenizer, "bos_token_id", None)
     max_len = engine.max_model_len
-    files = getattr(engine, "model_files", None)
-    plan = JobPlan(reader.source, getattr(files, "name", None) or str(config.model or "default"), note=note)
+    plan = JobPlan(reader.source, engine.model_name or str(config.model or "default"), note=note)
     prompts, budgets = array("l"), array("l")
     prefix = _PrefixEstimate(engine.block_size, engine.num_blocks) if config.enable_prefix_caching else None
 
@@ -243,9 +232,6 @@ def plan_job(options: JobOptions, engine: Any = None, progress: bool = False) ->
             continue
         if row.error is not None:
             error(row.error)
-            continue
-        if (message := several_completions_error(row, fmt)) is not None:
-            error(message)
             continue
         prepared, message = prepare_row(row, engine, options, chat, bos, max_len)
         if message is not None:

@@ -17,8 +17,10 @@ from batchgen.jobs.formats import (  # noqa: F401  (re-exported: the reader's pu
     FORMATS_HELP,
     SNIFF_LINES,
     JobInputError,
+    check_hub_reachable,
     detect_format,
     file_sha256,
+    hub_offline,
     iter_jsonl,
     parse_hf_reference,
     sniff_jsonl,
@@ -125,10 +127,19 @@ class JobReader:
                 ds = next(iter(ds.values()))
             return ds
         name, config, split = parse_hf_reference(self.source)
+        offline = hub_offline()
+        if not offline and not os.path.exists(name):  # a local data folder as NAME needs no hub
+            check_hub_reachable(self.source)
         try:
             return datasets.load_dataset(name, config, split=split, streaming=True)
         except Exception as e:
-            raise JobInputError(f"cannot load {self.source} with datasets.load_dataset: {e}") from e
+            hint = (
+                " (HF_HUB_OFFLINE is set: only a copy in the local Hugging Face cache can be read; "
+                "unset it to download the dataset)"
+                if offline
+                else ""
+            )
+            raise JobInputError(f"cannot load {self.source} with datasets.load_dataset: {e}{hint}") from e
 
     def _refuse_schema_options(self) -> None:
         """An OpenAI batch line has its prompt in `body`, its id in `custom_id` and an output line
@@ -230,7 +241,7 @@ class JobReader:
         names = [self.prompt_column, self.messages_column, self.id_column, *self.template_fields]
         names += [
             c
-            for c in (*SAMPLING_COLUMNS, *LOGPROB_FIELDS, *UNAPPLIED_COLUMNS, "max_completion_tokens")
+            for c in (*SAMPLING_COLUMNS, *LOGPROB_FIELDS, *UNAPPLIED_COLUMNS, "max_completion_tokens", "n")
             if c in self.columns
         ]
         names += list(self.options.keep_columns)

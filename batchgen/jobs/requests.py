@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.engine.protocol import Engine
 from batchgen.jobs.options import JobOptions, flag_hint
 from batchgen.jobs.rows import JobRow
 from batchgen.jobs.token_bytes import TokenBytes, token_text
@@ -42,19 +43,8 @@ def engine_prompt(row: JobRow, system_prompt: str | None, chat: bool) -> str | l
     return f"{system_prompt}\n\n{p}" if system_prompt else p
 
 
-def several_completions_error(row: JobRow, fmt: str) -> str | None:
-    """The error of a row asking for n > 1 completions in an output with room for one, else None."""
-    if row.sampling_params.n > 1 and fmt != "openai":
-        return (
-            f"{row.where}: field 'body.n' is {row.sampling_params.n}, but only OpenAI batch output "
-            "(an --output ending in .jsonl) has room for several completions a line; write that "
-            "output, or split the line into n lines"
-        )
-    return None
-
-
 def prepare_row(
-    row: JobRow, engine: Any, options: JobOptions, chat: bool, bos: int | None, max_len: int
+    row: JobRow, engine: Engine, options: JobOptions, chat: bool, bos: int | None, max_len: int
 ) -> tuple[Prepared | None, str | None]:
     """Tokenize a row and apply --truncate-prompt; (prepared, None) or (prepared or None, error)."""
     prompt = engine_prompt(row, options.system_prompt, chat)
@@ -63,20 +53,16 @@ def prepare_row(
     except Exception as e:  # tokenizer and chat-template errors are this row's problem only
         return None, f"{row.where}: the prompt could not be tokenized ({e}); fix the prompt field"
     n = len(ids)
-    if n >= max_len:
+    too_long = engine.check_prompt_len(n)
+    if too_long is not None:
         if options.truncate_prompt is None:
-            note = getattr(engine, "max_model_len_note", "")
-            # A limit the KV cache lowered is raised by more cache memory, not by --max-model-len.
-            raise_limit = (
-                "give the KV cache more memory (--kv-cache-memory)" if note else "raise --max-model-len"
-            )
             return Prepared(row, None, n), (
-                f"{row.where}: the prompt is {n} tokens but max_model_len is {max_len}{note} (one output "
-                f"token needs room); shorten the prompt, {raise_limit}, or pass --truncate-prompt left|right"
+                f"{row.where}: the prompt is too long: {too_long}{flag_hint(too_long)}; "
+                "or pass --truncate-prompt left|right"
             )
         room = min(row.sampling_params.max_tokens or 1, max_len // 2)
         keep = max_len - room
-        if isinstance(prompt, list) and getattr(engine, "tokenizer", None) is not None:
+        if isinstance(prompt, list) and engine.tokenizer is not None:
             try:
                 ids = truncate_chat(
                     prompt,
@@ -123,8 +109,9 @@ def output_result(p: Prepared, out: Any, token_bytes: TokenBytes | None = None) 
     """The output row of a prepared row from the engine's `RequestOutput` `out`; `token_bytes`
     (the engine tokenizer's) gives the bytes of the tokens in its log probabilities.
 
-    A request with n > 1 completions (an OpenAI batch line's `n`) keeps the first in `output` and
-    the others in `more_choices`; `completion_tokens` counts them all, as OpenAI's usage does."""
+    A request with n > 1 completions (a row's or an OpenAI batch line's `n`, or `--n`) keeps the
+    first in `output` and the others in `more_choices`; `completion_tokens` counts them all, as
+    OpenAI's usage does. The final output lists them all in `choices` (`batchgen.jobs.writer`)."""
     completions = out.outputs
     c = completions[0]
     metrics = out.metrics

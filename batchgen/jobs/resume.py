@@ -45,7 +45,7 @@ def make_header(
     model_fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """The run header: input identity, model (its name or path, and the digest of its files from
-    `batchgen.model.fingerprint`), and every option that changes the output rows."""
+    `batchgen.model.loading.fingerprint`), and every option that changes the output rows."""
     return {
         "version": HEADER_VERSION,
         "input": input_identity,
@@ -75,6 +75,19 @@ def _same_model(old: dict[str, Any], new: dict[str, Any]) -> bool:
     )
 
 
+def _input_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """What differs between two inputs that name other rows: another input (job30.jsonl and
+    job30.parquet share the default output job30.out.parquet), or the same one changed since."""
+    where_old = old.get("path") or old.get("hub")
+    where_new = new.get("path") or new.get("hub")
+    if where_old and where_new and where_old != where_new:
+        return (
+            f"it was written from another input, {where_old} (this run reads {where_new}); give this "
+            "run its own --output"
+        )
+    return "the input file changed (its size or content)"
+
+
 def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Human-readable list of what changed between two headers (empty when equal). The input and
     model are compared by content where their content is hashed, not by path (`_same_input`,
@@ -83,7 +96,7 @@ def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     if old.get("version") != new.get("version"):
         diffs.append(f"header version {old.get('version')} -> {new.get('version')}")
     if not _same_input(old.get("input"), new.get("input")):
-        diffs.append("the input file changed (its size or content)")
+        diffs.append(_input_difference(old.get("input") or {}, new.get("input") or {}))
     if _same_model(old, new):
         pass
     elif old.get("model") != new.get("model"):
@@ -141,6 +154,21 @@ def write_header_sidecar(output_path: str, header: dict[str, Any]) -> None:
     write_atomically(Path(header_sidecar_path(output_path)), json.dumps(record).encode())
 
 
+def remove_earlier_output(output_path: str) -> bool:
+    """Delete a finished output that `--overwrite` replaces (and its JSON-lines sidecar), durably;
+    returns whether there was one. Called once the new run has its engine: from then on, an
+    interrupted run must not leave the old job's complete output beside the new run's parts, where
+    it would pass for this run's result."""
+    removed = False
+    for path in (output_path, header_sidecar_path(output_path)):
+        if os.path.isfile(path) or os.path.islink(path):
+            os.remove(path)
+            removed = removed or path == output_path
+    if removed:
+        fsync_path(os.path.dirname(os.path.abspath(output_path)))
+    return removed
+
+
 def _existing_output_header(output_path: str) -> dict[str, Any] | None:
     """The header of a finished output of ours: from the metadata of a Parquet output that still has
     its rows, else from the sidecar of a JSON-lines output whose size still matches; None for any
@@ -182,7 +210,8 @@ def _lock(parts_dir: str) -> int:
 def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) -> ResumeState:
     """Check the output location and resume state before any model work.
 
-    - `overwrite`: earlier parts are deleted (an earlier final output is replaced at the end).
+    - `overwrite`: earlier parts are deleted (an earlier final output is removed by the caller once
+      the run has its engine, `remove_earlier_output`).
     - parts directory present: same header -> resume (orphan parts removed, committed rows loaded);
       another header -> refuse.
     - final output present without parts: same header (Parquet metadata) -> `complete`; else refuse.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from typing import Any
 
 from batchgen.jobs.json_lines import to_json
@@ -217,7 +218,9 @@ class RowSampling:
         values is fixed in one go rather than in two reruns."""
         # The field the message names first ("min_tokens (10) must be <= max_tokens (4)" is about
         # min_tokens), not the first field of the row that it mentions somewhere.
-        named = sorted((k for k, _ in overrides if k in str(first)), key=lambda k: str(first).find(k))
+        # Whole words: the field `n` is a letter of almost every message.
+        at = {k: _word_at(k, str(first)) for k, _ in overrides}
+        named = sorted((k for k in at if at[k] >= 0), key=lambda k: at[k])
         message = (
             f"invalid sampling value in {f'field {named[0]!r}' if named else 'sampling fields'}: {first}"
         )
@@ -229,6 +232,12 @@ class RowSampling:
             except (ValueError, TypeError) as e:
                 # A rule between two fields (min_tokens <= max_tokens) checked against a default
                 # would name a value the row does not have.
-                if not any(other in str(e) for other in SAMPLING_COLUMNS if other != k):
+                if not any(_word_at(other, str(e)) >= 0 for other in (*SAMPLING_COLUMNS, "n") if other != k):
                     message += f"; and in field '{k}': {e}"
         return message + "; fix the value or remove it to use the default"
+
+
+def _word_at(name: str, text: str) -> int:
+    """Where `name` first appears in `text` as a whole word (not inside `min_tokens`, say), or -1."""
+    m = re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", text)
+    return m.start() if m else -1

@@ -27,10 +27,14 @@ from batchgen.jobs.row_sampling import (
 )
 from batchgen.sampling_params import SamplingParams
 
+# Duplicate ids of a plain job: warned about at most this many times, among the ids of this many rows.
+MAX_DUPLICATE_NOTICES = 10
+MAX_TRACKED_IDS = 500_000
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # Field names a plain job's column may be a misspelling of (see RowParser._note_near_misses).
 NEAR_MISS_TARGETS = (
     *SAMPLING_COLUMNS,
+    "n",
     *UNAPPLIED_COLUMNS,
     "top_logprobs",
     "max_completion_tokens",
@@ -123,6 +127,10 @@ class RowParser:
         self.id_column = id_column
         self.template_fields = template_fields
         self._seen_custom_ids: dict[int, int] = {}
+        # Plain rows' ids -> row index and line of their first row, and the duplicates warned about
+        # (kept across passes: a --strict pass and the run's own warn once).
+        self._seen_ids: dict[int, int] = {}
+        self._duplicates_noted: set[str] = set()
         prompt_columns = (prompt_column, messages_column, *template_fields)
         self._prompt_columns = frozenset(c for c in prompt_columns if c is not None)
         self._data_columns = self._prompt_columns | {c for c in (id_column, *options.keep_columns) if c}
@@ -144,8 +152,9 @@ class RowParser:
         return None if rid is None or "\ufffd" in to_json(rid) else rid
 
     def start(self) -> None:
-        """Forget the custom_ids seen so far: a new pass over the input begins."""
+        """Forget the custom_ids and ids seen so far: a new pass over the input begins."""
         self._seen_custom_ids = {}
+        self._seen_ids = {}
 
     def error_row(
         self,
@@ -195,6 +204,34 @@ class RowParser:
                     f"nothing; did you mean '{close[0]}'?"
                 )
 
+    def _note_duplicate_id(self, rid: str, row_index: int, line_number: int | None) -> None:
+        """A warning, once per id and process, for a plain row whose id an earlier row of this pass
+        has: both rows run (ids are the user's data), but output joined on `id` would mix them.
+        At most `MAX_DUPLICATE_NOTICES` are given, then one line that more were left out; ids are
+        remembered for the first `MAX_TRACKED_IDS` rows of a pass (bounded memory)."""
+        # Keyed by the id's hash, the first row packed into one int: about 100 bytes an id.
+        key = hash(rid)
+        packed = self._seen_ids.get(key)
+        if packed is None:
+            if len(self._seen_ids) < MAX_TRACKED_IDS:
+                self._seen_ids[key] = (row_index << 32) | (line_number or 0)
+            return
+        if rid in self._duplicates_noted:
+            return
+        first = (packed >> 32, (packed & 0xFFFFFFFF) or None)
+        self._duplicates_noted.add(rid)
+        if len(self._duplicates_noted) > MAX_DUPLICATE_NOTICES:
+            if len(self._duplicates_noted) == MAX_DUPLICATE_NOTICES + 1:
+                self.notices.append(
+                    f"warning: more duplicate ids than the {MAX_DUPLICATE_NOTICES} above; "
+                    "the others are not listed"
+                )
+            return
+        self.notices.append(
+            f"warning: {row_label(row_index, line_number)} has the id {rid!r} of {row_label(*first)}; "
+            f"both run, but rows joined on '{self.id_column}' would mix them: make each id unique"
+        )
+
     def plain_row(self, row_index: int, line_number: int | None, rec: dict) -> JobRow:
         """A row of a plain job (prompt / messages / template columns, optional sampling columns)."""
         self._note_near_misses(rec)
@@ -221,8 +258,16 @@ class RowParser:
                 for f in LOGPROB_FIELDS
             ]
             values["logprobs"], err = requested_logprobs(*asked)
+            # vLLM's n: completions per row (the output's `choices`); a template field, kept or id
+            # column of that name is data.
+            values["n"] = None if "n" in self._data_columns else rec.get("n")
         if err is None:
             params, params_hash, err = self._sampling(values)
+            if err is not None and err.startswith("invalid sampling value in field 'n'"):
+                err += (
+                    " (field 'n' is the number of completions to sample, as vLLM's n; if the column is "
+                    "data, pass --keep-columns n)"
+                )
         if err is not None:
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
         if keep is not None and not all(is_utf8(v) for v in keep.values() if isinstance(v, str)):
@@ -232,6 +277,8 @@ class RowParser:
         if rid_s is not None and not is_utf8(rid_s):
             err = f"the id {LONE_SURROGATE}; fix field '{self.id_column}'"
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
+        if rid is not None:
+            self._note_duplicate_id(rid_s, row_index, line_number)
         return JobRow(
             row_index=row_index,
             id=rid_s,

@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.config import EngineConfig, resolve_device
+from batchgen.engine.protocol import Engine
 from batchgen.jobs.options import (
     JobOptions,
     JobSummary,
@@ -29,31 +30,25 @@ from batchgen.jobs.options import (
     output_format,
 )
 from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions
-from batchgen.jobs.requests import (
-    Prepared,
-    error_result,
-    output_result,
-    prepare_row,
-    several_completions_error,
-)
-from batchgen.jobs.resume import make_header, prepare_output
+from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
+from batchgen.jobs.resume import make_header, prepare_output, remove_earlier_output
 from batchgen.jobs.token_bytes import TokenBytes
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter, count_output_errors, finalize_output
 from batchgen.metrics import JobMetrics, NullMetrics
-from batchgen.model.fingerprint import model_fingerprint
+from batchgen.model.loading.fingerprint import model_fingerprint
 from batchgen.sampling_params import SamplingParams
 from batchgen.stop_signals import STOP_SIGNALS
 
 
-def default_engine_factory(config: EngineConfig) -> Any:
+def default_engine_factory(config: EngineConfig) -> Engine:
     """Build the real engine (imported here so pre-flight checks never load torch or a model).
 
     Raises:
         JobInputError: the model is missing or unsupported, or the engine options conflict.
     """
     from batchgen.engine.llm_engine import LLMEngine
-    from batchgen.model.loader import ModelNotFoundError
+    from batchgen.model.loading.architectures import ModelNotFoundError
 
     try:
         return LLMEngine(config)
@@ -179,6 +174,7 @@ def _finished_summary(output: str, fmt: str, reader: JobReader) -> JobSummary:
     except (OSError, ValueError, pa.ArrowException):  # unreadable: report it complete, uncounted
         return summary
     summary.rows_ok = rows - summary.rows_error
+    summary.output_error_rows = summary.rows_error
     return summary
 
 
@@ -199,7 +195,7 @@ def check_run_options(options: JobOptions) -> EngineConfig:
         SamplingParams(**options.sampling_defaults())
     except (TypeError, ValueError) as e:
         # The message names the field first ("temperature must be >= 0"); name its flag.
-        fields = [f for f in options.sampling_defaults() if str(e).startswith(f) or f"({f})" in str(e)]
+        fields = [f for f in options.sampling_defaults() if str(e).startswith(f"{f} ") or f"({f})" in str(e)]
         flag = f" (flag --{fields[0].replace('_', '-')})" if fields else ""
         raise JobInputError(f"invalid sampling option: {e}{flag}") from e
     return config
@@ -223,14 +219,14 @@ def job_reader(options: JobOptions) -> JobReader:
 
 def run_job(
     options: JobOptions,
-    engine_factory: Callable[[EngineConfig], Any] | None = None,
+    engine_factory: Callable[[EngineConfig], Engine] | None = None,
     dashboard: Any = None,
 ) -> JobSummary:
     """Run one job to completion, or until SIGINT.
 
     Args:
         options: the job (see JobOptions).
-        engine_factory: EngineConfig -> engine with the LLMEngine API; default builds LLMEngine.
+        engine_factory: EngineConfig -> an `Engine` (the protocol); the default builds LLMEngine.
         dashboard: a `batchgen.dashboard.Dashboard` (default: one chosen from `options.dashboard`).
 
     Returns:
@@ -274,16 +270,17 @@ def run_job(
         except BaseException:
             state.discard_if_unused()
             raise
+        if options.overwrite and remove_earlier_output(output):
+            dashboard.log(f"--overwrite: removed the earlier output {output}; this run writes it anew")
         writer = PartWriter(state, tuple(options.keep_columns), options.commit_rows, options.commit_seconds)
-        files = getattr(engine, "model_files", None)
-        model_name = getattr(files, "name", None) or os.path.basename(_model_label(options).rstrip("/"))
+        model_name = (engine and engine.model_name) or os.path.basename(_model_label(options).rstrip("/"))
         metrics.bind(model_name, total, writer.committed_rows)
         if metrics.url:
             dashboard.log(f"metrics at {metrics.url}")
         with _Interrupt() as interrupt:
             dashboard.start()
-            if getattr(engine, "kernel_summary", ""):
-                dashboard.log(f"kernels {engine.kernel_summary}")
+            if engine is not None and engine.start_line:
+                dashboard.log(engine.start_line)
             try:
                 if engine is None:
                     rows_read, finished = total or 0, True
@@ -298,7 +295,6 @@ def run_job(
                         dashboard,
                         summary,
                         interrupt,
-                        fmt,
                         metrics,
                     )
                 summary.interrupted = not finished
@@ -318,6 +314,10 @@ def run_job(
             summary.rows_total = rows_read
             finalize_output(state, rows_read, fmt, header, tuple(options.keep_columns), model_name)
             summary.complete = True
+            summary.output_error_rows = summary.rows_error
+            if summary.rows_resumed:  # the earlier runs' error rows are in the output too
+                with contextlib.suppress(OSError, ValueError, pa.ArrowException):
+                    summary.output_error_rows = count_output_errors(output, fmt)[1]
         summary.wall_s = time.perf_counter() - start
         if summary.interrupted:
             dashboard.log(
@@ -334,19 +334,17 @@ def run_job(
 def _loop(
     options: JobOptions,
     config: EngineConfig,
-    engine: Any,
+    engine: Engine,
     reader: JobReader,
     state: Any,
     writer: PartWriter,
     dashboard: Any,
     summary: JobSummary,
     interrupt: _Interrupt,
-    fmt: str = "parquet",
     metrics: JobMetrics | NullMetrics | None = None,
 ) -> tuple[int, bool]:
-    """The admission / step / commit loop; returns (input rows read, whether every row finished).
-    `fmt` is the output format: only OpenAI batch output has room for n > 1 completions a row."""
-    tokenizer = getattr(engine, "tokenizer", None)
+    """The admission / step / commit loop; returns (input rows read, whether every row finished)."""
+    tokenizer = engine.tokenizer
     chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
     bos = getattr(tokenizer, "bos_token_id", None)
     token_bytes = TokenBytes(tokenizer)
@@ -385,9 +383,6 @@ def _loop(
             if row.error is not None:
                 finish(error_result(row, row.error), row.keep)
                 continue
-            if (message := several_completions_error(row, fmt)) is not None:
-                finish(error_result(row, message), row.keep)
-                continue
             prepared, error = prepare_row(row, engine, options, chat, bos, max_len)
             if error is not None:
                 finish(error_result(row, error, prepared and prepared.prompt_tokens), row.keep)
@@ -412,8 +407,8 @@ def _loop(
         dashboard.update(
             summary.rows_done,
             summary.rows_error,
-            getattr(engine, "last_step", None),
-            getattr(engine, "totals", None),
+            engine.last_step,
+            engine.totals,
         )
         metrics.on_rows(writer.committed_rows, summary.rows_error)
     finished = exhausted and not window and not pending

@@ -74,9 +74,12 @@ INTERNAL_SCHEMA = pa.schema(
         ("more_choices", MORE_CHOICES_TYPE),
     ]
 )
+# The final output's column of every completion of each row, in the Parquet and JSON-lines outputs
+# of a job where some row asks for n > 1 (`choices_type`); OpenAI batch output has its own choices.
+CHOICES_COLUMN = "choices"
 # Names --keep-columns may not take. The LOGPROB_SCHEMA names may be kept (as before batchgen wrote
 # log probabilities): such a job writes none (`logprob_fields`).
-RESERVED_COLUMNS = frozenset(OUTPUT_SCHEMA.names) | frozenset(INTERNAL_SCHEMA.names)
+RESERVED_COLUMNS = frozenset(OUTPUT_SCHEMA.names) | frozenset(INTERNAL_SCHEMA.names) | {CHOICES_COLUMN}
 # Log-probability entries (a generated token or one of its alternatives) buffered before a commit
 # is due whatever the row count: each is a small dict, a few hundred bytes of Python objects.
 MAX_BUFFERED_LOGPROBS = 250_000
@@ -209,11 +212,58 @@ def has_logprobs(paths: list[str], header: dict[str, Any]) -> bool:
     return False
 
 
-def _unified_schema(paths: list[str], keep_columns: tuple[str, ...], logprobs: bool = False) -> pa.Schema:
-    """Output schema of the final file: OUTPUT_SCHEMA, LOGPROB_SCHEMA when `logprobs`, then the kept
-    columns with types unified across parts (a column whose parts disagree beyond null/int/float
-    promotion becomes string)."""
+def has_choices(paths: list[str], header: dict[str, Any]) -> bool:
+    """Whether the final Parquet or JSON-lines output gets the `choices` column: the command asked
+    for n > 1 (`--n`, in the run header) or some committed row holds more than one completion."""
+    if (header.get("options", {}).get("sampling", {}).get("n") or 1) > 1:
+        return True
+    for path in paths:
+        if "more_choices" in pq.read_schema(path).names:
+            column = pq.read_table(path, columns=["more_choices"])["more_choices"]
+            if column.null_count < len(column):
+                return True
+    return False
+
+
+def choices_type(logprobs: bool) -> pa.DataType:
+    """The `choices` column: per row, its completions in sample order (the first is the one in
+    `output`), each {output, finish_reason, completion_tokens} and, with `logprobs`, its
+    {cumulative_logprob, logprobs}; null for an error row."""
+    fields = [("output", pa.string()), ("finish_reason", pa.string()), ("completion_tokens", pa.int64())]
+    return pa.list_(pa.struct(fields + (list(LOGPROB_SCHEMA) if logprobs else [])))
+
+
+def _choices_array(t: pa.Table, logprobs: bool) -> pa.Array:
+    """The `choices` values of the rows of `t` (output columns and `more_choices`)."""
+    names = ["output", "finish_reason", "completion_tokens", "more_choices"]
+    names += ["cumulative_logprob", "logprobs"] if logprobs else []
+    values = []
+    for row in t.select(names).to_pylist():
+        if row["finish_reason"] == "error":
+            values.append(None)
+            continue
+        more = row["more_choices"] or []
+        total = row["completion_tokens"] or 0
+        # A row's completion_tokens counts all its completions (as OpenAI's usage does).
+        first = {
+            "output": row["output"],
+            "finish_reason": row["finish_reason"],
+            "completion_tokens": total - sum(c["completion_tokens"] or 0 for c in more),
+        }
+        if logprobs:
+            first.update(cumulative_logprob=row["cumulative_logprob"], logprobs=row["logprobs"])
+        values.append([first, *more])
+    return pa.array(values, choices_type(logprobs))
+
+
+def _unified_schema(
+    paths: list[str], keep_columns: tuple[str, ...], logprobs: bool = False, choices: bool = False
+) -> pa.Schema:
+    """Output schema of the final file: OUTPUT_SCHEMA, LOGPROB_SCHEMA when `logprobs`, `choices`
+    when `choices`, then the kept columns with types unified across parts (a column whose parts
+    disagree beyond null/int/float promotion becomes string)."""
     fields = list(OUTPUT_SCHEMA) + (list(LOGPROB_SCHEMA) if logprobs else [])
+    fields += [pa.field(CHOICES_COLUMN, choices_type(logprobs))] if choices else []
     if not keep_columns:
         return pa.schema(fields)
     schemas = [pq.read_schema(p) for p in paths]
@@ -243,9 +293,10 @@ def iter_ordered_chunks(
     keep_columns: tuple[str, ...] = (),
     chunk_rows: int = 20000,
     logprobs: bool = False,
+    choices: bool = False,
 ):
     """Yield (schema, table) chunks holding row indices [lo, lo + chunk_rows) in order; with
-    `logprobs` the schema has the LOGPROB_SCHEMA columns.
+    `logprobs` the schema has the LOGPROB_SCHEMA columns, with `choices` the `choices` column.
 
     Each chunk reads only the parts whose row range overlaps it, so memory is bounded by the chunk.
 
@@ -253,7 +304,7 @@ def iter_ordered_chunks(
         RuntimeError: a row index is missing or present twice (an invariant violation).
     """
     paths = {e.part: os.path.join(state.parts_dir, e.part) for e in state.entries}
-    schema = _unified_schema(list(paths.values()), keep_columns, logprobs)
+    schema = _unified_schema(list(paths.values()), keep_columns, logprobs, choices)
     target = pa.schema([*schema, *INTERNAL_SCHEMA])
     # Parts written before a column existed (log probabilities, more_choices) get it as nulls; each
     # part's footer is read once here, not once per chunk its rows fall in.
@@ -276,6 +327,10 @@ def iter_ordered_chunks(
             raise RuntimeError(
                 f"rows {lo}..{hi - 1}: {t.num_rows} committed rows instead of {hi - lo}; the parts directory "
                 "is inconsistent, rerun with --overwrite"
+            )
+        if choices:  # built from the row's output columns and more_choices, never stored in parts
+            t = t.set_column(
+                t.schema.get_field_index(CHOICES_COLUMN), CHOICES_COLUMN, _choices_array(t, logprobs)
             )
         yield schema, t
 
@@ -303,12 +358,14 @@ def finalize_output(
     tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp")
     paths = [os.path.join(state.parts_dir, e.part) for e in state.entries]
     logprobs = bool(logprob_fields(keep_columns)) and has_logprobs(paths, header)
+    choices = output_format != "openai" and has_choices(paths, header)
     try:
         with open(tmp, "wb") as f:
             if output_format == "parquet":
-                _write_parquet(f, state, total_rows, header, keep_columns, chunk_rows, logprobs)
+                _write_parquet(f, state, total_rows, header, keep_columns, chunk_rows, logprobs, choices)
             else:
-                for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows, logprobs):
+                chunks = iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows, logprobs, choices)
+                for schema, t in chunks:
                     names = schema.names
                     for row in t.to_pylist():
                         rec = (
@@ -339,19 +396,23 @@ def _write_parquet(
     keep_columns: tuple[str, ...],
     chunk_rows: int,
     logprobs: bool,
+    choices: bool = False,
 ) -> None:
     """The final Parquet output into the open file `f`, the run header and row count in the schema
-    metadata; with `logprobs`, the LOGPROB_SCHEMA columns."""
+    metadata; with `logprobs`, the LOGPROB_SCHEMA columns; with `choices`, the `choices` column."""
     meta = {HEADER_METADATA_KEY: json.dumps(header).encode(), NUM_ROWS_METADATA_KEY: str(total_rows).encode()}
     writer = None
     try:
-        for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows, logprobs):
+        for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows, logprobs, choices):
             if writer is None:
                 writer = pq.ParquetWriter(f, schema.with_metadata(meta))
             writer.write_table(t.select(schema.names).replace_schema_metadata(writer.schema.metadata))
         if writer is None:  # an empty job: an empty file with the schema
             schema = _unified_schema(
-                [os.path.join(state.parts_dir, e.part) for e in state.entries], keep_columns, logprobs
+                [os.path.join(state.parts_dir, e.part) for e in state.entries],
+                keep_columns,
+                logprobs,
+                choices,
             )
             writer = pq.ParquetWriter(f, schema.with_metadata(meta))
     finally:

@@ -14,7 +14,7 @@ import torch
 
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.registry import TuningTable, buckets_up_to, choose
-from batchgen.model.sdpa import causal_attention
+from batchgen.model.attention.sdpa import causal_attention
 
 _RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 

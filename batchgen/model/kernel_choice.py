@@ -32,7 +32,7 @@ from batchgen.kernels.cpu.linear import (
 )
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
 from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, buckets_up_to, choose, machine_key
-from batchgen.model.attention import CPUAttentionBackend
+from batchgen.model.attention.cpu_backend import CPUAttentionBackend
 from batchgen.model.attention_choice import tune_prefill_attention
 from batchgen.model.stack_choice import tune_decoder_stack
 

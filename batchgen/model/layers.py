@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels.cpu import ops as cpu_ops
-from batchgen.model.attention import AttentionBackend, AttentionMetadata
+from batchgen.model.attention.base import AttentionBackend, AttentionMetadata
 
 
 class RMSNorm(nn.Module):
@@ -159,6 +159,18 @@ class MergedLinear(nn.Linear):
         param.data[start : start + self.shard_sizes[index]].copy_(tensor)
 
 
+def attention_heads(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a Hugging Face config: the one place they are read.
+
+    `num_key_value_heads` defaults to the query heads (no GQA) and `head_dim` to
+    `hidden_size // num_attention_heads` where the config does not set them.
+    """
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    return num_heads, num_kv_heads, head_dim
+
+
 class Attention(nn.Module):
     """Self-attention with fused QKV, optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
 
@@ -167,9 +179,7 @@ class Attention(nn.Module):
 
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = attention_heads(config)
         self.scale = self.head_dim**-0.5
         qkv_bias = bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

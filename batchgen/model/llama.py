@@ -12,8 +12,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from batchgen.model.attention import AttentionBackend, AttentionMetadata
-from batchgen.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from batchgen.model.attention.base import AttentionBackend, AttentionMetadata
+from batchgen.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, attention_heads
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -105,7 +105,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        _, _, head_dim = attention_heads(config)
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))

@@ -9,64 +9,16 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from batchgen.model.attention import AttentionMetadata, select_backend
 from batchgen.model.kernel_choice import KernelChoice, apply_kernels
-from batchgen.model.layers import RotaryEmbedding
+from batchgen.model.layers import RotaryEmbedding, attention_heads
 from batchgen.model.llama import LlamaForCausalLM
-from batchgen.model.sampler import RowPenalty, SampleLogprobs, Sampler, SamplingBatch, sample_logprobs
-
-
-@dataclass
-class StepInput:
-    """One sequence's share of a step, as the runner needs it (no request objects below the engine).
-
-    Attributes:
-        token_ids: the step's new tokens (`start` to `start + len`).
-        start: position of the first new token.
-        block_table: the sequence's physical blocks.
-        sample: whether to sample a token after this step.
-        temperature / top_k / top_p / min_p / generator / banned_token_ids: sampling settings.
-        penalty: the sequence's penalties and tokens (`RowPenalty`), None when it has none.
-        logprobs: how many top log probabilities to return with the sampled token (None: none).
-    """
-
-    token_ids: list[int]
-    start: int
-    block_table: list[int]
-    sample: bool
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    generator: torch.Generator | None = None
-    banned_token_ids: list[int] | None = None
-    penalty: RowPenalty | None = None
-    logprobs: int | None = None
-
-
-@dataclass
-class StepOutput:
-    """What a step sampled: one token id per sequence with `sample` set, in order, and for each
-    its `SampleLogprobs` (None where the sequence asked for none) and, in `errors`, why its token is
-    not valid (NaN logits), else None; `errors` None = no error in the step."""
-
-    token_ids: list[int]
-    logprobs: list[SampleLogprobs | None]
-    errors: list[str | None] | None = None
-
-
-def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block: K and V, in every layer, `block_size` tokens x KV heads x head_dim x
-    the dtype's size."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
+from batchgen.model.sampler import SampleLogprobs, Sampler, SamplingBatch, sample_logprobs
+from batchgen.model.step import StepInput, StepOutput
 
 
 def allocate_kv_caches(
@@ -146,14 +98,13 @@ class ModelRunner:
         if model.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         # Rotary tables were built on meta: rebuild them for real, and in float32 as the reference does.
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        _, kv_heads, head_dim = attention_heads(config)
         model.model.rotary = RotaryEmbedding(config, head_dim, max_positions).to(device)
         model.load_weights(weights)
         self.kernel_choice: KernelChoice = apply_kernels(
             model, kernels, device, max_step_rows, max_logit_rows, one_layout=one_weight_layout
         )
         self.model = model.eval()
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.kv_caches = allocate_kv_caches(config.num_hidden_layers, shape, dtype, device)
         self.num_blocks = num_blocks
@@ -217,7 +168,7 @@ class ModelRunner:
         np.cumsum(query_lens, out=query_start_loc[1:])
         logits_indices = [query_start_loc[i + 1] - 1 for i, s in enumerate(seqs) if s.sample]
         num_decodes = 0
-        while num_decodes < len(seqs) and query_lens[num_decodes] == 1:
+        while num_decodes < len(seqs) and seqs[num_decodes].is_decode:
             num_decodes += 1
         dev = self.device
         meta = AttentionMetadata(
@@ -242,7 +193,7 @@ class ModelRunner:
     def execute(self, seqs: list[StepInput]) -> StepOutput:
         """Run one step; returns the tokens sampled for the sequences with `sample` set, in order.
 
-        Sequences must come decodes first (query length 1), then prefill chunks.
+        Sequences must come decodes first (`StepInput.is_decode`), then prefill chunks.
         """
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)

@@ -144,11 +144,24 @@ def sample_logprobs(
         ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()  # to the host once, not per row
     return [
-        SampleLogprobs(token, value, rank, list(zip(top_ids[i][:k], top_lp[i][:k], strict=True)))
+        SampleLogprobs(token, value, rank, _chosen_first(token, value, rank, top_ids[i][:k], top_lp[i][:k]))
         for i, (token, value, rank, k) in enumerate(
             zip(token_ids, chosen_lp[:, 0].tolist(), ranks.tolist(), top_ks, strict=True)
         )
     ]
+
+
+def _chosen_first(
+    token: int, value: float, rank: int, ids: list[int], lps: list[float]
+) -> list[tuple[int, float]]:
+    """The top (token id, log probability) pairs with the sampled `token` first among the tokens
+    tied with it, at its `rank` (topk orders ties arbitrarily: greedy picked the token but the list
+    could name another of equal probability first). A sampled token outside the top k stays out."""
+    top = list(zip(ids, lps, strict=True))
+    if rank > len(top) or top[rank - 1][0] == token:
+        return top
+    others = [pair for pair in top if pair[0] != token]
+    return (others[: rank - 1] + [(token, value)] + others[rank - 1 :])[: len(top)]
 
 
 def apply_penalties(logits: torch.Tensor, penalties: list[RowPenalty | None]) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from batchgen.kernels.cpu.linear import TunedLinear
 from batchgen.kernels.cpu.stack import DecoderStack
 from batchgen.kernels.registry import TuningTable, buckets_up_to, choose, matches
-from batchgen.model.attention import AttentionMetadata
+from batchgen.model.attention.base import AttentionMetadata
 
 # Context tokens of each synthetic sequence; all but its last block are shared by every sequence
 # (read-only), so the caches stay small at any row count. The attention kernel is the same C kernel

@@ -20,10 +20,13 @@ def make_request(token_ids: list[int], request_id: str = "r", max_tokens: int = 
 
 def admit(bm: BlockManager, request: Request) -> list[int]:
     """Admit a request holding no blocks as the scheduler does: take its cached prefix, allocate the
-    rest of its tokens, and mark them computed (as the engine's update would). Returns the hits."""
+    rest of its tokens, and mark them computed (as the scheduler's update would). Returns the hits."""
     hits = bm.find_cached_prefix(request)
     remaining = request.num_tokens - len(hits) * bm.block_size
-    assert bm.allocate_slots(request, remaining, hits)
+    hit = bm.allocate_slots(request, remaining, hits)
+    assert hit == len(hits) * bm.block_size
+    if hit:
+        request.num_cached_tokens = hit
     request.num_computed_tokens = request.num_tokens
     bm.cache_full_blocks(request)
     return hits
@@ -51,12 +54,12 @@ def test_allocate_counts_and_free() -> None:
     bm = BlockManager(num_blocks=8, block_size=BS)
     assert counts(bm) == (8, 0, 0)
     r = make_request(list(range(100, 110)))  # 10 tokens: 2 full blocks + 2 tokens
-    assert bm.allocate_slots(r, 6)  # a first chunk of 6 tokens: 2 blocks
+    assert bm.allocate_slots(r, 6) == 0  # a first chunk of 6 tokens: 2 blocks
     assert counts(bm) == (6, 0, 2)
     r.num_computed_tokens = 6
     bm.cache_full_blocks(r)
     assert counts(bm) == (6, 1, 2)  # only the first block is full of computed tokens
-    assert bm.allocate_slots(r, 4)  # the rest: 10 tokens need 3 blocks, 1 more
+    assert bm.allocate_slots(r, 4) == 0  # the rest: 10 tokens need 3 blocks, 1 more
     assert len(r.block_table) == 3
     r.num_computed_tokens = 10
     bm.cache_full_blocks(r)
@@ -64,7 +67,7 @@ def test_allocate_counts_and_free() -> None:
     assert len(r.block_hashes) == 2
     # A request that does not fit changes nothing.
     big = make_request(list(range(200, 224)))  # 24 tokens = 6 blocks > 5 free
-    assert not bm.allocate_slots(big, 24)
+    assert bm.allocate_slots(big, 24) is None
     assert counts(bm) == (5, 2, 3) and big.block_table == []
     check_consistent(bm, [r])
     bm.free(r)
@@ -126,10 +129,10 @@ def test_revived_blocks_count_against_the_free_pool() -> None:
     longer = make_request(prompt + [1, 2, 3, 4, 5], "longer")
     hits = bm.find_cached_prefix(longer)
     assert len(hits) == 3
-    assert not bm.allocate_slots(longer, 5, hits)
+    assert bm.allocate_slots(longer, 5, hits) is None
     assert counts(bm) == (4, 3, 0) and longer.block_table == [] and longer.num_computed_tokens == 0
     fits = make_request(prompt + [1, 2, 3], "fits")  # 3 cached + 1 new block
-    assert bm.allocate_slots(fits, 3, bm.find_cached_prefix(fits))
+    assert bm.allocate_slots(fits, 3, bm.find_cached_prefix(fits)) == 3 * BS
     assert counts(bm) == (0, 3, 4)
 
 
@@ -145,8 +148,8 @@ def test_last_token_never_served_from_cache() -> None:
     hits = bm.find_cached_prefix(again)
     # The second block holds the last token, whose logits are needed: it is computed again.
     assert hits == a_blocks[:1]
-    assert bm.allocate_slots(again, again.num_tokens - len(hits) * BS, hits)
-    assert again.num_computed_tokens == BS and again.num_tokens - again.num_computed_tokens == BS
+    hit = bm.allocate_slots(again, again.num_tokens - len(hits) * BS, hits)
+    assert hit == BS and again.num_tokens - hit == BS
     for n in range(1, 14):
         r = make_request(list(range(50, 50 + n)), f"n{n}")
         assert len(bm.find_cached_prefix(r)) * BS <= n - 1
@@ -168,7 +171,7 @@ def test_eviction_order_uncached_first_then_lru_tails_first() -> None:
 
     # Fresh allocations take the three uncached blocks before evicting anything.
     x = make_request(list(range(300, 312)), "x")
-    assert bm.allocate_slots(x, 12)
+    assert bm.allocate_slots(x, 12) is not None
     assert set(x.block_table) == uncached
     assert counts(bm) == (5, 5, 3)
 
@@ -177,7 +180,7 @@ def test_eviction_order_uncached_first_then_lru_tails_first() -> None:
     taken = []
     for i, block_id in enumerate(expected):
         y = make_request([400 + i], f"y{i}")
-        assert bm.allocate_slots(y, 1)
+        assert bm.allocate_slots(y, 1) is not None
         taken.append(y.block_table[0])
         assert bm.blocks[block_id].block_hash is None  # evicted: no longer findable
         assert counts(bm) == (4 - i, 4 - i, 4 + i)
@@ -192,7 +195,7 @@ def test_partial_eviction_keeps_the_prefix_head() -> None:
     a_blocks = list(a.block_table)
     bm.free(a)
     y = make_request(list(range(500, 508)), "y")  # 2 blocks: the uncached tail, then a's last full block
-    assert bm.allocate_slots(y, 8)
+    assert bm.allocate_slots(y, 8) is not None
     assert y.block_table == [a_blocks[3], a_blocks[2]]
     again = make_request(list(range(100, 113)), "again")
     assert bm.find_cached_prefix(again) == a_blocks[:2]
@@ -270,8 +273,10 @@ def test_collisions_never_serve_wrong_kv(hash_fn, seed: int) -> None:
                     f"step {step}: block {block_id} served at position {i} holds K/V of another prefix"
                 )
             num_hits += len(hits)
-            if not bm.allocate_slots(r, r.num_tokens - bs * len(hits), hits):
+            hit = bm.allocate_slots(r, r.num_tokens - bs * len(hits), hits)
+            if hit is None:
                 continue
+            r.num_computed_tokens = hit
             live.append(r)
             compute(r, rng.randint(r.num_computed_tokens, r.num_tokens))
         check_consistent(bm, live)
@@ -299,7 +304,7 @@ def test_swap_out_and_in_counts() -> None:
     # Fill the device so the swapped request cannot come back yet: 4 tokens (computed 10 + 1 new
     # = 11 tokens = 3 blocks) need 3 free blocks.
     filler = make_request(list(range(70, 86)), "filler")  # 4 blocks
-    assert bm.allocate_slots(filler, 16)
+    assert bm.allocate_slots(filler, 16) == 0
     assert bm.num_free_blocks == 2
     assert not bm.can_swap_in(r, 1)
     bm.free(filler)
@@ -314,7 +319,7 @@ def test_swap_out_and_in_counts() -> None:
     # Growing past the last block on swap-in takes an extra block.
     r.num_computed_tokens = 11
     r.token_ids.append(98)
-    assert bm.allocate_slots(r, 1)
+    assert bm.allocate_slots(r, 1) == 0
     assert len(r.block_table) == 3
     r.num_computed_tokens = 12
     r.token_ids.append(97)

@@ -104,14 +104,34 @@ BATCHING_OPTIONS = {
 
 
 @pytest.mark.parametrize("name", list(BATCHING_OPTIONS))
-def test_batching_does_not_change_outputs(llama_case, name):
+def test_batching_does_not_change_outputs(llama_case, name, monkeypatch):
     path, prompt_ids, expected = llama_case
     llm = LLM(str(path), dtype="float32", **BATCHING_OPTIONS[name])
+    # Count the blocks copied out to swap space and back: a swap case that fell back to recompute
+    # (swap space full or refused) would pass the token comparison without testing swap at all.
+    blocks = llm.llm_engine.scheduler.block_manager
+    swapped = {"out": 0, "in": 0}
+
+    def counted(method, key):
+        def call(*args, **kwargs):
+            copies = method(*args, **kwargs)
+            swapped[key] += len(copies)
+            return copies
+
+        return call
+
+    monkeypatch.setattr(blocks, "swap_out", counted(blocks.swap_out, "out"))
+    monkeypatch.setattr(blocks, "swap_in", counted(blocks.swap_in, "in"))
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY)
     assert token_ids(outputs) == expected
     totals = llm.llm_engine.totals
     if name.startswith("preempt"):
         assert totals.preemptions > 0, "the cache was meant to force preemption"
+    if name == "preempt_swap":
+        assert swapped["out"] > 0, "preemption was meant to swap blocks out, not recompute"
+        assert swapped["in"] == swapped["out"], "every swapped-out block was meant to come back"
+    else:
+        assert swapped == {"out": 0, "in": 0}
     if name == "prefix_caching":
         assert totals.prefix_cache_hits >= 8, "the repeated prompt start was meant to hit the cache"
     if name == "no_prefix_caching":

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from batchgen import LLM
 from batchgen.engine.detokenizer import check_stop, detokenize_incrementally
 from batchgen.engine.request import Request
-from batchgen.model.loader import load_tokenizer, resolve_model
+from batchgen.model.loading.loader import load_tokenizer, resolve_model
 from batchgen.model.sampler import Sampler, SamplingBatch, filter_probs
 from batchgen.sampling_params import SamplingParams
 
@@ -480,6 +480,26 @@ def test_sample_logprobs_ranks_match_a_full_count(case: str, k: int) -> None:
         assert f.rank == 1 + int((lp[row] > lp[row, token]).sum())
         assert f.logprob == pytest.approx(float(lp[row, token]))
         assert [v for _, v in f.top] == pytest.approx(sorted(lp[row].tolist(), reverse=True)[:k])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_the_sampled_token_comes_first_among_its_ties(k: int) -> None:
+    """topk orders tied log probabilities arbitrarily: the top list named another token of the same
+    probability before the one greedy picked. The sampled token is listed first among its ties, at
+    its rank, and the list keeps k entries (another tied token drops out when k is full)."""
+    from batchgen.model.sampler import sample_logprobs
+
+    logits = torch.zeros(4, 40)
+    logits[:, [3, 9, 17, 30]] = 5.0  # four tokens tied for the top
+    logits[2, 1] = 6.0  # row 2: one token above the tie
+    chosen = [30, 17, 30, 9]
+    for row, f in enumerate(sample_logprobs(logits, chosen, [k] * 4)):
+        ids = [t for t, _ in f.top]
+        assert len(ids) == k and len(set(ids)) == k
+        assert ids[f.rank - 1 : f.rank] == [chosen[row]][: max(0, k - f.rank + 1)], (row, ids)
+        assert f.rank == (2 if row == 2 else 1)
+        lps = [v for _, v in f.top]
+        assert lps == sorted(lps, reverse=True)
 
 
 def test_logprobs_zero_gives_the_sampled_token_only(tiny_llm) -> None:

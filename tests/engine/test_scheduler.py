@@ -1,9 +1,9 @@
 """Scheduler + BlockManager + policies driven directly with synthetic requests (no model), and the
 real engine's per-request rejection of prompts that can never fit.
 
-The simulated engine update mirrors `LLMEngine._update`: computed tokens advance by the scheduled
-chunk, full blocks are registered, a fake token is appended when the chunk reaches the last token,
-and the request finishes after `max_tokens` outputs.
+`run_workload` stands in for the model only: each step's sampled tokens are fake ones, handed to the
+real `Scheduler.update` (which advances computed tokens, caches full blocks, appends the token and
+finishes a request after `max_tokens` outputs).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.policy import FCFSPolicy, MaxThroughputPolicy, Policy, PriorityPolicy, make_policy
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
-from batchgen.model.runner import kv_cache_bytes_per_block
+from batchgen.engine.sizing import kv_cache_bytes_per_block
+from batchgen.model.step import StepOutput
 from batchgen.sampling_params import SamplingParams
 
 BS = 4
@@ -44,8 +45,7 @@ class Spec:
 class Trace:
     requests: list[Request]
     outputs: list[SchedulerOutput] = field(default_factory=list)
-    # Per step, (request id, start, num_new_tokens, samples) taken before the update: `samples` of a
-    # ScheduledRequest reads the live request, so it is only meaningful before the token is appended.
+    # Per step, (request id, start, num_new_tokens, samples) of each scheduled request.
     batches: list[list[tuple[str, int, int, bool]]] = field(default_factory=list)
     admission_order: list[str] = field(default_factory=list)  # first admissions, in order
     # Per step: requests taken from the waiting queue (re-admissions after a recompute included)
@@ -92,7 +92,7 @@ def check_step(s: Scheduler, out: SchedulerOutput, live: list[Request]) -> None:
     assert len(s.running) <= s.max_num_seqs
     ids = [item.request.request_id for item in out.scheduled]
     assert len(ids) == len(set(ids)), "a request was scheduled twice in one step"
-    is_decode = [item.num_new_tokens == 1 and item.samples for item in out.scheduled]
+    is_decode = [item.is_decode for item in out.scheduled]
     assert is_decode == sorted(is_decode, reverse=True), "decodes must come first"
     for item in out.scheduled:
         r = item.request
@@ -120,7 +120,7 @@ def check_step(s: Scheduler, out: SchedulerOutput, live: list[Request]) -> None:
     assert len(set(bm.free_swap_blocks)) == len(bm.free_swap_blocks)
 
 
-def simulate(s: Scheduler, specs: list[Spec], max_steps: int = 3000) -> Trace:
+def run_workload(s: Scheduler, specs: list[Spec], max_steps: int = 3000) -> Trace:
     """Run the workload to completion; every step is checked with `check_step`."""
     requests = [
         Request(f"r{i}", list(spec.prompt), SamplingParams(priority=spec.priority), 0.0, spec.max_tokens)
@@ -149,14 +149,11 @@ def simulate(s: Scheduler, specs: list[Spec], max_steps: int = 3000) -> Trace:
             r = item.request
             if r.first_scheduled_step == step and r.request_id not in trace.admission_order:
                 trace.admission_order.append(r.request_id)
-            r.num_computed_tokens = item.start + item.num_new_tokens
-            s.block_manager.cache_full_blocks(r)
-            if item.samples:
-                r.token_ids.append(fake_token(r))
-                if r.num_output_tokens >= r.max_tokens:
-                    s.finish(r)
-                    live.remove(r)
-                    trace.finish_step[r.request_id] = step
+        tokens = [fake_token(item.request) for item in out.scheduled if item.samples]
+        for r in s.update(out, StepOutput(tokens, [None] * len(tokens))):
+            assert r.finish_reason == "length"
+            live.remove(r)
+            trace.finish_step[r.request_id] = step
     bm = s.block_manager
     assert bm.num_used_blocks == 0 and len(bm.free_swap_blocks) == bm.num_swap_blocks
     for r in requests:
@@ -199,7 +196,7 @@ def test_budgets_hold_under_preemption(seed: int, chunked: bool, mode: str, poli
         preemption_mode=mode,
         num_swap_blocks=6,  # small: some swap-outs fall back to recompute
     )
-    trace = simulate(s, random_specs(rng, 30, max_len, arrivals=25))
+    trace = run_workload(s, random_specs(rng, 30, max_len, arrivals=25))
     preempted = [r for out in trace.outputs for r in out.preempted]
     assert preempted, "the workload was meant to force preemption"
     if mode == "swap":
@@ -223,7 +220,7 @@ def test_budgets_hold_under_preemption(seed: int, chunked: bool, mode: str, poli
 def test_decodes_come_first_in_mixed_steps() -> None:
     s = make_scheduler(FCFSPolicy(), max_num_seqs=4, max_num_batched_tokens=10)
     specs = [Spec(list(range(10, 13)), 6), Spec(list(range(20, 50)), 3, arrival_step=2), Spec([7, 8], 5, 3)]
-    trace = simulate(s, specs)  # check_step asserts the order in every step
+    trace = run_workload(s, specs)  # check_step asserts the order in every step
     mixed = [
         b
         for b in trace.batches
@@ -259,7 +256,7 @@ def test_fcfs_admits_in_arrival_order() -> None:
         for _ in range(25)
     ]
     s = make_scheduler(FCFSPolicy(), num_blocks=12, max_num_seqs=3, max_num_batched_tokens=16)
-    trace = simulate(s, specs)
+    trace = run_workload(s, specs)
     assert any(out.preempted for out in trace.outputs)
     file_order = sorted(range(len(specs)), key=lambda i: specs[i].arrival_step)  # stable: file order
     assert trace.admission_order == [f"r{i}" for i in file_order]
@@ -281,7 +278,7 @@ def test_fcfs_admits_in_arrival_order() -> None:
     assert [policy.pop(0).request_id for _ in range(5)] == ["f0", "f1", "f2", "f3", "f4"]
     # With no arrivals after step 0 it is plain file order, even if later rows are shorter.
     specs0 = [Spec(list(range(3, 3 + n)), m) for n, m in [(20, 9), (2, 1), (15, 4), (1, 1), (9, 2)]]
-    trace0 = simulate(make_scheduler(FCFSPolicy(), max_num_seqs=1), specs0)
+    trace0 = run_workload(make_scheduler(FCFSPolicy(), max_num_seqs=1), specs0)
     assert trace0.admission_order == [f"r{i}" for i in range(len(specs0))]
 
 
@@ -289,7 +286,7 @@ def test_max_throughput_admits_least_remaining_work_first() -> None:
     rng = random.Random(3)
     specs = [Spec([5] * rng.randint(1, 20), rng.randint(1, 12)) for _ in range(15)]
     s = make_scheduler(MaxThroughputPolicy(aging_steps=10**9), max_num_seqs=1)
-    trace = simulate(s, specs)
+    trace = run_workload(s, specs)
     work = {f"r{i}": (len(spec.prompt) + spec.max_tokens, i) for i, spec in enumerate(specs)}
     assert trace.admission_order == sorted(work, key=work.__getitem__)
     assert trace.admission_order != [f"r{i}" for i in range(len(specs))]
@@ -309,7 +306,7 @@ def test_max_throughput_aging_bounds_waiting(aging_steps: int) -> None:
     specs = aging_workload(num_shorts=100)
 
     def run(k: int) -> Trace:
-        return simulate(make_scheduler(MaxThroughputPolicy(aging_steps=k), max_num_seqs=2), specs)
+        return run_workload(make_scheduler(MaxThroughputPolicy(aging_steps=k), max_num_seqs=2), specs)
 
     aged = run(aging_steps)
     max_hold = max(aged.hold(r) for r in aged.requests)
@@ -334,7 +331,7 @@ def test_priority_policy_order_and_victim() -> None:
     specs = [
         Spec([9] * rng.randint(1, 10), rng.randint(1, 5), priority=rng.randrange(-2, 3)) for _ in range(20)
     ]
-    trace = simulate(make_scheduler(PriorityPolicy(), max_num_seqs=1), specs)
+    trace = run_workload(make_scheduler(PriorityPolicy(), max_num_seqs=1), specs)
     key = {f"r{i}": (spec.priority, i) for i, spec in enumerate(specs)}
     assert trace.admission_order == sorted(key, key=key.__getitem__)
     assert trace.admission_order != [f"r{i}" for i in range(len(specs))]
@@ -349,7 +346,7 @@ def test_priority_preempts_lowest_priority_first() -> None:
     # Two requests fill the cache; the more important one (lower value) keeps its blocks.
     specs = [Spec([5] * 7, 9, priority=1), Spec([6] * 7, 9, priority=0)]
     s = make_scheduler(PriorityPolicy(), num_blocks=6, max_num_seqs=2, max_num_batched_tokens=32)
-    trace = simulate(s, specs)
+    trace = run_workload(s, specs)
     victims = [r.request_id for out in trace.outputs for r in out.preempted]
     assert victims and set(victims) == {"r0"}
 

@@ -26,8 +26,8 @@ def char_ids(text: str) -> list[int]:
 
 
 class FakeEngine:
-    """Engine stand-in: `encode_prompt`, `add_request`, `step`, `has_unfinished_requests`,
-    `num_unfinished_requests`, `abort_request`, `last_step`, `totals`, `max_model_len`, no tokenizer.
+    """Engine stand-in implementing `batchgen.engine.protocol.Engine`, with no tokenizer, no model
+    name and an empty start line.
 
     Args:
         config: engine options; `max_num_seqs` bounds requests advanced per step, `max_model_len`
@@ -40,6 +40,8 @@ class FakeEngine:
         self.max_model_len = self.config.max_model_len or 64
         self.block_size = self.config.block_size
         self.tokenizer = None
+        self.model_name = None
+        self.start_line = ""
         self.on_step = on_step
         self.requests: dict[str, dict] = {}
         self.queue: deque[str] = deque()
@@ -61,6 +63,11 @@ class FakeEngine:
             raise ValueError("the prompt is empty")
         return text, char_ids(text)
 
+    def check_prompt_len(self, num_tokens: int) -> str | None:
+        if num_tokens < self.max_model_len:
+            return None
+        return f"prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}"
+
     def add_request(
         self, request_id: str, prompt, sampling_params: SamplingParams, arrival_time=None
     ) -> None:
@@ -69,7 +76,7 @@ class FakeEngine:
         text, ids = self.encode_prompt(prompt)
         now = time.perf_counter() if arrival_time is None else arrival_time
         self.added.append(request_id)
-        if len(ids) >= self.max_model_len:
+        if (too_long := self.check_prompt_len(len(ids))) is not None:
             self.rejected.append(
                 RequestOutput(
                     request_id,
@@ -78,7 +85,7 @@ class FakeEngine:
                     [CompletionOutput(0, "", [], "error")],
                     True,
                     RequestMetrics(now, finish_time=now),
-                    error=f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}",
+                    error=too_long,
                 )
             )
             return

@@ -134,6 +134,38 @@ def test_invalid_sampling_flags_exit_2_before_the_model(tmp_path):
         assert "invalid sampling option" in r.stderr and r.stderr.strip().endswith(f"(flag {flag})"), r.stderr
 
 
+def test_vllm_sampling_fields_are_job_wide_flags(tmp_path, monkeypatch):
+    """--n, --min-p, --min-tokens, --ignore-eos and --stop-token-ids set every row's default, as
+    the row fields of those names do; bad values exit 2 naming the flag."""
+    import batchgen.jobs.runner as runner_module
+
+    seen = []
+    monkeypatch.setattr(runner_module, "run_job", lambda options, *a, **k: seen.append(options) or 1 / 0)
+    src = tmp_path / "j.jsonl"
+    src.write_text(json.dumps({"prompt": "p"}) + "\n")
+    flags = ["--n", "3", "--min-p", "0.05", "--min-tokens", "2", "--ignore-eos"]
+    invoke(str(src), *flags, "--stop-token-ids", "7,9", "--stop-token-ids", "11", "--temperature", "0.7")
+    (options,) = seen
+    defaults = options.sampling_defaults()
+    assert {k: defaults[k] for k in ("n", "min_p", "min_tokens", "ignore_eos", "stop_token_ids")} == {
+        "n": 3,
+        "min_p": 0.05,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "stop_token_ids": [7, 9, 11],
+    }
+    monkeypatch.undo()
+    for flag, value in [("--min-p", "2"), ("--n", "0"), ("--min-tokens", "-1")]:
+        r = invoke(str(src), "--model", NO_MODEL, flag, value)
+        assert r.exit_code == 2 and r.stderr.strip().endswith(f"(flag {flag})"), r.stderr
+    r = invoke(str(src), "--model", NO_MODEL, "--stop-token-ids", "2,eos")
+    assert r.exit_code == 2 and "'eos' is not a token id" in r.stderr
+    # Unset, they leave the run header as it was before they existed.
+    assert not {"n", "min_p", "min_tokens", "ignore_eos", "stop_token_ids"} & set(
+        runner_module.JobOptions("x.jsonl").sampling_defaults()
+    )
+
+
 def test_missing_model_exits_2(tmp_path):
     src = tmp_path / "j.jsonl"
     src.write_text(json.dumps({"prompt": "p"}) + "\n")
@@ -156,6 +188,39 @@ def test_run_and_bench_take_the_same_engine_options():
     assert run == bench
     assert set(ENGINE_OPTIONS) <= set(EngineConfig.__dataclass_fields__)
     assert run["max_num_seqs"][:2] == (("--max-num-seqs",), EngineConfig.max_num_seqs)
+
+
+def test_engine_flags_that_change_nothing_warn_once(tmp_path):
+    """--aging-steps under fcfs / priority, --swap-space without swap preemption and
+    --gpu-memory-utilization on a CPU were silent no-ops; each given one gets one warning line.
+    Defaults and flags that apply warn nothing."""
+    src = tmp_path / "j.jsonl"
+    src.write_text(json.dumps({"prompt": "p"}) + "\n")
+    flags = ["--aging-steps", "10", "--swap-space", "2", "--gpu-memory-utilization", "0.5", "--device", "cpu"]
+    r = invoke(str(src), "--model", NO_MODEL, *flags)
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 3, r.stderr
+    assert "--aging-steps applies only to --policy max-throughput (this run: fcfs)" in warnings[0]
+    assert "--swap-space applies only with --preemption-mode swap" in warnings[1]
+    assert "--gpu-memory-utilization applies only on CUDA" in warnings[2]
+    r = invoke(str(src), "--model", NO_MODEL, "--policy", "priority", "--aging-steps", "10")
+    assert r.stderr.count("warning: --aging-steps") == 1
+    applied = ["--policy", "max-throughput", "--aging-steps", "10", "--preemption-mode", "swap"]
+    r = invoke(str(src), "--model", NO_MODEL, *applied, "--swap-space", "2", "--device", "cpu")
+    assert "warning:" not in r.stderr, r.stderr
+    r = invoke(str(src), "--model", NO_MODEL, "--device", "cpu")
+    assert "warning:" not in r.stderr, r.stderr
+
+
+def test_inert_options_for_bench_policy_lists():
+    """`batchgen bench` checks the same flags; its --policy is a comma list."""
+    from batchgen.cli_types import inert_options
+
+    engine = {"preemption_mode": "recompute", "device": "cpu"}
+    assert inert_options(engine, {"aging_steps"}, "fcfs,max-throughput") == []
+    assert inert_options(engine, {"aging_steps"}, "fcfs,priority")[0].startswith("--aging-steps applies only")
+    assert inert_options({**engine, "preemption_mode": "swap"}, {"swap_space"}, "fcfs") == []
+    assert inert_options({**engine, "device": "cuda"}, {"gpu_memory_utilization"}, "fcfs") == []
 
 
 # ----- real runs on a tiny model -----
@@ -199,7 +264,8 @@ def test_jsonl_input(tmp_path, tiny):
 
 def test_parquet_input_with_template(tmp_path, tiny):
     src = tmp_path / "docs.parquet"
-    pq.write_table(pa.table({"document": PROMPTS, "n": list(range(5))}), src, row_group_size=2)
+    # "num": a column the job does not use (a column "n" would be vLLM's n, completions per row).
+    pq.write_table(pa.table({"document": PROMPTS, "num": list(range(5))}), src, row_group_size=2)
     out = tmp_path / "summaries.parquet"
     r = invoke(
         str(src),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from rich.console import Console
 
 from batchgen.dashboard import Dashboard, format_duration, sparkline
@@ -163,3 +164,48 @@ def test_progress_lines_reach_ci_logs(tmp_path, tiny_model_dir):
     assert proc.returncode == 0, proc.stderr
     assert "[batchgen] rows " in proc.stderr and "tok/s" in proc.stderr
     assert "12/12 rows" in proc.stdout and "job.out.parquet" in proc.stdout
+
+
+class FakeClock:
+    """`time` for the dashboard module: `perf_counter` reads `now`, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_eta_follows_the_recent_rate_and_the_last_line_has_none(monkeypatch):
+    """The ETA comes from the rows finished over the last seconds up to the latest update: the rows
+    of a burst that finished since the last rate sample count at once, and a slower phase shows in
+    the ETA within the rate window. The last line (after stop) shows no `eta ?`."""
+    import batchgen.dashboard as dashboard_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(dashboard_module, "time", clock)
+    stream = io.StringIO()
+    d = Dashboard(1000, live=False, console=Console(file=io.StringIO()), stream=stream, interval=1e9)
+    d.start()
+    totals = EngineTotals()
+    d.update(0, 0, None, totals)
+    clock.now += 0.2
+    d.update(50, 0, None, totals)  # a burst 0.2 s after the last sample: 250 rows/s, not 0
+    assert d.eta_s() == pytest.approx(950 / 250)
+    for _ in range(40):  # 20 s at 10 rows/s, sampled every 0.5 s
+        clock.now += 0.5
+        d.update(d.rows_done + 5, 0, None, totals)
+    assert d.rates()[2] == pytest.approx(10.0) and d.eta_s() == pytest.approx((1000 - 250) / 10)
+    for _ in range(30):  # then 15 s at 2 rows/s: the ETA follows within the 10 s window
+        clock.now += 0.5
+        d.update(d.rows_done + 1, 0, None, totals)
+    assert d.rates()[2] == pytest.approx(2.0) and d.eta_s() == pytest.approx((1000 - 280) / 2)
+    clock.now += 0.1
+    d.update(1000, 0, None, totals)  # the rest finishes at once
+    assert d.eta_s() == 0.0
+    d.stop()
+    last = stream.getvalue().splitlines()[-1]
+    assert last.startswith("[batchgen] rows 1000/1000") and "eta" not in last, last

@@ -1,6 +1,6 @@
-"""OpenAI batch lines with `n` > 1: n completions in the line's `choices`, equal to `LLM.chat`'s with
-the same SamplingParams, kept through a crash and resume; refused (per line) where the output
-format has no room for them."""
+"""`n` > 1: n completions of a row, equal to `LLM.chat`'s with the same SamplingParams, kept through a
+crash and resume: in an OpenAI batch line's `choices`, and in the `choices` column of Parquet and
+JSON-lines outputs (a plain job's `n` column or `--n`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.jobs.reader import JobReader
+from batchgen.jobs.reader import JobReader, ReaderOptions
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.sampling_params import SamplingParams
 from tests.jobs.real_engine import crashing_factory, quiet
@@ -80,22 +80,82 @@ def test_n_completions_fill_choices(tmp_path, tiny):
     assert len(one["response"]["body"]["choices"]) == 1
 
 
-def test_n_is_refused_where_the_output_has_one_completion_a_row(tmp_path, tiny):
+def test_openai_lines_with_n_into_parquet_fill_the_choices_column(tmp_path, tiny):
+    """A Parquet output (one row a line) holds a line's n completions in its `choices` column."""
     src = batch_file(
         tmp_path / "batch.jsonl",
         [
-            ("two", "/v1/chat/completions", {"messages": MESSAGES, "n": 2, "max_tokens": 2}),
+            ("two", "/v1/chat/completions", {"messages": MESSAGES, "n": 2, "max_tokens": 3, "seed": 4}),
             ("one", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
         ],
     )
     out = tmp_path / "batch.parquet"
     run_job(JobOptions(str(src), output=str(out), engine={"model": str(tiny), **ENGINE}), dashboard=quiet())
     two, one = pq.read_table(out).to_pylist()
-    assert (
-        two["finish_reason"] == "error"
-        and "field 'body.n' is 2, but only OpenAI batch output" in two["error"]
+    assert two["error"] is None and len(two["choices"]) == 2 and two["choices"][0]["output"] == two["output"]
+    assert sum(c["completion_tokens"] for c in two["choices"]) == two["completion_tokens"]
+    assert [c["output"] for c in one["choices"]] == [one["output"]]
+
+
+def plain_file(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_plain_jobs_n_column_gives_n_completions_in_choices(tmp_path, tiny):
+    """vLLM's n in a plain job: the row's n completions, all in `choices` (the first also in
+    `output`), equal to LLM.chat's with the same SamplingParams; rows without n get one."""
+    from batchgen.llm import LLM
+
+    src = plain_file(
+        tmp_path / "job.jsonl",
+        [
+            {"id": "a", "messages": MESSAGES, "n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 5},
+            {"id": "b", "messages": MESSAGES, "max_tokens": 2},
+            {"id": "c", "messages": MESSAGES, "n": 0},
+        ],
     )
-    assert one["error"] is None
+    summary = run_job(JobOptions(str(src), engine={"model": str(tiny), **ENGINE}), dashboard=quiet())
+    assert summary.complete and summary.rows_ok == 2 and summary.rows_error == 1
+    a, b, c = pq.read_table(tmp_path / "job.out.parquet").to_pylist()
+    llm = LLM(str(tiny), **ENGINE)
+    (ref,) = llm.chat(MESSAGES, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=5))
+    assert [x["output"] for x in a["choices"]] == [o.text for o in ref.outputs]
+    assert [x["finish_reason"] for x in a["choices"]] == [o.finish_reason for o in ref.outputs]
+    assert [x["completion_tokens"] for x in a["choices"]] == [len(o.token_ids) for o in ref.outputs]
+    assert a["output"] == ref.outputs[0].text and a["completion_tokens"] == sum(
+        len(o.token_ids) for o in ref.outputs
+    )
+    assert len(b["choices"]) == 1 and b["choices"][0]["output"] == b["output"]
+    assert c["choices"] is None and "field 'n'" in c["error"] and "--keep-columns n" in c["error"]
+
+
+def test_the_n_flag_applies_to_every_row_and_jsonl_output_lists_the_choices(tmp_path, tiny):
+    src = plain_file(tmp_path / "job.jsonl", [{"prompt": "Once upon a time"}, {"prompt": "Hi", "n": 1}])
+    out = tmp_path / "job.out.jsonl"
+    options = JobOptions(
+        str(src),
+        output=str(out),
+        n=2,
+        temperature=0.8,
+        seed=1,
+        max_tokens=3,
+        logprobs=1,
+        engine={"model": str(tiny), **ENGINE},
+    )
+    assert run_job(options, dashboard=quiet()).complete
+    first, second = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(first["choices"]) == 2 and len(second["choices"]) == 1  # a row's n wins over --n
+    assert all(len(c["logprobs"]) == c["completion_tokens"] for c in first["choices"])
+    assert first["choices"][0]["logprobs"] == first["logprobs"]
+
+
+def test_a_column_n_that_is_data_is_left_alone(tmp_path):
+    src = plain_file(tmp_path / "job.jsonl", [{"prompt": "Count to {n}", "n": "three"}])
+    reader_rows = list(JobReader(str(src), ReaderOptions(keep_columns=("n",))))
+    assert reader_rows[0].error is None and reader_rows[0].sampling_params.n == 1
+    (templated,) = JobReader(str(src), ReaderOptions(template="Count to {n}"))
+    assert templated.error is None and templated.prompt == "Count to three"
 
 
 @pytest.mark.parametrize(

@@ -679,3 +679,46 @@ def test_asking_for_prompt_logprobs_is_an_error_row_that_says_why(tmp_path):
         in (x.error)
     )
     assert y.error is None and y.sampling_params.logprobs is None
+
+
+def test_an_unreachable_hub_fails_at_once_with_the_offline_hint(tmp_path, monkeypatch):
+    """Offline, datasets.load_dataset retried for about 25 s before failing; the reader asks the hub
+    once (3 s at most) and names HF_HUB_OFFLINE=1. With the switch on it does not ask, and a
+    dataset missing from the cache says the switch is on."""
+    import time
+
+    pytest.importorskip("datasets")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: refused at once
+    start = time.perf_counter()
+    with pytest.raises(JobInputError) as e:
+        JobReader("hf://someone/some-dataset:train")
+    assert time.perf_counter() - start < 10
+    message = str(e.value)
+    assert (
+        "cannot reach the Hugging Face hub at http://127.0.0.1:9 to stream hf://someone/some-dataset:train"
+        in message
+    )
+    assert "set HF_HUB_OFFLINE=1" in message
+
+    import batchgen.jobs.formats as formats
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the hub was asked with HF_HUB_OFFLINE=1")
+
+    monkeypatch.setattr(formats, "check_hub_reachable", no_network)
+    monkeypatch.setattr("batchgen.jobs.reader.check_hub_reachable", no_network)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import datasets
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("Couldn't find cache for someone/some-dataset")
+
+    monkeypatch.setattr(datasets, "load_dataset", missing)
+    with pytest.raises(
+        JobInputError, match=r"HF_HUB_OFFLINE is set: only a copy in the local Hugging Face cache"
+    ):
+        JobReader("hf://someone/some-dataset:train")

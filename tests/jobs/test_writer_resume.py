@@ -686,3 +686,101 @@ def test_signals_during_a_commit_are_only_recorded():
         assert interrupt.requested and interrupt.signum == signal.SIGINT
         with pytest.raises(KeyboardInterrupt):  # outside the shield a second signal stops at once
             os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_an_interrupted_overwrite_leaves_no_earlier_output_beside_its_parts(tmp_path):
+    """`--overwrite` used to replace the earlier output only at the end: interrupted, it left the
+    previous job's complete output next to the new run's parts, where it passed for the new result.
+    The earlier output goes once the new run has its engine, and the run says so."""
+    import io
+
+    from rich.console import Console
+
+    job = job_file(tmp_path)
+    out = tmp_path / "job.out.parquet"
+    assert run(JobOptions(job, engine={"max_num_seqs": 4})).complete and out.exists()
+    log = io.StringIO()
+    board = Dashboard(None, live=False, stream=log, console=Console(file=io.StringIO()))
+
+    def interrupt(step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    opts = JobOptions(job, temperature=0.5, engine={"max_num_seqs": 4}, commit_rows=2, overwrite=True)
+    s = run_job(opts, fake_factory(on_step=interrupt), dashboard=board)
+    assert s.interrupted and not out.exists()
+    assert f"--overwrite: removed the earlier output {out}" in log.getvalue()
+    resumed = run(JobOptions(job, temperature=0.5, engine={"max_num_seqs": 4}, commit_rows=2))
+    assert resumed.complete and resumed.rows_resumed > 0 and len(table_rows(str(out))) == 40
+    # A JSON-lines output goes with its sidecar (a later run must not take it for complete).
+    jout = tmp_path / "job.out.jsonl"
+    assert run(JobOptions(job, output=str(jout), engine={"max_num_seqs": 4})).complete
+    sidecar = tmp_path / ".job.out.jsonl.batchgen.json"
+    assert sidecar.exists()
+    opts = JobOptions(job, output=str(jout), top_k=3, engine={"max_num_seqs": 4}, overwrite=True)
+    s = run_job(opts, fake_factory(on_step=interrupt), dashboard=quiet())
+    assert s.interrupted and not jout.exists() and not sidecar.exists()
+
+
+def test_an_output_written_from_another_input_says_so(tmp_path):
+    """job.jsonl and job.parquet share the default output job.out.parquet: the refusal names the
+    other input, not "the input file changed"."""
+    job = job_file(tmp_path)
+    rows = [json.loads(line) for line in Path(job).read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "job.parquet")
+    assert run(JobOptions(job, engine={"max_num_seqs": 4})).complete
+    with pytest.raises(JobInputError) as e:
+        run(JobOptions(str(tmp_path / "job.parquet"), engine={"max_num_seqs": 4}))
+    message = str(e.value)
+    assert f"it was written from another input, {job} (this run reads {tmp_path / 'job.parquet'})" in message
+    assert "the input file changed" not in message and "--output" in message
+
+
+def test_a_duplicate_id_gets_one_warning_naming_both_rows(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    path = tmp_path / "dup.jsonl"
+    ids = ["a", "b", "a", "c", "a", "b"]
+    path.write_text("".join(json.dumps({"id": i, "prompt": f"p{n}"}) + "\n" for n, i in enumerate(ids)))
+    log = io.StringIO()
+    board = Dashboard(None, live=False, stream=log, console=Console(file=io.StringIO()))
+    s = run_job(
+        JobOptions(str(path), strict=True, engine={"max_num_seqs": 4}), fake_factory(), dashboard=board
+    )
+    assert s.complete and s.rows_ok == 6  # every row runs
+    warnings = [line for line in log.getvalue().splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: row 2 (line 3) has the id 'a' of row 0 (line 1); both run, but rows joined on 'id' "
+        "would mix them: make each id unique",
+        "warning: row 5 (line 6) has the id 'b' of row 1 (line 2); both run, but rows joined on 'id' "
+        "would mix them: make each id unique",
+    ]
+
+
+def test_summary_json_gives_scripts_the_error_rows_of_a_partly_failed_job(tmp_path, monkeypatch):
+    """A job whose rows partly failed exits 0 (its output is complete); `--summary-json` gives a
+    script its error rows, those of earlier runs included once the output is complete."""
+    from typer.testing import CliRunner
+
+    import batchgen.jobs.runner as runner_module
+    from batchgen.cli import app
+
+    monkeypatch.setattr(runner_module, "default_engine_factory", fake_factory())
+    src = tmp_path / "j.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["one", "", "three", "four"]))
+    summary = tmp_path / "summary.json"
+    args = ["run", str(src), "--no-dashboard", "--summary-json", str(summary), "--max-num-seqs", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    got = json.loads(summary.read_text())
+    assert got["complete"] and not got["interrupted"] and got["exit_code"] == 0
+    assert (got["rows"], got["rows_done"], got["error_rows"], got["rows_ok_this_run"]) == (4, 4, 1, 3)
+    assert got["first_error"].startswith("row 1 (line 2): field 'prompt' is null or empty")
+    assert got["output"] == str(tmp_path / "j.out.parquet")
+    # The rerun of the finished job reports the same error rows.
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0 and "already complete" in result.stdout
+    again = json.loads(summary.read_text())
+    assert again["error_rows"] == 1 and again["rows"] == 4 and again["complete"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from batchgen.model.fingerprint import model_fingerprint
-from batchgen.model.gguf_cache import gguf_cache_key
+from batchgen.model.loading.fingerprint import model_fingerprint
+from batchgen.model.loading.gguf_cache import gguf_cache_key
 
 
 def make_model_dir(path: Path) -> Path:

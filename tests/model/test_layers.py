@@ -45,7 +45,7 @@ def test_prefix_chunk_attention_matches_one_masked_call(prefix: int, chunk: int)
     """The query tiles of a chunk after a cached prefix give the single masked SDPA call's output."""
     import torch.nn.functional as F
 
-    from batchgen.model.sdpa import causal_attention
+    from batchgen.model.attention.sdpa import causal_attention
 
     torch.manual_seed(0)
     total = prefix + chunk

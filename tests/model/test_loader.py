@@ -1,4 +1,4 @@
-"""Tests of batchgen.model.loader: specs -> directories, weights, tokenizer, EOS ids, the GGUF cache."""
+"""Tests of batchgen.model.loading.loader: specs -> directories, weights, tokenizer, EOS ids, the GGUF cache."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import GenerationConfig, GPT2Config, LlamaConfig, LlamaForCausalLM
 
-from batchgen.model import gguf_cache, loader
-from batchgen.model.loader import (
+from batchgen.model.loading import gguf_cache, loader
+from batchgen.model.loading.loader import (
     DEFAULT_MODEL_PACKAGE,
     SUPPORTED_ARCHITECTURES,
     ModelFiles,

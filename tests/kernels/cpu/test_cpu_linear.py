@@ -17,7 +17,6 @@ from batchgen.kernels.cpu.linear import (
     TunedLinear,
     bf16_kernel_available,
     can_prepack,
-    cpu_has_native_bf16,
     prepack_linears,
 )
 
@@ -33,11 +32,57 @@ DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=NO_NATIVE_BF16)]
 TOLERANCES = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}}
 
 
-def test_can_prepack_takes_float32_on_any_cpu_and_bf16_only_where_native() -> None:
-    cpu = torch.device("cpu")
-    assert can_prepack(torch.float32, cpu)
-    assert can_prepack(torch.bfloat16, cpu) == cpu_has_native_bf16()
-    assert not can_prepack(torch.float16, cpu)
+# Run in a fresh process, where ONEDNN_MAX_CPU_ISA takes effect: which linears an engine with
+# `--kernels native` packed, and (float32) its greedy tokens against the plain-torch engine's.
+_PACKING_PROBE = """
+import json, sys
+import torch
+from torch import nn
+from batchgen import LLM, SamplingParams
+
+params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 11)]
+result = {"native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+for dtype, kinds in (("float32", ("native", "reference")), ("bfloat16", ("native",))):
+    tokens = {}
+    for kernels in kinds:
+        llm = LLM(sys.argv[1], dtype=dtype, device="cpu", kernels=kernels, max_num_seqs=2)
+        if kernels == "native":
+            modules = llm.llm_engine.runner.model.modules()
+            result[dtype + "_plain_linears"] = sum(isinstance(m, nn.Linear) for m in modules)
+        tokens[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    result[dtype + "_same_tokens"] = tokens["native"] == tokens.get("reference", tokens["native"])
+print(json.dumps(result))
+"""
+
+
+def test_engines_pack_float32_on_any_cpu_and_bf16_only_where_native(tiny_model_dir) -> None:
+    """What the packing rule does, seen from an engine on a CPU without AVX-512 (emulated with
+    ONEDNN_MAX_CPU_ISA=AVX2, so without native bf16): with `--kernels native` every float32 linear
+    is still packed (oneDNN runs float32 on any x86 CPU) and gives the plain-torch engine's greedy
+    tokens, while every bf16 linear stays `F.linear` (emulated bf16 matmuls run about 8x slower than
+    float32). On a CPU with native bf16 they are packed (`test_engine_kernels_match_the_reference_engine`).
+    float16 and CUDA weights are never packed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DNNL_MAX_CPU_ISA"}
+    env["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+    proc = subprocess.run(
+        [sys.executable, "-c", _PACKING_PROBE, str(tiny_model_dir("llama"))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not got["native_bf16"]
+    assert got["float32_plain_linears"] == 0 and got["float32_same_tokens"]
+    assert got["bfloat16_plain_linears"] == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down) + LM head
+    assert not can_prepack(torch.float16, torch.device("cpu"))
     assert not can_prepack(torch.float32, torch.device("cuda"))
 
 

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton", reason="Triton is not installed: the kernel tests need it (Linux x86-64)")
 
 from batchgen.model.attention import AttentionMetadata, TorchAttentionBackend, select_backend  # noqa: E402
-from batchgen.model.triton_backend import TritonAttentionBackend  # noqa: E402
+from batchgen.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 64, 16
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.cache import file_digest, fsync_path
+from batchgen.model.loading.architectures import ModelNotFoundError, UnsupportedModelError, check_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +159,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from batchgen.model.loader import check_architecture  # loader imports this module
-
     kwargs: dict[str, Any] = {_dtype_kwarg(): torch.float32}
     gguf_config_cls = getattr(transformers, "GgufConfig", None)
     if gguf_config_cls is not None:
@@ -198,8 +197,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 def _read_gguf(gguf: Path, from_pretrained: Any, **kwargs: Any) -> Any:
     """`from_pretrained(gguf)`, with a bad file's error (transformers' GGUF reader raises struct,
     value and key errors from deep inside) turned into one that names the file and the fix."""
-    from batchgen.model.loader import ModelNotFoundError, UnsupportedModelError
-
     try:
         return from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
     except UnsupportedModelError:

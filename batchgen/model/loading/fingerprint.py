@@ -12,7 +12,7 @@ import hashlib
 from pathlib import Path
 
 from batchgen.cache import cache_root, file_digest
-from batchgen.model import gguf_cache, loader
+from batchgen.model.loading import gguf_cache, loader
 
 # A Hugging Face directory's files that change outputs: configs, tokenizer files (tokenizer.json,
 # vocab.json, merges.txt, tokenizer.model, ...), the chat template and the weights. Other files

@@ -1,0 +1,77 @@
+"""Paged attention's contract: the step's metadata and the interface every backend implements.
+
+A step is one flat batch of T tokens from B sequences with no padding. Sequences are ordered with the
+decodes first (exactly one query token each), then the prefill chunks. Every backend first writes the
+step's new K/V rows into the paged cache at `slot_mapping`, then attends each query token to its
+sequence's whole context through the sequence's block table (PagedAttention, Kwon et al. 2023,
+https://arxiv.org/abs/2309.06180).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the step lives in the paged KV cache.
+
+    Attributes:
+        slot_mapping: int64 `[T]`, cache slot (`block_id * block_size + offset`) of each new token;
+            -1 marks a padding token whose K/V are not stored.
+        query_start_loc: int32 `[B + 1]`, prefix sums of the query lengths.
+        seq_lens: int32 `[B]`, context length of each sequence after this step (cached + new tokens).
+        block_tables: int32 `[B, max_blocks]`, physical block ids; entries past a sequence's last
+            block are 0 and never read as context.
+        num_decodes: the first `num_decodes` sequences have exactly one query token.
+        max_query_len / max_seq_len: maxima of the query and context lengths (tokens).
+        query_lens_cpu / seq_lens_cpu: the same lengths as Python lists, for host-side loops.
+        scratch: per-step values a backend derives from the above on the first layer and reuses in
+            the others (the torch backend's decode groups); empty when the step starts.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend:
+    """Interface every attention backend implements.
+
+    `forward(query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D], k_cache, v_cache, meta, scale)`
+    stores key/value into `k_cache`/`v_cache` (`[num_blocks, block_size, Hkv, D]`) and returns the
+    attention output `[T, Hq, D]` in the query's dtype. Hq must be a multiple of Hkv (GQA).
+    """
+
+    name = "abstract"
+    # Whether the model also runs its bf16 element-wise ops (RMSNorm, SiLU-and-multiply, rotary) as
+    # the C kernels of `cpu_ops`; only the "cpu" backend does, so "torch" stays plain torch.
+    fused_cpu_ops = False
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store the step's K/V rows, then attend; shapes as in the class docstring, `scale` is
+        the softmax scale (1/sqrt(head_dim) unless the model says otherwise)."""
+        raise NotImplementedError

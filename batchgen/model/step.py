@@ -1,0 +1,66 @@
+"""The step contract between the engine and the model runner: what one sequence brings to a step
+(`StepInput`), what the step sampled (`StepOutput`), and which sequences are decodes (`is_decode`).
+
+No request objects cross this line: the runner sees token ids, positions and block tables only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.model.sampler import RowPenalty, SampleLogprobs
+
+
+def is_decode(num_new_tokens: int, samples: bool) -> bool:
+    """Whether a sequence's share of a step is a decode: one new token whose logits are sampled.
+
+    The one definition used by the scheduler (decodes go first in a step), the runner (the leading
+    decodes take the attention backends' decode path) and the engine's step statistics (decode
+    tokens are not prompt tokens). A one-token prompt counts as a decode: it has the same shape.
+    """
+    return num_new_tokens == 1 and samples
+
+
+@dataclass
+class StepInput:
+    """One sequence's share of a step, as the runner needs it (no request objects below the engine).
+
+    Attributes:
+        token_ids: the step's new tokens (`start` to `start + len`).
+        start: position of the first new token.
+        block_table: the sequence's physical blocks.
+        sample: whether to sample a token after this step.
+        temperature / top_k / top_p / min_p / generator / banned_token_ids: sampling settings.
+        penalty: the sequence's penalties and tokens (`RowPenalty`), None when it has none.
+        logprobs: how many top log probabilities to return with the sampled token (None: none).
+    """
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: bool
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    generator: torch.Generator | None = None
+    banned_token_ids: list[int] | None = None
+    penalty: RowPenalty | None = None
+    logprobs: int | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        return is_decode(len(self.token_ids), self.sample)
+
+
+@dataclass
+class StepOutput:
+    """What a step sampled: one token id per sequence with `sample` set, in order, and for each
+    its `SampleLogprobs` (None where the sequence asked for none) and, in `errors`, why its token is
+    not valid (NaN logits), else None; `errors` None = no error in the step."""
+
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs | None]
+    errors: list[str | None] | None = None

@@ -1,0 +1,63 @@
+"""`plan_engine` without a model: blocks from the memory budget, max_model_len within the model's
+limit and the cache, the token budget, and the one too-long message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from batchgen.config import EngineConfig
+from batchgen.engine.sizing import kv_cache_bytes_per_block, plan_engine
+
+CPU = torch.device("cpu")
+# 2 layers x 2 KV heads x head_dim 16: a 16-token block is 2 * 2 * 16 * 2 * 16 * 4 = 8192 bytes in float32.
+MODEL = LlamaConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def plan(**options):
+    return plan_engine(EngineConfig(block_size=16, **options), MODEL, CPU, torch.float32)
+
+
+def test_kv_block_bytes_and_counts() -> None:
+    assert kv_cache_bytes_per_block(MODEL, 16, torch.float32) == 8192
+    p = plan(kv_cache_memory=64 * 8192)
+    assert (p.num_blocks, p.num_swap_blocks, p.bytes_per_block) == (64, 0, 8192)
+    assert p.max_model_len == 128 and p.max_model_len_note == ""  # the model's limit: 1024 tokens fit
+    assert p.max_num_batched_tokens == 2048  # the CPU default with chunked prefill
+    swap = plan(kv_cache_memory=64 * 8192, preemption_mode="swap", swap_space=8 * 8192 / 2**30)
+    assert swap.num_swap_blocks == 8
+
+
+def test_one_too_long_message_for_each_limit() -> None:
+    at_model_limit = plan(kv_cache_memory=64 * 8192)
+    assert at_model_limit.check_prompt_len(127) is None
+    message = at_model_limit.check_prompt_len(128)
+    assert message.startswith("prompt has 128 tokens but max_model_len is 128 (room is needed")
+    assert "128 tokens is the model's limit" in message and "raise max_model_len" not in message
+    lowered = plan(kv_cache_memory=4 * 8192)  # 4 blocks hold 64 tokens
+    assert lowered.max_model_len == 64
+    message = lowered.check_prompt_len(64)
+    assert (
+        "(lowered from the model's 128: the KV cache holds only 64 tokens; raise kv_cache_memory)" in message
+    )
+    assert message.endswith("give the KV cache more memory") and "raise max_model_len" not in message
+    chosen = plan(kv_cache_memory=64 * 8192, max_model_len=32)
+    assert chosen.check_prompt_len(40).endswith("shorten or truncate the prompt, or raise max_model_len")
+
+
+def test_refusals() -> None:
+    with pytest.raises(ValueError, match="max_model_len 256 exceeds the model's limit of 128 tokens"):
+        plan(kv_cache_memory=64 * 8192, max_model_len=256)
+    with pytest.raises(ValueError, match="the KV cache holds 64 tokens .*fewer than max_model_len 100"):
+        plan(kv_cache_memory=4 * 8192, max_model_len=100)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) is below max_model_len \(128\)"):
+        plan(kv_cache_memory=64 * 8192, enable_chunked_prefill=False, max_num_batched_tokens=16)
+    assert plan(kv_cache_memory=64 * 8192, enable_chunked_prefill=False).max_num_batched_tokens == 2048

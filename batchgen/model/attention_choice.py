@@ -113,3 +113,104 @@ def tune_prefill_attention(
         prune=False,  # SDPA loses short chunks by its per-call cost and may win long ones
     )
     return [chosen[rows] for rows in buckets]
+
+
+# Context tokens of each sequence in the timed decode steps: about a long-tail job's median.
+_DECODE_CONTEXT = 256
+
+
+def tune_decode_attention(
+    table: TuningTable,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_rows: int,
+    block_size: int = 16,
+) -> list[str]:
+    """The faster decode attention ("c", the C kernel, or "torch", the gather + SDPA path) at each
+    row bucket (decoding sequences in the step) up to `max_rows`: from `table` or measured.
+
+    Each sequence has `_DECODE_CONTEXT` tokens in a paged cache of `block_size`-token blocks in
+    shuffled order; queries `[rows, num_heads, head_dim]`. The torch path keeps its per-step groups
+    between calls, as the later layers of a step do. Both are checked against the torch path in
+    float32.
+    """
+    from batchgen.model.attention.base import AttentionMetadata
+    from batchgen.model.attention.torch_backend import TorchAttentionBackend
+
+    generator = torch.Generator().manual_seed(0)
+    scale = head_dim**-0.5
+    per_seq = -(-_DECODE_CONTEXT // block_size)
+    prepared: dict[int, dict] = {}
+
+    def data(rows: int) -> dict:
+        if rows not in prepared:
+            prepared.clear()
+            shape = (rows * per_seq, block_size, num_kv_heads, head_dim)
+            k_cache = torch.randn(shape, generator=generator).to(dtype)
+            v_cache = torch.randn(shape, generator=generator).to(dtype)
+            tables = torch.randperm(rows * per_seq, generator=generator).view(rows, per_seq).to(torch.int32)
+            seq_lens = torch.full((rows,), _DECODE_CONTEXT, dtype=torch.int32)
+
+            def meta() -> AttentionMetadata:
+                return AttentionMetadata(
+                    slot_mapping=torch.empty(0, dtype=torch.int64),
+                    query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+                    seq_lens=seq_lens,
+                    block_tables=tables,
+                    num_decodes=rows,
+                    max_query_len=1,
+                    max_seq_len=_DECODE_CONTEXT,
+                    query_lens_cpu=[1] * rows,
+                    seq_lens_cpu=[_DECODE_CONTEXT] * rows,
+                )
+
+            prepared[rows] = {
+                "q": torch.randn(rows, num_heads, head_dim, generator=generator).to(dtype),
+                "k_cache": k_cache,
+                "v_cache": v_cache,
+                "tables": tables,
+                "seq_lens": seq_lens,
+                "meta": meta,
+            }
+        return prepared[rows]
+
+    def c_kernel(rows: int):
+        d = data(rows)
+        return lambda: cpu_attention.paged_decode_attention_cpu(
+            d["q"], d["k_cache"], d["v_cache"], d["tables"], d["seq_lens"], scale
+        )
+
+    def torch_path(rows: int):
+        d = data(rows)
+        meta = d["meta"]()
+        return lambda: TorchAttentionBackend._decode(d["q"], d["k_cache"], d["v_cache"], meta, scale)
+
+    def reference(rows: int) -> torch.Tensor:
+        d = data(rows)
+        q, k, v = d["q"].float(), d["k_cache"].float(), d["v_cache"].float()
+        return TorchAttentionBackend._decode(q, k, v, d["meta"](), scale)
+
+    shape = f"{num_heads}x{num_kv_heads}x{head_dim}@{_DECODE_CONTEXT}:{str(dtype).removeprefix('torch.')}"
+    buckets = buckets_up_to(max_rows)
+    chosen = choose(
+        table,
+        "decode_attention",
+        shape,
+        buckets,
+        {"c": c_kernel, "torch": torch_path},
+        reference,
+        _RTOL.get(dtype, 2e-2),
+        # Bytes of K and V read: the decode step's cost is reading the cache.
+        work=lambda rows: (
+            2.0
+            * rows
+            * _DECODE_CONTEXT
+            * num_kv_heads
+            * head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        ),
+        unit="byte",
+    )
+    return [chosen[rows] for rows in buckets]

@@ -33,8 +33,8 @@ from batchgen.kernels.cpu.linear import (
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
 from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, buckets_up_to, choose, machine_key
 from batchgen.model.attention.cpu_backend import CPUAttentionBackend
-from batchgen.model.attention_choice import tune_prefill_attention
-from batchgen.model.stack_choice import tune_decoder_stack
+from batchgen.model.attention_choice import tune_decode_attention, tune_prefill_attention
+from batchgen.model.stack_choice import cached_stack_rows, tune_decoder_stack
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class KernelChoice:
     stack_max_rows: int | None = None
     table: TuningTable | None = None
     prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c" or "sdpa"
+    decode_attention: list[str] = field(default_factory=list)  # per decode-batch bucket: "c" or "torch"
     seconds: float = 0.0  # spent choosing: measuring, or looking up a cached table, and packing
     extra_weight_bytes: int = 0  # weight copies held for a second layout (`plan_layouts`)
 
@@ -85,6 +86,9 @@ class KernelChoice:
         if "sdpa" in self.prefill_attention:
             first = ROW_BUCKETS[self.prefill_attention.index("sdpa")]
             attention = f"; prefill attention torch SDPA from {first} rows"
+        if "torch" in self.decode_attention:
+            first = ROW_BUCKETS[self.decode_attention.index("torch")]
+            attention += f"; decode attention torch from {first} sequences"
         return f"{self.mode}: linear " + ", ".join(parts) + stack + attention + memory
 
 
@@ -116,7 +120,7 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
     generator = torch.Generator().manual_seed(0)
     copies = _timing_copies(weight)
     scale = weight.float().std().item() or 0.02
-    others = [(torch.randn(weight.shape, generator=generator) * scale).to(dtype) for _ in range(copies - 1)]
+    others: list[torch.Tensor] = []  # made on first timing: a cached table needs none
     inputs: dict[int, torch.Tensor] = {}
     built: dict[str, list[nn.Module]] = {}
 
@@ -132,6 +136,11 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
 
     def candidate(name: str):
         def setup(rows: int):
+            if not others:
+                others.extend(
+                    (torch.randn(weight.shape, generator=generator) * scale).to(dtype)
+                    for _ in range(copies - 1)
+                )
             if name not in built:
                 built[name] = [builders[name]()] + [
                     linear_candidates(other, linear.bias)[name]() for other in others
@@ -236,6 +245,7 @@ def apply_kernels(
     # The decoder stack needs every layer linear in batchgen's bf16 layout: held for its measurement
     # even where the per-layer path does not use it, and dropped again where the stack loses.
     stack_possible = dtype == torch.bfloat16 and not one_layout and _fused_cpu_backend(model)
+    stack_possible = stack_possible and cached_stack_rows(model, table, max_logit_rows) != 0
     by_shape: dict[str, list[str]] = {}
     for name, linear in list(_named_linears(model)):
         is_head = name.endswith("lm_head")
@@ -255,7 +265,7 @@ def apply_kernels(
         setattr(
             parent, child, TunedLinear(impls, by_bucket) if len(impls) > 1 else next(iter(impls.values()))
         )
-    _choose_prefill_attention(model, table, dtype, max_rows, choice)
+    _choose_attention(model, table, dtype, max_rows, max_logit_rows, choice)
     stack = build_decoder_stack(model, max_rows=0)
     stack_rows = tune_decoder_stack(model, stack, table, max_logit_rows) if stack is not None else 0
     if stack_rows:
@@ -296,10 +306,16 @@ def _drop_unused_layouts(model: nn.Module, keep_stack_layout: bool, element_size
     return extra
 
 
-def _choose_prefill_attention(
-    model: nn.Module, table: TuningTable, dtype: torch.dtype, max_rows: int, choice: KernelChoice
+def _choose_attention(
+    model: nn.Module,
+    table: TuningTable,
+    dtype: torch.dtype,
+    max_rows: int,
+    max_decodes: int,
+    choice: KernelChoice,
 ) -> None:
-    """Measure and set the "cpu" backend's prefill attention per row bucket (`attention_choice`)."""
+    """Measure and set the "cpu" backend's prefill attention per chunk-length bucket and its decode
+    attention per decode-batch bucket (`attention_choice`)."""
     layers = model.model.layers
     backend = layers[0].self_attn.backend if layers else None
     if not isinstance(backend, CPUAttentionBackend):
@@ -311,6 +327,11 @@ def _choose_prefill_attention(
         table, attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_rows
     )
     choice.prefill_attention = backend.prefill_by_bucket
+    if cpu_attention.supports(dtype, attn.head_dim, attn.num_heads, attn.num_kv_heads):
+        backend.decode_by_bucket = tune_decode_attention(
+            table, attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_decodes
+        )
+        choice.decode_attention = backend.decode_by_bucket
 
 
 def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:

@@ -115,8 +115,7 @@ def tune_decoder_stack(model: nn.Module, stack: DecoderStack, table: TuningTable
     def layers_setup(rows: int):
         return lambda: forward(rows, use_stack=False)
 
-    layers = len(model.model.layers)
-    shape = f"{layers}x{config.hidden_size}x{config.intermediate_size}:{attn.num_heads}x{attn.num_kv_heads}x{attn.head_dim}"
+    shape = _shape(model)
     buckets = buckets_up_to(max_rows)
     chosen = choose(
         table,
@@ -130,9 +129,33 @@ def tune_decoder_stack(model: nn.Module, stack: DecoderStack, table: TuningTable
         float("inf"),
         prune=True,  # the stack's linears only fall further behind as rows grow
     )
+    return _stack_rows([chosen[rows] for rows in buckets], buckets)
+
+
+def _shape(model: nn.Module) -> str:
+    config, attn = model.config, model.model.layers[0].self_attn
+    layers = len(model.model.layers)
+    return (
+        f"{layers}x{config.hidden_size}x{config.intermediate_size}:"
+        f"{attn.num_heads}x{attn.num_kv_heads}x{attn.head_dim}"
+    )
+
+
+def _stack_rows(kinds: list[str], buckets: tuple[int, ...]) -> int:
+    """The largest bucket up to which every bucket chose the stack (0: none)."""
     best = 0
-    for rows in buckets:
-        if chosen[rows] != "stack":
+    for kind, rows in zip(kinds, buckets, strict=True):
+        if kind != "stack":
             break
         best = rows
     return best
+
+
+def cached_stack_rows(model: nn.Module, table: TuningTable, max_rows: int) -> int | None:
+    """What `tune_decoder_stack` would return, where `table` already holds every bucket's choice
+    (None: it must measure). Lets a second start skip the layout the stack would need."""
+    buckets = buckets_up_to(max_rows)
+    entries = [table.entries.get(f"decoder_stack|{_shape(model)}|{rows}") for rows in buckets]
+    if any(entry is None for entry in entries):
+        return None
+    return _stack_rows([entry["chosen"] for entry in entries], buckets)

@@ -303,8 +303,9 @@ class TunedLinear(nn.Module):
         self.in_features, self.out_features = first.in_features, first.out_features
         # Row count -> the implementation's forward (no nn.Module call: no hooks are ever set on them).
         forwards = {name: impl.forward for name, impl in impls.items()}
-        largest = ROW_BUCKETS[len(by_bucket) - 1]
-        self._by_rows = [forwards[by_bucket[bucket_index(max(rows, 1))]] for rows in range(largest + 1)]
+        self._by_rows = [forwards[by_bucket[0]]]  # 0 rows: as 1
+        for index, name in enumerate(by_bucket):
+            self._by_rows += [forwards[name]] * (ROW_BUCKETS[index] - len(self._by_rows) + 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features

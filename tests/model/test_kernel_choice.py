@@ -247,3 +247,14 @@ def test_a_stack_that_computes_wrong_is_dropped(tiny_model_dir, monkeypatch, cap
     assert llm.llm_engine.runner.kernel_choice.stack_max_rows is None
     assert any("kernel stack for decoder_stack" in r.getMessage() for r in caplog.records)
     _held_layouts_match_the_choice(llm)
+
+
+@pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no C compiler to build the CPU kernels")
+def test_decodes_on_the_torch_path_give_the_reference_tokens(tiny_model_dir, reference_tokens, monkeypatch):
+    """Where the measurement sends bigger decode batches to the torch path, the tokens stay the reference's."""
+    monkeypatch.setattr(kernel_choice, "tune_decode_attention", lambda *a, **k: ["c", "torch", "torch"])
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4, device="cpu", kernels="auto")
+    backend = llm.llm_engine.runner.backend
+    assert backend.decode_by_bucket == ["c", "torch", "torch"]
+    assert "decode attention torch from 2 sequences" in llm.llm_engine.runner.kernel_choice.summary()
+    assert _tokens(llm) == reference_tokens

@@ -99,9 +99,16 @@ class CPUAttentionBackend(TorchAttentionBackend):
             row, i = rows.stop, j
         return segments
 
+    # Per row bucket of a step's decodes: "c" (the C kernel) or "torch" (gather + SDPA), measured
+    # by `batchgen.model.attention_choice`; None: the C kernel at every batch.
+    decode_by_bucket: list[str] | None = None
+
     def _decode(self, query, k_cache, v_cache, meta, scale):
         num_decodes, num_heads, head_dim = query.shape
-        if not cpu_attention.supports(query.dtype, head_dim, num_heads, k_cache.shape[2]):
+        by_bucket = self.decode_by_bucket
+        if not cpu_attention.supports(query.dtype, head_dim, num_heads, k_cache.shape[2]) or (
+            by_bucket is not None and by_bucket[min(bucket_index(num_decodes), len(by_bucket) - 1)] == "torch"
+        ):
             return TorchAttentionBackend._decode(query, k_cache, v_cache, meta, scale)
         # The tables are the same for every layer of the step: check their bounds on the first only.
         first_layer = "cpu_decode_checked" not in meta.scratch

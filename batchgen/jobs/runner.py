@@ -221,6 +221,7 @@ def run_job(
     options: JobOptions,
     engine_factory: Callable[[EngineConfig], Engine] | None = None,
     dashboard: Any = None,
+    loop: Callable[..., tuple[int, bool]] | None = None,
 ) -> JobSummary:
     """Run one job to completion, or until SIGINT.
 
@@ -228,6 +229,8 @@ def run_job(
         options: the job (see JobOptions).
         engine_factory: EngineConfig -> an `Engine` (the protocol); the default builds LLMEngine.
         dashboard: a `batchgen.dashboard.Dashboard` (default: one chosen from `options.dashboard`).
+        loop: what runs the rows, with `_loop`'s arguments and result (default `_loop`: one engine
+            here); `batchgen.distributed` passes its own, whose "engine" is a pool of replicas.
 
     Returns:
         JobSummary; `interrupted` is True when SIGINT or SIGTERM stopped the run (committed rows are
@@ -285,7 +288,7 @@ def run_job(
                 if engine is None:
                     rows_read, finished = total or 0, True
                 else:
-                    rows_read, finished = _loop(
+                    rows_read, finished = (loop or _loop)(
                         options,
                         config,
                         engine,

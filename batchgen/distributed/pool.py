@@ -28,6 +28,8 @@ from batchgen.jobs.reader import JobInputError
 # model weights never travel through it), so a small one; Ray spills to disk beyond it.
 LOCAL_OBJECT_STORE_BYTES = 512 * 1024**2
 LOCAL_ADDRESS = "127.0.0.1"
+# Ray's switch for clusters of several nodes ("0": one node, every address 127.0.0.1).
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @dataclass
@@ -110,6 +112,11 @@ class ReplicaPool:
 
     def __init__(self, options: ReplicaOptions, job: JobOptions, config: EngineConfig) -> None:
         self.options = options
+        if options.address is None:
+            # A Ray instance of this run only, on the loopback address: Ray's single-node mode (read
+            # when Ray is imported), which otherwise swaps 127.0.0.1 for the machine's own address.
+            os.environ.setdefault(LOOPBACK_ONLY_ENV, "0")
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # an offline job reports nothing
         self.ray = import_ray()
         self.started_ray = False
         self.actors: list[Any] = []
@@ -140,8 +147,6 @@ class ReplicaPool:
             "logging_level": "warning",
         }
         if self.options.address is None:
-            # A Ray instance of this run only, on the loopback address (nothing listens outside).
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # an offline job reports nothing
             need = math.ceil(self.options.replicas * self.options.num_cpus)
             kwargs.update(
                 address="local",

@@ -8,10 +8,12 @@ pass --ray-address; one run starts its own local instance, as `--replicas 2` alo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -61,6 +63,17 @@ def job_lines() -> list[str]:
     return lines
 
 
+# Every Ray process of these tests on 127.0.0.1 only (Ray's one-node mode, as
+# `batchgen.distributed.pool` starts a local instance), and the head's token for its drivers.
+RAY_ENV = {
+    **os.environ,
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "token",
+    "RAY_AUTH_TOKEN": secrets.token_hex(32),
+}
+
+
 def command(src: Path, out: Path, model: Path, *extra: str) -> list[str]:
     run = [sys.executable, "-m", "batchgen", "run", str(src), "--output", str(out), "--model", str(model)]
     return run + ENGINE.split() + list(extra)
@@ -87,10 +100,10 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """A Ray head on 127.0.0.1 (2 CPUs, no dashboard), for the runs that join one; stopped after."""
     port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    address = f"127.0.0.1:{port}"
     head = subprocess.Popen(
         [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
@@ -98,28 +111,42 @@ def cluster(tmp_path_factory):
             "--include-dashboard", "false", "--object-store-memory", str(256 * 1024**2),
             "--disable-usage-stats",
         ],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env=RAY_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        check = subprocess.run(
-            [sys.executable, "-c", f"import ray; ray.init(address='{address}', log_to_driver=False); ray.shutdown()"],
-            env=env, capture_output=True, timeout=120,
-        )  # fmt: skip
-        if check.returncode == 0:
-            break
-        assert head.poll() is None, "ray start --head exited"
-        time.sleep(1)
-    else:
-        pytest.fail(f"the Ray head on {address} did not come up")
-    yield address
-    os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops what it started
     try:
-        head.wait(timeout=60)
-    except subprocess.TimeoutExpired:
+        probe = f"import ray; ray.init(address={address!r}, log_to_driver=False); ray.shutdown()"
+        deadline = time.monotonic() + 120
+        while True:
+            check = subprocess.run(
+                [sys.executable, "-c", probe], env=RAY_ENV, capture_output=True, timeout=120
+            )
+            if check.returncode == 0:
+                break
+            assert head.poll() is None, "ray start --head exited"
+            assert time.monotonic() < deadline, (
+                f"the Ray head on {address} did not come up: {check.stderr[-2000:]}"
+            )
+            time.sleep(1)
+        yield address
+    finally:
+        stop_group(head)
+
+
+def stop_group(head: subprocess.Popen) -> None:
+    """SIGTERM to the head's process group (`ray start --block` stops what it started), SIGKILL to
+    whatever of it is left after 20 s."""
+    os.killpg(head.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        head.poll()
+        try:
+            os.killpg(head.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(head.pid, signal.SIGKILL)
-        head.wait()
+    head.wait()
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +162,7 @@ def job(tmp_path_factory, tiny_model_dir):
     expected = {}
     for name, path, out in (("jsonl", src, tmp / "local.parquet"), ("parquet", parquet, tmp / "local.jsonl")):
         proc = subprocess.run(
-            command(path, out, model), cwd=REPO, capture_output=True, text=True, timeout=300
+            command(path, out, model), cwd=REPO, env=RAY_ENV, capture_output=True, text=True, timeout=300
         )
         assert proc.returncode == 0, proc.stderr
         expected[name] = rows_of(out)
@@ -147,7 +174,9 @@ class Run:
     """A `batchgen run` in the background whose stderr is read as it comes (for replica pids)."""
 
     def __init__(self, cmd: list[str]) -> None:
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=RAY_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -180,7 +209,7 @@ def test_two_replicas_match_the_local_path(job, cluster, tmp_path):
         cmd = command(
             job[name], out, job["model"], "--replicas", "2", "--ray-address", cluster, "--commit-every", "8"
         )
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, cwd=REPO, env=RAY_ENV, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         assert rows_of(out) == job["expected"][name]
         assert not Path(str(out) + ".parts").exists()
@@ -217,7 +246,7 @@ def test_sigkill_of_the_driver_a_replica_that_cannot_start_then_resume(job, clus
     assert kept and all(re.fullmatch(r"part-r\d{12}-\d{12}\.parquet", p) for p in kept)
 
     cmd = command(job["jsonl"], out, job["model"], *base, "--kv-cache-memory", "1")
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=RAY_ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert re.search(r"error: replica \d of 2 \(pid \d+ on .*\) cannot start: .*kv", proc.stderr, re.I), (
         proc.stderr
@@ -225,7 +254,12 @@ def test_sigkill_of_the_driver_a_replica_that_cannot_start_then_resume(job, clus
     assert committed_parts(out) == kept
 
     proc = subprocess.run(
-        command(job["jsonl"], out, job["model"], *base), cwd=REPO, capture_output=True, text=True, timeout=300
+        command(job["jsonl"], out, job["model"], *base),
+        cwd=REPO,
+        env=RAY_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert "resuming:" in proc.stderr
@@ -241,6 +275,7 @@ def test_a_local_ray_instance_and_a_model_that_cannot_load(job, tmp_path):
     proc = subprocess.run(
         command(job["jsonl"], out, empty, "--replicas", "2"),
         cwd=REPO,
+        env=RAY_ENV,
         capture_output=True,
         text=True,
         timeout=300,

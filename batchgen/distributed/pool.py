@@ -255,10 +255,14 @@ class ReplicaPool:
             ) from None
 
     def shutdown(self) -> None:
-        """Stop the replicas, and the Ray instance when this pool started it."""
-        for actor in self.actors:
-            with contextlib.suppress(Exception):
-                self.ray.kill(actor, no_restart=True)
+        """Stop the replicas, and disconnect from Ray (stopping the instance this pool started).
+
+        In a Ray session this pool joined, the replicas are killed; in its own, disconnecting ends
+        them (Ray ends a driver's actors with it) without Ray's notes on their unfinished shards."""
+        if not self.started_ray:
+            for actor in self.actors:
+                with contextlib.suppress(Exception):
+                    self.ray.kill(actor, no_restart=True)
         self.actors = []
         if self.started_ray:
             with contextlib.suppress(Exception):

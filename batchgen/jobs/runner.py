@@ -178,8 +178,10 @@ def _finished_summary(output: str, fmt: str, reader: JobReader) -> JobSummary:
     return summary
 
 
-def check_run_options(options: JobOptions) -> EngineConfig:
+def check_run_options(options: JobOptions, check_device: bool = True) -> EngineConfig:
     """The checks on a job's options that need no input nor model; returns the engine config.
+    `check_device` False leaves the device to the replicas that run on it (`batchgen.distributed`:
+    --device cuda from a driver without a GPU, a CPU head node).
 
     Raises:
         JobInputError: naming the option (and its flag) that is out of range.
@@ -187,7 +189,8 @@ def check_run_options(options: JobOptions) -> EngineConfig:
     check_job_options(options)
     try:
         config = EngineConfig(**options.engine, policy=options.policy)
-        resolve_device(config.device)  # "cuda" without CUDA fails here, before the output is touched
+        if check_device:
+            resolve_device(config.device)  # "cuda" without CUDA fails here, before the output is touched
     except (TypeError, ValueError) as e:
         raise JobInputError(f"invalid engine option: {e}{flag_hint(str(e))}") from e
     try:
@@ -221,6 +224,7 @@ def run_job(
     options: JobOptions,
     engine_factory: Callable[[EngineConfig], Engine] | None = None,
     dashboard: Any = None,
+    loop: Callable[..., tuple[int, bool]] | None = None,
 ) -> JobSummary:
     """Run one job to completion, or until SIGINT.
 
@@ -228,6 +232,8 @@ def run_job(
         options: the job (see JobOptions).
         engine_factory: EngineConfig -> an `Engine` (the protocol); the default builds LLMEngine.
         dashboard: a `batchgen.dashboard.Dashboard` (default: one chosen from `options.dashboard`).
+        loop: what runs the rows, with `_loop`'s arguments and result (default `_loop`: one engine
+            here); `batchgen.distributed` passes its own, whose "engine" is a pool of replicas.
 
     Returns:
         JobSummary; `interrupted` is True when SIGINT or SIGTERM stopped the run (committed rows are
@@ -238,7 +244,7 @@ def run_job(
             whose header changed (the CLI exits with code 2).
     """
     start = time.perf_counter()
-    config = check_run_options(options)
+    config = check_run_options(options, check_device=loop is None)
     reader = job_reader(options)
     output = options.output or default_output_path(options.input, reader.format)
     check_output_path(output, options.input)
@@ -285,7 +291,7 @@ def run_job(
                 if engine is None:
                     rows_read, finished = total or 0, True
                 else:
-                    rows_read, finished = _loop(
+                    rows_read, finished = (loop or _loop)(
                         options,
                         config,
                         engine,

@@ -168,8 +168,9 @@ class PartWriter:
             return True
         return n > 0 and time.monotonic() - self._first_at >= self.commit_seconds
 
-    def commit(self) -> PartEntry | None:
-        """Write the buffered rows as one part (sorted by row_index) and record it; None if empty."""
+    def commit(self, name: str | None = None) -> PartEntry | None:
+        """Write the buffered rows as one part (sorted by row_index) and record it; None if empty.
+        `name` names the part (a shard's rows, `batchgen.distributed`); default "part-NNNNNN.parquet"."""
         if not self.pending:
             return None
         arrays = [pa.array(self._buf[f.name], f.type) for f in OUTPUT_SCHEMA]
@@ -177,11 +178,12 @@ class PartWriter:
         arrays += [pa.array(self._buf[f.name], f.type) for f in self._logprob_fields]
         arrays += [_keep_array(self._buf[c]) for c in self.keep_columns]
         table = pa.Table.from_arrays(arrays, names=[*self._names, *self.keep_columns]).sort_by("row_index")
-        names = {e.part for e in self.state.entries}
-        while f"part-{self._next_part:06d}.parquet" in names:
+        if name is None:
+            names = {e.part for e in self.state.entries}
+            while f"part-{self._next_part:06d}.parquet" in names:
+                self._next_part += 1
+            name = f"part-{self._next_part:06d}.parquet"
             self._next_part += 1
-        name = f"part-{self._next_part:06d}.parquet"
-        self._next_part += 1
         final = os.path.join(self.state.parts_dir, name)
         tmp = os.path.join(self.state.parts_dir, f".tmp-{name}")
         with open(tmp, "wb") as f:

@@ -311,7 +311,10 @@ def render(report: dict[str, Any], console: Any = None) -> None:
             ],
         )
     console.print(table)
-    kernels = {c["extra"]["kernels"]: c for c in configs if c.get("extra", {}).get("kernels")}
+    kernels: dict[str, dict] = {}  # summary -> the first configuration that ran with it
+    for c in configs:
+        if c.get("extra", {}).get("kernels"):
+            kernels.setdefault(c["extra"]["kernels"], c)
     for summary, c in kernels.items():
         extra = c["extra"]
         layouts = " (--one-weight-layout holds one)" if extra["second_layout_mib"] else ""

@@ -85,11 +85,12 @@ def chunk_rows(cache, tables, seq_lens, query_lens):
     return cache.reshape(-1, *cache.shape[2:])[slots]
 
 
-def test_backend_prefill_and_mixed_steps_match_torch_backend():
-    """A step of prefill chunks, and one with decodes first, equal the torch backend's outputs."""
+def prefill_and_mixed_steps():
+    """A step of `CHUNKS`'s prefill chunks, and one whose first two sequences decode instead (their
+    first token): each as (num_decodes, query rows, key, value, k_cache, v_cache, metadata)."""
     query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.float32, 64, 3, 16)
     chunk_lens = [chunk for _, chunk in CHUNKS]
-    for num_decodes in (0, 2):  # as decodes: the first token of the first two sequences
+    for num_decodes in (0, 2):
         first_rows = [query[int(starts[i]) : int(starts[i]) + 1] for i in range(num_decodes)]
         rows = torch.cat([*first_rows, query[int(starts[num_decodes]) :]])
         query_lens = [1] * num_decodes + chunk_lens[num_decodes:]
@@ -98,6 +99,12 @@ def test_backend_prefill_and_mixed_steps_match_torch_backend():
         meta = cached_step(query_lens, step_lens, tables, num_decodes)
         key = chunk_rows(k_cache, tables, step_lens.tolist(), query_lens)
         value = chunk_rows(v_cache, tables, step_lens.tolist(), query_lens)
+        yield num_decodes, rows, key, value, k_cache, v_cache, meta
+
+
+def test_backend_prefill_and_mixed_steps_match_torch_backend():
+    """A step of prefill chunks, and one with decodes first, equal the torch backend's outputs."""
+    for _, rows, key, value, k_cache, v_cache, meta in prefill_and_mixed_steps():
         assert_cpu_backend_matches_torch(rows, key, value, k_cache, v_cache, meta)
 
 
@@ -110,18 +117,9 @@ def test_measured_sdpa_chunks_match_torch_backend(by_bucket):
     """With the measured choice sending some chunks to torch's SDPA (only those without a cached
     prefix) and the rest to the C kernel in runs of consecutive sequences, a prefill step and a
     mixed step equal the torch backend's outputs."""
-    query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.float32, 64, 3, 16)
     chunk_lens = [chunk for _, chunk in CHUNKS]
     used = []
-    for num_decodes in (0, 2):
-        first_rows = [query[int(starts[i]) : int(starts[i]) + 1] for i in range(num_decodes)]
-        rows = torch.cat([*first_rows, query[int(starts[num_decodes]) :]])
-        query_lens = [1] * num_decodes + chunk_lens[num_decodes:]
-        step_lens = seq_lens.clone()
-        step_lens[:num_decodes] = 1
-        meta = cached_step(query_lens, step_lens, tables, num_decodes)
-        key = chunk_rows(k_cache, tables, step_lens.tolist(), query_lens)
-        value = chunk_rows(v_cache, tables, step_lens.tolist(), query_lens)
+    for num_decodes, rows, key, value, k_cache, v_cache, meta in prefill_and_mixed_steps():
         assert_cpu_backend_matches_torch(
             rows, key, value, k_cache, v_cache, meta, prefill_by_bucket=by_bucket
         )

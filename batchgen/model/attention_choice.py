@@ -14,7 +14,9 @@ import torch
 
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.registry import TuningTable, buckets_up_to, choose
+from batchgen.model.attention.base import AttentionMetadata
 from batchgen.model.attention.sdpa import causal_attention
+from batchgen.model.attention.torch_backend import TorchAttentionBackend
 
 _RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -136,9 +138,6 @@ def tune_decode_attention(
     between calls, as the later layers of a step do. Both are checked against the torch path in
     float32.
     """
-    from batchgen.model.attention.base import AttentionMetadata
-    from batchgen.model.attention.torch_backend import TorchAttentionBackend
-
     generator = torch.Generator().manual_seed(0)
     scale = head_dim**-0.5
     per_seq = -(-_DECODE_CONTEXT // block_size)
@@ -151,27 +150,17 @@ def tune_decode_attention(
             k_cache = torch.randn(shape, generator=generator).to(dtype)
             v_cache = torch.randn(shape, generator=generator).to(dtype)
             tables = torch.randperm(rows * per_seq, generator=generator).view(rows, per_seq).to(torch.int32)
-            seq_lens = torch.full((rows,), _DECODE_CONTEXT, dtype=torch.int32)
+            no_slots = torch.empty(0, dtype=torch.int64)
 
             def meta() -> AttentionMetadata:
-                return AttentionMetadata(
-                    slot_mapping=torch.empty(0, dtype=torch.int64),
-                    query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
-                    seq_lens=seq_lens,
-                    block_tables=tables,
-                    num_decodes=rows,
-                    max_query_len=1,
-                    max_seq_len=_DECODE_CONTEXT,
-                    query_lens_cpu=[1] * rows,
-                    seq_lens_cpu=[_DECODE_CONTEXT] * rows,
-                )
+                return AttentionMetadata.decodes(no_slots, tables, _DECODE_CONTEXT)
 
             prepared[rows] = {
                 "q": torch.randn(rows, num_heads, head_dim, generator=generator).to(dtype),
                 "k_cache": k_cache,
                 "v_cache": v_cache,
                 "tables": tables,
-                "seq_lens": seq_lens,
+                "seq_lens": torch.full((rows,), _DECODE_CONTEXT, dtype=torch.int32),
                 "meta": meta,
             }
         return prepared[rows]
@@ -192,6 +181,7 @@ def tune_decode_attention(
         q, k, v = d["q"].float(), d["k_cache"].float(), d["v_cache"].float()
         return TorchAttentionBackend._decode(q, k, v, d["meta"](), scale)
 
+    element_size = torch.empty((), dtype=dtype).element_size()
     shape = f"{num_heads}x{num_kv_heads}x{head_dim}@{_DECODE_CONTEXT}:{str(dtype).removeprefix('torch.')}"
     buckets = buckets_up_to(max_rows)
     chosen = choose(
@@ -203,14 +193,7 @@ def tune_decode_attention(
         reference,
         _RTOL.get(dtype, 2e-2),
         # Bytes of K and V read: the decode step's cost is reading the cache.
-        work=lambda rows: (
-            2.0
-            * rows
-            * _DECODE_CONTEXT
-            * num_kv_heads
-            * head_dim
-            * torch.empty((), dtype=dtype).element_size()
-        ),
+        work=lambda rows: 2.0 * rows * _DECODE_CONTEXT * num_kv_heads * head_dim * element_size,
         unit="byte",
     )
     return [chosen[rows] for rows in buckets]

@@ -46,18 +46,8 @@ def _decode_step(rows: int, num_layers: int, num_kv_heads: int, head_dim: int, v
     input_ids = torch.randint(0, vocab, (rows,), generator=generator)
     positions = torch.full((rows,), last, dtype=torch.int64)
 
-    def meta() -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
-            seq_lens=torch.full((rows,), _CONTEXT, dtype=torch.int32),
-            block_tables=tables,
-            num_decodes=rows,
-            max_query_len=1,
-            max_seq_len=_CONTEXT,
-            query_lens_cpu=[1] * rows,
-            seq_lens_cpu=[_CONTEXT] * rows,
-        )
+    def meta() -> AttentionMetadata:  # a fresh one a call: backends keep per-step values in it
+        return AttentionMetadata.decodes(slots, tables, _CONTEXT)
 
     return input_ids, positions, caches, meta
 

@@ -44,6 +44,26 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     scratch: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def decodes(
+        cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context: int
+    ) -> AttentionMetadata:
+        """A step of decodes only: one query token for each row of `block_tables` (int32
+        `[B, max_blocks]`), every sequence `context` tokens long after it; `slot_mapping` int64 `[B]`
+        (or empty: nothing stored). Used to time kernels on synthetic steps."""
+        rows = block_tables.shape[0]
+        return cls(
+            slot_mapping=slot_mapping,
+            query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+            seq_lens=torch.full((rows,), context, dtype=torch.int32),
+            block_tables=block_tables,
+            num_decodes=rows,
+            max_query_len=1,
+            max_seq_len=context,
+            query_lens_cpu=[1] * rows,
+            seq_lens_cpu=[context] * rows,
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)

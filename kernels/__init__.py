@@ -12,3 +12,26 @@ The repository keeps them in a top-level `kernels/` folder; `pyproject.toml` map
 
 Nothing here imports `batchgen.engine`, `batchgen.jobs` or the model's classes.
 """
+
+if __name__ == "kernels":
+    # Imported as a top-level `kernels`: the checkout's root is on sys.path (pytest's rootdir,
+    # `python -m` run from the checkout, a Ray worker started there) ahead of site-packages, and
+    # something asked for Hugging Face's `kernels` (transformers >= 5.25 imports it). This folder is
+    # batchgen.kernels, so hand the name to the first `kernels` found outside the checkout.
+    import importlib.util
+    import os
+    import sys
+    from importlib.machinery import PathFinder
+
+    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout]
+    _spec = PathFinder.find_spec("kernels", _elsewhere)
+    if _spec is None or _spec.loader is None:
+        raise ImportError(
+            "no module named 'kernels' outside batchgen's checkout: the checkout's kernels/ folder is "
+            "batchgen.kernels, not Hugging Face's `kernels` package (pip install kernels)",
+            name="kernels",
+        )
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module  # the import system returns what sys.modules holds after this runs
+    _spec.loader.exec_module(_module)

@@ -63,3 +63,27 @@ def test_the_wheel_keeps_kernels_inside_batchgen(tmp_path: Path) -> None:
     sources = {Path(name).name for name in names if name.startswith("batchgen/kernels/cpu/csrc/")}
     assert {p.name for p in (ROOT / "kernels/cpu/csrc").glob("*.c")} <= sources
     assert any(name.startswith("batchgen/kernels/triton/") for name in names)
+
+
+def test_a_checkout_on_sys_path_does_not_hide_hugging_faces_kernels() -> None:
+    """transformers (5.25 on) imports Hugging Face's `kernels`; run from the checkout's root (pytest,
+    `python -m`, a Ray worker) the folder kernels/ comes first on sys.path and must hand the name on."""
+    pytest.importorskip("transformers")
+    probe = (
+        "import importlib.metadata, sys\n"
+        "try:\n"
+        "    importlib.metadata.version('kernels')\n"
+        "except importlib.metadata.PackageNotFoundError:\n"
+        "    print('absent'); sys.exit(0)\n"
+        "import kernels\n"
+        "from transformers import LlamaConfig\n"
+        "import batchgen.kernels.registry\n"
+        "print(kernels.__file__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    location = result.stdout.strip()
+    if location != "absent":
+        assert not Path(location).is_relative_to(ROOT / "kernels")

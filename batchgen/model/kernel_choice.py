@@ -23,6 +23,7 @@ from torch import nn
 from batchgen.config import KERNEL_MODES
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu.linear import (
+    WEIGHT_LAYOUTS,
     Bf16Linear,
     TunedLinear,
     can_prepack,
@@ -56,8 +57,10 @@ class KernelChoice:
     mode: str
     linears: dict[str, list[str]] = field(default_factory=dict)
     stack_max_rows: int | None = None
+    stack_linears: list[str] = field(default_factory=list)  # per row bucket: "bf16_c" or "amx_c"
     table: TuningTable | None = None
     prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c" or "sdpa"
+    prefill_after_prefix_attention: list[str] = field(default_factory=list)  # the same, after a prefix
     decode_attention: list[str] = field(default_factory=list)  # per decode-batch bucket: "c" or "torch"
     seconds: float = 0.0  # spent choosing: measuring, or looking up a cached table, and packing
     extra_weight_bytes: int = 0  # weight copies held for a second layout (`plan_layouts`)
@@ -80,12 +83,17 @@ class KernelChoice:
         stack = ""
         if self.stack_max_rows is not None:
             stack = f"; decoder stack up to {self.stack_max_rows or 'any'} rows"
+            if "amx_c" in self.stack_linears:
+                stack += f" (AMX linears from {ROW_BUCKETS[self.stack_linears.index('amx_c')]} rows)"
         extra = self.extra_weight_bytes / 2**20
         memory = f"; second weight layouts {extra:.0f} MiB" if extra else ""
         attention = ""
         if "sdpa" in self.prefill_attention:
             first = ROW_BUCKETS[self.prefill_attention.index("sdpa")]
             attention = f"; prefill attention torch SDPA from {first} rows"
+        if "sdpa" in self.prefill_after_prefix_attention:
+            first = ROW_BUCKETS[self.prefill_after_prefix_attention.index("sdpa")]
+            attention += f" (after a cached prefix from {first})"
         if "torch" in self.decode_attention:
             first = ROW_BUCKETS[self.decode_attention.index("torch")]
             attention += f"; decode attention torch from {first} sequences"
@@ -182,31 +190,38 @@ def _timing_copies(weight: torch.Tensor) -> int:
 def plan_layouts(times: list[dict[str, float | None]], one_layout: bool = False) -> list[str]:
     """The implementation to run at each bucket, given each candidate's time there.
 
-    Every implementation a layer runs holds its own copy of the weight, so a second one must pay
-    for its memory: one primary implementation (the least total slowdown against the fastest over
-    all buckets) runs everywhere, except at the buckets where another is more than
-    `SECOND_LAYOUT_GAIN` faster (so the result is always within that of the fastest). With
-    `one_layout`, the primary runs everywhere.
+    Every weight layout a layer runs holds its own copy of the weight (`WEIGHT_LAYOUTS`: batchgen's
+    two C kernels share one), so a second layout must pay for its memory: one primary layout (the
+    least total slowdown against the fastest over all buckets, each bucket running that layout's
+    fastest implementation) runs everywhere, except at the buckets where another layout is more
+    than `SECOND_LAYOUT_GAIN` faster (so the result is always within that of the fastest). With
+    `one_layout`, the primary layout runs everywhere.
     """
     names = list(dict.fromkeys(name for bucket in times for name in bucket))
+    layouts = list(dict.fromkeys(WEIGHT_LAYOUTS.get(name, name) for name in names))
 
-    def slowdown(name: str) -> float:
+    def best_of(layout: str, bucket: dict[str, float | None]) -> str | None:
+        timed = {n: t for n, t in bucket.items() if t is not None and WEIGHT_LAYOUTS.get(n, n) == layout}
+        return min(timed, key=timed.__getitem__) if timed else None
+
+    def slowdown(layout: str) -> float:
         total = 0.0
         for bucket in times:
             timed = [t for t in bucket.values() if t is not None]
-            mine = bucket.get(name)
-            total += float("inf") if mine is None else mine / max(min(timed), 1e-9)
+            mine = best_of(layout, bucket)
+            total += float("inf") if mine is None else bucket[mine] / max(min(timed), 1e-9)
         return total
 
-    primary = min(names, key=slowdown)
-    if one_layout or len(names) == 1:
-        return [primary] * len(times)
+    primary = min(layouts, key=slowdown)
     plan = []
     for bucket in times:
         timed = {n: t for n, t in bucket.items() if t is not None}
         fastest = min(timed, key=timed.__getitem__)
-        mine = bucket.get(primary)
-        plan.append(fastest if mine is None or mine > SECOND_LAYOUT_GAIN * timed[fastest] else primary)
+        mine = best_of(primary, bucket)
+        if one_layout or len(layouts) == 1:
+            plan.append(mine if mine is not None else fastest)
+        else:
+            plan.append(fastest if mine is None or timed[mine] > SECOND_LAYOUT_GAIN * timed[fastest] else mine)
     return plan
 
 
@@ -257,7 +272,8 @@ def apply_kernels(
         choice.linears[key] = by_bucket
         builders = linear_candidates(linear.weight, linear.bias)
         kinds = list(dict.fromkeys(by_bucket))
-        if stack_possible and not is_head and "bf16_c" in builders and "bf16_c" not in kinds:
+        packed = {k for k in kinds if WEIGHT_LAYOUTS.get(k) == "packed_bf16"}
+        if stack_possible and not is_head and "bf16_c" in builders and not packed:
             kinds.append("bf16_c")
         impls = {kind: builders[kind]() for kind in kinds}
         parent_name, _, child = name.rpartition(".")
@@ -267,9 +283,13 @@ def apply_kernels(
         )
     _choose_attention(model, table, dtype, max_rows, max_logit_rows, choice)
     stack = build_decoder_stack(model, max_rows=0)
-    stack_rows = tune_decoder_stack(model, stack, table, max_logit_rows) if stack is not None else 0
+    stack_rows, stack_linears = (
+        tune_decoder_stack(model, stack, table, max_logit_rows) if stack is not None else (0, [])
+    )
     if stack_rows:
         stack.max_rows = stack_rows
+        stack.linear_by_bucket = stack_linears
+        choice.stack_linears = stack_linears
     model.decoder_stack = stack if stack_rows else None
     choice.stack_max_rows = stack_rows or None
     choice.extra_weight_bytes = _drop_unused_layouts(
@@ -294,11 +314,14 @@ def _drop_unused_layouts(model: nn.Module, keep_stack_layout: bool, element_size
     for name, module in list(model.named_modules()):
         if not isinstance(module, TunedLinear):
             continue
-        keep = set(module.by_bucket) | ({"bf16_c"} if keep_stack_layout else set())
+        keep = set(module.by_bucket)
+        if keep_stack_layout and not any(WEIGHT_LAYOUTS.get(k) == "packed_bf16" for k in keep):
+            keep.add("bf16_c")
         for kind in [k for k in module.impls if k not in keep]:
             del module.impls[kind]
         weight_bytes = module.in_features * module.out_features * element_size
-        extra += (len(module.impls) - 1) * weight_bytes
+        layouts = {WEIGHT_LAYOUTS.get(kind, kind) for kind in module.impls}
+        extra += (len(layouts) - 1) * weight_bytes
         if len(module.impls) == 1:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -323,10 +346,11 @@ def _choose_attention(
     attn = layers[0].self_attn
     if not cpu_attention.supports_prefill(dtype, attn.head_dim, attn.num_heads, attn.num_kv_heads):
         return
-    backend.prefill_by_bucket = tune_prefill_attention(
-        table, attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_rows
-    )
+    heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_rows)
+    backend.prefill_by_bucket = tune_prefill_attention(table, *heads)
+    backend.prefill_after_prefix_by_bucket = tune_prefill_attention(table, *heads, prefix=True)
     choice.prefill_attention = backend.prefill_by_bucket
+    choice.prefill_after_prefix_attention = backend.prefill_after_prefix_by_bucket
     if cpu_attention.supports(dtype, attn.head_dim, attn.num_heads, attn.num_kv_heads):
         backend.decode_by_bucket = tune_decode_attention(
             table, attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_decodes
@@ -338,7 +362,8 @@ def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:
     """The packed bf16 weight of batchgen's own kernel in `linear` (a `Bf16Linear`, or a
     `TunedLinear` holding one), where it has one and no bias (the stack adds none)."""
     if isinstance(linear, TunedLinear):
-        linear = linear.impls["bf16_c"] if "bf16_c" in linear.impls else None
+        packed = [m for m in linear.impls.values() if isinstance(m, Bf16Linear)]  # AmxLinear is one too
+        linear = packed[0] if packed else None
     if not isinstance(linear, Bf16Linear) or linear.bias is not None:
         return None
     return linear.packed_weight

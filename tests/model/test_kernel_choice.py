@@ -22,7 +22,7 @@ from batchgen import LLM, SamplingParams
 from batchgen.kernels import registry
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu import linear as cpu_linear
-from batchgen.kernels.cpu.linear import PlainLinear, TunedLinear
+from batchgen.kernels.cpu.linear import WEIGHT_LAYOUTS, PlainLinear, TunedLinear
 from batchgen.model import kernel_choice
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40, 90)]
@@ -205,10 +205,15 @@ def _held_layouts_match_the_choice(llm: LLM) -> None:
     for name, module in model.named_modules():
         if isinstance(module, TunedLinear):
             in_layers = name.startswith("model.layers.")
-            assert set(module.impls) == set(module.by_bucket) | (
-                {"bf16_c"} if stack_runs and in_layers else set()
-            )
-            extra += (len(module.impls) - 1) * module.in_features * module.out_features * 2
+            runs = set(module.by_bucket)
+            if stack_runs and in_layers and not runs & {"bf16_c", "amx_c"}:
+                runs.add("bf16_c")  # the stack's packed layout
+            assert set(module.impls) == runs
+            # batchgen's two C kernels share one packed copy of the weight
+            layouts = {WEIGHT_LAYOUTS[kind] for kind in module.impls}
+            if {"bf16_c", "amx_c"} <= set(module.impls):
+                assert module.impls["bf16_c"].packed_weight is module.impls["amx_c"].packed_weight
+            extra += (len(layouts) - 1) * module.in_features * module.out_features * 2
     assert choice.extra_weight_bytes == extra
     assert (choice.stack_max_rows is None) == (not stack_runs)
 
@@ -222,10 +227,12 @@ def test_the_stack_runs_where_measured_faster_and_holds_its_layout_only_then(tin
     chosen_at = {int(key.rsplit("|", 1)[1]): entry["chosen"] for key, entry in entries.items()}
     expected = 0
     for rows in sorted(chosen_at):
-        if chosen_at[rows] != "stack":
+        if chosen_at[rows] not in ("stack", "stack_amx"):
             break
         expected = rows
     assert (choice.stack_max_rows or 0) == expected
+    linears = {"stack": "bf16_c", "stack_amx": "amx_c"}
+    assert choice.stack_linears == [linears[chosen_at[rows]] for rows in sorted(chosen_at) if rows <= expected]
     _held_layouts_match_the_choice(llm)
 
 

@@ -109,25 +109,33 @@ def test_backend_prefill_and_mixed_steps_match_torch_backend():
 
 
 @pytest.mark.parametrize(
-    "by_bucket",
-    [["sdpa"] * 12, ["c", "sdpa"] * 6, ["c"] * 6 + ["sdpa"] * 6],
-    ids=["sdpa-everywhere", "alternating", "sdpa-from-64-rows"],
+    "by_bucket, after_prefix",
+    [
+        (["sdpa"] * 12, None),
+        (["c", "sdpa"] * 6, None),
+        (["c"] * 6 + ["sdpa"] * 6, None),
+        (["c"] * 12, ["sdpa"] * 12),
+        (["c", "sdpa"] * 6, ["sdpa", "c"] * 6),
+    ],
+    ids=["sdpa-everywhere", "alternating", "sdpa-from-64-rows", "sdpa-after-prefix", "both-alternating"],
 )
-def test_measured_sdpa_chunks_match_torch_backend(by_bucket):
-    """With the measured choice sending some chunks to torch's SDPA (only those without a cached
-    prefix) and the rest to the C kernel in runs of consecutive sequences, a prefill step and a
-    mixed step equal the torch backend's outputs."""
+def test_measured_sdpa_chunks_match_torch_backend(by_bucket, after_prefix):
+    """With the measured choices sending some chunks to torch's SDPA (chunks without a cached prefix
+    by one table, chunks after one by the other, whose context is gathered from the cache) and the
+    rest to the C kernel in runs of consecutive sequences, a prefill step and a mixed step equal
+    the torch backend's outputs."""
     chunk_lens = [chunk for _, chunk in CHUNKS]
     used = []
     for num_decodes, rows, key, value, k_cache, v_cache, meta in prefill_and_mixed_steps():
         assert_cpu_backend_matches_torch(
-            rows, key, value, k_cache, v_cache, meta, prefill_by_bucket=by_bucket
+            rows, key, value, k_cache, v_cache, meta, prefill_by_bucket=by_bucket, after_prefix_by_bucket=after_prefix
         )
         kinds = [kind for kind, *_ in meta.scratch["prefill_segments"]]
         fresh = [prefix == 0 for prefix, _ in CHUNKS[num_decodes:]]
         expected = []
         for is_fresh, chunk in zip(fresh, chunk_lens[num_decodes:], strict=True):
-            kind = "sdpa" if is_fresh and by_bucket[(chunk - 1).bit_length()] == "sdpa" else "c"
+            table = by_bucket if is_fresh else after_prefix
+            kind = "sdpa" if table is not None and table[(chunk - 1).bit_length()] == "sdpa" else "c"
             if not (expected and expected[-1] == "c" == kind):
                 expected.append(kind)
         assert kinds == expected

@@ -1,12 +1,13 @@
-"""The measured choice of prefill attention on the CPU: batchgen's C kernel or torch's SDPA.
+"""The measured choice of prefill attention on the CPU: batchgen's C kernels or torch's SDPA.
 
-The C kernel (`kernels/cpu/csrc/paged_prefill_attention.c`) reads the paged cache in place and
-serves many chunks in one call, so it wins on short chunks; torch's CPU SDPA runs oneDNN's
-matrix kernels (AMX tiles where the CPU has them) and can win on long ones. Which one wins, and
-from what chunk length, depends on the machine, so `tune_prefill_attention` times both on the
-model's head shapes at each row bucket, for a chunk of that many tokens with no cached prefix and
-for one that continues a cached prefix, and the "cpu" backend runs each chunk with the faster
-(`CPUAttentionBackend.prefill_by_bucket`, `prefill_after_prefix_by_bucket`).
+The C kernels read the paged cache in place and serve many chunks in one call:
+`paged_prefill_attention.c` on AVX-512 (or plain vector) arithmetic everywhere, and
+`amx_prefill_attention.c` on AMX tiles where the CPU has them. torch's CPU SDPA runs oneDNN's
+matrix kernels and takes one call a chunk. Which one wins, and from what chunk length, depends on
+the machine, so `tune_prefill_attention` times them on the model's head shapes at each row bucket,
+for a chunk of that many tokens with no cached prefix and for one that continues a cached prefix,
+and the "cpu" backend runs each chunk with the fastest (`CPUAttentionBackend.prefill_by_bucket`,
+`prefill_after_prefix_by_bucket`).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def tune_prefill_attention(
     block_size: int = 16,
     prefix: bool = False,
 ) -> list[str]:
-    """The faster prefill attention ("c" or "sdpa") at each row bucket up to `max_rows`, for a chunk
-    of that many tokens with no cached prefix, or with `prefix` one of as many tokens already in the
-    cache (a prompt continued by chunked prefill): from `table` or measured (added to `table`).
+    """The fastest prefill attention ("c", "amx" where the AMX kernel applies, or "sdpa") at each row
+    bucket up to `max_rows`, for a chunk of that many tokens with no cached prefix, or with `prefix`
+    one of as many tokens already in the cache (a prompt continued by chunked prefill): from `table`
+    or measured (added to `table`).
 
     Each timed call computes the attention of `_CHUNKS` such chunks, each `[rows, num_heads,
     head_dim]` queries over their context's K/V (`[rows or 2 * rows, num_kv_heads, head_dim]`): the C
@@ -57,16 +59,34 @@ def tune_prefill_attention(
         if rows not in prepared:
             prepared.clear()
             prepared[rows] = _prefill_case(
-                rows, 2 * rows if prefix else rows, num_heads, num_kv_heads, head_dim, dtype, block_size, generator
+                rows,
+                2 * rows if prefix else rows,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                dtype,
+                block_size,
+                generator,
             )
         return prepared[rows]
 
-    def c_kernel(rows: int):
-        d = data(rows)
-        out = torch.empty_like(d["q"])
-        return lambda: cpu_attention.paged_prefill_attention_cpu(
-            d["q"], d["k_cache"], d["v_cache"], d["tables"], d["seq_lens"], d["starts"], scale, out=out
-        )
+    def c_kernel(kernel: str):
+        def setup(rows: int):
+            d = data(rows)
+            out = torch.empty_like(d["q"])
+            return lambda: cpu_attention.paged_prefill_attention_cpu(
+                d["q"],
+                d["k_cache"],
+                d["v_cache"],
+                d["tables"],
+                d["seq_lens"],
+                d["starts"],
+                scale,
+                out=out,
+                kernel=kernel,
+            )
+
+        return setup
 
     def per_chunk(rows: int, d: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         q = d["q"].to(dtype)
@@ -85,6 +105,9 @@ def tune_prefill_attention(
     def reference(rows: int) -> torch.Tensor:
         return per_chunk(rows, data(rows), torch.float32)
 
+    candidates = {"c": c_kernel("c"), "sdpa": sdpa}
+    if cpu_attention.supports_prefill_amx(dtype, head_dim, num_heads, num_kv_heads):
+        candidates["amx"] = c_kernel("amx")
     shape = f"{num_heads}x{num_kv_heads}x{head_dim}:{str(dtype).removeprefix('torch.')}"
     buckets = buckets_up_to(max_rows)
     chosen = choose(
@@ -92,7 +115,7 @@ def tune_prefill_attention(
         "prefill_attention_after_prefix" if prefix else "prefill_attention",
         shape,
         buckets,
-        {"c": c_kernel, "sdpa": sdpa},
+        candidates,
         reference,
         _RTOL.get(dtype, 2e-2),
         # Q K^T and P V over the chunk's causal triangle (and the prefix), 2 flops a multiply-add.

@@ -59,7 +59,7 @@ class KernelChoice:
     stack_max_rows: int | None = None
     stack_linears: list[str] = field(default_factory=list)  # per row bucket: "bf16_c" or "amx_c"
     table: TuningTable | None = None
-    prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c" or "sdpa"
+    prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c", "amx" or "sdpa"
     prefill_after_prefix_attention: list[str] = field(default_factory=list)  # the same, after a prefix
     decode_attention: list[str] = field(default_factory=list)  # per decode-batch bucket: "c" or "torch"
     seconds: float = 0.0  # spent choosing: measuring, or looking up a cached table, and packing
@@ -88,16 +88,28 @@ class KernelChoice:
         extra = self.extra_weight_bytes / 2**20
         memory = f"; second weight layouts {extra:.0f} MiB" if extra else ""
         attention = ""
-        if "sdpa" in self.prefill_attention:
-            first = ROW_BUCKETS[self.prefill_attention.index("sdpa")]
-            attention = f"; prefill attention torch SDPA from {first} rows"
-        if "sdpa" in self.prefill_after_prefix_attention:
-            first = ROW_BUCKETS[self.prefill_after_prefix_attention.index("sdpa")]
-            attention += f" (after a cached prefix from {first})"
+        if self.prefill_attention:
+            attention = f"; prefill attention {_by_rows(self.prefill_attention)}"
+        if self.prefill_after_prefix_attention:
+            attention += f" (after a cached prefix {_by_rows(self.prefill_after_prefix_attention)})"
         if "torch" in self.decode_attention:
             first = ROW_BUCKETS[self.decode_attention.index("torch")]
             attention += f"; decode attention torch from {first} sequences"
         return f"{self.mode}: linear " + ", ".join(parts) + stack + attention + memory
+
+
+def _by_rows(kinds: list[str]) -> str:
+    """A per-bucket choice in a few words: "c to 64 rows, amx from 128"."""
+    runs: list[tuple[str, int, int]] = []  # kind, first bucket, last bucket
+    for kind, rows in zip(kinds, ROW_BUCKETS, strict=False):
+        if runs and runs[-1][0] == kind:
+            runs[-1] = (kind, runs[-1][1], rows)
+        else:
+            runs.append((kind, rows, rows))
+    if len(runs) == 1:
+        return runs[0][0]
+    words = [f"{kind} {first}-{last}" if first != last else f"{kind} {first}" for kind, first, last in runs]
+    return ", ".join(words) + " rows"
 
 
 def _named_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
@@ -221,7 +233,9 @@ def plan_layouts(times: list[dict[str, float | None]], one_layout: bool = False)
         if one_layout or len(layouts) == 1:
             plan.append(mine if mine is not None else fastest)
         else:
-            plan.append(fastest if mine is None or timed[mine] > SECOND_LAYOUT_GAIN * timed[fastest] else mine)
+            plan.append(
+                fastest if mine is None or timed[mine] > SECOND_LAYOUT_GAIN * timed[fastest] else mine
+            )
     return plan
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Callable
 
 import torch
@@ -29,25 +28,6 @@ from torch.nn import functional as F
 
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.registry import ROW_BUCKETS, bucket_index
-
-# oneDNN's ISA names at or above which an AVX512-BF16 kernel may run: ONEDNN_MAX_CPU_ISA below them
-# emulates a machine without it, and batchgen's own bf16 kernel honours that too.
-_ISAS_WITH_AVX512_BF16 = (
-    "AVX512_CORE_BF16",
-    "AVX512_CORE_FP16",
-    "AVX512_CORE_AMX",
-    "AVX512_CORE_AMX_FP16",
-    "AVX10_1_512",
-    "AVX10_1_512_AMX",
-    "AVX10_1_512_AMX_FP16",
-    "AVX10_2_512",
-    "AVX10_2_512_AMX_2",
-    "ALL",
-    "DEFAULT",
-)
-
-# Those at or above which AMX tiles may be used (oneDNN's names).
-_ISAS_WITH_AMX = tuple(isa for isa in _ISAS_WITH_AVX512_BF16 if "AMX" in isa) + ("ALL", "DEFAULT")
 
 
 class PrepackedLinear(nn.Module):
@@ -204,21 +184,15 @@ def amx_linear_applies(weight: torch.Tensor) -> bool:
 def amx_kernel_available() -> bool:
     """Whether the C library is built here with the AMX linear kernel and Linux grants this process
     the AMX tile state (and no `ONEDNN_MAX_CPU_ISA` below AMX emulates a machine without it)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-    if cap and cap.upper() not in _ISAS_WITH_AMX:
-        return False
     lib = cpu_kernels.load_library()
-    return lib is not None and bool(lib.amx_linear_available())
+    return lib is not None and cpu_kernels.isa_cap_allows("amx") and bool(lib.amx_linear_available())
 
 
 def bf16_kernel_available() -> bool:
     """Whether the C library is built here with the AVX512-BF16 linear kernel (and no
     `ONEDNN_MAX_CPU_ISA` below AVX512_CORE_BF16 emulates a machine without it)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-    if cap and cap.upper() not in _ISAS_WITH_AVX512_BF16:  # a lesser machine is being emulated
-        return False
     lib = cpu_kernels.load_library()
-    return lib is not None and bool(lib.bf16_linear_available())
+    return lib is not None and cpu_kernels.isa_cap_allows("avx512_bf16") and bool(lib.bf16_linear_available())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,8 @@ def test_prefill_chunks_on_torch_sdpa_give_the_reference_tokens(
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4, device="cpu", kernels="auto")
     backend = llm.llm_engine.runner.backend
     assert backend.name == "cpu" and backend.prefill_by_bucket[-1] == "sdpa"
-    assert "prefill attention torch SDPA from 16 rows" in llm.llm_engine.runner.kernel_choice.summary()
+    assert backend.prefill_after_prefix_by_bucket[-1] == "sdpa"
+    assert "prefill attention c 1-8, sdpa 16-2048 rows" in llm.llm_engine.runner.kernel_choice.summary()
     assert _tokens(llm) == reference_tokens
 
 
@@ -232,7 +233,9 @@ def test_the_stack_runs_where_measured_faster_and_holds_its_layout_only_then(tin
         expected = rows
     assert (choice.stack_max_rows or 0) == expected
     linears = {"stack": "bf16_c", "stack_amx": "amx_c"}
-    assert choice.stack_linears == [linears[chosen_at[rows]] for rows in sorted(chosen_at) if rows <= expected]
+    assert choice.stack_linears == [
+        linears[chosen_at[rows]] for rows in sorted(chosen_at) if rows <= expected
+    ]
     _held_layouts_match_the_choice(llm)
 
 

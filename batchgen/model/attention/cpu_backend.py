@@ -40,9 +40,9 @@ class CPUAttentionBackend(TorchAttentionBackend):
             TorchAttentionBackend._store(key, value, k_cache, v_cache, meta)
 
     # Per row bucket (`kernels.registry.ROW_BUCKETS`) of a prefill chunk without a cached prefix,
-    # and of one after a cached prefix: "c" (the C kernel) or "sdpa" (torch's SDPA, which runs
-    # oneDNN's AMX kernels where the CPU has them), measured by `batchgen.model.attention_choice`;
-    # None: the C kernel for every such chunk.
+    # and of one after a cached prefix: "c" (the C kernel), "amx" (the C kernel on AMX tiles) or
+    # "sdpa" (torch's SDPA), measured by `batchgen.model.attention_choice`; None: the C kernel for
+    # every such chunk.
     prefill_by_bucket: list[str] | None = None
     prefill_after_prefix_by_bucket: list[str] | None = None
 
@@ -75,30 +75,30 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 scale,
                 check_bounds=first_layer,
                 out=out[rows],
+                kernel=kind,
             )
 
     def _prefill_segments(self, meta: AttentionMetadata) -> list[tuple[str, slice, slice, Any]]:
-        """The step's prefill chunks as runs of consecutive sequences for one kernel call each:
-        (kind, their rows after the decodes, their sequence indices, for "c" their int32 query
-        starts from 0)."""
+        """The step's prefill chunks as runs of consecutive sequences for one call each: (kind: "c",
+        "amx" or "sdpa", their rows after the decodes, their sequence indices, for the C kernels
+        their int32 query starts from 0); an "sdpa" run is one chunk."""
         nd = meta.num_decodes
         kinds = []
         for i in range(nd, meta.num_seqs):
             qlen = meta.query_lens_cpu[i]
             fresh = qlen == meta.seq_lens_cpu[i]
             by_bucket = self.prefill_by_bucket if fresh else self.prefill_after_prefix_by_bucket
-            use_sdpa = by_bucket is not None and by_bucket[min(bucket_index(qlen), len(by_bucket) - 1)] == "sdpa"
-            kinds.append("sdpa" if use_sdpa else "c")
+            kinds.append("c" if by_bucket is None else by_bucket[min(bucket_index(qlen), len(by_bucket) - 1)])
         segments = []
         row, i = 0, 0
         while i < len(kinds):
             j = i + 1
-            while j < len(kinds) and kinds[i] == "c" == kinds[j]:
+            while j < len(kinds) and kinds[i] == kinds[j] != "sdpa":  # a kernel call takes many chunks
                 j += 1
             lengths = meta.query_lens_cpu[nd + i : nd + j]
             rows = slice(row, row + sum(lengths))
             starts = None
-            if kinds[i] == "c":
+            if kinds[i] != "sdpa":
                 starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
             segments.append((kinds[i], rows, slice(nd + i, nd + j), starts))
             row, i = rows.stop, j

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "avx512_bf16.h"
 #include "cephes_expf.h"
 
 /* Below this many elements a call runs on one thread: waking the pool costs more. */
@@ -36,44 +37,6 @@ static inline uint16_t to_bf16(float f) {
 
 static inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* AVX-512 versions of the loops below: 16 values a vector, the row's last `cols % 16` in the same
- * vector code under a mask, so a value's result never depends on where it sits in its row. The
- * conversions are the hardware's: VCVTNEPS2BF16 rounds to nearest even as `to_bf16` does (NaNs stay
- * NaNs, with another payload). */
-#include <immintrin.h>
-#define HAVE_AVX512_OPS 1
-
-static inline __mmask16 tail_mask(int remaining) {
-  return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1);
-}
-
-static inline __m512 load16(const uint16_t *p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-static inline __m256i to_bf16_16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-
-static inline void store16(uint16_t *p, __mmask16 m, __m512 v) { _mm256_mask_storeu_epi16(p, m, to_bf16_16(v)); }
-
-static inline __m512 round16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_16(v)), 16));
-}
-
-/* exp(x) for x <= 0 as `exp_nonpositive` below, 16 at a time. */
-static inline __m512 exp_nonpositive16(__m512 x) {
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(CEPHES_EXPF_MIN_ARG), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(CEPHES_EXPF_MIN_ARG));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(CEPHES_EXPF_LOG2E), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = CEPHES_EXPF_REDUCE(x, n);
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 value = _mm512_mul_ps(CEPHES_EXPF_POLY(r), _mm512_castsi512_ps(e));
-  return _mm512_maskz_mov_ps(~underflow, value);
-}
-#else
-#define HAVE_AVX512_OPS 0
-#endif
 
 /* Optionally `hidden += delta` (in place, rounded), then `out = weight * bf16(hidden * rsqrt(mean(
  * hidden^2) + eps))` with the product rounded: Hugging Face's LlamaRMSNorm (Zhang & Sennrich 2019)
@@ -84,7 +47,7 @@ void add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16_t *
 #pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
   for (int64_t r = 0; r < rows; r++) {
     uint16_t *h = hidden + r * hidden_stride;
-#if HAVE_AVX512_OPS
+#if HAVE_AVX512_BF16_OPS
     {
       const uint16_t *d = delta != NULL ? delta + r * delta_stride : NULL;
       __m512 partial = _mm512_setzero_ps();
@@ -146,7 +109,7 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, int64_t rows
   for (int64_t r = 0; r < rows; r++) {
     const uint16_t *gate = gate_up + r * gate_up_stride, *up = gate + cols;
     uint16_t *o = out + r * out_stride;
-#if HAVE_AVX512_OPS
+#if HAVE_AVX512_BF16_OPS
     for (int c = 0; c < cols; c += 16) {
       const __mmask16 m = tail_mask(cols - c);
       const __m512 x = load16(gate + c, m);
@@ -185,7 +148,7 @@ void rotary_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos, const
       const uint16_t *restrict in = x + r * x_stride + (int64_t)h * head_dim;
       uint16_t *restrict o = h < q_heads ? q_out + (r * q_heads + h) * head_dim
                                 : k_out + (r * k_heads + (h - q_heads)) * head_dim;
-#if HAVE_AVX512_OPS
+#if HAVE_AVX512_BF16_OPS
       for (int d = 0; d < half; d += 16) {
         const __mmask16 m = tail_mask(half - d);
         const __m512 lo = load16(in + d, m), hi = load16(in + half + d, m);

@@ -91,7 +91,9 @@ def test_the_decoder_stack_on_amx_linears_is_bit_identical_to_the_layers_on_them
     for name, module in list(runner.model.model.layers.named_modules()):
         if isinstance(module, Bf16Linear):
             parent, _, child = name.rpartition(".")
-            setattr(runner.model.model.layers.get_submodule(parent), child, AmxLinear(module.packed_weight, None))
+            setattr(
+                runner.model.model.layers.get_submodule(parent), child, AmxLinear(module.packed_weight, None)
+            )
     stack.linear_by_bucket = ["amx_c"]
     seqs = step_inputs([(0, 0, 3), (4, 0, 17), (8, 0, 40)])
     before = [t.clone() for pair in runner.kv_caches for t in pair]

@@ -288,8 +288,8 @@ def plan_command(**values: Any) -> None:
     as_json = values.pop("json_output")
 
     def plan(options: JobOptions, summary_json: str | None) -> None:
+        from batchgen.jobs.formats import JobInputError
         from batchgen.jobs.plan import format_plan, plan_job
-        from batchgen.jobs.reader import JobInputError
 
         try:
             result = plan_job(options, progress=True)
@@ -379,7 +379,7 @@ def _exit_code(summary: JobSummary) -> int:
 def _run_with_stop_handlers(
     options: JobOptions, summary_json: str | None = None, scale_out: ReplicaOptions | None = None
 ) -> None:
-    from batchgen.jobs.reader import JobInputError
+    from batchgen.jobs.formats import JobInputError
     from batchgen.jobs.runner import run_job
 
     last_signal = [signal.SIGINT]

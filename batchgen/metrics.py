@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.jobs.reader import JobInputError
+from batchgen.jobs.formats import JobInputError
 
 PREFIX = "batchgen:"
 # vLLM's bucket edges (seconds, or tokens per step).

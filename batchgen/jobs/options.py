@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.config import EngineConfig
-from batchgen.jobs.formats import JOB_FILE_SUFFIXES, JSONL_SUFFIXES
-from batchgen.jobs.reader import JobInputError
-from batchgen.jobs.row_sampling import LOGPROB_COLUMNS
-from batchgen.jobs.writer import RESERVED_COLUMNS
+from batchgen.jobs.formats import JOB_FILE_SUFFIXES, JSONL_SUFFIXES, JobInputError
+from batchgen.jobs.schema import LOGPROB_COLUMNS, RESERVED_COLUMNS
 from batchgen.metrics import MetricsOptions
 
 TRUNCATE_SIDES = ("left", "right")

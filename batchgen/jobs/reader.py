@@ -13,9 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen.jobs.formats import (  # noqa: F401  (re-exported: the reader's public names)
-    FORMATS_HELP,
-    SNIFF_LINES,
+from batchgen.jobs.formats import (
     JobInputError,
     check_hub_reachable,
     detect_format,

@@ -58,9 +58,6 @@ UNAPPLIED_REASONS = {
 # vLLM and OpenAI's completions API take `logprobs: K`; OpenAI's chat API takes `logprobs: true`
 # with `top_logprobs: K`.
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")
-# The output columns that hold them (`batchgen.jobs.writer.LOGPROB_SCHEMA`). A job that keeps an
-# input column of one of these names as data writes no log probabilities.
-LOGPROB_COLUMNS = ("cumulative_logprob", "logprobs")
 # A row's explicit "no log probabilities" (`logprobs: false`), which overrides `--logprobs`
 # where null takes it; `RowSampling` turns it into `SamplingParams.logprobs=None`.
 LOGPROBS_OFF = "off"

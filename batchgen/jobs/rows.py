@@ -15,7 +15,6 @@ from typing import Any
 from batchgen.jobs.formats import LONE_SURROGATE, check_messages, is_utf8, text_error
 from batchgen.jobs.json_lines import to_json
 from batchgen.jobs.row_sampling import (
-    LOGPROB_COLUMNS,
     LOGPROB_FIELDS,
     SAMPLING_COLUMNS,
     UNAPPLIED_COLUMNS,
@@ -25,6 +24,7 @@ from batchgen.jobs.row_sampling import (
     stable_hash,
     unapplied_field_error,
 )
+from batchgen.jobs.schema import LOGPROB_COLUMNS
 from batchgen.sampling_params import SamplingParams
 
 # Duplicate ids of a plain job: warned about at most this many times, among the ids of this many rows.

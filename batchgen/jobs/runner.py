@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.protocol import Engine
+from batchgen.jobs.formats import JobInputError
 from batchgen.jobs.options import (
     JobOptions,
     JobSummary,
@@ -29,7 +30,7 @@ from batchgen.jobs.options import (
     flag_hint,
     output_format,
 )
-from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions
+from batchgen.jobs.reader import JobReader, ReaderOptions
 from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
 from batchgen.jobs.resume import make_header, prepare_output, remove_earlier_output
 from batchgen.jobs.token_bytes import TokenBytes

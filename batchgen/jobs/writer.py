@@ -30,66 +30,18 @@ from batchgen.jobs.resume import (
     delete_parts_dir,
     write_header_sidecar,
 )
+from batchgen.jobs.schema import (
+    CHOICES_COLUMN,
+    INTERNAL_SCHEMA,
+    LOGPROB_SCHEMA,
+    OUTPUT_SCHEMA,
+    choices_type,
+    logprob_fields,
+)
 
-OUTPUT_SCHEMA = pa.schema(
-    [
-        ("row_index", pa.int64()),
-        ("id", pa.string()),
-        ("output", pa.string()),
-        ("finish_reason", pa.string()),
-        ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()),
-        ("error", pa.string()),
-        ("ttft_s", pa.float64()),
-        ("latency_s", pa.float64()),
-    ]
-)
-# Generated tokens' log probabilities (`--logprobs`, a row's `logprobs`): in every part, and in the
-# final output when some row asked for them (`batchgen.jobs.requests.token_logprobs` builds a value).
-_TOKEN_LOGPROB = [
-    ("token_id", pa.int32()),
-    ("token", pa.string()),
-    ("bytes", pa.binary()),
-    ("logprob", pa.float32()),
-]
-LOGPROBS_TYPE = pa.list_(pa.struct([*_TOKEN_LOGPROB, ("top_logprobs", pa.list_(pa.struct(_TOKEN_LOGPROB)))]))
-LOGPROB_SCHEMA = pa.schema([("cumulative_logprob", pa.float64()), ("logprobs", LOGPROBS_TYPE)])
-# Kept in parts only: resume identity and what OpenAI output lines need, among which the
-# completions after the first of a line with n > 1 (`batchgen.jobs.requests.output_result`).
-MORE_CHOICES_TYPE = pa.list_(
-    pa.struct(
-        [
-            ("output", pa.string()),
-            ("finish_reason", pa.string()),
-            ("completion_tokens", pa.int64()),
-            *LOGPROB_SCHEMA,
-        ]
-    )
-)
-INTERNAL_SCHEMA = pa.schema(
-    [
-        ("row_hash", pa.int64()),
-        ("endpoint", pa.string()),
-        ("created", pa.int64()),
-        ("more_choices", MORE_CHOICES_TYPE),
-    ]
-)
-# The final output's column of every completion of each row, in the Parquet and JSON-lines outputs
-# of a job where some row asks for n > 1 (`choices_type`); OpenAI batch output has its own choices.
-CHOICES_COLUMN = "choices"
-# Names --keep-columns may not take. The LOGPROB_SCHEMA names may be kept (as before batchgen wrote
-# log probabilities): such a job writes none (`logprob_fields`).
-RESERVED_COLUMNS = frozenset(OUTPUT_SCHEMA.names) | frozenset(INTERNAL_SCHEMA.names) | {CHOICES_COLUMN}
 # Log-probability entries (a generated token or one of its alternatives) buffered before a commit
 # is due whatever the row count: each is a small dict, a few hundred bytes of Python objects.
 MAX_BUFFERED_LOGPROBS = 250_000
-OUTPUT_FORMATS = ("parquet", "jsonl", "openai")
-
-
-def logprob_fields(keep_columns: tuple[str, ...]) -> list[pa.Field]:
-    """The LOGPROB_SCHEMA fields a job's parts carry: none when a kept input column has one of
-    their names (its rows then ask for no log probabilities, `batchgen.jobs.rows.RowParser`)."""
-    return [] if set(keep_columns) & set(LOGPROB_SCHEMA.names) else list(LOGPROB_SCHEMA)
 
 
 def _keep_array(values: list[Any]) -> pa.Array:
@@ -225,14 +177,6 @@ def has_choices(paths: list[str], header: dict[str, Any]) -> bool:
             if column.null_count < len(column):
                 return True
     return False
-
-
-def choices_type(logprobs: bool) -> pa.DataType:
-    """The `choices` column: per row, its completions in sample order (the first is the one in
-    `output`), each {output, finish_reason, completion_tokens} and, with `logprobs`, its
-    {cumulative_logprob, logprobs}; null for an error row."""
-    fields = [("output", pa.string()), ("finish_reason", pa.string()), ("completion_tokens", pa.int64())]
-    return pa.list_(pa.struct(fields + (list(LOGPROB_SCHEMA) if logprobs else [])))
 
 
 def _choices_array(t: pa.Table, logprobs: bool) -> pa.Array:

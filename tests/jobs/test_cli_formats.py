@@ -421,7 +421,7 @@ def test_output_suffixes_are_matched_in_any_case():
     assert (
         output_format("OUT.JSONL", "jsonl") == "jsonl" and output_format("OUT.PARQUET", "jsonl") == "parquet"
     )
-    from batchgen.jobs.reader import JobInputError
+    from batchgen.jobs.formats import JobInputError
 
     with pytest.raises(JobInputError, match=r"\.jsonl, \.ndjson or \.json"):
         check_output_path("out.csv", "in.jsonl")

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.dashboard import Dashboard
+from batchgen.jobs.formats import JobInputError
 from batchgen.jobs.json_lines import openai_record
 from batchgen.jobs.manifest import Manifest
-from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.resume import make_header, parts_dir_for, prepare_output
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.jobs.window import LookaheadWindow

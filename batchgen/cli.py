@@ -22,7 +22,7 @@ import typer
 
 from batchgen import cli_types as opt
 from batchgen.bench.cli import bench_command
-from batchgen.config import POLICIES, EngineConfig
+from batchgen.config import POLICY_NAMES, EngineConfig
 from batchgen.stop_signals import STOP_SIGNALS
 from batchgen.tune import tune_command
 
@@ -141,7 +141,7 @@ def run_command(
         ),
     ] = None,
     # --- scheduling ---
-    policy: Annotated[str, typer.Option(help=opt.choices(POLICIES))] = "fcfs",
+    policy: Annotated[str, typer.Option(help=opt.choices(POLICY_NAMES))] = "fcfs",
     window: Annotated[
         int, typer.Option(help="Look-ahead window in rows (the policy orders inside it)")
     ] = 1024,

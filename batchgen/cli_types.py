@@ -20,6 +20,7 @@ from batchgen.config import (
     DEVICES,
     DTYPES,
     KERNEL_MODES,
+    MAX_THROUGHPUT,
     PREEMPTION_MODES,
     parse_memory_size,
 )
@@ -152,7 +153,7 @@ def inert_options(engine: dict[str, Any], given: set[str], policy: str) -> list[
     """
     messages = []
     policies = {p.strip() for p in policy.split(",") if p.strip()}
-    if "aging_steps" in given and "max-throughput" not in policies:
+    if "aging_steps" in given and MAX_THROUGHPUT not in policies:
         messages.append(
             f"--aging-steps applies only to --policy max-throughput (this run: {policy}); it is ignored"
         )

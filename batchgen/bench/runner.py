@@ -58,7 +58,7 @@ from batchgen.bench.vllm_baseline import (
     run_vllm,
 )
 from batchgen.bench.workloads import Workload
-from batchgen.config import POLICIES, EngineConfig
+from batchgen.config import MAX_THROUGHPUT, POLICY_NAMES, EngineConfig
 
 MODES = ("continuous", "static")
 BASELINES = ("hf-static", "hf-cb", "vllm")
@@ -102,7 +102,7 @@ class BenchSettings:
     def __post_init__(self) -> None:
         for name, values, allowed in (
             ("mode", self.modes, MODES),
-            ("policy", self.policies, POLICIES),
+            ("policy", self.policies, POLICY_NAMES),
             ("baselines", self.baselines, BASELINES),
         ):
             bad = [v for v in values if v not in allowed]
@@ -389,7 +389,7 @@ def _run_one(
     if plan.kind in MODES:
         engine = factory(engine_config_for(settings, plan))
         if plan.kind == "continuous":
-            aging = settings.engine.aging_steps if plan.policy == "max-throughput" else None
+            aging = settings.engine.aging_steps if plan.policy == MAX_THROUGHPUT else None
             result = run_continuous(engine, workload, plan.name, plan.policy or "fcfs", aging, monitor)
         else:
             result = run_static(engine, workload, settings.static_batch_size, pad, plan.name, monitor)

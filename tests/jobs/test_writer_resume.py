@@ -60,6 +60,42 @@ def test_window_max_throughput_shortest_first_with_aging():
         LookaheadWindow("lifo", 3)
 
 
+def test_window_pops_as_the_engine_policy_admits():
+    """The window orders rows by the engine's policy classes (one entry per configured name); the
+    orders below are the ones the window's own earlier string branches gave for these rows."""
+    from batchgen.config import POLICY_NAMES
+    from batchgen.engine.policy import POLICIES
+
+    assert tuple(POLICIES) == POLICY_NAMES
+    work = [40, 3, 17, 3, 90, 1, 8, 60, 2, 2, 5, 70, 4, 1, 33, 6]
+    expected = {
+        "fcfs": list(range(16)),
+        "max-throughput": [1, 3, 5, 6, 0, 2, 4, 8, 7, 9, 13, 10, 11, 12, 15, 14],
+        "priority": [1, 3, 4, 0, 7, 5, 2, 6, 11, 12, 13, 14, 15, 8, 9, 10],
+    }
+    for policy in POLICY_NAMES:
+        w = LookaheadWindow(policy, 4)
+        order = []
+        for i, units in enumerate(work):
+            w.push(i, work=units, priority=units % 3)
+            if w.full:
+                order.append(w.pop())
+        assert order + drain(w) == expected[policy], policy
+
+
+def test_window_queue_stays_the_size_of_what_it_holds():
+    """Rows served by aging leave dead entries in the work heap (and rows served by work, in the
+    age heap); a long job must not pile them up."""
+    w = LookaheadWindow("max-throughput", 4)
+    for i in range(20_000):
+        w.push(i, work=1000 if i % 5 == 0 else 1)  # every fifth row is long: it ages out
+        if w.full:
+            w.pop()
+    queue = w._queue
+    # compacted at a push past twice the rows held (4) plus 16
+    assert len(queue) == 3 and len(queue.heap) <= 2 * 4 + 16 and len(queue.by_age) <= 2 * 4 + 16
+
+
 # ----- writer + manifest -----
 
 

@@ -23,6 +23,7 @@ import typer
 from batchgen import cli_types as opt
 from batchgen.bench.cli import bench_command
 from batchgen.config import POLICY_NAMES, EngineConfig
+from batchgen.sampling_params import SamplingDefaults
 from batchgen.stop_signals import STOP_SIGNALS
 from batchgen.tune import tune_command
 
@@ -95,51 +96,22 @@ def run_command(
             "(chat prompts are cut inside the message text; the template stays whole)",
         ),
     ] = None,
-    # --- sampling defaults (row columns override) ---
-    max_tokens: Annotated[int, typer.Option(help="Most tokens generated per row")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    top_k: Annotated[int, typer.Option(help="0 or -1 = off")] = 0,
-    seed: Annotated[int | None, typer.Option(help="Per-request sampling seed")] = None,
-    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")] = None,
-    stop_token_ids: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Token ids that end a row, besides EOS (comma-separated or repeated)", metavar="IDS"
-        ),
-    ] = None,
-    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p x the top token's probability")] = 0.0,
-    min_tokens: Annotated[
-        int, typer.Option(help="EOS and stop token ids count only after this many tokens")
-    ] = 0,
-    ignore_eos: Annotated[
-        bool, typer.Option("--ignore-eos", help="Generate past EOS up to max_tokens")
-    ] = False,
-    n: Annotated[
-        int,
-        typer.Option(
-            "--n",
-            help="Completions per row (vLLM's n): all n in a 'choices' column, the first also in "
-            "'output' (OpenAI batch output: the line's choices)",
-        ),
-    ] = 1,
-    presence_penalty: Annotated[
-        float, typer.Option(help="Subtracted from generated tokens' logits, [-2, 2]")
-    ] = 0.0,
-    frequency_penalty: Annotated[
-        float, typer.Option(help="Subtracted per repeat of a generated token, [-2, 2]")
-    ] = 0.0,
-    repetition_penalty: Annotated[
-        float, typer.Option(help="Divides logits of prompt and output tokens (HF/vLLM), 1 = off")
-    ] = 1.0,
-    logprobs: Annotated[
-        int | None,
-        typer.Option(
-            help="Write each generated token's log probability and its K most likely alternatives "
-            "(0-20, vLLM's logprobs) in a 'logprobs' column (OpenAI batch output: choices' logprobs)",
-            metavar="K",
-        ),
-    ] = None,
+    # --- sampling defaults (row columns override; declared in cli_types, defaults in SamplingDefaults) ---
+    max_tokens: opt.MaxTokens = SamplingDefaults.max_tokens,
+    temperature: opt.Temperature = SamplingDefaults.temperature,
+    top_p: opt.TopP = SamplingDefaults.top_p,
+    top_k: opt.TopK = SamplingDefaults.top_k,
+    seed: opt.Seed = SamplingDefaults.seed,
+    stop: opt.Stop = None,
+    stop_token_ids: opt.StopTokenIds = None,
+    min_p: opt.MinP = SamplingDefaults.min_p,
+    min_tokens: opt.MinTokens = SamplingDefaults.min_tokens,
+    ignore_eos: opt.IgnoreEos = SamplingDefaults.ignore_eos,
+    n: opt.N = SamplingDefaults.n,
+    presence_penalty: opt.PresencePenalty = SamplingDefaults.presence_penalty,
+    frequency_penalty: opt.FrequencyPenalty = SamplingDefaults.frequency_penalty,
+    repetition_penalty: opt.RepetitionPenalty = SamplingDefaults.repetition_penalty,
+    logprobs: opt.Logprobs = SamplingDefaults.logprobs,
     # --- scheduling ---
     policy: Annotated[str, typer.Option(help=opt.choices(POLICY_NAMES))] = "fcfs",
     window: Annotated[
@@ -212,68 +184,72 @@ def run_command(
     ] = 1.0,
 ) -> None:
     """Run a job file through the engine into an output file; rerun the same command to resume."""
-    from batchgen.jobs.runner import JobOptions
-    from batchgen.metrics import MetricsOptions
-
-    engine = opt.engine_options(locals())
-    # A name given twice is kept once (dict keys keep the first order).
-    keep = tuple(
-        dict.fromkeys(c.strip() for item in keep_columns or () for c in item.split(",") if c.strip())
-    )
-    resume_args = [a for a in sys.argv[1:] if a != "--overwrite"]
-    options = JobOptions(
-        input=input,
-        output=output,
-        overwrite=overwrite,
-        strict=strict,
-        prompt_column=prompt_column,
-        messages_column=messages_column,
-        id_column=id_column,
-        template=template,
-        system_prompt=system_prompt,
-        chat_template=not no_chat_template,
-        keep_columns=keep,
-        limit=limit,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=tuple(stop or ()),
-        stop_token_ids=_token_ids(stop_token_ids),
-        min_p=min_p,
-        min_tokens=min_tokens,
-        ignore_eos=ignore_eos,
-        n=n,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty,
-        logprobs=logprobs,
-        truncate_prompt=truncate_prompt,
-        policy=policy,
-        window=window,
-        engine=engine,
-        commit_rows=commit_every,
-        commit_seconds=commit_interval,
-        dashboard=not no_dashboard,
-        progress_interval=progress_interval,
-        resume_command="batchgen " + shlex.join(resume_args),
-        metrics=MetricsOptions(port=metrics_port, host=metrics_host, file=metrics_file),
-    )
-    scale_out = None
-    if replicas > 1 or ray_address is not None:
-        from batchgen.distributed.pool import ReplicaOptions  # imports no Ray
-
-        try:
-            scale_out = ReplicaOptions(replicas, ray_address, cpus_per_replica, gpus_per_replica)
-        except ValueError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
+    options = _job_options(locals())
+    scale_out = _scale_out(replicas, ray_address, cpus_per_replica, gpus_per_replica)
     action = _job_action.get()  # `batchgen plan` plans the rows wherever they would run
     if action is not None:
         action(options, summary_json)
     else:
         _run_and_exit(options, summary_json, scale_out)
+
+
+def _job_options(values: dict[str, Any]) -> JobOptions:
+    """`JobOptions` from `run_command`'s parameters (`locals()`): the engine and sampling options
+    through their collectors (`cli_types`), `--keep-columns` comma lists split, and the command
+    that resumes this run (the same arguments without `--overwrite`)."""
+    from batchgen.jobs.options import JobOptions
+    from batchgen.metrics import MetricsOptions
+
+    # A name given twice is kept once (dict keys keep the first order).
+    keep = tuple(
+        dict.fromkeys(
+            c.strip() for item in values["keep_columns"] or () for c in item.split(",") if c.strip()
+        )
+    )
+    resume_args = [a for a in sys.argv[1:] if a != "--overwrite"]
+    return JobOptions(
+        input=values["input"],
+        output=values["output"],
+        overwrite=values["overwrite"],
+        strict=values["strict"],
+        prompt_column=values["prompt_column"],
+        messages_column=values["messages_column"],
+        id_column=values["id_column"],
+        template=values["template"],
+        system_prompt=values["system_prompt"],
+        chat_template=not values["no_chat_template"],
+        keep_columns=keep,
+        limit=values["limit"],
+        truncate_prompt=values["truncate_prompt"],
+        policy=values["policy"],
+        window=values["window"],
+        engine=opt.engine_options(values),
+        commit_rows=values["commit_every"],
+        commit_seconds=values["commit_interval"],
+        dashboard=not values["no_dashboard"],
+        progress_interval=values["progress_interval"],
+        resume_command="batchgen " + shlex.join(resume_args),
+        metrics=MetricsOptions(
+            port=values["metrics_port"], host=values["metrics_host"], file=values["metrics_file"]
+        ),
+        **opt.sampling_options(values),
+    )
+
+
+def _scale_out(
+    replicas: int, ray_address: str | None, cpus_per_replica: float, gpus_per_replica: float
+) -> ReplicaOptions | None:
+    """The Ray replicas a run asked for (`--replicas` above 1 or a `--ray-address`); None: this
+    process runs the job. A bad value stops the command with exit 2."""
+    if replicas <= 1 and ray_address is None:
+        return None
+    from batchgen.distributed.pool import ReplicaOptions  # imports no Ray
+
+    try:
+        return ReplicaOptions(replicas, ray_address, cpus_per_replica, gpus_per_replica)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 # `batchgen plan` takes exactly `run`'s options: it calls `run_command` with this set to the plan.
@@ -317,27 +293,6 @@ plan_command.__signature__ = _run_signature.replace(  # type: ignore[attr-define
 )
 plan_command.__annotations__ = {p.name: p.annotation for p in plan_command.__signature__.parameters.values()}
 app.command("plan")(plan_command)
-
-
-def _token_ids(values: list[str] | None) -> tuple[int, ...]:
-    """`--stop-token-ids` values (each a comma list) as token ids.
-
-    Raises:
-        typer.BadParameter: a value that is not a whole number (a usage error, exit 2).
-    """
-    ids = []
-    for item in values or ():
-        for part in item.split(","):
-            if not part.strip():
-                continue
-            try:
-                ids.append(int(part))
-            except ValueError:
-                raise typer.BadParameter(
-                    f"{part.strip()!r} is not a token id; give whole numbers, e.g. --stop-token-ids 2,13",
-                    param_hint="--stop-token-ids",
-                ) from None
-    return tuple(ids)
 
 
 def _run_and_exit(

@@ -2,9 +2,9 @@
 
 `OUTPUT_SCHEMA` is what every output row has; `LOGPROB_SCHEMA` is added when a row asked for log
 probabilities and `CHOICES_COLUMN` when a row asked for n > 1 completions; `INTERNAL_SCHEMA` is kept
-in the committed parts only (resume identity and what OpenAI batch output lines need). The writer
-(`batchgen.jobs.writer`) builds parts and the final file from these; the options check
-(`batchgen.jobs.options`) refuses `--keep-columns` names in `RESERVED_COLUMNS`.
+in the committed parts only (resume identity and what OpenAI batch output lines need). The parts
+(`batchgen.jobs.writer`) and the final file (`batchgen.jobs.final_output`) are built from these;
+the options check (`batchgen.jobs.options`) refuses `--keep-columns` names in `RESERVED_COLUMNS`.
 """
 
 from __future__ import annotations

@@ -426,8 +426,8 @@ def test_error_rows_are_summarised_and_a_job_of_only_errors_exits_3(tmp_path, ti
 
 
 def test_error_rows_are_counted_in_every_output_format(tmp_path):
+    from batchgen.jobs.final_output import count_output_errors
     from batchgen.jobs.json_lines import openai_record, to_json
-    from batchgen.jobs.writer import count_output_errors
 
     base = {"row_hash": 7, "endpoint": "chat", "created": 0, "output": "hi", "prompt_tokens": 3}
     rows = [

@@ -313,9 +313,10 @@ def test_parts_without_logprob_columns_are_read_as_nulls(tmp_path):
     them: its rows get nulls."""
     import pyarrow as pa
 
+    from batchgen.jobs.final_output import finalize_output
     from batchgen.jobs.resume import make_header, prepare_output
     from batchgen.jobs.schema import OUTPUT_SCHEMA
-    from batchgen.jobs.writer import PartWriter, finalize_output
+    from batchgen.jobs.writer import PartWriter
 
     header = make_header({"path": "/x", "size": 1}, "tiny", {"sampling": {"logprobs": 1}})
     out = str(tmp_path / "o.parquet")

@@ -12,13 +12,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.dashboard import Dashboard
+from batchgen.jobs.final_output import finalize_output
 from batchgen.jobs.formats import JobInputError
 from batchgen.jobs.json_lines import openai_record
 from batchgen.jobs.manifest import Manifest
 from batchgen.jobs.resume import make_header, parts_dir_for, prepare_output
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.jobs.window import LookaheadWindow
-from batchgen.jobs.writer import PartWriter, finalize_output
+from batchgen.jobs.writer import PartWriter
 from tests.jobs.fake_engine import fake_factory
 
 COMPARED = ["row_index", "id", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error"]
@@ -313,7 +314,7 @@ def test_finished_jsonl_output_rerun_is_already_complete(tmp_path):
 
 
 def test_a_failed_final_assembly_leaves_no_temp_file_and_keeps_the_parts(tmp_path, monkeypatch):
-    import batchgen.jobs.writer as writer_module
+    import batchgen.jobs.final_output as final_output_module
 
     opts = JobOptions(job_file(tmp_path), engine={"max_num_seqs": 4}, commit_rows=7)
 
@@ -321,7 +322,7 @@ def test_a_failed_final_assembly_leaves_no_temp_file_and_keeps_the_parts(tmp_pat
         raise OSError("disk full")
         yield  # a generator, as the real one
 
-    monkeypatch.setattr(writer_module, "iter_ordered_chunks", broken)
+    monkeypatch.setattr(final_output_module, "iter_ordered_chunks", broken)
     with pytest.raises(OSError, match="disk full"):
         run(opts)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.jsonl", "job.out.parquet.parts"]
@@ -687,7 +688,7 @@ def test_a_second_signal_goes_to_the_handler_that_was_there_before():
     SIGTERM arrives during the job loop."""
     import signal
 
-    from batchgen.jobs.runner import _Interrupt
+    from batchgen.jobs.interrupt import Interrupt
 
     seen = []
 
@@ -697,7 +698,7 @@ def test_a_second_signal_goes_to_the_handler_that_was_there_before():
 
     previous = signal.signal(signal.SIGTERM, before)
     try:
-        with _Interrupt() as interrupt:
+        with Interrupt() as interrupt:
             os.kill(os.getpid(), signal.SIGTERM)
             assert interrupt.requested and interrupt.signum == signal.SIGTERM and not seen
             with pytest.raises(KeyboardInterrupt):
@@ -713,9 +714,9 @@ def test_signals_during_a_commit_are_only_recorded():
     the run to stop, however many arrive."""
     import signal
 
-    from batchgen.jobs.runner import _Interrupt
+    from batchgen.jobs.interrupt import Interrupt
 
-    with _Interrupt() as interrupt:
+    with Interrupt() as interrupt:
         with interrupt.shielded():
             for _ in range(3):
                 os.kill(os.getpid(), signal.SIGINT)

@@ -23,6 +23,7 @@ from batchgen.jobs.formats import (
     parse_hf_reference,
     sniff_jsonl,
 )
+from batchgen.jobs.openai_rows import OpenAIRowParser
 from batchgen.jobs.row_sampling import LOGPROB_FIELDS, SAMPLING_COLUMNS, UNAPPLIED_COLUMNS
 from batchgen.jobs.rows import JobRow, RowParser
 
@@ -78,13 +79,12 @@ class JobReader:
             self._resolve_schema()
         else:
             self._refuse_schema_options()
-        self.parser = RowParser(
-            self.options,
-            self.prompt_column,
-            self.messages_column,
-            self.id_column,
-            self.template_fields,
-            row_index_ids=self.format != "openai",
+        self.parser: RowParser = (
+            OpenAIRowParser(self.options)
+            if self.format == "openai"
+            else RowParser(
+                self.options, self.prompt_column, self.messages_column, self.id_column, self.template_fields
+            )
         )
 
     # ----- schema -----
@@ -296,12 +296,11 @@ class JobReader:
     def _rows(self) -> Iterator[JobRow]:
         parser = self.parser
         parser.start()
-        make = parser.openai_row if self.format == "openai" else parser.plain_row
         for row_index, (line_number, rec, err) in enumerate(self._records()):
             if err is not None:
                 yield parser.error_row(row_index, line_number, parser.salvaged_id(rec), err, raw=err)
             else:
-                yield make(row_index, line_number, rec)
+                yield parser.row(row_index, line_number, rec)
 
     def _records(self) -> Iterator[tuple[int | None, dict | None, str | None]]:
         if self.format in FILE_FORMATS:

@@ -209,10 +209,7 @@ def run_job(
     metrics: JobMetrics | NullMetrics = NullMetrics()
     try:
         total = reader.count_rows()
-        if dashboard is None:
-            from batchgen.dashboard import Dashboard
-
-            dashboard = Dashboard(total, live=options.dashboard, interval=options.progress_interval)
+        dashboard = _default_dashboard(options, total) if dashboard is None else dashboard
         summary = JobSummary(output, total or 0, rows_resumed=len(state.committed))
         if len(state.committed):
             dashboard.log(f"resuming: {len(state.committed)} rows already committed in {state.parts_dir}")
@@ -251,6 +248,13 @@ def run_job(
     finally:
         metrics.close()  # the file's last write holds the final counts
         state.release()
+
+
+def _default_dashboard(options: JobOptions, total: int | None) -> Any:
+    """The Rich live view on a terminal (unless `--no-dashboard`), else periodic progress lines."""
+    from batchgen.dashboard import Dashboard
+
+    return Dashboard(total, live=options.dashboard, interval=options.progress_interval)
 
 
 def _run_rows(

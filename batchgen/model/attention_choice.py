@@ -52,29 +52,9 @@ def tune_prefill_attention(
     def data(rows: int) -> dict[str, torch.Tensor]:
         if rows not in prepared:
             prepared.clear()
-            per_seq = -(-rows // block_size)
-            tokens = _CHUNKS * rows
-            q = torch.randn(tokens, num_heads, head_dim, generator=generator).to(dtype)
-            k = torch.randn(tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
-            v = torch.randn(tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
-            tables = torch.randperm(_CHUNKS * per_seq, generator=generator).view(_CHUNKS, per_seq)
-            shape = (_CHUNKS * per_seq, block_size, num_kv_heads, head_dim)
-            k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-            position = torch.arange(rows)
-            for chunk in range(_CHUNKS):
-                slots = tables[chunk, position // block_size] * block_size + position % block_size
-                k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[chunk * rows : (chunk + 1) * rows]
-                v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[chunk * rows : (chunk + 1) * rows]
-            prepared[rows] = {
-                "q": q,
-                "k": k,
-                "v": v,
-                "k_cache": k_cache,
-                "v_cache": v_cache,
-                "tables": tables.to(torch.int32),
-                "seq_lens": torch.full((_CHUNKS,), rows, dtype=torch.int32),
-                "starts": torch.arange(0, tokens + 1, rows, dtype=torch.int32),
-            }
+            prepared[rows] = _prefill_chunks(
+                rows, num_heads, num_kv_heads, head_dim, dtype, block_size, generator
+            )
         return prepared[rows]
 
     def c_kernel(rows: int):
@@ -115,6 +95,44 @@ def tune_prefill_attention(
         prune=False,  # SDPA loses short chunks by its per-call cost and may win long ones
     )
     return [chosen[rows] for rows in buckets]
+
+
+def _prefill_chunks(
+    rows: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    generator: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """`_CHUNKS` random prompt chunks of `rows` tokens each: queries `q` `[_CHUNKS x rows, num_heads,
+    head_dim]` and keys / values `k`, `v` `[_CHUNKS x rows, num_kv_heads, head_dim]`, the same K/V
+    written into a paged cache (`k_cache`, `v_cache`) at blocks in shuffled order (`tables`), and
+    the kernel's `seq_lens` and query `starts`."""
+    per_seq = -(-rows // block_size)
+    tokens = _CHUNKS * rows
+    q = torch.randn(tokens, num_heads, head_dim, generator=generator).to(dtype)
+    k = torch.randn(tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    tables = torch.randperm(_CHUNKS * per_seq, generator=generator).view(_CHUNKS, per_seq)
+    shape = (_CHUNKS * per_seq, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    position = torch.arange(rows)
+    for chunk in range(_CHUNKS):
+        slots = tables[chunk, position // block_size] * block_size + position % block_size
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[chunk * rows : (chunk + 1) * rows]
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[chunk * rows : (chunk + 1) * rows]
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "tables": tables.to(torch.int32),
+        "seq_lens": torch.full((_CHUNKS,), rows, dtype=torch.int32),
+        "starts": torch.arange(0, tokens + 1, rows, dtype=torch.int32),
+    }
 
 
 # Context tokens of each sequence in the timed decode steps: about a long-tail job's median.

@@ -1,9 +1,9 @@
 """The machine's matmul rate and memory bandwidth, measured between a bench's runs.
 
-On a shared machine the matmul rate moves by a factor of about 2 within minutes (see
-docs/benchmarks.md), so the rates are measured before the first run and again after every run: each
-run's share of the ceiling is taken against the rates measured on either side of it, and the
-headline ceiling (and every run's comparable roofline) against the median of all the measurements.
+On a shared machine the matmul rate moves within minutes (measured: docs/benchmarks.md), so the
+rates are measured before the first run and again after every run: each run's share of the ceiling
+is taken against the rates measured on either side of it, and the headline ceiling (and every run's
+comparable roofline) against the median of all the measurements.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ class BenchSettings:
             machine hits every configuration alike; the report shows each configuration's median
             run by wall time and lists every run's wall time.
         warmup_run: run the first batchgen configuration once, untimed, before the timed runs.
-            The process's one-time costs (oneDNN generates a kernel for each new batch shape, about
-            1-9 ms each; allocator growth) otherwise land on whichever configuration runs first:
-            it took about 15% longer than later runs of the same configuration.
+            The process's one-time costs (oneDNN generates a kernel for each new batch shape;
+            allocator growth) otherwise land on whichever configuration runs first (measured:
+            docs/benchmarks.md).
         vllm_python: the interpreter of a virtual environment with vLLM (baseline `vllm` only).
         vllm_timeout_s: stop a vLLM run after this many seconds (None = never).
     """

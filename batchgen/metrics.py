@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.jobs.reader import JobInputError
+from batchgen.jobs.formats import JobInputError
 
 PREFIX = "batchgen:"
 # vLLM's bucket edges (seconds, or tokens per step).
@@ -63,6 +63,77 @@ def _import_prometheus() -> Any:
     return prometheus_client
 
 
+def _families(prom: Any, registry: Any) -> dict[str, Any]:
+    """The job's metric families in `registry`, each with a `model_name` label, by short key.
+    Names, meanings and histogram buckets are vLLM's (module docstring)."""
+    labels = ("model_name",)
+
+    def gauge(name: str, doc: str) -> Any:
+        return prom.Gauge(PREFIX + name, doc, labels, registry=registry)
+
+    def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+        return prom.Counter(PREFIX + name, doc, labels + extra, registry=registry)
+
+    def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+        return prom.Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=registry)
+
+    # prometheus_client adds `_total` to counter names in the exposition.
+    return {
+        "running": gauge("num_requests_running", "Requests in the engine's running batch."),
+        "waiting": gauge("num_requests_waiting", "Requests in the engine's waiting queue."),
+        "swapped": gauge("num_requests_swapped", "Requests swapped out to CPU swap space."),
+        "kv": gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by live requests (0-1)."),
+        "hit_rate": gauge(
+            "prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up, since start."
+        ),
+        "job_rows": gauge("job_rows", "Rows in the job file (NaN when it cannot be counted up front)."),
+        "rows_resumed": gauge("rows_resumed", "Rows committed by earlier runs of this job."),
+        "prompt": counter("prompt_tokens", "Prefill tokens computed (prefix-cache hits excluded)."),
+        "generation": counter("generation_tokens", "Tokens generated."),
+        "preemptions": counter("num_preemptions", "Preemptions of running requests."),
+        "pc_queries": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+        "pc_hits": counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+        "committed": counter(
+            "rows_committed", "Rows committed to part files by this run (error rows included)."
+        ),
+        "errored": counter("rows_errored", "Rows that finished as error rows in this run."),
+        "success": counter(
+            "request_success", "Requests finished, by finish reason.", extra=("finished_reason",)
+        ),
+        "ttft": histogram(
+            "time_to_first_token_seconds",
+            "Time from a request's arrival in the engine to its first token.",
+            TTFT_BUCKETS,
+        ),
+        "tpot": histogram(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token after the first, one observation per request.",
+            TOKEN_LATENCY_BUCKETS,
+        ),
+        "e2e": histogram(
+            "e2e_request_latency_seconds",
+            "Time from a request's arrival in the engine to its last token.",
+            REQUEST_LATENCY_BUCKETS,
+        ),
+        "queue": histogram(
+            "request_queue_time_seconds",
+            "Time a request waited in the engine before its first step.",
+            REQUEST_LATENCY_BUCKETS,
+        ),
+        "step_time": histogram(
+            "engine_step_duration_seconds", "Wall time of one engine step.", TOKEN_LATENCY_BUCKETS
+        ),
+        "step_tokens": histogram(
+            "iteration_tokens",
+            "Tokens in one engine step (batch size in tokens).",
+            ITERATION_TOKENS_BUCKETS,
+        ),
+        "step_seqs": histogram(
+            "iteration_seqs", "Sequences in one engine step (batch size).", ITERATION_SEQS_BUCKETS
+        ),
+    }
+
+
 class JobMetrics:
     """The job's metrics in a dedicated registry, their HTTP server and textfile writer.
 
@@ -83,72 +154,7 @@ class JobMetrics:
         prom.disable_created_metrics()
         self._prom = prom
         self.registry = prom.CollectorRegistry(auto_describe=True)
-        labels = ("model_name",)
-
-        def gauge(name: str, doc: str) -> Any:
-            return prom.Gauge(PREFIX + name, doc, labels, registry=self.registry)
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
-            return prom.Counter(PREFIX + name, doc, labels + extra, registry=self.registry)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return prom.Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
-
-        # prometheus_client adds `_total` to counter names in the exposition.
-        self._families = {
-            "running": gauge("num_requests_running", "Requests in the engine's running batch."),
-            "waiting": gauge("num_requests_waiting", "Requests in the engine's waiting queue."),
-            "swapped": gauge("num_requests_swapped", "Requests swapped out to CPU swap space."),
-            "kv": gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by live requests (0-1)."),
-            "hit_rate": gauge(
-                "prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up, since start."
-            ),
-            "job_rows": gauge("job_rows", "Rows in the job file (NaN when it cannot be counted up front)."),
-            "rows_resumed": gauge("rows_resumed", "Rows committed by earlier runs of this job."),
-            "prompt": counter("prompt_tokens", "Prefill tokens computed (prefix-cache hits excluded)."),
-            "generation": counter("generation_tokens", "Tokens generated."),
-            "preemptions": counter("num_preemptions", "Preemptions of running requests."),
-            "pc_queries": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-            "pc_hits": counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-            "committed": counter(
-                "rows_committed", "Rows committed to part files by this run (error rows included)."
-            ),
-            "errored": counter("rows_errored", "Rows that finished as error rows in this run."),
-            "success": counter(
-                "request_success", "Requests finished, by finish reason.", extra=("finished_reason",)
-            ),
-            "ttft": histogram(
-                "time_to_first_token_seconds",
-                "Time from a request's arrival in the engine to its first token.",
-                TTFT_BUCKETS,
-            ),
-            "tpot": histogram(
-                "request_time_per_output_token_seconds",
-                "Mean time per output token after the first, one observation per request.",
-                TOKEN_LATENCY_BUCKETS,
-            ),
-            "e2e": histogram(
-                "e2e_request_latency_seconds",
-                "Time from a request's arrival in the engine to its last token.",
-                REQUEST_LATENCY_BUCKETS,
-            ),
-            "queue": histogram(
-                "request_queue_time_seconds",
-                "Time a request waited in the engine before its first step.",
-                REQUEST_LATENCY_BUCKETS,
-            ),
-            "step_time": histogram(
-                "engine_step_duration_seconds", "Wall time of one engine step.", TOKEN_LATENCY_BUCKETS
-            ),
-            "step_tokens": histogram(
-                "iteration_tokens",
-                "Tokens in one engine step (batch size in tokens).",
-                ITERATION_TOKENS_BUCKETS,
-            ),
-            "step_seqs": histogram(
-                "iteration_seqs", "Sequences in one engine step (batch size).", ITERATION_SEQS_BUCKETS
-            ),
-        }
+        self._families = _families(prom, self.registry)
         self._m: dict[str, Any] = {}
         self._model_name: str | None = None
         self._committed_base: int | None = None

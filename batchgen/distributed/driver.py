@@ -179,7 +179,7 @@ def replica_loop(
     """`run_job`'s loop over replicas: shards out, each finished shard committed as one part.
 
     Returns:
-        (input rows read, whether every row finished), as `batchgen.jobs.runner._loop`.
+        (input rows read, whether every row finished), as `batchgen.jobs.loop.engine_loop`.
 
     Raises:
         JobInputError: a replica failed beyond Ray's restarts (`ReplicaPool.result`).

@@ -66,7 +66,7 @@ class ReplicaInfo:
 
 
 class _Rows:
-    """The reader `_loop` reads: a shard's rows (already parsed on the driver, so no notices)."""
+    """The reader `engine_loop` reads: a shard's rows (already parsed on the driver, so no notices)."""
 
     class _Parser:
         notices: list[str] = []
@@ -80,7 +80,7 @@ class _Rows:
 
 
 class _NothingCommitted:
-    """The resume state `_loop` asks: the driver sends only rows not committed yet."""
+    """The resume state `engine_loop` asks: the driver sends only rows not committed yet."""
 
     class _Committed:
         @staticmethod
@@ -91,7 +91,7 @@ class _NothingCommitted:
 
 
 class _Collector:
-    """The writer `_loop` fills: it keeps the rows; the driver commits them."""
+    """The writer `engine_loop` fills: it keeps the rows; the driver commits them."""
 
     def __init__(self) -> None:
         self.rows: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
@@ -108,7 +108,7 @@ class _Collector:
 
 
 class _Silent:
-    """The dashboard and interrupt `_loop` talks to inside a replica (progress is the driver's)."""
+    """The dashboard and interrupt `engine_loop` talks to inside a replica (progress is the driver's)."""
 
     requested = False
 
@@ -169,14 +169,14 @@ class Replica:
         Raises:
             RuntimeError: the replica has no engine (its `info()` error says why).
         """
-        from batchgen.jobs.runner import _loop
+        from batchgen.jobs.loop import engine_loop
 
         if self.engine is None:
             raise RuntimeError(f"replica {self.index} has no engine: {self.error}")
         collector = _Collector()
         silent = _Silent()
         summary = JobSummary("", len(shard.rows))
-        _loop(
+        engine_loop(
             self.options,
             self.config,
             self.engine,

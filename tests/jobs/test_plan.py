@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen.jobs.formats import JobInputError
 from batchgen.jobs.plan import _PrefixEstimate, plan_job
-from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.runner import JobOptions, default_engine_factory, run_job
 from tests.jobs.real_engine import quiet
 from tests.jobs.test_bad_rows import BAD, bad_lines

@@ -12,6 +12,8 @@ and the "cpu" backend runs each chunk with the fastest (`CPUAttentionBackend.pre
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from batchgen.kernels.cpu import attention as cpu_attention
@@ -53,61 +55,29 @@ def tune_prefill_attention(
     """
     generator = torch.Generator().manual_seed(0)
     scale = head_dim**-0.5
-    prepared: dict[int, dict[str, torch.Tensor]] = {}
+    heads = (num_heads, num_kv_heads, head_dim, dtype, block_size)
 
+    @functools.lru_cache(maxsize=1)  # one bucket's case at a time: 2,048 rows of context are megabytes
     def data(rows: int) -> dict[str, torch.Tensor]:
-        if rows not in prepared:
-            prepared.clear()
-            prepared[rows] = _prefill_case(
-                rows,
-                2 * rows if prefix else rows,
-                num_heads,
-                num_kv_heads,
-                head_dim,
-                dtype,
-                block_size,
-                generator,
-            )
-        return prepared[rows]
+        return _prefill_case(rows, 2 * rows if prefix else rows, *heads, generator)
 
-    def c_kernel(kernel: str):
+    def kernel_setup(kernel: str):
         def setup(rows: int):
-            d = data(rows)
-            out = torch.empty_like(d["q"])
-            return lambda: cpu_attention.paged_prefill_attention_cpu(
-                d["q"],
-                d["k_cache"],
-                d["v_cache"],
-                d["tables"],
-                d["seq_lens"],
-                d["starts"],
-                scale,
-                out=out,
-                kernel=kernel,
-            )
+            d, out = data(rows), torch.empty_like(data(rows)["q"])
+            args = (d["q"], d["k_cache"], d["v_cache"], d["tables"], d["seq_lens"], d["starts"], scale)
+            return lambda: cpu_attention.paged_prefill_attention_cpu(*args, out=out, kernel=kernel)
 
         return setup
 
-    def per_chunk(rows: int, d: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        q = d["q"].to(dtype)
-        out = torch.empty_like(q)
-        context = int(d["seq_lens"][0])
-        for chunk, first in enumerate(range(0, q.shape[0], rows)):
-            k = gather_context(d["k_cache"], d["tables"][chunk], context).to(dtype)
-            v = gather_context(d["v_cache"], d["tables"][chunk], context).to(dtype)
-            out[first : first + rows] = causal_attention(q[first : first + rows], k, v, scale)
-        return out
-
     def sdpa(rows: int):
-        d = data(rows)
-        return lambda: per_chunk(rows, d, d["q"].dtype)
+        return lambda: _sdpa_chunks(data(rows), rows, data(rows)["q"].dtype, scale)
 
     def reference(rows: int) -> torch.Tensor:
-        return per_chunk(rows, data(rows), torch.float32)
+        return _sdpa_chunks(data(rows), rows, torch.float32, scale)
 
-    candidates = {"c": c_kernel("c"), "sdpa": sdpa}
+    candidates = {"c": kernel_setup("c"), "sdpa": sdpa}
     if cpu_attention.supports_prefill_amx(dtype, head_dim, num_heads, num_kv_heads):
-        candidates["amx"] = c_kernel("amx")
+        candidates["amx"] = kernel_setup("amx")
     shape = f"{num_heads}x{num_kv_heads}x{head_dim}:{str(dtype).removeprefix('torch.')}"
     buckets = buckets_up_to(max_rows)
     chosen = choose(
@@ -124,6 +94,19 @@ def tune_prefill_attention(
         prune=False,  # SDPA loses short chunks by its per-call cost and may win long ones
     )
     return [chosen[rows] for rows in buckets]
+
+
+def _sdpa_chunks(case: dict[str, torch.Tensor], rows: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The causal attention of `case`'s chunks of `rows` queries through torch's SDPA in `dtype`, one
+    call a chunk on its context gathered from the paged cache, as the torch backend does."""
+    q = case["q"].to(dtype)
+    out = torch.empty_like(q)
+    context = int(case["seq_lens"][0])
+    for chunk, first in enumerate(range(0, q.shape[0], rows)):
+        k = gather_context(case["k_cache"], case["tables"][chunk], context).to(dtype)
+        v = gather_context(case["v_cache"], case["tables"][chunk], context).to(dtype)
+        out[first : first + rows] = causal_attention(q[first : first + rows], k, v, scale)
+    return out
 
 
 def _prefill_case(

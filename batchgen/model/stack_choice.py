@@ -10,6 +10,9 @@ lose to a matrix-unit kernel as rows grow. Where the crossing lies depends on th
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -89,24 +92,11 @@ def tune_decoder_stack(
             model.decoder_stack = None
             stack.linear_by_bucket = None
 
-    def same_kernels_per_layer(rows: int, linear: str) -> torch.Tensor:
-        """The per-layer path on the very kernels the stack runs (`linear` on the packed weights in
-        every decoder layer), which the stack must match whatever the per-layer path chose."""
-        kernel = AmxLinear if linear == "amx_c" else Bf16Linear
-        layer_linears = [m for m in model.model.layers.modules() if isinstance(m, TunedLinear)]
-        saved = [m._by_rows for m in layer_linears]
-        try:
-            for m in layer_linears:
-                packed = next(i for i in m.impls.values() if isinstance(i, Bf16Linear))
-                m._by_rows = [kernel(packed.packed_weight, packed.bias).forward]
-            return forward(rows, linear=None)
-        finally:
-            for m, by_rows in zip(layer_linears, saved, strict=True):
-                m._by_rows = by_rows
-
     def stack_setup(linear: str):
         def setup(rows: int):
-            if not matches(forward(rows, linear), same_kernels_per_layer(rows, linear), _RTOL):
+            with _layers_on(model, linear):  # the per-layer path on the very kernels the stack runs
+                same_kernels = forward(rows, linear=None)
+            if not matches(forward(rows, linear), same_kernels, _RTOL):
                 raise ValueError(
                     f"its logits differ from the per-layer path on its kernels by more than {_RTOL:g}"
                 )
@@ -137,6 +127,23 @@ def tune_decoder_stack(
     stack_rows = _stack_rows(kinds, buckets)
     linears = [_STACK_LINEARS[kind] for kind, rows in zip(kinds, buckets, strict=True) if rows <= stack_rows]
     return stack_rows, linears
+
+
+@contextlib.contextmanager
+def _layers_on(model: nn.Module, linear: str) -> Iterator[None]:
+    """Within the block, every tuned linear of the decoder layers runs `linear` ("bf16_c" or "amx_c")
+    on its packed weight at every row count: the per-layer path on the stack's own kernels."""
+    kernel = AmxLinear if linear == "amx_c" else Bf16Linear
+    layer_linears = [m for m in model.model.layers.modules() if isinstance(m, TunedLinear)]
+    saved = [m._by_rows for m in layer_linears]
+    try:
+        for m in layer_linears:
+            packed = next(i for i in m.impls.values() if isinstance(i, Bf16Linear))
+            m._by_rows = [kernel(packed.packed_weight, packed.bias).forward]
+        yield
+    finally:
+        for m, by_rows in zip(layer_linears, saved, strict=True):
+            m._by_rows = by_rows
 
 
 # The stack's candidates in the tuning table -> the linear kernel each runs.

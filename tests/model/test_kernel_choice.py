@@ -23,7 +23,7 @@ from batchgen.kernels import registry
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu import linear as cpu_linear
 from batchgen.kernels.cpu.linear import WEIGHT_LAYOUTS, PlainLinear, TunedLinear
-from batchgen.model import kernel_choice
+from batchgen.model import kernel_choice, linear_choice
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40, 90)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -74,7 +74,8 @@ def test_a_slow_candidate_is_never_chosen_and_a_wrong_one_is_dropped(
         builders["wrong"] = lambda: _Wrong(weight.detach(), bias)
         return builders
 
-    monkeypatch.setattr(kernel_choice, "linear_candidates", with_bad_ones)
+    monkeypatch.setattr(kernel_choice, "linear_candidates", with_bad_ones)  # what the model builds
+    monkeypatch.setattr(linear_choice, "linear_candidates", with_bad_ones)  # what is timed
     with caplog.at_level("WARNING", logger="batchgen.kernels.registry"):
         llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4, device="cpu", kernels="auto")
     choice = llm.llm_engine.runner.kernel_choice

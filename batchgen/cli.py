@@ -329,8 +329,9 @@ _plan_options = [
             bool | None,
             typer.Option(
                 "--calibrate/--no-calibrate",
-                help="Time a few steps of the model on this machine for the wall-time estimate when "
-                "none are cached (default: on a CPU; on CUDA only when given, as it loads the GPU)",
+                help="Time a few steps of the model on this machine now for the wall-time estimate "
+                "(--no-calibrate: only a cached calibration; default: a cached one, else measure on a "
+                "CPU, not on CUDA, where it would load the GPU)",
                 show_default=False,
             ),
         ],

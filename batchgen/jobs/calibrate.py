@@ -38,7 +38,7 @@ from batchgen.jobs.estimate import StepCosts
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 1  # a change in what is measured or stored starts a new cache
+CALIBRATION_VERSION = 2  # a change in what is measured or stored starts a new cache
 TIMED_STEPS = 3  # timed decode steps at each batch size
 PREFILL_STEPS = 2  # timed full-budget prefill steps
 BATCH_GROWTH = 4  # decode batch sizes 1, 4, 16, ... then the largest
@@ -70,6 +70,8 @@ class Calibration:
         threads: torch threads the steps ran with.
         other_cores: cores' worth of CPU other processes used while the steps ran (None where
             /proc/stat is missing): a busy machine's steps are slower and vary more.
+        cpu_share: this process's CPU time over the steps' wall time times `threads`: how much of
+            its cores the calibration got (a run that gets less takes longer in proportion).
         samples: the timed steps.
         measured_at: when (local time, ISO 8601).
         cached: read from the cache rather than measured now (not stored).
@@ -80,6 +82,7 @@ class Calibration:
     kernel_choice_s: float
     threads: int
     other_cores: float | None
+    cpu_share: float
     samples: list[StepSample]
     measured_at: str
     cached: bool = field(default=False, compare=False)
@@ -237,6 +240,7 @@ def calibrate(
     context_len: int,
     max_batch: int,
     measure: bool = True,
+    refresh: bool = False,
     use_cache: bool = True,
     cache_dir: Path | None = None,
     log: Callable[[str], None] | None = None,
@@ -250,6 +254,7 @@ def calibrate(
         context_len: keys each decoding row attends to (the job's mean prompt + half its output).
         max_batch: the largest decode batch to time (the most rows the job runs at once).
         measure: build the engine and measure when the cache has no calibration (False: None then).
+        refresh: measure even when the cache has a calibration (and replace it).
         use_cache: look the calibration up first and store a new one (False: measure, store nothing).
         cache_dir: the cache folder (default: `plan_calibration` under batchgen's cache).
         log: called with a line before the model loads (a calibration takes seconds).
@@ -265,13 +270,13 @@ def calibrate(
     from batchgen.jobs.calibrate_steps import measure_steps
 
     lengths = {"prompt_len": prompt_len, "context_len": context_len, "max_batch": max_batch}
-    if use_cache:
+    if use_cache and not refresh:
         # The thread count the engine will pick at this load (it measures the same way).
         cpu = resolve_device(config.device) == "cpu"
         threads = CpuThreads(config.num_threads).threads if cpu else torch.get_num_threads()
         if (found := load_cached(calibration_key(config, dtype, threads, lengths), cache_dir)) is not None:
             return found
-    if not measure:
+    if not (measure or refresh):
         return None
     if log is not None:
         log("calibrating: loading the model and timing a few steps (--no-calibrate skips this)")
@@ -279,14 +284,16 @@ def calibrate(
     engine = LLMEngine(config)
     startup = time.perf_counter() - start
     threads = torch.get_num_threads()
-    load = LoadSample()
+    load, cpu, wall = LoadSample(), time.process_time(), time.perf_counter()
     samples = measure_steps(engine, prompt_len, context_len, max_batch)
+    cpu_share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * threads)
     calibration = Calibration(
         key=calibration_key(config, engine.dtype, threads, lengths),
         startup_s=startup,
         kernel_choice_s=engine.runner.kernel_choice.seconds,
         threads=threads,
         other_cores=LoadSample().other_cores_since(load),
+        cpu_share=cpu_share,
         samples=samples,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )

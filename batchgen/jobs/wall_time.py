@@ -2,10 +2,14 @@
 
 - low: every row stops after its expected output (measured on the rows an earlier run of the job
   committed, or `--expected-output-tokens`, else a quarter of its `max_tokens`), steps at the
-  fastest time the calibration measured, the model load without measuring kernels;
+  fastest time the calibration measured (less what its threads waited for a core), the model load
+  without measuring kernels;
 - high: every row runs to its `max_tokens` (a greedy row can stop earlier at EOS, so this is the
   most work the job can be), steps that much slower as the calibration's steps varied at most
-  (`Calibration.spread`), the model load as measured.
+  (`Calibration.spread`) and, on a CPU whose load average says other processes keep more threads
+  runnable than it has cores, as much slower as a fair share of the cores would make them
+  (`_load_slowdown`; docs/benchmarks.md shows how much a shared machine's load moves a run), the
+  model load as measured.
 
 Both add the time to read and tokenize the rows (the plan just did the same work `run` does) and
 the model's load and set-up. The step costs come from `batchgen.jobs.calibrate`; the schedule
@@ -15,6 +19,7 @@ from `batchgen.jobs.estimate`.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +37,10 @@ class WallTimeOptions:
     """How `plan` estimates the wall time.
 
     Attributes:
-        calibrate: measure the step costs now when none are cached (a few seconds: the model is
-            loaded on the job's device). None: on a CPU yes; on CUDA only a cached calibration is
-            used, so `plan` never takes a GPU a job may be using unless asked.
+        calibrate: True: measure the step costs now (a few seconds: the model is loaded on the
+            job's device), even when a calibration is cached; False: only a cached one; None: a
+            cached one, else on a CPU measure now (on CUDA none, so `plan` never takes a GPU a
+            job may be using unless asked).
         expected_output_tokens: the expected output of a sequence in tokens (capped by its
             `max_tokens`), for the low end; None: measured on committed rows, else a quarter of
             `max_tokens`.
@@ -142,6 +148,7 @@ def estimate_wall_time(
     )
     device = resolve_device(config.device)
     measure = options.calibrate if options.calibrate is not None else device == "cpu"
+    load = busy_share() if device == "cpu" else None  # read before the calibration adds to it
     calibration = calibrate(
         config,
         dtype,
@@ -149,6 +156,7 @@ def estimate_wall_time(
         context_len=_pow2(float(seqs.prompts.mean() + seqs.budgets.mean() / 2)),
         max_batch=peak,
         measure=measure,
+        refresh=options.calibrate is True,
         use_cache=options.use_cache,
         cache_dir=options.cache_dir,
         log=options.log,
@@ -156,16 +164,52 @@ def estimate_wall_time(
     if calibration is None:
         why = "--no-calibrate" if options.calibrate is False else f"on {device}, only with --calibrate"
         return None, f"no measured step times for this model and machine yet ({why}: a few seconds' run)"
-    return _estimate(seqs, limits, calibration, tokenize_s, peak), None
+    return _estimate(seqs, limits, calibration, tokenize_s, peak, load), None
 
 
-def _estimate(seqs: Sequences, limits: ScheduleLimits, calibration: Any, tokenize_s: float, peak: int):
+def busy_share() -> tuple[float, int] | None:
+    """(the largest of the 1, 5 and 15-minute load averages, usable cores), or None where the
+    system keeps no load average."""
+    from batchgen.engine.cpu_threads import usable_cores
+
+    try:
+        return max(os.getloadavg()), usable_cores()
+    except (AttributeError, OSError):
+        return None
+
+
+def _load_slowdown(calibration: Any, load: tuple[float, int] | None) -> tuple[float, str]:
+    """How much slower than in the calibration a run's steps can be on a machine this loaded, and
+    why: a run's threads get about cores / (load + threads) of a core each when other processes
+    keep `load` threads runnable (Linux shares the cores fairly among runnable threads); the
+    calibration's steps ran with `cpu_share` of theirs. 1 on a machine with cores to spare."""
+    if load is None:
+        return 1.0, ""
+    average, cores = load
+    share = min(1.0, cores / (average + calibration.threads))
+    slowdown = max(1.0, calibration.cpu_share / share)
+    if slowdown == 1.0:
+        return 1.0, ""
+    why = (
+        f" x{slowdown:.2f} (a load average of up to {average:.1f} on {cores} cores leaves a run's "
+        f"thread{'s' if calibration.threads != 1 else ''} {100 * share:.0f}% of a core; the calibration's "
+        f"got {100 * calibration.cpu_share:.0f}%)"
+    )
+    return slowdown, why
+
+
+def _estimate(seqs: Sequences, limits: ScheduleLimits, calibration: Any, tokenize_s: float, peak: int, load):
     """The two simulated schedules at the calibration's costs, and their description."""
     costs, spread = calibration.costs("fastest"), calibration.spread
-    low = simulate_schedule(seqs.prompts, seqs.cached, seqs.expected, limits, costs)
-    high = simulate_schedule(seqs.prompts, seqs.cached, seqs.budgets, limits, costs.scaled(spread))
+    slowdown, why = _load_slowdown(calibration, load)
+    # A calibration whose threads waited for a core ran slower than a run on an idle machine would.
+    low = simulate_schedule(
+        seqs.prompts, seqs.cached, seqs.expected, limits, costs.scaled(min(calibration.cpu_share, 1.0))
+    )
+    high = simulate_schedule(seqs.prompts, seqs.cached, seqs.budgets, limits, costs.scaled(spread * slowdown))
     when = f"cached from {calibration.measured_at}" if calibration.cached else "now"
     threads = f"{calibration.threads} thread{'s' if calibration.threads != 1 else ''}"
+    threads += f" at {100 * calibration.cpu_share:.0f}% of their cores"
     if calibration.other_cores is not None:
         threads += f"; other processes used {calibration.other_cores:.1f} cores meanwhile"
     return WallTimeEstimate(
@@ -174,8 +218,8 @@ def _estimate(seqs: Sequences, limits: ScheduleLimits, calibration: Any, tokeniz
         assumption=(
             f"low: rows stop after {seqs.basis}, at the fastest measured step times; high: every "
             "row runs to its max_tokens (greedy rows may stop earlier at EOS), at those times "
-            f"x{spread:.2f} (the widest spread of one step's times while measured); rows admitted in "
-            "file order without preemption; the machine as loaded as during the calibration"
+            f"x{spread:.2f} (the widest spread of one step's times while measured){why}; rows "
+            "admitted in file order without preemption"
         ),
         rates=f"{len(calibration.samples)} steps timed on this machine ({when}, {threads})",
         startup_s=calibration.startup_s,

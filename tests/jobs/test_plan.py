@@ -188,6 +188,7 @@ def test_calibration_times_real_steps_of_a_tiny_model_and_is_cached(tmp_path, ti
     short = [s for s in cal.samples if s.series == "short"]
     assert [s.sampled for s in short] == [6] * TIMED_STEPS and all(s.context < 10 * 6 for s in short)
     assert cal.startup_s > 0 and cal.threads >= 1 and all(s.seconds > 0 for s in cal.samples)
+    assert 0 < cal.cpu_share <= 1.5  # (CPU time can count a little more than the torch threads)
     costs = cal.costs()
     assert costs.batches == (1, 4, 6) and costs.per_prefill_token > 0
     assert list(costs.seconds) == sorted(costs.seconds)  # more rows never cost less
@@ -200,6 +201,8 @@ def test_calibration_times_real_steps_of_a_tiny_model_and_is_cached(tmp_path, ti
     monkeypatch.setattr(llm_engine, "LLMEngine", no_engine)
     again = calibrate(config, torch.float32, 64, 128, 6, cache_dir=tmp_path)
     assert again.cached and again.samples == cal.samples and again.key == cal.key
+    with pytest.raises(AssertionError, match="builds no engine"):  # --calibrate: measure anyway
+        calibrate(config, torch.float32, 64, 128, 6, cache_dir=tmp_path, refresh=True)
     other = calibrate(config, torch.float32, 64, 256, 6, cache_dir=tmp_path, measure=False)
     assert other is None  # another context length: not cached, and not measured
 
@@ -215,7 +218,7 @@ def _fake_calibration(monkeypatch):
     ]
     samples += [StepSample("decode", "short", 9, 0, 0, 0.010 + 0.001 * 9)]
     samples += [StepSample("prefill", "prefill", 1, 0, 1000, 0.011 + 1e-4 * 1000)]
-    cal = Calibration({"k": "v"}, 2.0, 0.5, 1, 0.0, samples, "2026-01-01T00:00:00")
+    cal = Calibration({"k": "v"}, 2.0, 0.5, 1, 0.0, 0.9, samples, "2026-01-01T00:00:00")
     seen = {}
 
     def fake(config, dtype, prompt_len, context_len, max_batch, **kw):
@@ -254,6 +257,10 @@ def test_wall_time_of_a_resumed_job_expects_the_committed_rows_output(tmp_path, 
     fraction = sum(r["completion_tokens"] for r in done) / (12 * len(done))
     assert 0 < fraction < 1 and 0 < len(done) < 30
 
+    from batchgen.jobs import wall_time
+
+    # Load average 3 on 2 cores: a run's thread gets 2 / (3 + 1) of a core, the calibration's got 0.9.
+    monkeypatch.setattr(wall_time, "busy_share", lambda: (3.0, 2))
     plan = plan_job(options, wall_time=WallTimeOptions())
     assert plan.rows_resumed == len(done) and plan.rows_valid == 30 - len(done)
     assert plan.expected_output_tokens == math.ceil(12 * fraction) * plan.rows_valid
@@ -268,13 +275,16 @@ def test_wall_time_of_a_resumed_job_expects_the_committed_rows_output(tmp_path, 
     tok = TokenizerEngine(EngineConfig(**engine))
     limits = ScheduleLimits(4, tok.max_num_batched_tokens, tok.num_blocks, tok.block_size)
     prompts, cached = _planned_prompts(options, tok, len(done))
-    low = simulate_schedule(prompts, cached, [math.ceil(12 * fraction)] * len(prompts), limits, costs)
+    low = simulate_schedule(
+        prompts, cached, [math.ceil(12 * fraction)] * len(prompts), limits, costs.scaled(0.9)
+    )
     assert w.low_s == pytest.approx(1.5 + w.tokenize_s + low.seconds)
-    high = simulate_schedule(prompts, cached, [12] * len(prompts), limits, costs)
+    high = simulate_schedule(prompts, cached, [12] * len(prompts), limits, costs.scaled(0.9 / 0.5))
     assert w.high_s == pytest.approx(2.0 + w.tokenize_s + high.seconds)
+    assert "x1.80 (a load average of up to 3.0 on 2 cores leaves a run's thread 50% of a core" in w.assumption
     assert w.low_steps == low.steps and w.high_steps == high.steps and w.low_s < w.high_s
     assert seen["max_batch"] == 4  # max_num_seqs bounds the rows at once
-    assert "every row runs to its max_tokens" in w.assumption and "1 thread" in w.rates
+    assert "every row runs to its max_tokens" in w.assumption and "1 thread at 90% of their cores" in w.rates
     assert "estimated wall time:" in format_plan(plan)
 
 

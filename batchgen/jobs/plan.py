@@ -326,7 +326,7 @@ def format_plan(plan: JobPlan) -> str:
         f"prompt tokens: {plan.prompt_tokens} (p50 {plan.prompt_tokens_p50}, p99 {plan.prompt_tokens_p99}, "
         f"max {plan.prompt_tokens_max})",
         f"output budget: {plan.max_output_tokens} tokens (each row's max_tokens, capped by max_model_len); "
-        f"expected about {plan.expected_output_tokens} ({plan.expected_output_basis})",
+        f"expected about {plan.expected_output_tokens}: {plan.expected_output_basis}",
         f"prefix cache: about {plan.prefix_cache_tokens} prompt tokens ({saved:.0f}%) served from shared "
         f"prefixes of {plan.block_size}-token blocks"
         if plan.prefix_caching

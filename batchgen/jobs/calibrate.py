@@ -34,28 +34,12 @@ from typing import Any
 
 from batchgen.cache import cache_root, write_atomically
 from batchgen.config import EngineConfig
+from batchgen.jobs.calibrate_steps import StepSample, measure_steps
 from batchgen.jobs.estimate import StepCosts
 
 logger = logging.getLogger(__name__)
 
 CALIBRATION_VERSION = 2  # a change in what is measured or stored starts a new cache
-TIMED_STEPS = 3  # timed decode steps at each batch size
-PREFILL_STEPS = 2  # timed full-budget prefill steps
-BATCH_GROWTH = 4  # decode batch sizes 1, 4, 16, ... then the largest
-
-
-@dataclass(frozen=True)
-class StepSample:
-    """One timed step: `kind` "prefill" or "decode", `series` ("context": rows at the calibration's
-    context; "short": at a few tokens), rows `sampled`, `context` keys read by decode attention,
-    `prefill` prompt tokens computed, `seconds` of wall time of `LLMEngine.step()`."""
-
-    kind: str
-    series: str
-    sampled: int
-    context: int
-    prefill: int
-    seconds: float
 
 
 @dataclass
@@ -172,15 +156,6 @@ def fit_costs(samples: list[StepSample], statistic: str = "fastest") -> StepCost
     return costs
 
 
-def decode_batches(max_batch: int) -> list[int]:
-    """The decode batch sizes a calibration times: 1, 4, 16, ... below `max_batch`, then it."""
-    sizes, b = [], 1
-    while b < max_batch:
-        sizes.append(b)
-        b *= BATCH_GROWTH
-    return [*sizes, max(max_batch, 1)]
-
-
 def calibration_key(
     config: EngineConfig, dtype: Any, threads: int, lengths: dict[str, int]
 ) -> dict[str, str]:
@@ -267,7 +242,6 @@ def calibrate(
     from batchgen.config import resolve_device
     from batchgen.engine.cpu_threads import CpuThreads, LoadSample
     from batchgen.engine.llm_engine import LLMEngine
-    from batchgen.jobs.calibrate_steps import measure_steps
 
     lengths = {"prompt_len": prompt_len, "context_len": context_len, "max_batch": max_batch}
     if use_cache and not refresh:

@@ -5,9 +5,35 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from batchgen.jobs.calibrate import PREFILL_STEPS, TIMED_STEPS, StepSample, decode_batches
+TIMED_STEPS = 3  # timed decode steps at each batch size
+PREFILL_STEPS = 2  # timed full-budget prefill steps
+BATCH_GROWTH = 4  # decode batch sizes 1, 4, 16, ... then the largest
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One timed step: `kind` "prefill" or "decode", `series` ("context": rows at the calibration's
+    context; "short": at a few tokens), rows `sampled`, `context` keys read by decode attention,
+    `prefill` prompt tokens computed, `seconds` of wall time of `LLMEngine.step()`."""
+
+    kind: str
+    series: str
+    sampled: int
+    context: int
+    prefill: int
+    seconds: float
+
+
+def decode_batches(max_batch: int) -> list[int]:
+    """The decode batch sizes a calibration times: 1, 4, 16, ... below `max_batch`, then it."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= BATCH_GROWTH
+    return [*sizes, max(max_batch, 1)]
 
 
 class _Steps:

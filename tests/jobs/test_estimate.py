@@ -8,7 +8,8 @@ import random
 import pytest
 
 from batchgen.engine.policy import FCFSPolicy
-from batchgen.jobs.calibrate import StepSample, decode_batches, fit_costs
+from batchgen.jobs.calibrate import fit_costs
+from batchgen.jobs.calibrate_steps import StepSample, decode_batches
 from batchgen.jobs.estimate import ScheduleLimits, StepCosts, simulate_schedule
 from tests.engine.test_scheduler import BS, Spec, make_scheduler, run_workload
 

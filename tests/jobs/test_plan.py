@@ -163,7 +163,8 @@ def test_calibration_times_real_steps_of_a_tiny_model_and_is_cached(tmp_path, ti
 
     from batchgen.config import EngineConfig
     from batchgen.engine import llm_engine
-    from batchgen.jobs.calibrate import TIMED_STEPS, calibrate, decode_batches
+    from batchgen.jobs.calibrate import calibrate
+    from batchgen.jobs.calibrate_steps import TIMED_STEPS, decode_batches
 
     config = EngineConfig(
         model=str(tiny_model_dir("llama")),
@@ -211,7 +212,8 @@ def _fake_calibration(monkeypatch):
     """`calibrate` returns fixed step costs: 10 ms a step, 1 ms a sampled row, 1 us a key, 0.1 ms a
     prompt token; startup 2 s of which 0.5 s choosing kernels."""
     from batchgen.jobs import calibrate as calibrate_module
-    from batchgen.jobs.calibrate import Calibration, StepSample
+    from batchgen.jobs.calibrate import Calibration
+    from batchgen.jobs.calibrate_steps import StepSample
 
     samples = [
         StepSample("decode", "context", b, 100 * b, 0, 0.010 + 0.001 * b + 1e-6 * 100 * b) for b in (1, 9)

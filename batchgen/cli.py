@@ -258,15 +258,23 @@ _job_action: ContextVar[Callable[[JobOptions, str | None], None] | None] = Conte
 
 def plan_command(**values: Any) -> None:
     """Plan a job without running it: rows, error rows, prompt tokens, output budget, prefix-cache
-    savings and KV-cache memory, from the job file and the model's tokenizer (no weights are loaded)."""
+    savings and KV-cache memory from the job file and the model's tokenizer, and the estimated wall
+    time from a few steps timed on this machine (the model is loaded for them on a CPU; cached)."""
+    from batchgen.jobs.wall_time import WallTimeOptions
+
     as_json = values.pop("json_output")
+    wall_time = WallTimeOptions(
+        calibrate=values.pop("calibrate"),
+        expected_output_tokens=values.pop("expected_output_tokens"),
+        log=lambda line: typer.echo(line, err=True),
+    )
 
     def plan(options: JobOptions, summary_json: str | None) -> None:
         from batchgen.jobs.formats import JobInputError
         from batchgen.jobs.plan import format_plan, plan_job
 
         try:
-            result = plan_job(options, progress=True)
+            result = plan_job(options, progress=True, wall_time=wall_time)
         except JobInputError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
@@ -280,14 +288,44 @@ def plan_command(**values: Any) -> None:
 
 
 _run_signature = inspect.signature(run_command, eval_str=True)
-_json_option = inspect.Parameter(
-    "json_output",
-    inspect.Parameter.KEYWORD_ONLY,
-    default=False,
-    annotation=Annotated[bool, typer.Option("--json", help="Print the plan as JSON")],
-)
+_plan_options = [
+    inspect.Parameter(
+        "json_output",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=False,
+        annotation=Annotated[bool, typer.Option("--json", help="Print the plan as JSON")],
+    ),
+    inspect.Parameter(
+        "calibrate",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[
+            bool | None,
+            typer.Option(
+                "--calibrate/--no-calibrate",
+                help="Time a few steps of the model on this machine now for the wall-time estimate "
+                "(--no-calibrate: only a cached calibration; default: a cached one, else measure on a "
+                "CPU, not on CUDA, where it would load the GPU)",
+                show_default=False,
+            ),
+        ],
+    ),
+    inspect.Parameter(
+        "expected_output_tokens",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[
+            int | None,
+            typer.Option(
+                min=1,
+                help="Expected output tokens a sequence (the estimate's low end; default: what an "
+                "earlier run's committed rows used, else a quarter of max_tokens)",
+            ),
+        ],
+    ),
+]
 plan_command.__signature__ = _run_signature.replace(  # type: ignore[attr-defined]
-    parameters=[*_run_signature.parameters.values(), _json_option]
+    parameters=[*_run_signature.parameters.values(), *_plan_options]
 )
 plan_command.__annotations__ = {p.name: p.annotation for p in plan_command.__signature__.parameters.values()}
 app.command("plan")(plan_command)

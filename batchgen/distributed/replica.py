@@ -21,6 +21,7 @@ from batchgen.config import EngineConfig
 from batchgen.engine.stats import EngineTotals
 from batchgen.jobs.options import JobOptions, JobSummary
 from batchgen.jobs.rows import JobRow
+from batchgen.metrics import MetricsRecord
 
 
 @dataclass
@@ -49,6 +50,7 @@ class ShardResult:
     rows: list[tuple[dict[str, Any], dict[str, Any] | None]]
     pid: int
     totals: EngineTotals = field(default_factory=EngineTotals)
+    metrics: MetricsRecord | None = None  # the shard's steps and requests, when the job has metrics
 
 
 @dataclass
@@ -176,6 +178,7 @@ class Replica:
         collector = _Collector()
         silent = _Silent()
         summary = JobSummary("", len(shard.rows))
+        record = MetricsRecord() if self.options.metrics.enabled else None
         engine_loop(
             self.options,
             self.config,
@@ -186,6 +189,7 @@ class Replica:
             silent,
             summary,
             silent,
+            record,
         )
         totals = dataclasses.replace(getattr(self.engine, "totals", None) or EngineTotals())
-        return ShardResult(shard.first, shard.last, collector.rows, os.getpid(), totals)
+        return ShardResult(shard.first, shard.last, collector.rows, os.getpid(), totals, record)

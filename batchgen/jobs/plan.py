@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from batchgen.jobs.block_lru import BlockLru
 from batchgen.jobs.options import JobOptions, default_output_path, output_format
 from batchgen.jobs.plan_inputs import CommittedOutputs, TokenizerEngine, committed_rows
 from batchgen.jobs.reader import JobInputError
@@ -79,8 +79,7 @@ class _PrefixEstimate:
 
     def __init__(self, block_size: int, capacity: int) -> None:
         self.block_size = block_size
-        self.capacity = max(capacity, 1)
-        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.blocks = BlockLru(capacity)
         self.hit_tokens = 0
 
     def add(self, ids: list[int]) -> int:
@@ -91,13 +90,7 @@ class _PrefixEstimate:
         # As the engine, the last prompt token is always computed: only blocks before it can hit.
         for start in range(0, len(ids) - 1 - (len(ids) - 1) % bs, bs):
             parent = hash((parent, tuple(ids[start : start + bs])))
-            if parent in self.blocks:
-                self.blocks.move_to_end(parent)
-                hits += bs
-                continue
-            self.blocks[parent] = None
-            if len(self.blocks) > self.capacity:
-                self.blocks.popitem(last=False)
+            hits += bs * self.blocks.touch(parent)
         self.hit_tokens += hits
         return hits
 

@@ -174,7 +174,10 @@ def run_command(
     ] = 1,
     ray_address: Annotated[
         str | None,
-        typer.Option(help="Run on this Ray cluster ('auto', HOST:PORT); default: a local Ray instance"),
+        typer.Option(
+            help="Run on this Ray cluster ('auto', HOST:PORT; 'local': a Ray instance of this run even "
+            "for one replica); default: a local Ray instance"
+        ),
     ] = None,
     gpus_per_replica: Annotated[float, typer.Option(help="GPUs each replica holds (Ray)")] = 0.0,
     cpus_per_replica: Annotated[

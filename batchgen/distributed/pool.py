@@ -38,8 +38,9 @@ class ReplicaOptions:
 
     Attributes:
         replicas: engine replicas (Ray actors), each holding one model.
-        address: a running Ray cluster to join ("auto", "HOST:PORT", "ray://..."); None starts a
-            Ray instance on this machine (on 127.0.0.1) for the run and stops it after.
+        address: a running Ray cluster to join ("auto", "HOST:PORT", "ray://..."); None (or
+            "local", Ray's name for it) starts a Ray instance on this machine (on 127.0.0.1) for the
+            run and stops it after.
         num_cpus: CPUs each replica holds (its engine's threads when --num-threads is not given).
         num_gpus: GPUs each replica holds (0 on CPU machines).
         max_restarts: times Ray restarts a replica whose process died (then the job fails).
@@ -59,6 +60,8 @@ class ReplicaOptions:
     shard_rows: int | None = None
 
     def __post_init__(self) -> None:
+        if self.address == "local":  # `--ray-address local`: Ray even for one replica, started here
+            self.address = None
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"replicas must be an integer >= 1, got {self.replicas!r} (flag --replicas)")
         if not self.num_cpus > 0:

@@ -80,3 +80,8 @@ def test_without_ray_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(JobInputError, match=r'pip install "batchgen\[ray\]"'):
         import_ray()
+
+
+def test_ray_address_local_means_a_ray_instance_of_this_run():
+    assert ReplicaOptions(1, "local").address is None
+    assert ReplicaOptions(1, "auto").address == "auto"

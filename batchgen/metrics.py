@@ -110,6 +110,19 @@ class JobMetrics:
             "preemptions": counter("num_preemptions", "Preemptions of running requests."),
             "pc_queries": counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             "pc_hits": counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            "spec_drafts": counter(
+                "spec_decode_num_drafts", "Speculative decoding: requests' verifications of draft tokens."
+            ),
+            "spec_draft_tokens": counter(
+                "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed and verified."
+            ),
+            "spec_accepted": counter(
+                "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."
+            ),
+            "spec_rate": gauge(
+                "spec_decode_draft_acceptance_rate",
+                "Speculative decoding: draft tokens accepted / verified, since start (0 before any).",
+            ),
             "committed": counter(
                 "rows_committed", "Rows committed to part files by this run (error rows included)."
             ),
@@ -267,6 +280,7 @@ class JobMetrics:
         m = self._m
         if totals is not None:
             m["hit_rate"].set(totals.prefix_cache_hit_rate)
+            m["spec_rate"].set(totals.spec_decode_acceptance_rate)
         m["running"].set(s.num_running)
         m["waiting"].set(s.num_waiting)
         m["swapped"].set(s.num_swapped)
@@ -276,6 +290,9 @@ class JobMetrics:
         m["preemptions"].inc(s.num_preemptions)
         m["pc_queries"].inc(s.prefix_cache_queries)
         m["pc_hits"].inc(s.prefix_cache_hits)
+        m["spec_drafts"].inc(s.num_drafts)
+        m["spec_draft_tokens"].inc(s.num_draft_tokens)
+        m["spec_accepted"].inc(s.num_accepted_tokens)
         m["step_time"].observe(s.step_time_s)
         m["step_tokens"].observe(s.num_batched_tokens)
         m["step_seqs"].observe(s.num_seqs)

@@ -2,7 +2,8 @@
 
 Configurations, in this order (ratios in the report are against the first one that ran):
     continuous/<policy>  batchgen's continuous batching (`bench.continuous`), once per `--policy`,
-                         each in a fresh engine
+                         each in a fresh engine; once per `--speculative-method` item too, named
+                         continuous/<policy>+ngram with speculative decoding ("none": without)
     static/b<N>          padded static batches of N through batchgen's engine (`bench.static`)
     hf-static/b<N>       transformers `generate` in padded static batches of N (`bench.hf_baselines`)
     hf-cb                transformers' continuous batching
@@ -58,7 +59,7 @@ from batchgen.bench.vllm_baseline import (
     run_vllm,
 )
 from batchgen.bench.workloads import Workload
-from batchgen.config import POLICIES, EngineConfig
+from batchgen.config import POLICIES, SPECULATIVE_FIELDS, SPECULATIVE_METHODS, EngineConfig
 
 MODES = ("continuous", "static")
 BASELINES = ("hf-static", "hf-cb", "vllm")
@@ -85,6 +86,8 @@ class BenchSettings:
             it took about 15% longer than later runs of the same configuration.
         vllm_python: the interpreter of a virtual environment with vLLM (baseline `vllm` only).
         vllm_timeout_s: stop a vLLM run after this many seconds (None = never).
+        speculative_methods: the continuous configurations run once per item: None without
+            speculative decoding, "ngram" with it (the other speculative options from `engine`).
     """
 
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
@@ -98,6 +101,7 @@ class BenchSettings:
     warmup_run: bool = True
     vllm_python: str | None = None
     vllm_timeout_s: float | None = None
+    speculative_methods: list[str | None] = field(default_factory=lambda: [None])
 
     def __post_init__(self) -> None:
         for name, values, allowed in (
@@ -118,6 +122,14 @@ class BenchSettings:
                 f"--policy {','.join(self.policies)} applies to --mode continuous only; add continuous "
                 "to --mode or drop --policy"
             )
+        bad = [m for m in self.speculative_methods if m not in (None, *SPECULATIVE_METHODS)]
+        if bad or not self.speculative_methods:
+            raise ValueError(
+                f"speculative method must be a comma list of none, {', '.join(SPECULATIVE_METHODS)}; "
+                f"got {', '.join(map(str, bad)) or 'nothing'}"
+            )
+        if any(self.speculative_methods) and self.engine.speculative_method is None:
+            raise ValueError("the engine options need speculative_method set when a configuration speculates")
         if self.static_batch_size < 1:
             raise ValueError(f"static_batch_size must be >= 1, got {self.static_batch_size}")
         if self.repeat < 1:
@@ -142,6 +154,7 @@ class ConfigPlan:
     name: str
     kind: str
     policy: str | None = None
+    speculative: str | None = None
 
 
 def plan_configs(settings: BenchSettings) -> list[ConfigPlan]:
@@ -150,7 +163,11 @@ def plan_configs(settings: BenchSettings) -> list[ConfigPlan]:
     plans: list[ConfigPlan] = []
     for mode in settings.modes:
         if mode == "continuous":
-            plans += [ConfigPlan(f"continuous/{p}", "continuous", p) for p in settings.policies]
+            plans += [
+                ConfigPlan(f"continuous/{p}" + (f"+{m}" if m else ""), "continuous", p, m)
+                for p in settings.policies
+                for m in settings.speculative_methods
+            ]
         else:
             plans.append(ConfigPlan(f"static/b{b}", "static", "fcfs"))
     for base in settings.baselines:
@@ -168,9 +185,14 @@ def default_engine_factory(config: EngineConfig) -> Any:
 
 
 def engine_config_for(settings: BenchSettings, plan: ConfigPlan) -> EngineConfig:
-    """The engine options of one batchgen configuration: the policy, and prefix caching off for static."""
+    """The engine options of one batchgen configuration: the policy, prefix caching off for static,
+    and the speculative options only for a configuration that speculates."""
     caching = settings.engine.enable_prefix_caching and plan.kind != "static"
-    return dataclasses.replace(settings.engine, policy=plan.policy or "fcfs", enable_prefix_caching=caching)
+    config = dataclasses.replace(settings.engine, policy=plan.policy or "fcfs", enable_prefix_caching=caching)
+    if plan.speculative is None and config.speculative_method is not None:
+        off = dict.fromkeys(SPECULATIVE_FIELDS)
+        config = dataclasses.replace(config, speculative_method=None, **off)
+    return config
 
 
 def run_bench(
@@ -394,6 +416,9 @@ def _run_one(
         else:
             result = run_static(engine, workload, settings.static_batch_size, pad, plan.name, monitor)
         _record_kernels(result, engine)
+        if (speculation := getattr(engine, "speculation", None)) is not None:
+            result.extra["speculation"] = speculation.describe()
+            result.notes.append(f"{plan.name}: {speculation.describe()}")
         return result
     if facts.hf_dir is None:
         facts.hf_dir = resolve_hf_dir(settings.engine.model)

@@ -17,7 +17,7 @@ from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sizing import plan_engine, resolve_dtype, slow_dtype_reason
 from batchgen.engine.spec_decode import NgramProposer
-from batchgen.engine.spec_gate import SpeculationPlan, measure_gate
+from batchgen.engine.spec_gate import SpeculationGate, SpeculationPlan, measure_gate
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
 from batchgen.model.loading import loader
@@ -100,7 +100,7 @@ class LLMEngine:
             tokenizer=self.tokenizer,
             max_model_len=self.max_model_len,
             proposer=self.speculation.proposer if self.speculation else None,
-            speculative_max_batch=self.speculation.max_batch if self.speculation else 0,
+            speculative_max_batch=self.speculation.gate.max_batch if self.speculation else 0,
         )
         self.requests: dict[str, Request] = {}
         self.groups = SampleGroups()  # requests with n > 1
@@ -116,11 +116,11 @@ class LLMEngine:
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
         if config.speculative_max_batch is not None:
-            return SpeculationPlan(proposer, config.speculative_max_batch, "set")
+            return SpeculationPlan(proposer, SpeculationGate([], 0, fixed=config.speculative_max_batch))
         gate = measure_gate(
             self.runner, proposer.k, config.max_num_seqs, self.max_num_batched_tokens, self.dtype
         )
-        return SpeculationPlan(proposer, gate.max_batch, gate.describe())
+        return SpeculationPlan(proposer, gate)
 
     @property
     def model_name(self) -> str:
@@ -290,6 +290,9 @@ class LLMEngine:
             del self.requests[r.request_id]
             finished.append(self._output(r))
         outputs = self.groups.collect(finished)
+        if self.speculation is not None:  # the gate follows the job's acceptance
+            self.speculation.gate.observe(sched.num_drafts, sched.num_accepted_tokens)
+            self.scheduler.speculative_max_batch = self.speculation.gate.max_batch
         self._record(sched, start, now, len(outputs), kv_cache_usage)
         return outputs
 

@@ -1,21 +1,23 @@
-"""The speculative decoding gate: the largest running batch at which verifying drafts is still cheap.
+"""The speculative decoding gate: the largest running batch at which verifying drafts still pays.
 
 Verifying K drafts turns a request's one decode row into K + 1 rows. While a step is bound by
 streaming the weights (small batches), extra rows cost little; once it is bound by compute, every
 row costs its share, and speculation only pays if most drafts are accepted (measured by others:
 vLLM gates speculation off above a batch size for this reason). The gate is read off this machine's
 own cost curve when the engine starts: for batches B = 1, 2, 4, ..., the time of a step of B decode
-rows, `t_dec(B)`, and of B requests verifying K drafts each, `t_spec(B)`. Speculation runs while
+rows, `t_dec(B)`, and of B requests verifying K drafts each, `t_spec(B)`. A verification that keeps
+`a` drafts makes `1 + a` tokens where a decode makes one, so speculation runs while
 
-    t_spec(B) <= GATE_COST_RATIO * t_dec(B)
+    t_spec(B) <= (1 + a) * t_dec(B)
 
-that is, while the K extra rows of each request cost at most one decode row's share of the step
-(`t_dec(B) / B` per request, B of them: `t_spec - t_dec <= t_dec`). At that cost a verification
-pays for itself once one draft in K is accepted per step on average; below the gate it costs less.
-The boundary between the last batch that passes and the first that fails is interpolated linearly.
-The result is cached per machine, model shape, K and kernel choice (`gate_cache_key`), so every
-start on one machine gets the same gate (on a shared machine a fresh measurement moves by a batch
-or two).
+with `a` the job's mean accepted drafts per verification so far (`SpeculationGate`), starting from
+a prior of one: at the start the K extra rows of each request may cost one decode row's share of the
+step (`t_dec(B) / B` per request, B of them: `t_spec - t_dec <= t_dec`), and the gate widens or
+narrows as the job's acceptance shows. A summary copies whole phrases, and a small model's loops
+accept nearly every draft, so the gate a job settles on is its own. The boundary between the last
+batch that passes and the first that fails is interpolated linearly. The points are cached per
+machine, threads, model shape, K and kernel mode (`gate_cache_key`), so every start on one machine reads
+the same curve (on a shared machine a fresh measurement moves by a batch or two).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,50 +37,82 @@ from batchgen.model.step import StepInput
 
 logger = logging.getLogger(__name__)
 
-# t_spec(B) / t_dec(B) at the gate: the K extra rows of each request cost one decode row's share.
-GATE_COST_RATIO = 2.0
+# The prior of accepted drafts per verification, and its weight in verifications: the gate starts at
+# t_spec <= 2 t_dec (the K extra rows cost one decode row's share) and follows the job's own mean
+# once a few verifications have been seen.
+PRIOR_ACCEPTED = 1.0
+PRIOR_WEIGHT = 4
 # Context of the synthetic sequences (tokens): attention reads it for every row, as in a real tail.
 GATE_CONTEXT = 256
-GATE_CACHE_VERSION = 1
+GATE_CACHE_VERSION = 2
 
 
-@dataclass
-class GateMeasurement:
-    """The gate and the points it was read from.
+class SpeculationGate:
+    """The running-batch limit of speculation: set (`fixed`), or read off measured cost points at
+    the job's acceptance so far (`observe`).
 
-    Attributes:
-        max_batch: speculation runs while the running batch is at most this (0: never).
-        points: per batch measured, (B, t_dec seconds, t_spec seconds).
-        cached: read from the cache, not measured in this process.
+    Args:
+        points: (B, t_dec seconds, t_spec seconds) per batch measured, by batch.
+        limit: the largest batch measurable (`max_num_seqs`, or the token budget's).
+        fixed: the user's `speculative_max_batch` (then `points` are unused).
+        cached: the points were read from the cache.
     """
 
-    max_batch: int
-    points: list[tuple[int, float, float]] = field(default_factory=list)
-    cached: bool = False
+    def __init__(
+        self,
+        points: list[tuple[int, float, float]],
+        limit: int,
+        fixed: int | None = None,
+        cached: bool = False,
+    ) -> None:
+        self.points, self.limit, self.fixed, self.cached = points, limit, fixed, cached
+        self.num_drafts = 0
+        self.num_accepted_tokens = 0
+        self.max_batch = fixed if fixed is not None else self._from_points()
+
+    @property
+    def accepted_per_verification(self) -> float:
+        """The job's mean accepted drafts per verification, with the prior's weight."""
+        return (self.num_accepted_tokens + PRIOR_ACCEPTED * PRIOR_WEIGHT) / (self.num_drafts + PRIOR_WEIGHT)
+
+    def _from_points(self) -> int:
+        return min(gate_from_points(self.points, 1.0 + self.accepted_per_verification), self.limit)
+
+    def observe(self, num_drafts: int, num_accepted_tokens: int) -> None:
+        """Count a step's verifications and accepted drafts; the gate follows (unless fixed)."""
+        if not num_drafts:
+            return
+        self.num_drafts += num_drafts
+        self.num_accepted_tokens += num_accepted_tokens
+        if self.fixed is None:
+            self.max_batch = self._from_points()
 
     def describe(self) -> str:
+        if self.fixed is not None:
+            return f"gate running batch <= {self.fixed} (set)"
         where = "cached measurement" if self.cached else "measured"
-        return f"gate running batch <= {self.max_batch} ({where})"
+        return (
+            f"gate running batch <= {self.max_batch} at {self.accepted_per_verification:.2f} accepted "
+            f"drafts per verification ({where}; follows the job's acceptance)"
+        )
 
 
 @dataclass
 class SpeculationPlan:
-    """What the engine speculates with: the proposer, its gate and where the gate came from."""
+    """What the engine speculates with: the proposer and its gate."""
 
     proposer: NgramProposer
-    max_batch: int
-    source: str
+    gate: SpeculationGate
 
     def describe(self) -> str:
         p = self.proposer
-        gate = f"gate running batch <= {self.max_batch} (set)" if self.source == "set" else self.source
-        return f"speculative ngram k={p.k} n={p.n_min}-{p.n_max}, {gate}"
+        return f"speculative ngram k={p.k} n={p.n_min}-{p.n_max}, {self.gate.describe()}"
 
 
-def gate_from_points(points: list[tuple[int, float, float]], ratio: float = GATE_COST_RATIO) -> int:
+def gate_from_points(points: list[tuple[int, float, float]], ratio: float) -> int:
     """The largest batch whose `t_spec / t_dec` is at most `ratio`, interpolated between the last
-    measured batch that passes and the next one (points sorted by batch, measured until one fails).
-    0 when the first point already fails."""
+    measured batch that passes and the next one (points sorted by batch). 0 when the first point
+    already fails; the last batch when every point passes."""
     gate = 0
     previous: tuple[int, float] | None = None
     for batch, t_dec, t_spec in points:
@@ -109,8 +143,9 @@ def _synthetic_step(batch: int, drafts: int, context: int, block_table: list[int
     ]
 
 
-def measure_points(runner: Any, k: int, max_batch: int, ratio: float = GATE_COST_RATIO) -> list[tuple]:
-    """(B, t_dec, t_spec) for B = 1, 2, 4, ... up to `max_batch`, until one fails the ratio.
+def measure_points(runner: Any, k: int, max_batch: int) -> list[tuple]:
+    """(B, t_dec, t_spec) for B = 1, 2, 4, ... up to `max_batch`, until `t_spec / t_dec` passes
+    `1 + k` (no acceptance can pay for more: a verification makes at most k + 1 tokens).
 
     Each time is the fastest of interleaved rounds (`kernels.registry.fastest_seconds`), after one
     warm-up call of each shape.
@@ -126,9 +161,10 @@ def measure_points(runner: Any, k: int, max_batch: int, ratio: float = GATE_COST
         calls = {"dec": lambda s=dec: runner.execute(s), "spec": lambda s=spec: runner.execute(s)}
         for call in calls.values():
             call()
-        best = fastest_seconds(calls, min_rounds=3, max_rounds=10, min_total_s=0.05)
+        # At least 0.3 s a batch: the minimum of a few rounds still moved by a batch on a busy machine.
+        best = fastest_seconds(calls, min_rounds=5, max_rounds=20, min_total_s=0.3)
         points.append((batch, best["dec"], best["spec"]))
-        if best["spec"] > ratio * best["dec"]:
+        if best["spec"] > (1 + k) * best["dec"]:
             break
         batch *= 2
     return points
@@ -136,7 +172,7 @@ def measure_points(runner: Any, k: int, max_batch: int, ratio: float = GATE_COST
 
 def gate_cache_key(runner: Any, k: int, max_batch: int, dtype: torch.dtype) -> dict[str, str]:
     """What the gate depends on: the kernels' machine key, the GPU if any, the model's shape, the
-    attention backend and kernel choice, K and the largest batch measured."""
+    attention backend and kernel mode, K and the largest batch measured."""
     config = runner.config
     key = dict(machine_key(dtype))
     if runner.device.type == "cuda":
@@ -145,7 +181,8 @@ def gate_cache_key(runner: Any, k: int, max_batch: int, dtype: torch.dtype) -> d
              "num_key_value_heads", "vocab_size")  # fmt: skip
     key["model"] = ",".join(str(getattr(config, name, None)) for name in shape)
     key["attention"] = runner.backend.name
-    key["kernels"] = runner.kernel_choice.summary() or runner.kernel_choice.mode
+    # The mode, not the choice itself: a choice remeasured on a busy machine moves a bucket or two.
+    key["kernel_mode"] = runner.kernel_choice.mode
     key.update(k=str(k), max_batch=str(max_batch), block_size=str(runner.block_size))
     key["gate_version"] = str(GATE_CACHE_VERSION)
     return key
@@ -153,8 +190,9 @@ def gate_cache_key(runner: Any, k: int, max_batch: int, dtype: torch.dtype) -> d
 
 def measure_gate(
     runner: Any, k: int, max_num_seqs: int, max_num_batched_tokens: int, dtype: torch.dtype
-) -> GateMeasurement:
-    """The gate for `runner`'s model on this machine: from the cache, else measured and cached.
+) -> SpeculationGate:
+    """The gate for `runner`'s model on this machine, on points from the cache, else measured and
+    cached.
 
     Batches are measured up to `max_num_seqs` and to the batch whose verification fits in the token
     budget (`max_num_batched_tokens // (k + 1)`). A cache folder that cannot be written costs a
@@ -166,17 +204,14 @@ def measure_gate(
     path = cache_root() / "spec_gate" / f"{digest}.json"
     try:
         data = json.loads(path.read_text())
-        if data.get("key") == key and isinstance(data.get("max_batch"), int):
-            points = [tuple(p) for p in data.get("points", [])]
-            return GateMeasurement(data["max_batch"], points, cached=True)
-    except (OSError, ValueError, AttributeError):
+        if data.get("key") == key and data.get("points"):
+            return SpeculationGate([tuple(p) for p in data["points"]], limit, cached=True)
+    except (OSError, ValueError, AttributeError, TypeError):
         pass  # no cache yet, or a damaged one: measure again
     points = measure_points(runner, k, limit)
-    result = GateMeasurement(min(gate_from_points(points), limit), points)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"key": key, "max_batch": result.max_batch, "points": points}, indent=1)
-        write_atomically(path, text.encode())
+        write_atomically(path, json.dumps({"key": key, "points": points}, indent=1).encode())
     except OSError as exc:
         logger.warning("could not write the speculation gate cache %s: %s", path, exc)
-    return result
+    return SpeculationGate(points, limit)

@@ -19,7 +19,7 @@ from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.spec_decode import NgramProposer, accepted_tokens
-from batchgen.engine.spec_gate import gate_from_points
+from batchgen.engine.spec_gate import SpeculationGate, gate_from_points
 from batchgen.model.step import StepOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -103,10 +103,35 @@ def test_engine_config_speculative_options() -> None:
 def test_gate_from_points() -> None:
     # t_spec / t_dec: 1.2, 1.6, 2.4: the boundary 2.0 lies half way between batches 2 and 4.
     points = [(1, 10.0, 12.0), (2, 10.0, 16.0), (4, 10.0, 24.0)]
-    assert gate_from_points(points) == 3
-    assert gate_from_points(points, ratio=1.5) == 1  # a quarter of the way from 1 to 2: 1
-    assert gate_from_points(points[:2]) == 2  # every batch measured passes: the last one
-    assert gate_from_points([(1, 10.0, 25.0)]) == 0  # the first batch fails: never speculate
+    assert gate_from_points(points, 2.0) == 3
+    assert gate_from_points(points, 1.5) == 1  # a quarter of the way from 1 to 2: 1
+    assert gate_from_points(points[:2], 2.0) == 2  # every batch measured passes: the last one
+    assert gate_from_points([(1, 10.0, 25.0)], 2.0) == 0  # the first batch fails: never speculate
+
+
+def test_gate_follows_the_jobs_acceptance() -> None:
+    """Before any verification the gate is where t_spec = 2 t_dec (one accepted draft per
+    verification pays for the K extra rows); drafts accepted at 3 per verification move it to
+    t_spec = 4 t_dec (the prior of 1 keeps a weight of 4 verifications); poor acceptance moves it
+    down; a set gate never moves; the gate never passes the limit."""
+    points = [(1, 10.0, 12.0), (2, 10.0, 16.0), (4, 10.0, 24.0), (8, 10.0, 32.0), (16, 10.0, 52.0)]
+    gate = SpeculationGate(points, limit=64)
+    assert gate.max_batch == 3 and gate.accepted_per_verification == 1.0
+    gate.observe(0, 0)  # a step without verifications changes nothing
+    assert gate.max_batch == 3
+    gate.observe(36, 108)  # 3 accepted per verification: (108 + 4) / (36 + 4) = 2.8
+    assert gate.accepted_per_verification == pytest.approx(2.8)
+    assert gate.max_batch == 10  # 3.8 lies 3/10 of the way from 3.2 (batch 8) to 5.2 (batch 16)
+    assert SpeculationGate(points, limit=6).max_batch == 3
+    capped = SpeculationGate(points, limit=6)
+    capped.observe(36, 108)
+    assert capped.max_batch == 6
+    poor = SpeculationGate(points, limit=64)
+    poor.observe(40, 4)  # 0.1 accepted per verification: (4 + 4) / 44
+    assert poor.max_batch == 0
+    fixed = SpeculationGate([], 0, fixed=5)
+    fixed.observe(10, 0)
+    assert fixed.max_batch == 5 and fixed.describe() == "gate running batch <= 5 (set)"
 
 
 # ---- the scheduler with a fake greedy model ----

@@ -160,13 +160,21 @@ def test_gate_is_measured_cached_and_applied(spec_case, tmp_path, monkeypatch):
     running requests."""
     path, prompt_ids, expected = spec_case
     monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path))
-    llm = LLM(str(path), dtype="float32", speculative_method="ngram")
+    # One thread fixed: the cache is per thread count, and a busy machine moves the default.
+    llm = LLM(str(path), dtype="float32", speculative_method="ngram", num_threads=1)
     plan = llm.llm_engine.speculation
-    assert "(measured)" in plan.source and llm.llm_engine.start_line.endswith(plan.describe())
+    assert "(measured;" in plan.describe() and llm.llm_engine.start_line.endswith(plan.describe())
+    assert plan.gate.points and not plan.gate.cached
     files = list((tmp_path / "spec_gate").glob("*.json"))
     assert len(files) == 1
-    again = LLM(str(path), dtype="float32", speculative_method="ngram").llm_engine.speculation
-    assert "(cached measurement)" in again.source and again.max_batch == plan.max_batch
+    again = LLM(str(path), dtype="float32", speculative_method="ngram", num_threads=1).llm_engine.speculation
+    assert again.gate.cached and "(cached measurement;" in again.describe()
+    assert again.gate.points == plan.gate.points and again.gate.max_batch == plan.gate.max_batch
+    # The engine hands the gate's value to the scheduler after every step.
+    engine = llm.llm_engine
+    engine.scheduler.speculative_max_batch = 999  # above any gate: the next step must replace it
+    llm.generate([{"prompt_token_ids": prompt_ids[-1]}], SamplingParams(temperature=0.0, max_tokens=3))
+    assert engine.scheduler.speculative_max_batch == engine.speculation.gate.max_batch <= 256
     # The gate itself, forced to 2 so that some steps run above it whatever the machine measured.
     llm = LLM(str(path), dtype="float32", speculative_method="ngram", speculative_max_batch=2)
     engine = llm.llm_engine
@@ -190,12 +198,17 @@ def test_gate_is_measured_cached_and_applied(spec_case, tmp_path, monkeypatch):
 
 
 def test_gate_points_come_from_the_runner(spec_case, monkeypatch):
-    """`measure_points` stops at the first batch whose verification costs more than the ratio."""
+    """`measure_points` times real steps of the runner, up to the limit or the first batch whose
+    verification costs more than 1 + k decode steps."""
     path, _, _ = spec_case
     runner = LLM(str(path), dtype="float32").llm_engine.runner
-    points = spec_gate.measure_points(runner, 4, max_batch=8, ratio=1e9)
-    assert [p[0] for p in points] == [1, 2, 4, 8] and all(p[1] > 0 and p[2] > 0 for p in points)
-    assert len(spec_gate.measure_points(runner, 4, max_batch=8, ratio=1e-9)) == 1
+    points = spec_gate.measure_points(runner, 4, max_batch=8)
+    assert [p[0] for p in points] == [1, 2, 4, 8][: len(points)] and all(
+        p[1] > 0 and p[2] > 0 for p in points
+    )
+    # Measured until the cost passes 1 + k, or the limit: then the last point measured fails it.
+    assert len(points) == 4 or points[-1][2] > 5 * points[-1][1]
+    assert spec_gate.measure_points(runner, 4, max_batch=1)[0][0] == 1
 
 
 @pytest.mark.slow

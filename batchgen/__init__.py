@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # `LLM` pulls in torch (about 2 s): imported on first use, so `batchgen --help` and the CLI's
+    # `LLM` pulls in torch (seconds to import): imported on first use, so `batchgen --help` and the CLI's
     # argument checks answer at once and a Ctrl-C at start-up lands where the CLI handles it.
     if name == "LLM":
         from batchgen.llm import LLM

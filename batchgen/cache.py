@@ -65,7 +65,7 @@ def file_digest(path: Path, memo_dir: Path, salt: str = "") -> str:
     """SHA-256 (64 hex digits) of `salt` then the bytes of the file at `path`.
 
     The digest is remembered in `memo_dir` per resolved path, size and modification time, so a large
-    file (a model's weights: about 1 s a GB) is read once; an edited file has a new size or mtime
+    file (a model's weights) is read once; an edited file has a new size or mtime
     and is read again. A memo folder that cannot be written only costs the reread.
 
     Raises:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import shlex
-import signal
 import sys
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -22,13 +20,14 @@ import typer
 
 from batchgen import cli_types as opt
 from batchgen.bench.cli import bench_command
-from batchgen.config import POLICIES, EngineConfig
-from batchgen.stop_signals import STOP_SIGNALS
+from batchgen.cli_run import run_and_exit
+from batchgen.config import POLICY_NAMES, EngineConfig
+from batchgen.sampling_params import SamplingDefaults
 from batchgen.tune import tune_command
 
 if TYPE_CHECKING:
     from batchgen.distributed.pool import ReplicaOptions
-    from batchgen.jobs.options import JobOptions, JobSummary
+    from batchgen.jobs.options import JobOptions
 
 app = typer.Typer(
     name="batchgen",
@@ -95,53 +94,24 @@ def run_command(
             "(chat prompts are cut inside the message text; the template stays whole)",
         ),
     ] = None,
-    # --- sampling defaults (row columns override) ---
-    max_tokens: Annotated[int, typer.Option(help="Most tokens generated per row")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    top_k: Annotated[int, typer.Option(help="0 or -1 = off")] = 0,
-    seed: Annotated[int | None, typer.Option(help="Per-request sampling seed")] = None,
-    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")] = None,
-    stop_token_ids: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Token ids that end a row, besides EOS (comma-separated or repeated)", metavar="IDS"
-        ),
-    ] = None,
-    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p x the top token's probability")] = 0.0,
-    min_tokens: Annotated[
-        int, typer.Option(help="EOS and stop token ids count only after this many tokens")
-    ] = 0,
-    ignore_eos: Annotated[
-        bool, typer.Option("--ignore-eos", help="Generate past EOS up to max_tokens")
-    ] = False,
-    n: Annotated[
-        int,
-        typer.Option(
-            "--n",
-            help="Completions per row (vLLM's n): all n in a 'choices' column, the first also in "
-            "'output' (OpenAI batch output: the line's choices)",
-        ),
-    ] = 1,
-    presence_penalty: Annotated[
-        float, typer.Option(help="Subtracted from generated tokens' logits, [-2, 2]")
-    ] = 0.0,
-    frequency_penalty: Annotated[
-        float, typer.Option(help="Subtracted per repeat of a generated token, [-2, 2]")
-    ] = 0.0,
-    repetition_penalty: Annotated[
-        float, typer.Option(help="Divides logits of prompt and output tokens (HF/vLLM), 1 = off")
-    ] = 1.0,
-    logprobs: Annotated[
-        int | None,
-        typer.Option(
-            help="Write each generated token's log probability and its K most likely alternatives "
-            "(0-20, vLLM's logprobs) in a 'logprobs' column (OpenAI batch output: choices' logprobs)",
-            metavar="K",
-        ),
-    ] = None,
+    # --- sampling defaults (row columns override; declared in cli_types, defaults in SamplingDefaults) ---
+    max_tokens: opt.MaxTokens = SamplingDefaults.max_tokens,
+    temperature: opt.Temperature = SamplingDefaults.temperature,
+    top_p: opt.TopP = SamplingDefaults.top_p,
+    top_k: opt.TopK = SamplingDefaults.top_k,
+    seed: opt.Seed = SamplingDefaults.seed,
+    stop: opt.Stop = None,
+    stop_token_ids: opt.StopTokenIds = None,
+    min_p: opt.MinP = SamplingDefaults.min_p,
+    min_tokens: opt.MinTokens = SamplingDefaults.min_tokens,
+    ignore_eos: opt.IgnoreEos = SamplingDefaults.ignore_eos,
+    n: opt.N = SamplingDefaults.n,
+    presence_penalty: opt.PresencePenalty = SamplingDefaults.presence_penalty,
+    frequency_penalty: opt.FrequencyPenalty = SamplingDefaults.frequency_penalty,
+    repetition_penalty: opt.RepetitionPenalty = SamplingDefaults.repetition_penalty,
+    logprobs: opt.Logprobs = SamplingDefaults.logprobs,
     # --- scheduling ---
-    policy: Annotated[str, typer.Option(help=opt.choices(POLICIES))] = "fcfs",
+    policy: Annotated[str, typer.Option(help=opt.choices(POLICY_NAMES))] = "fcfs",
     window: Annotated[
         int, typer.Option(help="Look-ahead window in rows (the policy orders inside it)")
     ] = 1024,
@@ -217,68 +187,72 @@ def run_command(
     ] = 1.0,
 ) -> None:
     """Run a job file through the engine into an output file; rerun the same command to resume."""
-    from batchgen.jobs.runner import JobOptions
-    from batchgen.metrics import MetricsOptions
-
-    engine = opt.engine_options(locals())
-    # A name given twice is kept once (dict keys keep the first order).
-    keep = tuple(
-        dict.fromkeys(c.strip() for item in keep_columns or () for c in item.split(",") if c.strip())
-    )
-    resume_args = [a for a in sys.argv[1:] if a != "--overwrite"]
-    options = JobOptions(
-        input=input,
-        output=output,
-        overwrite=overwrite,
-        strict=strict,
-        prompt_column=prompt_column,
-        messages_column=messages_column,
-        id_column=id_column,
-        template=template,
-        system_prompt=system_prompt,
-        chat_template=not no_chat_template,
-        keep_columns=keep,
-        limit=limit,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=tuple(stop or ()),
-        stop_token_ids=_token_ids(stop_token_ids),
-        min_p=min_p,
-        min_tokens=min_tokens,
-        ignore_eos=ignore_eos,
-        n=n,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty,
-        logprobs=logprobs,
-        truncate_prompt=truncate_prompt,
-        policy=policy,
-        window=window,
-        engine=engine,
-        commit_rows=commit_every,
-        commit_seconds=commit_interval,
-        dashboard=not no_dashboard,
-        progress_interval=progress_interval,
-        resume_command="batchgen " + shlex.join(resume_args),
-        metrics=MetricsOptions(port=metrics_port, host=metrics_host, file=metrics_file),
-    )
-    scale_out = None
-    if replicas > 1 or ray_address is not None:
-        from batchgen.distributed.pool import ReplicaOptions  # imports no Ray
-
-        try:
-            scale_out = ReplicaOptions(replicas, ray_address, cpus_per_replica, gpus_per_replica)
-        except ValueError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
+    options = _job_options(locals())
+    scale_out = _scale_out(replicas, ray_address, cpus_per_replica, gpus_per_replica)
     action = _job_action.get()  # `batchgen plan` plans the rows wherever they would run
     if action is not None:
         action(options, summary_json)
     else:
-        _run_and_exit(options, summary_json, scale_out)
+        run_and_exit(options, summary_json, scale_out)
+
+
+def _job_options(values: dict[str, Any]) -> JobOptions:
+    """`JobOptions` from `run_command`'s parameters (`locals()`): the engine and sampling options
+    through their collectors (`cli_types`), `--keep-columns` comma lists split, and the command
+    that resumes this run (the same arguments without `--overwrite`)."""
+    from batchgen.jobs.options import JobOptions
+    from batchgen.metrics import MetricsOptions
+
+    # A name given twice is kept once (dict keys keep the first order).
+    keep = tuple(
+        dict.fromkeys(
+            c.strip() for item in values["keep_columns"] or () for c in item.split(",") if c.strip()
+        )
+    )
+    resume_args = [a for a in sys.argv[1:] if a != "--overwrite"]
+    return JobOptions(
+        input=values["input"],
+        output=values["output"],
+        overwrite=values["overwrite"],
+        strict=values["strict"],
+        prompt_column=values["prompt_column"],
+        messages_column=values["messages_column"],
+        id_column=values["id_column"],
+        template=values["template"],
+        system_prompt=values["system_prompt"],
+        chat_template=not values["no_chat_template"],
+        keep_columns=keep,
+        limit=values["limit"],
+        truncate_prompt=values["truncate_prompt"],
+        policy=values["policy"],
+        window=values["window"],
+        engine=opt.engine_options(values),
+        commit_rows=values["commit_every"],
+        commit_seconds=values["commit_interval"],
+        dashboard=not values["no_dashboard"],
+        progress_interval=values["progress_interval"],
+        resume_command="batchgen " + shlex.join(resume_args),
+        metrics=MetricsOptions(
+            port=values["metrics_port"], host=values["metrics_host"], file=values["metrics_file"]
+        ),
+        **opt.sampling_options(values),
+    )
+
+
+def _scale_out(
+    replicas: int, ray_address: str | None, cpus_per_replica: float, gpus_per_replica: float
+) -> ReplicaOptions | None:
+    """The Ray replicas a run asked for (`--replicas` above 1 or a `--ray-address`); None: this
+    process runs the job. A bad value stops the command with exit 2."""
+    if replicas <= 1 and ray_address is None:
+        return None
+    from batchgen.distributed.pool import ReplicaOptions  # imports no Ray
+
+    try:
+        return ReplicaOptions(replicas, ray_address, cpus_per_replica, gpus_per_replica)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 # `batchgen plan` takes exactly `run`'s options: it calls `run_command` with this set to the plan.
@@ -289,15 +263,23 @@ _job_action: ContextVar[Callable[[JobOptions, str | None], None] | None] = Conte
 
 def plan_command(**values: Any) -> None:
     """Plan a job without running it: rows, error rows, prompt tokens, output budget, prefix-cache
-    savings and KV-cache memory, from the job file and the model's tokenizer (no weights are loaded)."""
+    savings and KV-cache memory from the job file and the model's tokenizer, and the estimated wall
+    time from a few steps timed on this machine (the model is loaded for them on a CPU; cached)."""
+    from batchgen.jobs.wall_time import WallTimeOptions
+
     as_json = values.pop("json_output")
+    wall_time = WallTimeOptions(
+        calibrate=values.pop("calibrate"),
+        expected_output_tokens=values.pop("expected_output_tokens"),
+        log=lambda line: typer.echo(line, err=True),
+    )
 
     def plan(options: JobOptions, summary_json: str | None) -> None:
+        from batchgen.jobs.formats import JobInputError
         from batchgen.jobs.plan import format_plan, plan_job
-        from batchgen.jobs.reader import JobInputError
 
         try:
-            result = plan_job(options, progress=True)
+            result = plan_job(options, progress=True, wall_time=wall_time)
         except JobInputError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
@@ -311,146 +293,47 @@ def plan_command(**values: Any) -> None:
 
 
 _run_signature = inspect.signature(run_command, eval_str=True)
-_json_option = inspect.Parameter(
-    "json_output",
-    inspect.Parameter.KEYWORD_ONLY,
-    default=False,
-    annotation=Annotated[bool, typer.Option("--json", help="Print the plan as JSON")],
-)
+_plan_options = [
+    inspect.Parameter(
+        "json_output",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=False,
+        annotation=Annotated[bool, typer.Option("--json", help="Print the plan as JSON")],
+    ),
+    inspect.Parameter(
+        "calibrate",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[
+            bool | None,
+            typer.Option(
+                "--calibrate/--no-calibrate",
+                help="Time a few steps of the model on this machine now for the wall-time estimate "
+                "(--no-calibrate: only a cached calibration; default: a cached one, else measure on a "
+                "CPU, not on CUDA, where it would load the GPU)",
+                show_default=False,
+            ),
+        ],
+    ),
+    inspect.Parameter(
+        "expected_output_tokens",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[
+            int | None,
+            typer.Option(
+                min=1,
+                help="Expected output tokens a sequence (the estimate's low end; default: what an "
+                "earlier run's committed rows used, else a quarter of max_tokens)",
+            ),
+        ],
+    ),
+]
 plan_command.__signature__ = _run_signature.replace(  # type: ignore[attr-defined]
-    parameters=[*_run_signature.parameters.values(), _json_option]
+    parameters=[*_run_signature.parameters.values(), *_plan_options]
 )
 plan_command.__annotations__ = {p.name: p.annotation for p in plan_command.__signature__.parameters.values()}
 app.command("plan")(plan_command)
-
-
-def _token_ids(values: list[str] | None) -> tuple[int, ...]:
-    """`--stop-token-ids` values (each a comma list) as token ids.
-
-    Raises:
-        typer.BadParameter: a value that is not a whole number (a usage error, exit 2).
-    """
-    ids = []
-    for item in values or ():
-        for part in item.split(","):
-            if not part.strip():
-                continue
-            try:
-                ids.append(int(part))
-            except ValueError:
-                raise typer.BadParameter(
-                    f"{part.strip()!r} is not a token id; give whole numbers, e.g. --stop-token-ids 2,13",
-                    param_hint="--stop-token-ids",
-                ) from None
-    return tuple(ids)
-
-
-def _run_and_exit(
-    options: JobOptions, summary_json: str | None = None, scale_out: ReplicaOptions | None = None
-) -> None:
-    """`run_job` with the command's signal handling and exit codes. The process's handlers are
-    restored on the way out, so an in-process caller (a test runner, say) does not inherit ignored
-    signals, nor pass them on to the processes it starts; the `batchgen` command itself ignores
-    them again until it exits (`batchgen.__main__.main`)."""
-    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    try:
-        _run_with_stop_handlers(options, summary_json, scale_out)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def _write_summary(path: str, summary: JobSummary, exit_code: int) -> None:
-    """`--summary-json`: the run's outcome (`JobSummary.to_dict`) as JSON, written atomically. A
-    failure to write it is reported, not raised: the job itself is done."""
-    import json
-    from pathlib import Path
-
-    from batchgen.cache import write_atomically
-
-    try:
-        write_atomically(Path(path), (json.dumps(summary.to_dict(exit_code), indent=1) + "\n").encode())
-    except OSError as e:
-        typer.echo(f"error: --summary-json {path} could not be written: {e}", err=True)
-
-
-def _exit_code(summary: JobSummary) -> int:
-    """`batchgen run`'s exit code for a run that returned (see the module docstring)."""
-    if summary.interrupted:  # the shell's convention: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM)
-        return 128 + (summary.stop_signal or signal.SIGINT)
-    return 3 if summary.every_row_failed else 0
-
-
-def _run_with_stop_handlers(
-    options: JobOptions, summary_json: str | None = None, scale_out: ReplicaOptions | None = None
-) -> None:
-    from batchgen.jobs.reader import JobInputError
-    from batchgen.jobs.runner import run_job
-
-    last_signal = [signal.SIGINT]
-
-    def stop_on_sigterm(signum: int, frame: object) -> None:
-        # Outside the job loop (model loading, the final assembly) SIGTERM stops the run as Ctrl-C
-        # does, instead of killing it without a word; inside it, `run_job` handles both itself.
-        last_signal[0] = signum
-        raise KeyboardInterrupt
-
-    for s in STOP_SIGNALS:  # SIGINT keeps Python's KeyboardInterrupt, and its exit code 130
-        if s != signal.SIGINT:
-            signal.signal(s, stop_on_sigterm)
-    try:
-        if scale_out is None:
-            summary = run_job(options)
-        else:
-            from batchgen.distributed import run_distributed
-
-            summary = run_distributed(options, scale_out)
-    except JobInputError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    except OSError as e:  # the disk, not the input: the output folder vanished, the disk filled up
-        folder = os.path.dirname(e.filename) if isinstance(e.filename, str) else None
-        if folder and not os.path.isdir(folder):  # the rows committed there went with it
-            kept = (
-                f"The folder {folder} is gone, and with it the rows committed there; fix the cause and rerun"
-            )
-        else:
-            kept = "Rows committed before this are kept; fix the cause and resume"
-        typer.echo(
-            f"error: cannot write the job's output: {e}. {kept} with:\n  {options.resume_command}", err=True
-        )
-        raise typer.Exit(1) from None
-    except KeyboardInterrupt:  # a second Ctrl-C, one during model loading, or SIGTERM: rows are kept
-        typer.echo(
-            f"interrupted; committed rows are kept. Resume with:\n  {options.resume_command}", err=True
-        )
-        raise typer.Exit(128 + last_signal[0]) from None
-    # Everything is committed (or the run stopped cleanly): a Ctrl-C or SIGTERM from here to the end
-    # of the process has nothing left to stop, and must not kill it with a KeyboardInterrupt traceback.
-    for s in STOP_SIGNALS:
-        signal.signal(s, signal.SIG_IGN)
-    if summary_json is not None:
-        _write_summary(summary_json, summary, _exit_code(summary))
-    if summary.already_complete:
-        errors = (
-            f", {summary.rows_error} of its {summary.rows_done} rows are error rows"
-            if summary.rows_error
-            else ""
-        )
-        typer.echo(
-            f"{summary.output_path} is already complete (same input and settings){errors}; --overwrite redoes it"
-        )
-    if summary.interrupted:
-        raise typer.Exit(_exit_code(summary))
-    if summary.every_row_failed:
-        # A script that checks the exit code must not take an output of nothing but errors for a
-        # finished job; the rows stay recorded, so a fixed command reruns with --overwrite.
-        typer.echo(
-            f"error: every one of the {summary.rows_error} rows failed; the first: {summary.first_error}\n"
-            "The error rows are in the output. Fix the cause, then rerun with --overwrite",
-            err=True,
-        )
-        raise typer.Exit(3)
 
 
 app.command("tune")(tune_command)

@@ -1,16 +1,20 @@
-"""Typer options shared by `batchgen run` and `batchgen bench`: the engine's, with vLLM's spellings.
+"""Typer options declared once: the engine's (shared by `batchgen run` and `batchgen bench`) and the
+sampling defaults of `batchgen run` (and `batchgen plan`), with vLLM's spellings.
 
-Each option is an `Annotated` type that both commands declare with the same default, taken from
-`EngineConfig`, so the two commands cannot drift apart in names, help or defaults::
+Each option is an `Annotated` type that a command declares with its default taken from the
+dataclass that owns it (`EngineConfig`, `SamplingDefaults`), so commands and dataclasses cannot
+drift apart in names, help or defaults::
 
     def run_command(max_num_seqs: MaxNumSeqs = EngineConfig.max_num_seqs, ...): ...
 
-`engine_options(locals())` then collects the values into `EngineConfig` keyword arguments.
+`engine_options(locals())` then collects the values into `EngineConfig` keyword arguments, and
+`sampling_options(locals())` into `SamplingDefaults` (and so `JobOptions`) keyword arguments.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import fields
 from typing import Annotated, Any
 
 import typer
@@ -20,10 +24,12 @@ from batchgen.config import (
     DEVICES,
     DTYPES,
     KERNEL_MODES,
+    MAX_THROUGHPUT,
     PREEMPTION_MODES,
     SPECULATIVE_METHODS,
     parse_memory_size,
 )
+from batchgen.sampling_params import SamplingDefaults
 
 
 def memory_size(text: str) -> int:
@@ -134,6 +140,77 @@ ENGINE_OPTIONS = (
 )
 
 
+# --- sampling defaults of `batchgen run` (row columns override; `SamplingDefaults` holds the defaults) ---
+MaxTokens = Annotated[int, typer.Option(help="Most tokens generated per row")]
+Temperature = Annotated[float, typer.Option(help="0 = greedy")]
+TopP = Annotated[float, typer.Option()]
+TopK = Annotated[int, typer.Option(help="0 or -1 = off")]
+Seed = Annotated[int | None, typer.Option(help="Per-request sampling seed")]
+Stop = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")]
+StopTokenIds = Annotated[
+    list[str] | None,
+    typer.Option(help="Token ids that end a row, besides EOS (comma-separated or repeated)", metavar="IDS"),
+]
+MinP = Annotated[float, typer.Option(help="Drop tokens below min_p x the top token's probability")]
+MinTokens = Annotated[int, typer.Option(help="EOS and stop token ids count only after this many tokens")]
+IgnoreEos = Annotated[bool, typer.Option("--ignore-eos", help="Generate past EOS up to max_tokens")]
+N = Annotated[
+    int,
+    typer.Option(
+        "--n",
+        help="Completions per row (vLLM's n): all n in a 'choices' column, the first also in "
+        "'output' (OpenAI batch output: the line's choices)",
+    ),
+]
+PresencePenalty = Annotated[float, typer.Option(help="Subtracted from generated tokens' logits, [-2, 2]")]
+FrequencyPenalty = Annotated[float, typer.Option(help="Subtracted per repeat of a generated token, [-2, 2]")]
+RepetitionPenalty = Annotated[
+    float, typer.Option(help="Divides logits of prompt and output tokens (HF/vLLM), 1 = off")
+]
+Logprobs = Annotated[
+    int | None,
+    typer.Option(
+        help="Write each generated token's log probability and its K most likely alternatives "
+        "(0-20, vLLM's logprobs) in a 'logprobs' column (OpenAI batch output: choices' logprobs)",
+        metavar="K",
+    ),
+]
+
+
+def sampling_options(values: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults out of a command's parameters (`locals()`): `SamplingDefaults` keyword
+    arguments, `--stop` and `--stop-token-ids` as tuples (the latter's comma lists split).
+
+    Raises:
+        typer.BadParameter: a `--stop-token-ids` value that is not a whole number (exit 2).
+    """
+    sampling = {f.name: values[f.name] for f in fields(SamplingDefaults)}
+    sampling["stop"] = tuple(sampling["stop"] or ())
+    sampling["stop_token_ids"] = _token_ids(sampling["stop_token_ids"])
+    return sampling
+
+
+def _token_ids(values: list[str] | None) -> tuple[int, ...]:
+    """`--stop-token-ids` values (each a comma list) as token ids.
+
+    Raises:
+        typer.BadParameter: a value that is not a whole number (a usage error, exit 2).
+    """
+    ids = []
+    for item in values or ():
+        for part in item.split(","):
+            if not part.strip():
+                continue
+            try:
+                ids.append(int(part))
+            except ValueError:
+                raise typer.BadParameter(
+                    f"{part.strip()!r} is not a token id; give whole numbers, e.g. --stop-token-ids 2,13",
+                    param_hint="--stop-token-ids",
+                ) from None
+    return tuple(ids)
+
+
 def engine_options(values: dict[str, Any]) -> dict[str, Any]:
     """The engine options out of a command's parameters (`locals()`): `EngineConfig` keyword arguments.
 
@@ -177,7 +254,7 @@ def inert_options(engine: dict[str, Any], given: set[str], policy: str) -> list[
     """
     messages = []
     policies = {p.strip() for p in policy.split(",") if p.strip()}
-    if "aging_steps" in given and "max-throughput" not in policies:
+    if "aging_steps" in given and MAX_THROUGHPUT not in policies:
         messages.append(
             f"--aging-steps applies only to --policy max-throughput (this run: {policy}); it is ignored"
         )

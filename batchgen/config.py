@@ -9,7 +9,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-POLICIES = ("fcfs", "max-throughput", "priority")
+# The scheduling policies' names, listed here only: `batchgen.engine.policy.POLICIES` maps each to
+# its class, and the look-ahead window (`batchgen.jobs.window`) orders by those classes too.
+FCFS, MAX_THROUGHPUT, PRIORITY = "fcfs", "max-throughput", "priority"
+POLICY_NAMES = (FCFS, MAX_THROUGHPUT, PRIORITY)
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # auto: measured on this machine; reference: plain torch; native: batchgen's own kernels, unmeasured.
@@ -165,7 +168,7 @@ class EngineConfig:
     swap_space: float = 4.0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
+    policy: str = FCFS
     preemption_mode: str = "recompute"
     aging_steps: int = 256
     attention_backend: str = "auto"
@@ -201,7 +204,7 @@ class EngineConfig:
             _check_positive_int("kv_cache_memory", self.kv_cache_memory)
         if float(self.swap_space) < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("policy", self.policy, POLICY_NAMES)
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _check_positive_int("aging_steps", self.aging_steps)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

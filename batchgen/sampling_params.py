@@ -1,9 +1,11 @@
-"""SamplingParams: how one request is decoded and when it stops (vLLM's field names)."""
+"""SamplingParams: how one request is decoded and when it stops (vLLM's field names); and
+SamplingDefaults, a job's sampling flags, which every row's own columns override."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 # What `torch.Generator.manual_seed` takes: a signed or an unsigned 64-bit value.
@@ -167,3 +169,52 @@ class SamplingParams:
             if out[name] == neutral:
                 del out[name]
         return out
+
+
+# Marks the SamplingDefaults fields added after the run header first held the sampling defaults.
+_ADDED_LATER = {"added_later": True}
+
+
+@dataclass(kw_only=True)
+class SamplingDefaults:
+    """A job's sampling defaults: `batchgen run`'s sampling flags, which a row's columns override.
+
+    Declared once, here: `batchgen run` takes each field as the flag of its name
+    (`batchgen.cli_types.sampling_options` collects them) and `batchgen.jobs.options.JobOptions`
+    carries them as its own fields. Names and meanings are `SamplingParams`'; the defaults are
+    vLLM's but for `max_tokens` (256, not 16: a job's rows are whole answers) and `temperature`
+    (0, greedy: a job's output is reproducible unless asked otherwise). `stop` and
+    `stop_token_ids` are tuples here (lists, or None when empty, in `sampling_defaults()`).
+    """
+
+    max_tokens: int | None = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = field(default=None, metadata=_ADDED_LATER)
+    min_p: float = field(default=0.0, metadata=_ADDED_LATER)
+    min_tokens: int = field(default=0, metadata=_ADDED_LATER)
+    ignore_eos: bool = field(default=False, metadata=_ADDED_LATER)
+    stop_token_ids: tuple[int, ...] = field(default=(), metadata=_ADDED_LATER)
+    n: int = field(default=1, metadata=_ADDED_LATER)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The defaults as SamplingParams keyword arguments. The fields added after the first ones
+        only when set, so the resume header of a job that uses none of them is what it was before
+        they existed."""
+        defaults = {}
+        for f in fields(SamplingDefaults):
+            value, unset = _as_keyword(getattr(self, f.name)), _as_keyword(f.default)
+            if not f.metadata.get("added_later") or value != unset:
+                defaults[f.name] = value
+        return defaults
+
+
+def _as_keyword(value: Any) -> Any:
+    """A SamplingDefaults value as SamplingParams takes it: a tuple as a list, an empty one as None."""
+    return (list(value) or None) if isinstance(value, tuple) else value

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchgen.kernels.cpu.linear import TunedLinear, linear_candidates  # noqa: E402
 from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, machine_key  # noqa: E402
-from batchgen.model.kernel_choice import plan_layouts, tune_linear  # noqa: E402
+from batchgen.model.linear_choice import plan_layouts, tune_linear  # noqa: E402
 
 DEFAULT_ROWS = [1, 2, 3, 4, 8, 16, 24, 32, 64, 100, 128, 256, 512, 1024, 2048]
 

@@ -37,6 +37,7 @@ from batchgen.kernels.cpu import library as cpu_kernels  # noqa: E402
 # The C library's entry points that run a step's work (the others answer questions about it).
 C_KERNELS = (
     "bf16_linear",
+    "amx_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
     "add_rms_norm_bf16",

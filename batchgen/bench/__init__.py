@@ -10,8 +10,12 @@ Modules:
     vllm_baseline vLLM's `LLM.generate` in vLLM's own interpreter; vllm_child is what runs there
     metrics       per-request / per-step records, latency and throughput summaries, resource use
     ceiling       the workload's FLOPs and the measured matmul rate: the compute ceiling
-    report        Rich table, JSON report, PNG plot
+    roofline      each run's least possible time from its own steps (FLOPs or bytes, per step)
+    rates         the matmul rate and memory bandwidth measured between runs
+    model_facts   what the bench needs of the model (tokenizer, config, dtype, KV-cache size)
+    settings      `BenchSettings` and the configurations they name
     runner        runs every configuration of one bench on one workload
+    report        the JSON report; table prints it (Rich), plot draws its timeline (PNG)
     cli           `bench_command`, the Typer command registered as `batchgen bench`
 """
 

@@ -9,6 +9,7 @@ count) divided by the best FLOP/s of the model's own linear layers at its own sh
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,49 +135,9 @@ def measure_matmul_rate(
     """
     d, hd, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
     gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def weight(out_f: int, in_f: int) -> torch.Tensor:
-        return (torch.randn(out_f, in_f, generator=gen) * 0.02).to(device=device, dtype=dtype)
-
-    weights = [
-        weight(hd * (shape.num_heads + 2 * shape.num_kv_heads), d),
-        weight(d, shape.num_heads * hd),
-        weight(2 * i, d),
-        weight(d, i),
-    ]
-    flops_per_row = 2.0 * shape.layer_linear_params
+    paths = _matmul_paths(_layer_weights(shape, dtype, device, gen), dtype, device)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    paths = [[lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]]
-    if can_prepack(dtype, torch.device(device)):
-        packed = [pack_weight(w) for w in weights]
-        paths.append([lambda x, p=p: prepacked_linear(x, p) for p in packed])
-    if all(bf16_linear_applies(w) for w in weights):
-        paths.append([Bf16Linear.from_weight(w) for w in weights])
-
-    def time_layer(ops: list, acts: tuple[torch.Tensor, ...]) -> float:
-        """Seconds one layer's four linears take (mean of at least `min_time_s` of repeats)."""
-        qkv, o, gate_up, down = ops
-        x, a, h = acts
-
-        def layer() -> None:
-            qkv(x)
-            o(a)
-            gate_up(x)
-            down(h)
-
-        for _ in range(2):
-            layer()
-        sync()
-        n, t0 = 0, time.perf_counter()
-        while True:
-            layer()
-            n += 1
-            if n % 4 == 0:
-                sync()
-                elapsed = time.perf_counter() - t0
-                if elapsed >= min_time_s:
-                    return elapsed / n
-
+    flops_per_row = 2.0 * shape.layer_linear_params
     by_rows: dict[int, float] = {}
     with torch.inference_mode():
         for m in rows:
@@ -184,7 +145,7 @@ def measure_matmul_rate(
                 torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
                 for k in (d, shape.num_heads * hd, i)
             )
-            by_rows[m] = max(flops_per_row * m / time_layer(ops, acts) for ops in paths)
+            by_rows[m] = max(flops_per_row * m / _time_layer(ops, acts, sync, min_time_s) for ops in paths)
     best = max(by_rows.values())
     return {
         "flops_per_s": best,
@@ -193,6 +154,71 @@ def measure_matmul_rate(
         "device": str(device),
         "threads": torch.get_num_threads(),
     }
+
+
+def _layer_weights(
+    shape: ModelShape, dtype: torch.dtype, device: str | torch.device, gen: torch.Generator
+) -> list[torch.Tensor]:
+    """Random weights of one layer's fused linears: qkv `[(heads + 2 kv_heads) x head_dim, hidden]`,
+    o `[hidden, heads x head_dim]`, gate_up `[2 x intermediate, hidden]`, down `[hidden, intermediate]`."""
+    d, hd, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
+
+    def weight(out_f: int, in_f: int) -> torch.Tensor:
+        return (torch.randn(out_f, in_f, generator=gen) * 0.02).to(device=device, dtype=dtype)
+
+    return [
+        weight(hd * (shape.num_heads + 2 * shape.num_kv_heads), d),
+        weight(d, shape.num_heads * hd),
+        weight(2 * i, d),
+        weight(d, i),
+    ]
+
+
+def _matmul_paths(
+    weights: list[torch.Tensor], dtype: torch.dtype, device: str | torch.device
+) -> list[list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """Each matmul path the engine may take for these weights, as one callable per weight:
+    `F.linear`, oneDNN-prepacked weights (`can_prepack`) and batchgen's bf16 kernel (`bf16_linear_applies`)."""
+    paths: list[list[Callable[[torch.Tensor], torch.Tensor]]] = [
+        [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]
+    ]
+    if can_prepack(dtype, torch.device(device)):
+        packed = [pack_weight(w) for w in weights]
+        paths.append([lambda x, p=p: prepacked_linear(x, p) for p in packed])
+    if all(bf16_linear_applies(w) for w in weights):
+        paths.append([Bf16Linear.from_weight(w) for w in weights])
+    return paths
+
+
+def _time_layer(
+    ops: list[Callable[[torch.Tensor], torch.Tensor]],
+    acts: tuple[torch.Tensor, ...],
+    sync: Callable[[], None],
+    min_time_s: float,
+) -> float:
+    """Seconds one layer's four linears take (qkv and gate_up on `acts[0]`, o on `acts[1]`, down on
+    `acts[2]`): the mean of at least `min_time_s` of repeats, after two warm-up rounds."""
+    qkv, o, gate_up, down = ops
+    x, a, h = acts
+
+    def layer() -> None:
+        qkv(x)
+        o(a)
+        gate_up(x)
+        down(h)
+
+    for _ in range(2):
+        layer()
+    sync()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        layer()
+        n += 1
+        if n % 4 == 0:
+            sync()
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_time_s:
+                return elapsed / n
 
 
 def compute_ceiling(flops: dict[str, float], rate: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -156,14 +156,13 @@ def bench_command(
     from rich.console import Console
 
     engine = opt.engine_options(locals())
-    items = (p.strip() for p in speculative_method.split(","))
-    methods = list(dict.fromkeys(None if p.lower() == "none" else p for p in items if p))
+    methods = _speculative_methods(speculative_method)
     # The engine options carry the method that speculates; each configuration turns it on or off.
     engine["speculative_method"] = next((m for m in methods if m is not None), None)
 
-    from batchgen.bench.report import check_plot_format, render, require_matplotlib, write_json
-    from batchgen.bench.report import plot as plot_report
-    from batchgen.bench.runner import BenchSettings, run_bench
+    from batchgen.bench.runner import run_bench
+    from batchgen.bench.settings import BenchSettings
+    from batchgen.bench.table import render
 
     console = Console()
     if not console.is_terminal:  # logs and CI: wide enough that the table does not wrap
@@ -199,6 +198,37 @@ def bench_command(
         settings.workload.check_inputs()
     except (ValueError, TypeError) as exc:
         raise typer.BadParameter(str(exc)) from exc
+    _check_outputs(output, plot)
+    try:
+        report = run_bench(settings, log=lambda msg: console.print(msg, markup=False, highlight=False))
+    except BenchInputError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    except KeyboardInterrupt:
+        console.print("interrupted: no report written")
+        raise typer.Exit(130) from None
+    render(report, console)
+    written = _write_outputs(report, output, plot, console)
+    if not written or any(
+        c["status"] == "failed" and c["kind"] in ("continuous", "static") for c in report["configurations"]
+    ):
+        raise typer.Exit(code=1)
+
+
+def _speculative_methods(text: str) -> list[str | None]:
+    """`--speculative-method`'s comma list, each item once, in order: None for "none"."""
+    items = (p.strip() for p in text.split(","))
+    return list(dict.fromkeys(None if p.lower() == "none" else p for p in items if p))
+
+
+def _check_outputs(output: Path | None, plot: Path | None) -> None:
+    """Before the bench runs: `--output` and `--plot` can be written, and `--plot` in a format
+    matplotlib (installed) writes.
+
+    Raises:
+        typer.BadParameter: naming the option, the path and the fix (exit 2).
+    """
+    from batchgen.bench.plot import check_plot_format, require_matplotlib
+
     for option, path in (("--output", output), ("--plot", plot)):
         if path is not None:
             check_output_file(option, path)
@@ -209,20 +239,19 @@ def bench_command(
         except (RuntimeError, ValueError) as exc:
             raise typer.BadParameter(str(exc)) from exc
 
-    try:
-        report = run_bench(settings, log=lambda msg: console.print(msg, markup=False, highlight=False))
-    except BenchInputError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    except KeyboardInterrupt:
-        console.print("interrupted: no report written")
-        raise typer.Exit(130) from None
-    render(report, console)
+
+def _write_outputs(report: dict, output: Path | None, plot: Path | None, console: Any) -> bool:
+    """Write the JSON report and the plot asked for; False when one could not be written after all
+    (writable when checked, not now: the disk filled, the folder went), each failure printed."""
+    from batchgen.bench.plot import plot as plot_report
+    from batchgen.bench.report import write_json
+
     written = True
     if output is not None:
         try:
             write_json(report, output)
             console.print(f"report written to {output}")
-        except OSError as exc:  # writable when checked, not now (the disk filled, the folder went)
+        except OSError as exc:
             console.print(
                 f"[red]error:[/] --output {output} could not be written ({exc}); the table above is the result"
             )
@@ -234,7 +263,4 @@ def bench_command(
         except (RuntimeError, OSError) as exc:
             console.print(f"[yellow]--plot {plot} could not be written: {exc}[/]")
             written = False
-    if not written or any(
-        c["status"] == "failed" and c["kind"] in ("continuous", "static") for c in report["configurations"]
-    ):
-        raise typer.Exit(code=1)
+    return written

@@ -202,67 +202,84 @@ def run_hf_cb(
     """
     if (reason := hf_cb_unavailable(model)) is not None:
         raise RuntimeError(reason)
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
     reqs = sorted(workload.requests, key=lambda r: r.arrival_time)
     pages = sum(math.ceil((r.prompt_len + r.output_len) / page_size) for r in reqs) + 1
     if kv_cache_tokens is not None:
         pages = max(1, min(pages, kv_cache_tokens // page_size))
-    cb_config = ContinuousBatchingConfig(
-        page_size=page_size,
-        num_blocks=pages,
-        max_batch_tokens=max_batch_tokens,
-        max_requests_per_batch=max(1, min(max_num_seqs, len(reqs))),
-    )
-    hints = WorkloadHints(
-        max_prompt_length=max((r.prompt_len for r in reqs), default=1),
-        max_generated_length=max((r.output_len for r in reqs), default=1),
-        num_requests=len(reqs),
-    )
-    gen_config = GenerationConfig(
-        max_new_tokens=max((r.output_len for r in reqs), default=1),
-        do_sample=False,
-        eos_token_id=-1,
-        pad_token_id=pad_token_id,
-    )
     results: dict[str, Any] = {}
     queued: dict[str, float] = {}
     monitor = monitor or ResourceMonitor()
     with torch.inference_mode():
         manager_cm = model.continuous_batching_context_manager(
-            generation_config=gen_config,
-            continuous_batching_config=cb_config,
             block=True,
             timeout=30,
-            workload_hints=hints,
+            **_cb_configs(reqs, pages, page_size, max_batch_tokens, max_num_seqs, pad_token_id),
         )
         with manager_cm as manager, monitor:
             t0 = time.perf_counter()
-            i = 0
-            while len(results) < len(reqs):
-                now = time.perf_counter() - t0
-                while i < len(reqs) and reqs[i].arrival_time <= now:
-                    r = reqs[i]
-                    manager.add_request(
-                        r.prompt_token_ids,
-                        request_id=r.request_id,
-                        max_new_tokens=r.output_len,
-                        record_timestamps=True,
-                        eos_token_id=-1,
-                    )
-                    queued[r.request_id] = time.perf_counter() - t0
-                    i += 1
-                wait = 0.5 if i >= len(reqs) else max(0.0, min(0.5, reqs[i].arrival_time - now))
-                out = manager.get_result(timeout=wait)
-                if out is not None and out.is_finished():
-                    results[out.request_id] = out
-                elif out is None and not manager.is_running():
-                    break
+            _serve(manager, reqs, t0, results, queued)
     records, steps = _cb_records(reqs, results, queued, t0)
     result = RunResult(name, "hf-cb", None, records, steps, monitor.result())
     result.extra = {"page_size": page_size, "num_pages": pages, "max_batch_tokens": max_batch_tokens}
     return result
+
+
+def _cb_configs(
+    reqs: list[Any], pages: int, page_size: int, max_batch_tokens: int, max_num_seqs: int, pad_token_id: int
+) -> dict[str, Any]:
+    """transformers' continuous-batching settings for `reqs`: greedy, no EOS (every request runs its
+    output length), `pages` cache pages of `page_size` tokens, as keyword arguments of
+    `continuous_batching_context_manager`."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    return {
+        "generation_config": GenerationConfig(
+            max_new_tokens=max((r.output_len for r in reqs), default=1),
+            do_sample=False,
+            eos_token_id=-1,
+            pad_token_id=pad_token_id,
+        ),
+        "continuous_batching_config": ContinuousBatchingConfig(
+            page_size=page_size,
+            num_blocks=pages,
+            max_batch_tokens=max_batch_tokens,
+            max_requests_per_batch=max(1, min(max_num_seqs, len(reqs))),
+        ),
+        "workload_hints": WorkloadHints(
+            max_prompt_length=max((r.prompt_len for r in reqs), default=1),
+            max_generated_length=max((r.output_len for r in reqs), default=1),
+            num_requests=len(reqs),
+        ),
+    }
+
+
+def _serve(
+    manager: Any, reqs: list[Any], t0: float, results: dict[str, Any], queued: dict[str, float]
+) -> None:
+    """Hand each request to the running `manager` at its arrival time (seconds after `t0`) and
+    collect the finished ones into `results` (request id -> output) until every one is back or the
+    manager stops; `queued` gets each request's time of submission."""
+    i = 0
+    while len(results) < len(reqs):
+        now = time.perf_counter() - t0
+        while i < len(reqs) and reqs[i].arrival_time <= now:
+            r = reqs[i]
+            manager.add_request(
+                r.prompt_token_ids,
+                request_id=r.request_id,
+                max_new_tokens=r.output_len,
+                record_timestamps=True,
+                eos_token_id=-1,
+            )
+            queued[r.request_id] = time.perf_counter() - t0
+            i += 1
+        wait = 0.5 if i >= len(reqs) else max(0.0, min(0.5, reqs[i].arrival_time - now))
+        out = manager.get_result(timeout=wait)
+        if out is not None and out.is_finished():
+            results[out.request_id] = out
+        elif out is None and not manager.is_running():
+            break
 
 
 def _cb_records(

@@ -1,18 +1,25 @@
 """`file:PATH` bench workloads: a job file's prompts, with output lengths from each row's `max_tokens`.
 
-As `batchgen run` turns a bad row into an error row, the bench skips rows it cannot use (a line
-that is not a JSON object, no prompt, an empty prompt, a bad `max_tokens`) and says so in one
-warning; only a file with no usable row is an error.
+The file is read by the jobs layer's reader (`batchgen.jobs.reader.iter_records`: JSON lines line
+by line with `batchgen run`'s per-line errors, Parquet by record batches), so the bench reads what
+`batchgen run` reads. A record is then taken as the bench needs it, prompt and output length only,
+and more leniently than `run` takes a row: `prompt_token_ids` rows, `sampling_params.max_tokens`
+and an OpenAI batch `body` in any file. As `batchgen run` turns a bad row into an error row, the
+bench skips rows it cannot use (a line that is not a JSON object, no prompt, an empty prompt, a bad
+`max_tokens`) and says so in one warning; only a file with no usable row is an error.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from batchgen.bench.spec import BenchInputError, WorkloadSpec
+from batchgen.jobs.formats import JobInputError
+from batchgen.jobs.reader import iter_records
 
 # Turns a job-file prompt (a string or chat messages) into token ids.
 PromptEncoder = Callable[[Any], list[int]]
@@ -40,36 +47,25 @@ def read_job_rows(path: str | Path) -> list[dict[str, Any]]:
 def iter_job_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
     """Each record of a job file as `(number, row, None)`, or `(number, None, reason)` for a JSONL
     line that is not a JSON object. `number` is the line of a JSONL file (from 1; blank lines are
-    skipped) or the row of a Parquet file (from 0, as `batchgen run` counts rows).
+    skipped) or the row of a Parquet file (from 0, as `batchgen run` counts rows). The format is
+    taken from the suffix (`.parquet`, else JSON lines).
 
     Raises:
         BenchInputError: a Parquet file pyarrow cannot read (truncated or damaged), naming it.
     """
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(path)
-        except Exception as exc:  # pyarrow raises several types for a bad footer or page
-            raise BenchInputError(
-                f"cannot read Parquet file {path}: {exc}; check that the file is whole (not truncated or damaged)"
-            ) from exc
-        for number, row in enumerate(table.to_pylist()):
-            yield number, row, None
-        return
-    with path.open("rb") as f:  # bytes: one line that is not UTF-8 is one bad record, not a crash
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-                yield number, None, f"not JSON ({getattr(exc, 'msg', None) or exc})"
-                continue
-            if not isinstance(row, dict):
-                yield number, None, f"expected a JSON object, got {type(row).__name__}"
-                continue
-            yield number, row, None
+    fmt = "parquet" if path.suffix == ".parquet" else "jsonl"
+    try:
+        for row_index, (line_number, row, error) in enumerate(iter_records(str(path), fmt)):
+            number = row_index if line_number is None else line_number
+            yield (number, None, f"not JSON ({error})") if error is not None else (number, row, None)
+    except JobInputError as exc:
+        raise BenchInputError(str(exc)) from exc
+    except (OSError, pa.ArrowException) as exc:  # a damaged page after a readable footer
+        if fmt != "parquet":
+            raise
+        raise BenchInputError(
+            f"cannot read Parquet file {path}: {exc}; check that the file is whole (not truncated or damaged)"
+        ) from exc
 
 
 MAX_TOKENS_LIMIT = 2**31 - 1

@@ -15,6 +15,7 @@ resumes from them, as on one machine.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -52,6 +53,8 @@ def run_distributed(options: JobOptions, replicas: ReplicaOptions, dashboard: An
     from batchgen.jobs.runner import run_job
 
     pools: list[ReplicaPool] = []
+    # Each replica's metrics carry its number (the driver applies the records the shards bring).
+    options = dataclasses.replace(options, metrics=dataclasses.replace(options.metrics, replica_label=True))
 
     def start_pool(config: EngineConfig) -> ReplicaPool:
         pool = ReplicaPool(replicas, options, config)
@@ -179,7 +182,7 @@ def replica_loop(
     """`run_job`'s loop over replicas: shards out, each finished shard committed as one part.
 
     Returns:
-        (input rows read, whether every row finished), as `batchgen.jobs.runner._loop`.
+        (input rows read, whether every row finished), as `batchgen.jobs.loop.engine_loop`.
 
     Raises:
         JobInputError: a replica failed beyond Ray's restarts (`ReplicaPool.result`).
@@ -228,7 +231,8 @@ def replica_loop(
                 writer.commit(name=name)
             committed_parts.add(name)
             if metrics is not None:
-                metrics.on_rows(writer.committed_rows, summary.rows_error)
+                metrics.on_replica(replica, result.metrics)
+                metrics.on_rows(writer.committed_rows, summary.rows_error, replica=replica)
             note = progress.record(replica, result)
             if note:
                 dashboard.log(note)

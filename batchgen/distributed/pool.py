@@ -21,8 +21,8 @@ from typing import Any
 
 from batchgen.config import EngineConfig
 from batchgen.distributed.replica import Replica, ReplicaInfo, Shard, ShardResult
+from batchgen.jobs.formats import JobInputError
 from batchgen.jobs.options import JobOptions
-from batchgen.jobs.reader import JobInputError
 
 # The object store of a Ray instance started for one run: shards and their output rows only (the
 # model weights never travel through it), so a small one; Ray spills to disk beyond it.

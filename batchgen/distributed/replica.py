@@ -21,6 +21,7 @@ from batchgen.config import EngineConfig
 from batchgen.engine.stats import EngineTotals
 from batchgen.jobs.options import JobOptions, JobSummary
 from batchgen.jobs.rows import JobRow
+from batchgen.metrics import MetricsRecord
 
 
 @dataclass
@@ -49,6 +50,7 @@ class ShardResult:
     rows: list[tuple[dict[str, Any], dict[str, Any] | None]]
     pid: int
     totals: EngineTotals = field(default_factory=EngineTotals)
+    metrics: MetricsRecord | None = None  # the shard's steps and requests, when the job has metrics
 
 
 @dataclass
@@ -66,7 +68,7 @@ class ReplicaInfo:
 
 
 class _Rows:
-    """The reader `_loop` reads: a shard's rows (already parsed on the driver, so no notices)."""
+    """The reader `engine_loop` reads: a shard's rows (already parsed on the driver, so no notices)."""
 
     class _Parser:
         notices: list[str] = []
@@ -80,7 +82,7 @@ class _Rows:
 
 
 class _NothingCommitted:
-    """The resume state `_loop` asks: the driver sends only rows not committed yet."""
+    """The resume state `engine_loop` asks: the driver sends only rows not committed yet."""
 
     class _Committed:
         @staticmethod
@@ -91,7 +93,7 @@ class _NothingCommitted:
 
 
 class _Collector:
-    """The writer `_loop` fills: it keeps the rows; the driver commits them."""
+    """The writer `engine_loop` fills: it keeps the rows; the driver commits them."""
 
     def __init__(self) -> None:
         self.rows: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
@@ -108,7 +110,7 @@ class _Collector:
 
 
 class _Silent:
-    """The dashboard and interrupt `_loop` talks to inside a replica (progress is the driver's)."""
+    """The dashboard and interrupt `engine_loop` talks to inside a replica (progress is the driver's)."""
 
     requested = False
 
@@ -169,14 +171,15 @@ class Replica:
         Raises:
             RuntimeError: the replica has no engine (its `info()` error says why).
         """
-        from batchgen.jobs.runner import _loop
+        from batchgen.jobs.loop import engine_loop
 
         if self.engine is None:
             raise RuntimeError(f"replica {self.index} has no engine: {self.error}")
         collector = _Collector()
         silent = _Silent()
         summary = JobSummary("", len(shard.rows))
-        _loop(
+        record = MetricsRecord() if self.options.metrics.enabled else None
+        engine_loop(
             self.options,
             self.config,
             self.engine,
@@ -186,6 +189,7 @@ class Replica:
             silent,
             summary,
             silent,
+            record,
         )
         totals = dataclasses.replace(getattr(self.engine, "totals", None) or EngineTotals())
-        return ShardResult(shard.first, shard.last, collector.rows, os.getpid(), totals)
+        return ShardResult(shard.first, shard.last, collector.rows, os.getpid(), totals, record)

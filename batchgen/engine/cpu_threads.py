@@ -4,8 +4,9 @@ A step's work is split over torch's OpenMP threads (and batchgen's C kernels, wh
 OpenMP runtime). OpenMP threads meet at a barrier after every parallel region; when another
 process holds one of the cores, the thread on it is descheduled for a whole scheduler slice
 (milliseconds) while its peers spin at the barrier, once per region and hundreds of regions per
-step: one busy process on a 2-core machine made batchgen 19x slower (issue 29). Running as many
-threads as there are cores nobody else uses keeps the loss to about the share of the cores taken.
+step, which made batchgen many times slower beside one busy process on a 2-core machine (issue 29;
+measured: docs/benchmarks.md). Running as many threads as there are cores nobody else uses keeps
+the loss to about the share of the cores taken.
 
 `CpuThreads` measures the other processes' load from /proc/stat (all CPU time on the machine,
 less this process's own) at engine start and again every `recheck_s` seconds between steps, and

@@ -16,8 +16,7 @@ from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sizing import plan_engine, resolve_dtype, slow_dtype_reason
-from batchgen.engine.spec_decode import NgramProposer
-from batchgen.engine.spec_gate import SpeculationGate, SpeculationPlan, measure_gate
+from batchgen.engine.spec_gate import plan_speculation
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
 from batchgen.model.loading import loader
@@ -89,7 +88,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, self.block_size, config.enable_prefix_caching, num_swap_blocks
         )
-        self.speculation = self._speculation(config)
+        self.speculation = plan_speculation(config, self.runner, self.max_num_batched_tokens, self.dtype)
         self.scheduler = Scheduler(
             self.block_manager,
             make_policy(config.policy, config.aging_steps),
@@ -107,20 +106,6 @@ class LLMEngine:
         self._rejected: list[RequestOutput] = []
         self.last_step: StepStats | None = None
         self.totals = EngineTotals()
-
-    def _speculation(self, config: EngineConfig) -> SpeculationPlan | None:
-        """The n-gram proposer and its gate (measured here when `speculative_max_batch` is None)."""
-        if config.speculative_method is None:
-            return None
-        proposer = NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
-        if config.speculative_max_batch is not None:
-            return SpeculationPlan(proposer, SpeculationGate([], 0, fixed=config.speculative_max_batch))
-        gate = measure_gate(
-            self.runner, proposer.k, config.max_num_seqs, self.max_num_batched_tokens, self.dtype
-        )
-        return SpeculationPlan(proposer, gate)
 
     @property
     def model_name(self) -> str:

@@ -1,6 +1,9 @@
 """Scheduling policies: the order of the waiting queue and the choice of preemption victim.
 
-Each policy is one class behind a small interface; `POLICIES` maps the option's names to them.
+Each policy is one class behind a small interface; `POLICIES` maps the option's names
+(`batchgen.config.POLICY_NAMES`) to them. The engine's scheduler orders its waiting requests with
+them, and the job's look-ahead window (`batchgen.jobs.window`) the rows it has read but not yet
+handed to the engine, so both follow one rule.
 """
 
 from __future__ import annotations
@@ -8,8 +11,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from typing import TYPE_CHECKING
 
-from batchgen.engine.request import Request
+from batchgen.config import FCFS, MAX_THROUGHPUT, PRIORITY
+
+if TYPE_CHECKING:  # the policies read a few attributes of a request; importing it would import torch
+    from batchgen.engine.request import Request
 
 
 class Policy:
@@ -17,7 +24,8 @@ class Policy:
 
     `peek(step)` / `pop(step)` give the next request to admit at scheduler step `step`;
     `push(request)` adds a new or preempted request; `victim(candidates)` names the running request to
-    preempt when blocks run out.
+    preempt when blocks run out. A request is read through `request_id`, `seq_no` (arrival order),
+    `num_preemptions`, `priority`, `remaining_work` and `arrival_step` only.
     """
 
     name = "abstract"
@@ -49,7 +57,7 @@ class Policy:
 class FCFSPolicy(Policy):
     """First come, first served: arrival (job file) order; a preempted request goes back to the front."""
 
-    name = "fcfs"
+    name = FCFS
 
     def __init__(self, aging_steps: int = 0) -> None:
         self.queue: deque[Request] = deque()
@@ -81,8 +89,19 @@ class FCFSPolicy(Policy):
         return len(self.queue)
 
 
+def _compacted(heap: list[tuple], live: dict[str, int]) -> list[tuple]:
+    """`heap` without its dead entries (each entry ends with (ticket, request)), as a heap again."""
+    kept = [e for e in heap if live.get(e[-1].request_id) == e[-2]]
+    heapq.heapify(kept)
+    return kept
+
+
 class _HeapPolicy(Policy):
-    """A heap keyed by `key(request)` with lazy deletion (O(log n) push/pop, O(1) remove)."""
+    """A heap keyed by `key(request)` with lazy deletion (O(log n) push/pop, O(1) remove).
+
+    Removed entries stay in the heap until they reach its top; when dead entries outnumber live
+    ones the heap is rebuilt without them, so a long job's queue stays the size of what it holds.
+    """
 
     def __init__(self, aging_steps: int = 0) -> None:
         self.heap: list[tuple] = []
@@ -96,6 +115,8 @@ class _HeapPolicy(Policy):
         ticket = next(self.tickets)
         self.live[request.request_id] = ticket
         heapq.heappush(self.heap, (*self.key(request), ticket, request))
+        if len(self.heap) > 2 * len(self.live) + 16:
+            self.heap = _compacted(self.heap, self.live)
 
     def _clean(self, heap: list[tuple]) -> None:
         while heap and self.live.get(heap[0][-1].request_id) != heap[0][-2]:
@@ -121,7 +142,7 @@ class _HeapPolicy(Policy):
 class PriorityPolicy(_HeapPolicy):
     """Lower `priority` value first (vLLM's convention), then arrival order; victim: the lowest priority."""
 
-    name = "priority"
+    name = PRIORITY
 
     def key(self, request: Request) -> tuple:
         return (request.priority, request.seq_no)
@@ -140,7 +161,7 @@ class MaxThroughputPolicy(_HeapPolicy):
     Victim: the running request with the most remaining work (it would hold its blocks the longest).
     """
 
-    name = "max-throughput"
+    name = MAX_THROUGHPUT
 
     def __init__(self, aging_steps: int = 256) -> None:
         super().__init__()
@@ -155,6 +176,8 @@ class MaxThroughputPolicy(_HeapPolicy):
         heapq.heappush(
             self.by_age, (request.arrival_step, request.seq_no, self.live[request.request_id], request)
         )
+        if len(self.by_age) > 2 * len(self.live) + 16:
+            self.by_age = _compacted(self.by_age, self.live)
 
     def peek(self, step: int) -> Request | None:
         self._clean(self.by_age)
@@ -166,15 +189,16 @@ class MaxThroughputPolicy(_HeapPolicy):
         return max(candidates, key=lambda r: (r.remaining_work, r.seq_no))
 
 
+# One entry per name of `batchgen.config.POLICY_NAMES` (a test holds the two together).
 POLICIES: dict[str, type[Policy]] = {
-    "fcfs": FCFSPolicy,
-    "max-throughput": MaxThroughputPolicy,
-    "priority": PriorityPolicy,
+    cls.name: cls for cls in (FCFSPolicy, MaxThroughputPolicy, PriorityPolicy)
 }
 
 
 def make_policy(name: str, aging_steps: int) -> Policy:
-    """The policy named `name` ("fcfs", "max-throughput" or "priority").
+    """The policy named `name` (one of `batchgen.config.POLICY_NAMES`). Under max-throughput a
+    request that has waited more than `aging_steps` steps (the `step` given to `peek` / `pop`) is
+    served next; the other policies ignore it.
 
     Raises:
         ValueError: for an unknown name.

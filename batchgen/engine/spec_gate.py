@@ -215,3 +215,19 @@ def measure_gate(
     except OSError as exc:
         logger.warning("could not write the speculation gate cache %s: %s", path, exc)
     return SpeculationGate(points, limit)
+
+
+def plan_speculation(
+    config: Any, runner: Any, max_num_batched_tokens: int, dtype: torch.dtype
+) -> SpeculationPlan | None:
+    """The engine's proposer and gate for `config` (an `EngineConfig`): None without a
+    `speculative_method`; the gate set by `speculative_max_batch`, else `measure_gate`'s."""
+    if config.speculative_method is None:
+        return None
+    proposer = NgramProposer(
+        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+    )
+    if config.speculative_max_batch is not None:
+        return SpeculationPlan(proposer, SpeculationGate([], 0, fixed=config.speculative_max_batch))
+    gate = measure_gate(runner, proposer.k, config.max_num_seqs, max_num_batched_tokens, dtype)
+    return SpeculationPlan(proposer, gate)

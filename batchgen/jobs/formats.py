@@ -206,8 +206,8 @@ def file_sha256(path: str, chunk: int = 1 << 22) -> str:
     """SHA-256 hex of a whole file, read in `chunk`-byte pieces: the input's identity for resume.
 
     The whole content, not a sample of it: an edit anywhere in the file (even one that keeps its
-    size) must make a finished job's rerun start over rather than report "already complete".
-    SHA-256 runs at about 1-2 GB/s here, so a million-row job costs about a second a start.
+    size) must make a finished job's rerun start over rather than report "already complete"
+    (its cost a start: docs/benchmarks.md).
 
     Raises:
         OSError: the file cannot be read.

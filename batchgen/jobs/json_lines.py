@@ -1,6 +1,6 @@
 """JSON-lines output: strict JSON text of output values, and OpenAI batch output lines.
 
-The final JSONL and OpenAI batch outputs are written by `batchgen.jobs.writer.finalize_output`
+The final JSONL and OpenAI batch outputs are written by `batchgen.jobs.final_output.finalize_output`
 through these helpers; `as_text` also gives mixed-type kept columns one text form in Parquet.
 """
 

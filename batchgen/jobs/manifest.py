@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from batchgen.cache import fsync_path
-from batchgen.jobs.reader import JobInputError
+from batchgen.jobs.formats import JobInputError
 
 MANIFEST = "manifest.jsonl"
 

@@ -9,18 +9,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen.config import EngineConfig
-from batchgen.jobs.formats import JOB_FILE_SUFFIXES, JSONL_SUFFIXES
-from batchgen.jobs.reader import JobInputError
-from batchgen.jobs.row_sampling import LOGPROB_COLUMNS
-from batchgen.jobs.writer import RESERVED_COLUMNS
+from batchgen.config import FCFS, EngineConfig
+from batchgen.jobs.formats import JOB_FILE_SUFFIXES, JSONL_SUFFIXES, JobInputError
+from batchgen.jobs.schema import LOGPROB_COLUMNS, RESERVED_COLUMNS
 from batchgen.metrics import MetricsOptions
+from batchgen.sampling_params import SamplingDefaults
 
 TRUNCATE_SIDES = ("left", "right")
 
 
 @dataclass
-class JobOptions:
+class JobOptions(SamplingDefaults):
     """Everything `batchgen run` takes (see `batchgen run --help` for each flag).
 
     Attributes:
@@ -30,12 +29,11 @@ class JobOptions:
         engine: EngineConfig keyword arguments (model, dtype, max_num_seqs, ...), without `policy`.
         policy: "fcfs", "max-throughput" or "priority" (window order and engine scheduling).
         window: look-ahead window size in rows.
-        max_tokens / temperature / top_p / top_k / min_p / seed / stop / stop_token_ids / min_tokens /
-            ignore_eos / presence_penalty / frequency_penalty / repetition_penalty / logprobs / n:
-            sampling defaults (vLLM's meanings); row columns override. With `logprobs` (0-20) the
-            output gets columns `logprobs` (per generated token: its id, text, log probability and
-            the `logprobs` most likely alternatives) and `cumulative_logprob`; with `n` > 1 (or a
-            row's `n`), a `choices` column holding each row's n completions.
+        max_tokens, temperature, ... n: the sampling defaults (`SamplingDefaults`' fields, taken as
+            keywords); row columns override. With `logprobs` (0-20) the output gets columns
+            `logprobs` (per generated token: its id, text, log probability and the `logprobs` most
+            likely alternatives) and `cumulative_logprob`; with `n` > 1 (or a row's `n`), a
+            `choices` column holding each row's n completions.
         truncate_prompt: None (an over-long prompt is an error row), "left" or "right" (tokens cut there).
         commit_rows / commit_seconds: commit a part at least this often (rows, seconds).
         dashboard: show the Rich live view when stdout is a terminal.
@@ -55,23 +53,8 @@ class JobOptions:
     chat_template: bool = True
     keep_columns: tuple[str, ...] = ()
     limit: int | None = None
-    max_tokens: int | None = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
-    min_p: float = 0.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    n: int = 1
     truncate_prompt: str | None = None
-    policy: str = "fcfs"
+    policy: str = FCFS
     window: int = 1024
     engine: dict[str, Any] = field(default_factory=dict)
     commit_rows: int = 1000
@@ -80,33 +63,6 @@ class JobOptions:
     progress_interval: float = 5.0
     resume_command: str | None = None
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
-
-    def sampling_defaults(self) -> dict[str, Any]:
-        """CLI sampling defaults as SamplingParams keyword arguments. The options added after the
-        first ones (`logprobs`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `n`) only when
-        set, so the resume header of a job that uses none of them is what it was before they existed."""
-        defaults = {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop": list(self.stop) or None,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-        }
-        if self.logprobs is not None:
-            defaults["logprobs"] = self.logprobs
-        later = {
-            "min_p": (self.min_p, 0.0),
-            "min_tokens": (self.min_tokens, 0),
-            "ignore_eos": (self.ignore_eos, False),
-            "stop_token_ids": (list(self.stop_token_ids) or None, None),
-            "n": (self.n, 1),
-        }
-        defaults.update({name: value for name, (value, unset) in later.items() if value != unset})
-        return defaults
 
 
 @dataclass

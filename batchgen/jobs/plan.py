@@ -1,116 +1,34 @@
-"""`batchgen plan`: what a job will cost before it runs, from its file and the model's tokenizer only.
+"""`batchgen plan`: what a job will cost before it runs, from its file and the model's tokenizer, and
+its wall time from a few steps measured on this machine.
 
 The rows go through the same reader, sampling columns and error rules as `batchgen run`
 (`prepare_row`, the engine's stop-token check), so the error rows and the prompt-token counts are
-the ones `run` writes. No weights are loaded: the KV-cache size comes from the same sizing rules
-as the engine's (`batchgen.engine.sizing`). Memory stays bounded: a row keeps two integers (its
-prompt and output budget), and the prefix-cache estimate keeps at most the cache's blocks.
+the ones `run` writes. The token counts load no weights: the KV-cache size comes from the same
+sizing rules as the engine's (`batchgen.engine.sizing`). The wall time (`batchgen.jobs.wall_time`)
+simulates the job's schedule at step costs measured by a calibration run of a few steps (the model
+is loaded for it, once per machine and job shape: the result is cached; `--no-calibrate` skips it).
+Memory stays bounded: a sequence keeps three integers (prompt, cached prompt, output budget), and
+the prefix-cache estimate keeps at most the cache's blocks.
 """
 
 from __future__ import annotations
 
 import math
-import os
+import time
 from array import array
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from batchgen.config import EngineConfig, resolve_device
-from batchgen.jobs.manifest import MANIFEST, CommittedRows, PartEntry
+import numpy as np
+
 from batchgen.jobs.options import JobOptions, default_output_path, output_format
+from batchgen.jobs.plan_inputs import CommittedOutputs, TokenizerEngine, committed_rows
 from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.requests import prepare_row
-from batchgen.jobs.resume import header_differences, parts_dir_for
+from batchgen.jobs.wall_time import Sequences, WallTimeEstimate, WallTimeOptions, expected_outputs
 
 FIRST_ERRORS = 5
-
-
-def committed_rows(output: str, header: dict[str, Any]) -> tuple[CommittedRows | None, str | None]:
-    """(rows an earlier run committed to `output`'s parts, a note when `run` would not resume them),
-    read only: no lock is taken and a torn manifest line is skipped, not cut, so a live run is safe.
-
-    Raises:
-        JobInputError: a committed part cannot be read.
-    """
-    import json
-
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    parts_dir = parts_dir_for(output)
-    path = os.path.join(parts_dir, MANIFEST)
-    if not os.path.exists(path):
-        done = os.path.exists(output)
-        return None, (f"{output} exists: run reports it complete or refuses it" if done else None)
-    with open(path, "rb") as f:
-        data = f.read()
-    lines = data[: data.rfind(b"\n") + 1].splitlines()
-    try:
-        old = json.loads(lines[0])["header"]
-        entries = [PartEntry(**json.loads(line)) for line in lines[1:] if line.strip()]
-    except (IndexError, KeyError, TypeError, ValueError):
-        return None, f"{path} is damaged: run refuses it without --overwrite"
-    if not entries:
-        return None, None
-    if diffs := header_differences(old, header):
-        return None, (
-            f"{output} has {sum(e.rows for e in entries)} rows committed by a run with other settings "
-            f"({'; '.join(diffs)}): run refuses them without --overwrite; every row is planned"
-        )
-    idx, hashes = [], []
-    for e in entries:
-        try:
-            t = pq.read_table(os.path.join(parts_dir, e.part), columns=["row_index", "row_hash"])
-        except Exception as err:  # pyarrow raises several types for a missing or damaged file
-            raise JobInputError(f"committed part {e.part} in {parts_dir} cannot be read ({err})") from err
-        idx.append(t.column("row_index").to_numpy())
-        hashes.append(t.column("row_hash").to_numpy())
-    return CommittedRows(np.concatenate(idx).astype(np.int64), np.concatenate(hashes).astype(np.int64)), None
-
-
-class TokenizerEngine:
-    """What `prepare_row` needs of an engine (`tokenizer`, `encode_prompt`, `check_prompt_len`,
-    `max_model_len`) and the KV-cache sizes, from the model's files without its weights: the sizes
-    are `LLMEngine`'s own (`plan_engine`).
-
-    Raises:
-        ValueError: options the engine refuses too (`plan_engine`).
-        ModelNotFoundError / UnsupportedModelError: from the loader.
-    """
-
-    def __init__(self, config: EngineConfig) -> None:
-        import torch
-
-        from batchgen.engine.sizing import plan_engine, resolve_dtype
-        from batchgen.engine.tokenize import vocabulary_limit
-        from batchgen.model.loading import loader
-
-        device = torch.device(resolve_device(config.device))
-        files = loader.resolve_model(config.model)
-        self.model_files = files
-        self.model_config = files.config
-        self.tokenizer = loader.load_tokenizer(files)
-        self.vocab_limit = vocabulary_limit(self.tokenizer, int(files.config.vocab_size))
-        self.block_size = config.block_size
-        self.plan = plan_engine(
-            config, files.config, device, resolve_dtype(config.dtype, files.config, device)
-        )
-        self.max_model_len = self.plan.max_model_len
-        self.num_blocks = self.plan.num_blocks
-        self.bytes_per_block = self.plan.bytes_per_block
-
-    @property
-    def model_name(self) -> str | None:
-        return self.model_files.name
-
-    def check_prompt_len(self, num_tokens: int) -> str | None:
-        return self.plan.check_prompt_len(num_tokens)
-
-    def encode_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
-        from batchgen.engine.tokenize import encode_prompt
-
-        return encode_prompt(self.tokenizer, prompt, vocab_size=int(self.model_config.vocab_size))
 
 
 @dataclass
@@ -141,6 +59,10 @@ class JobPlan:
     max_num_seqs: int = 0
     typical_row_tokens: int = 0  # p50 prompt + mean output budget
     seqs_that_fit: int = 0  # typical rows the KV cache holds at once (at most max_num_seqs run)
+    expected_output_tokens: int = 0  # the output expected: see expected_output_basis
+    expected_output_basis: str = ""
+    wall_time: WallTimeEstimate | None = None
+    wall_time_note: str | None = None  # why there is no wall time estimate
     note: str | None = None  # about the rows an earlier run committed
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,42 +83,75 @@ class _PrefixEstimate:
         self.blocks: OrderedDict[int, None] = OrderedDict()
         self.hit_tokens = 0
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: list[int]) -> int:
+        """Look a prompt's full blocks up, then cache them; returns its prompt tokens served."""
         parent = 0
+        hits = 0
         bs = self.block_size
         # As the engine, the last prompt token is always computed: only blocks before it can hit.
         for start in range(0, len(ids) - 1 - (len(ids) - 1) % bs, bs):
             parent = hash((parent, tuple(ids[start : start + bs])))
             if parent in self.blocks:
                 self.blocks.move_to_end(parent)
-                self.hit_tokens += bs
+                hits += bs
                 continue
             self.blocks[parent] = None
             if len(self.blocks) > self.capacity:
                 self.blocks.popitem(last=False)
+        self.hit_tokens += hits
+        return hits
 
 
-def plan_job(options: JobOptions, engine: Any = None, progress: bool = False) -> JobPlan:
-    """Read the job (streaming) and tokenize every row as `run` would; nothing is written.
+class _Tally:
+    """What the plan keeps of the rows it reads: per row its prompt and output budget, per sequence
+    (n of a row) what the schedule simulation needs, and the output an earlier run's rows used."""
 
-    Args:
-        options: the job, as `batchgen run` takes it.
-        engine: anything with TokenizerEngine's attributes (default: a TokenizerEngine).
-        progress: a progress bar on stderr while rows are tokenized (only on a terminal).
+    def __init__(self, plan: JobPlan, prefix: _PrefixEstimate | None, block_size: int) -> None:
+        self.plan = plan
+        self.prefix = prefix
+        self.block_size = block_size
+        self.prompts, self.budgets = array("q"), array("q")  # per row; budgets times n
+        self.seq_prompts, self.seq_cached, self.seq_budgets = array("q"), array("q"), array("q")
+        self.committed_budget = self.committed_completion = 0
 
-    Raises:
-        JobInputError: the input, its schema, the options or the model cannot be used.
-    """
-    import numpy as np
+    def error(self, message: str) -> None:
+        self.plan.rows_error += 1
+        if len(self.plan.first_errors) < FIRST_ERRORS:
+            self.plan.first_errors.append(message)
 
+    def row(self, token_ids: list[int], budget: int, n: int) -> None:
+        """A valid row: `budget` output tokens a sequence, `n` sequences."""
+        prompt = len(token_ids)
+        self.prompts.append(prompt)
+        self.budgets.append(n * budget)
+        hits = self.prefix.add(token_ids) if self.prefix is not None else 0
+        # Siblings (n > 1) are admitted once the first one's prompt blocks are cached.
+        sibling_hits = (prompt - 1) // self.block_size * self.block_size if self.prefix is not None else 0
+        for i in range(n):
+            self.seq_prompts.append(prompt)
+            self.seq_cached.append(hits if i == 0 else sibling_hits)
+            self.seq_budgets.append(budget)
+
+    def committed(self, outputs: CommittedOutputs | None, row_index: int, sp: Any, max_len: int) -> None:
+        """A row an earlier run committed: its output against its budget, when it ran."""
+        found = outputs.lookup(row_index) if outputs is not None else None
+        if found is not None:
+            prompt, completion = found
+            room = max(max_len - prompt, 1)
+            self.committed_budget += sp.n * (room if sp.max_tokens is None else min(sp.max_tokens, room))
+            self.committed_completion += completion
+
+
+def _open_job(options: JobOptions, engine: Any) -> tuple[Any, ...]:
+    """(engine config, reader, tokenizer engine, committed rows, their outputs, a note on them)."""
     from batchgen.jobs.runner import check_run_options, job_header, job_reader
 
     config = check_run_options(options)
     reader = job_reader(options)
     output = options.output or default_output_path(options.input, reader.format)
     fmt = output_format(output, reader.format)
-    committed, note = (
-        (None, None) if options.overwrite else committed_rows(output, job_header(options, reader, fmt))
+    committed, outputs, note = (
+        (None, None, None) if options.overwrite else committed_rows(output, job_header(options, reader, fmt))
     )
     if engine is None:
         from batchgen.model.loading.architectures import ModelNotFoundError
@@ -205,19 +160,105 @@ def plan_job(options: JobOptions, engine: Any = None, progress: bool = False) ->
             engine = TokenizerEngine(config)
         except (ModelNotFoundError, ValueError) as e:
             raise JobInputError(f"cannot plan for model {config.model or '(default)'}: {e}") from e
+    return config, reader, engine, committed, outputs, note
+
+
+def _read_rows(tally: _Tally, options: JobOptions, reader: Any, engine: Any, committed: Any, outputs) -> None:
+    """Every row as `run` would take it: committed, error row, or a valid row with its tokens."""
+    plan = tally.plan
     tokenizer = engine.tokenizer
     chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
     bos = getattr(tokenizer, "bos_token_id", None)
     max_len = engine.max_model_len
+    for row in reader:
+        plan.rows = row.row_index + 1
+        if committed is not None and committed.is_committed(row.row_index, row.row_hash, row.where):
+            plan.rows_resumed += 1
+            tally.committed(outputs, row.row_index, row.sampling_params, max_len)
+            continue
+        if row.error is not None:
+            tally.error(row.error)
+            continue
+        prepared, message = prepare_row(row, engine, options, chat, bos, max_len)
+        if message is not None:
+            plan.rows_too_long += prepared is not None
+            tally.error(message)
+            continue
+        sp = row.sampling_params
+        unknown = [t for t in sp.stop_token_ids or () if t >= engine.vocab_limit]
+        if unknown:  # the engine's own check (LLMEngine._add_one)
+            tally.error(
+                f"stop_token_ids holds ids outside the vocabulary [0, {engine.vocab_limit}): {unknown[:5]}; "
+                "fix or remove them"
+            )
+            continue
+        room = max_len - prepared.prompt_tokens
+        tally.row(prepared.token_ids, room if sp.max_tokens is None else min(sp.max_tokens, room), sp.n)
+
+
+def _fill_sizes(plan: JobPlan, tally: _Tally, engine: Any, max_num_seqs: int) -> None:
+    """Token statistics and the KV cache's fit, from the rows read."""
+    plan.rows_valid = len(tally.prompts)
+    plan.max_model_len = engine.max_model_len
+    plan.block_size = engine.block_size
+    plan.kv_cache_tokens = engine.num_blocks * engine.block_size
+    plan.kv_bytes_per_token = engine.bytes_per_block // engine.block_size
+    plan.max_num_seqs = max_num_seqs
+    if tally.prefix is not None:
+        plan.prefix_cache_tokens = tally.prefix.hit_tokens
+    if not tally.prompts:
+        return
+    p, b = np.array(tally.prompts, dtype=np.int64), np.array(tally.budgets, dtype=np.int64)
+    plan.prompt_tokens = int(p.sum())
+    plan.prompt_tokens_p50 = int(np.percentile(p, 50, method="nearest"))
+    plan.prompt_tokens_p99 = int(np.percentile(p, 99, method="nearest"))
+    plan.prompt_tokens_max = int(p.max())
+    plan.max_output_tokens = int(b.sum())
+    plan.largest_row_tokens = int((p + b).max())
+    plan.largest_row_kv_bytes = _blocks(plan.largest_row_tokens, engine.block_size) * engine.bytes_per_block
+    plan.typical_row_tokens = plan.prompt_tokens_p50 + math.ceil(float(b.mean()))
+    per_row = _blocks(plan.typical_row_tokens, engine.block_size)
+    plan.seqs_that_fit = min(engine.num_blocks // max(per_row, 1), max_num_seqs)
+
+
+def _sequences(plan: JobPlan, tally: _Tally, given: int | None) -> Sequences:
+    """The sequences to run, with their expected outputs (also summed into `plan`)."""
+    seqs = Sequences(
+        *(np.array(a, dtype=np.int64) for a in (tally.seq_prompts, tally.seq_cached, tally.seq_budgets))
+    )
+    fraction = tally.committed_completion / tally.committed_budget if tally.committed_budget else None
+    seqs.expected, seqs.basis = expected_outputs(seqs.budgets, given, fraction)
+    plan.expected_output_basis = seqs.basis
+    plan.expected_output_tokens = int(seqs.expected.sum())
+    return seqs
+
+
+def plan_job(
+    options: JobOptions, engine: Any = None, progress: bool = False, wall_time: WallTimeOptions | None = None
+) -> JobPlan:
+    """Read the job (streaming) and tokenize every row as `run` would; nothing is written.
+
+    Args:
+        options: the job, as `batchgen run` takes it.
+        engine: anything with TokenizerEngine's attributes (default: a TokenizerEngine).
+        progress: a progress bar on stderr while rows are tokenized (only on a terminal).
+        wall_time: estimate the wall time too (`batchgen.jobs.wall_time`: may load the model for a
+            calibration of a few steps); None: no estimate.
+
+    Raises:
+        JobInputError: the input, its schema, the options or the model cannot be used, or the
+            calibration's engine cannot be built.
+    """
+    from batchgen.jobs.estimate import ScheduleLimits
+    from batchgen.jobs.wall_time import estimate_wall_time
+    from batchgen.model.loading.architectures import ModelNotFoundError
+
+    start = time.perf_counter()
+    config, reader, engine, committed, outputs, note = _open_job(options, engine)
     plan = JobPlan(reader.source, engine.model_name or str(config.model or "default"), note=note)
-    prompts, budgets = array("l"), array("l")
+    plan.prefix_caching = config.enable_prefix_caching
     prefix = _PrefixEstimate(engine.block_size, engine.num_blocks) if config.enable_prefix_caching else None
-
-    def error(message: str) -> None:
-        plan.rows_error += 1
-        if len(plan.first_errors) < FIRST_ERRORS:
-            plan.first_errors.append(message)
-
+    tally = _Tally(plan, prefix, engine.block_size)
     rows: Any = reader
     if progress:
         from tqdm import tqdm
@@ -225,61 +266,53 @@ def plan_job(options: JobOptions, engine: Any = None, progress: bool = False) ->
         rows = tqdm(
             reader, total=reader.count_rows(), unit=" rows", desc="tokenizing", disable=None, leave=False
         )
-    for row in rows:
-        plan.rows = row.row_index + 1
-        if committed is not None and committed.is_committed(row.row_index, row.row_hash, row.where):
-            plan.rows_resumed += 1
-            continue
-        if row.error is not None:
-            error(row.error)
-            continue
-        prepared, message = prepare_row(row, engine, options, chat, bos, max_len)
-        if message is not None:
-            plan.rows_too_long += prepared is not None
-            error(message)
-            continue
-        sp = row.sampling_params
-        unknown = [t for t in sp.stop_token_ids or () if t >= engine.vocab_limit]
-        if unknown:  # the engine's own check (LLMEngine._add_one)
-            error(
-                f"stop_token_ids holds ids outside the vocabulary [0, {engine.vocab_limit}): {unknown[:5]}; "
-                "fix or remove them"
-            )
-            continue
-        n = prepared.prompt_tokens
-        room = max_len - n
-        prompts.append(n)
-        budgets.append(sp.n * (room if sp.max_tokens is None else min(sp.max_tokens, room)))
-        if prefix is not None:
-            prefix.add(prepared.token_ids)
-    plan.rows_valid = len(prompts)
-    plan.max_model_len = max_len
-    plan.block_size = engine.block_size
-    plan.kv_cache_tokens = engine.num_blocks * engine.block_size
-    plan.kv_bytes_per_token = engine.bytes_per_block // engine.block_size
-    plan.max_num_seqs = config.max_num_seqs
-    if prompts:
-        p, b = np.array(prompts, dtype=np.int64), np.array(budgets, dtype=np.int64)
-        plan.prompt_tokens = int(p.sum())
-        plan.prompt_tokens_p50 = int(np.percentile(p, 50, method="nearest"))
-        plan.prompt_tokens_p99 = int(np.percentile(p, 99, method="nearest"))
-        plan.prompt_tokens_max = int(p.max())
-        plan.max_output_tokens = int(b.sum())
-        plan.largest_row_tokens = int((p + b).max())
-        plan.largest_row_kv_bytes = (
-            _blocks(plan.largest_row_tokens, engine.block_size) * engine.bytes_per_block
+    _read_rows(tally, options, rows, engine, committed, outputs)
+    read_s = time.perf_counter() - start
+    _fill_sizes(plan, tally, engine, config.max_num_seqs)
+    seqs = _sequences(plan, tally, wall_time and wall_time.expected_output_tokens)
+    if wall_time is None:
+        return plan
+    limits = ScheduleLimits(
+        config.max_num_seqs,
+        engine.max_num_batched_tokens,
+        engine.num_blocks,
+        engine.block_size,
+        config.enable_chunked_prefill,
+    )
+    try:
+        plan.wall_time, plan.wall_time_note = estimate_wall_time(
+            seqs, limits, config, engine.dtype, read_s, wall_time
         )
-        plan.typical_row_tokens = plan.prompt_tokens_p50 + math.ceil(float(b.mean()))
-        per_row = _blocks(plan.typical_row_tokens, engine.block_size)
-        plan.seqs_that_fit = min(engine.num_blocks // max(per_row, 1), config.max_num_seqs)
-    plan.prefix_caching = prefix is not None
-    if prefix is not None:
-        plan.prefix_cache_tokens = prefix.hit_tokens
+    except (ModelNotFoundError, ValueError) as e:
+        raise JobInputError(f"cannot calibrate model {config.model or '(default)'}: {e}") from e
     return plan
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def duration(seconds: float) -> str:
+    """`seconds` as 45s, 3m05s or 2h07m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s // 60 % 60:02d}m"
+
+
+def _wall_time_lines(plan: JobPlan) -> list[str]:
+    w = plan.wall_time
+    if w is None:
+        return [f"estimated wall time: none ({plan.wall_time_note})"] if plan.wall_time_note else []
+    return [
+        f"estimated wall time: {duration(w.low_s)} to {duration(w.high_s)} (model load and set-up "
+        f"{w.startup_s:.1f} s, reading and tokenizing the job {w.tokenize_s:.1f} s included; {w.low_steps} to "
+        f"{w.high_steps} steps, up to {w.peak_seqs} rows at once)",
+        f"  assuming {w.assumption}",
+        f"  step times: {w.rates}",
+    ]
 
 
 def format_plan(plan: JobPlan) -> str:
@@ -292,7 +325,8 @@ def format_plan(plan: JobPlan) -> str:
         f"{plan.rows_too_long} of them too long for max_model_len {plan.max_model_len})",
         f"prompt tokens: {plan.prompt_tokens} (p50 {plan.prompt_tokens_p50}, p99 {plan.prompt_tokens_p99}, "
         f"max {plan.prompt_tokens_max})",
-        f"output budget: {plan.max_output_tokens} tokens (each row's max_tokens, capped by max_model_len)",
+        f"output budget: {plan.max_output_tokens} tokens (each row's max_tokens, capped by max_model_len); "
+        f"expected about {plan.expected_output_tokens}: {plan.expected_output_basis}",
         f"prefix cache: about {plan.prefix_cache_tokens} prompt tokens ({saved:.0f}%) served from shared "
         f"prefixes of {plan.block_size}-token blocks"
         if plan.prefix_caching
@@ -302,6 +336,7 @@ def format_plan(plan: JobPlan) -> str:
         f"{plan.seqs_that_fit} typical rows ({plan.typical_row_tokens} tokens) fit at once, "
         f"max_num_seqs {plan.max_num_seqs}",
     ]
+    lines += _wall_time_lines(plan)
     if plan.note:
         lines.append(f"note: {plan.note}")
     if plan.first_errors:

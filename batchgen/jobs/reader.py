@@ -13,9 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen.jobs.formats import (  # noqa: F401  (re-exported: the reader's public names)
-    FORMATS_HELP,
-    SNIFF_LINES,
+from batchgen.jobs.formats import (
     JobInputError,
     check_hub_reachable,
     detect_format,
@@ -25,6 +23,7 @@ from batchgen.jobs.formats import (  # noqa: F401  (re-exported: the reader's pu
     parse_hf_reference,
     sniff_jsonl,
 )
+from batchgen.jobs.openai_rows import OpenAIRowParser
 from batchgen.jobs.row_sampling import LOGPROB_FIELDS, SAMPLING_COLUMNS, UNAPPLIED_COLUMNS
 from batchgen.jobs.rows import JobRow, RowParser
 
@@ -80,13 +79,12 @@ class JobReader:
             self._resolve_schema()
         else:
             self._refuse_schema_options()
-        self.parser = RowParser(
-            self.options,
-            self.prompt_column,
-            self.messages_column,
-            self.id_column,
-            self.template_fields,
-            row_index_ids=self.format != "openai",
+        self.parser: RowParser = (
+            OpenAIRowParser(self.options)
+            if self.format == "openai"
+            else RowParser(
+                self.options, self.prompt_column, self.messages_column, self.id_column, self.template_fields
+            )
         )
 
     # ----- schema -----
@@ -99,12 +97,7 @@ class JobReader:
                     cols.update(dict.fromkeys(rec))
             return list(cols)
         if self.format == "parquet":
-            import pyarrow.parquet as pq
-
-            try:
-                return list(pq.ParquetFile(self.source).schema_arrow.names)
-            except Exception as e:  # pyarrow raises several types for corrupt footers
-                raise JobInputError(f"cannot read Parquet file {self.source}: {e}") from e
+            return list(open_parquet(self.source).schema_arrow.names)
         self._dataset = self._open_dataset()
         names = self._dataset.column_names
         if names is None:  # streaming dataset without declared features: peek at one row
@@ -281,9 +274,7 @@ class JobReader:
                         n += 1
             return n
         if self.format == "parquet":
-            import pyarrow.parquet as pq
-
-            return pq.ParquetFile(self.source).metadata.num_rows
+            return open_parquet(self.source).metadata.num_rows
         try:
             return len(self._dataset)
         except TypeError:
@@ -305,31 +296,59 @@ class JobReader:
     def _rows(self) -> Iterator[JobRow]:
         parser = self.parser
         parser.start()
-        if self.format in ("jsonl", "openai"):
-            make = parser.openai_row if self.format == "openai" else parser.plain_row
-            for row_index, (line_number, rec, err) in enumerate(iter_jsonl(self.source)):
-                if err is not None:
-                    yield parser.error_row(row_index, line_number, parser.salvaged_id(rec), err, raw=err)
-                else:
-                    yield make(row_index, line_number, rec)
-            return
-        row_index = 0
-        for rec in self._iter_records():
-            yield parser.plain_row(row_index, None, rec)
-            row_index += 1
+        for row_index, (line_number, rec, err) in enumerate(self._records()):
+            if err is not None:
+                yield parser.error_row(row_index, line_number, parser.salvaged_id(rec), err, raw=err)
+            else:
+                yield parser.row(row_index, line_number, rec)
 
-    def _iter_records(self) -> Iterator[dict]:
-        cols = self.needed_columns
-        bs = self.options.batch_size
-        if self.format == "parquet":
-            import pyarrow.parquet as pq
-
-            pf = pq.ParquetFile(self.source)
-            for batch in pf.iter_batches(batch_size=bs, columns=cols):
-                yield from batch.to_pylist()
+    def _records(self) -> Iterator[tuple[int | None, dict | None, str | None]]:
+        if self.format in FILE_FORMATS:
+            yield from iter_records(self.source, self.format, self.needed_columns, self.options.batch_size)
             return
-        ds = self._dataset.select_columns(cols)
-        for batch in ds.iter(batch_size=bs):
+        ds = self._dataset.select_columns(self.needed_columns)
+        for batch in ds.iter(batch_size=self.options.batch_size):
             keys = list(batch)
             for values in zip(*(batch[k] for k in keys), strict=True):
-                yield dict(zip(keys, values, strict=True))
+                yield None, dict(zip(keys, values, strict=True)), None
+
+
+# The formats `iter_records` reads (the others are Hugging Face datasets).
+FILE_FORMATS = ("jsonl", "openai", "parquet")
+
+
+def open_parquet(source: str) -> Any:
+    """`pyarrow.parquet.ParquetFile` of `source`.
+
+    Raises:
+        JobInputError: pyarrow cannot read its footer (a truncated or damaged file), naming it.
+    """
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(source)
+    except Exception as e:  # pyarrow raises several types for corrupt footers
+        raise JobInputError(
+            f"cannot read Parquet file {source}: {e}; check that the file is whole (not truncated or damaged)"
+        ) from e
+
+
+def iter_records(
+    source: str, fmt: str, columns: list[str] | None = None, batch_size: int = 1024
+) -> Iterator[tuple[int | None, dict | None, str | None]]:
+    """(line_number, record, error) of each row of a job file, in order, never the whole file at once.
+
+    JSON lines ("jsonl", "openai") line by line (`iter_jsonl`: a bad line comes with its error, and
+    with its record as best read or None); Parquet ("parquet") a record batch of `batch_size` rows at
+    a time, only `columns` (None: all), line_number None. `batchgen run`'s reader and the bench's
+    `file:` workloads (`batchgen.bench.job_workload`) both read job files through it.
+
+    Raises:
+        JobInputError: a Parquet file whose footer cannot be read (`open_parquet`).
+    """
+    if fmt == "parquet":
+        for batch in open_parquet(source).iter_batches(batch_size=batch_size, columns=columns):
+            for rec in batch.to_pylist():
+                yield None, rec, None
+        return
+    yield from iter_jsonl(source)

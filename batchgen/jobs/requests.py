@@ -111,7 +111,7 @@ def output_result(p: Prepared, out: Any, token_bytes: TokenBytes | None = None) 
 
     A request with n > 1 completions (a row's or an OpenAI batch line's `n`, or `--n`) keeps the
     first in `output` and the others in `more_choices`; `completion_tokens` counts them all, as
-    OpenAI's usage does. The final output lists them all in `choices` (`batchgen.jobs.writer`)."""
+    OpenAI's usage does. The final output lists them all in `choices` (`batchgen.jobs.final_output`)."""
     completions = out.outputs
     c = completions[0]
     metrics = out.metrics

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from batchgen.cache import fsync_path, write_atomically
+from batchgen.jobs.formats import JobInputError
 from batchgen.jobs.manifest import MANIFEST, CommittedRows, Manifest, PartEntry
-from batchgen.jobs.reader import JobInputError
 
 LOCK = "lock"
 # 2: the input is identified by the SHA-256 of its whole content (1: of its first and last MiB).

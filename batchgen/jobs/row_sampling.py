@@ -36,7 +36,7 @@ _INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority"
 # apply, with the value that asks for nothing. A row of a plain job that sets one to anything else is
 # an error row: ignoring it would silently give another output than the row asks for. Names that are
 # as likely to be data (`n`, `tools`) are left out here; OpenAI batch bodies check every field
-# (`OPENAI_BODY_FIELDS`). `prompt_logprobs` 0 asks for the prompt tokens' log probabilities (vLLM),
+# (`batchgen.jobs.openai_rows.OPENAI_BODY_FIELDS`). `prompt_logprobs` 0 asks for the prompt tokens' log probabilities (vLLM),
 # so only null is neutral there.
 UNAPPLIED_COLUMNS = {
     "best_of": 1,
@@ -58,9 +58,6 @@ UNAPPLIED_REASONS = {
 # vLLM and OpenAI's completions API take `logprobs: K`; OpenAI's chat API takes `logprobs: true`
 # with `top_logprobs: K`.
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")
-# The output columns that hold them (`batchgen.jobs.writer.LOGPROB_SCHEMA`). A job that keeps an
-# input column of one of these names as data writes no log probabilities.
-LOGPROB_COLUMNS = ("cumulative_logprob", "logprobs")
 # A row's explicit "no log probabilities" (`logprobs: false`), which overrides `--logprobs`
 # where null takes it; `RowSampling` turns it into `SamplingParams.logprobs=None`.
 LOGPROBS_OFF = "off"

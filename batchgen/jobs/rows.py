@@ -15,22 +15,20 @@ from typing import Any
 from batchgen.jobs.formats import LONE_SURROGATE, check_messages, is_utf8, text_error
 from batchgen.jobs.json_lines import to_json
 from batchgen.jobs.row_sampling import (
-    LOGPROB_COLUMNS,
     LOGPROB_FIELDS,
     SAMPLING_COLUMNS,
     UNAPPLIED_COLUMNS,
-    UNAPPLIED_REASONS,
     RowSampling,
     requested_logprobs,
     stable_hash,
     unapplied_field_error,
 )
+from batchgen.jobs.schema import LOGPROB_COLUMNS
 from batchgen.sampling_params import SamplingParams
 
 # Duplicate ids of a plain job: warned about at most this many times, among the ids of this many rows.
 MAX_DUPLICATE_NOTICES = 10
 MAX_TRACKED_IDS = 500_000
-OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # Field names a plain job's column may be a misspelling of (see RowParser._note_near_misses).
 NEAR_MISS_TARGETS = (
     *SAMPLING_COLUMNS,
@@ -101,7 +99,8 @@ def printable(value: Any) -> Any:
 
 
 class RowParser:
-    """Builds `JobRow`s from the records of one job input.
+    """Builds `JobRow`s from the records of one job input (`row`); OpenAI batch lines have their own
+    parser (`batchgen.jobs.openai_rows.OpenAIRowParser`).
 
     Args:
         options: the reader's `ReaderOptions` (template, keep columns, sampling defaults).
@@ -126,7 +125,6 @@ class RowParser:
         self.messages_column = messages_column
         self.id_column = id_column
         self.template_fields = template_fields
-        self._seen_custom_ids: dict[int, int] = {}
         # Plain rows' ids -> row index and line of their first row, and the duplicates warned about
         # (kept across passes: a --strict pass and the run's own warn once).
         self._seen_ids: dict[int, int] = {}
@@ -152,8 +150,7 @@ class RowParser:
         return None if rid is None or "\ufffd" in to_json(rid) else rid
 
     def start(self) -> None:
-        """Forget the custom_ids and ids seen so far: a new pass over the input begins."""
-        self._seen_custom_ids = {}
+        """Forget the ids seen so far: a new pass over the input begins."""
         self._seen_ids = {}
 
     def error_row(
@@ -232,7 +229,7 @@ class RowParser:
             f"both run, but rows joined on '{self.id_column}' would mix them: make each id unique"
         )
 
-    def plain_row(self, row_index: int, line_number: int | None, rec: dict) -> JobRow:
+    def row(self, row_index: int, line_number: int | None, rec: dict) -> JobRow:
         """A row of a plain job (prompt / messages / template columns, optional sampling columns)."""
         self._note_near_misses(rec)
         rid = rec.get(self.id_column) if self.id_column else None
@@ -325,108 +322,3 @@ class RowParser:
                 "or store the column as strings in Parquet"
             )
         return value, text_error(value, col)
-
-    def openai_row(self, row_index: int, line_number: int, rec: dict) -> JobRow:
-        """A line of an OpenAI batch file (`custom_id`, `method`, `url`, `body`); custom_ids must be
-        unique within the pass (`start()` begins one)."""
-        cid = rec.get("custom_id")
-        body = rec.get("body")
-        url = rec.get("url")
-        endpoint = OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
-
-        usable_cid = cid if isinstance(cid, str) and cid and is_utf8(cid) else None
-
-        def fail(msg: str) -> JobRow:
-            return self.error_row(
-                row_index, line_number, usable_cid, msg, raw=rec, endpoint=endpoint or "chat"
-            )
-
-        if isinstance(cid, str) and cid and usable_cid is None:
-            return fail(f"field 'custom_id' {LONE_SURROGATE}; fix it")
-        if "custom_id" not in rec and "body" not in rec and ("prompt" in rec or "messages" in rec):
-            return fail(
-                "this line is a plain request (prompt or messages), but the file's first line is an "
-                "OpenAI batch request; a file holds one format, so put plain lines in a file of their own "
-                'or wrap this one as {"custom_id": ..., "method": "POST", "url": ..., "body": {...}}'
-            )
-        if not isinstance(cid, str) or not cid:
-            return fail(
-                "field 'custom_id' is missing or not a non-empty string; give each request a unique id"
-            )
-        key = stable_hash(cid)
-        first = self._seen_custom_ids.get(key)
-        if first is not None:
-            return fail(
-                f"duplicate custom_id '{cid}' (first used on line {first}); make each custom_id unique"
-            )
-        self._seen_custom_ids[key] = line_number
-        method = rec.get("method", "POST")
-        if method != "POST":
-            return fail(f"field 'method' is {method!r}; batch requests must use \"POST\"")
-        if endpoint is None:
-            return fail(f"field 'url' is {url!r}; use one of {', '.join(OPENAI_ENDPOINTS)}")
-        if not isinstance(body, dict):
-            return fail("field 'body' is missing or not an object; put the request parameters in 'body'")
-        if endpoint == "chat":
-            prompt, err = check_messages(body.get("messages"), "body.messages")
-            if err is not None and body.get("messages") is None and body.get("prompt") is not None:
-                err += "; a body with a 'prompt' goes to url /v1/completions"
-        else:
-            prompt, err = body.get("prompt"), None
-            if not isinstance(prompt, str) or not prompt.strip():
-                err = "field 'body.prompt' must be a non-empty string (one prompt per request)"
-                if body.get("messages") is not None and prompt is None:
-                    err += "; a body with 'messages' goes to url /v1/chat/completions"
-            else:
-                err = text_error(prompt, "body.prompt")
-        if err is not None:
-            return fail(err)
-        unsupported = sorted(k for k, v in body.items() if k not in OPENAI_BODY_FIELDS and not _unset(k, v))
-        if unsupported:
-            name = unsupported[0]
-            reason = UNAPPLIED_REASONS.get(name, "it would change the output")
-            return fail(
-                f"field 'body.{name}' is not supported by batchgen ({reason}); "
-                f"remove it (supported: {', '.join(sorted(OPENAI_BODY_FIELDS))})"
-            )
-        # The newer name wins when it is set; a null one does not hide max_tokens.
-        max_tokens = body.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        values = {k: body.get(k) for k in SAMPLING_COLUMNS if k != "max_tokens"}
-        values["max_tokens"] = max_tokens
-        values["n"] = body.get("n")  # completions in the line's `choices` (OpenAI batch output only)
-        values["logprobs"], err = requested_logprobs(
-            body.get("logprobs"), body.get("top_logprobs"), chat_api=endpoint == "chat"
-        )
-        if err is None:
-            params, params_hash, err = self._sampling(values)
-        if err is not None:
-            return fail(err.replace("field '", "field 'body."))
-        return JobRow(
-            row_index=row_index,
-            id=cid,
-            prompt=prompt,
-            sampling_params=params,
-            line_number=line_number,
-            keep=None,
-            row_hash=stable_hash([cid, endpoint, prompt, params_hash]),
-            endpoint=endpoint,
-        )
-
-
-def _unset(name: str, value: Any) -> bool:
-    """Whether an OpenAI body field asks for nothing: null, false, empty, or 0 (but `prompt_logprobs`
-    0 asks for the prompt tokens' log probabilities in vLLM's API)."""
-    if value is None or value is False or (isinstance(value, list | dict) and not value):
-        return True
-    return value == 0 and value is not True and name != "prompt_logprobs"
-
-
-# Request fields honoured (or, like `model` and `user`, harmless to ignore). Anything else that is set
-# (logit_bias, tools, response_format, ...) would silently change the meaning of the output.
-OPENAI_BODY_FIELDS = frozenset(
-    {"messages", "prompt", "model", "user", "metadata", "stream", "n", "max_tokens", "max_completion_tokens"}
-    | set(SAMPLING_COLUMNS)
-    | set(LOGPROB_FIELDS)
-)

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 
 from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.protocol import Engine
+from batchgen.jobs.final_output import count_output_errors, finalize_output
+from batchgen.jobs.formats import JobInputError
+from batchgen.jobs.interrupt import Interrupt
+from batchgen.jobs.loop import engine_loop
 from batchgen.jobs.options import (
     JobOptions,
     JobSummary,
@@ -29,16 +31,12 @@ from batchgen.jobs.options import (
     flag_hint,
     output_format,
 )
-from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions
-from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
+from batchgen.jobs.reader import JobReader, ReaderOptions
 from batchgen.jobs.resume import make_header, prepare_output, remove_earlier_output
-from batchgen.jobs.token_bytes import TokenBytes
-from batchgen.jobs.window import LookaheadWindow
-from batchgen.jobs.writer import PartWriter, count_output_errors, finalize_output
+from batchgen.jobs.writer import PartWriter
 from batchgen.metrics import JobMetrics, NullMetrics
 from batchgen.model.loading.fingerprint import model_fingerprint
 from batchgen.sampling_params import SamplingParams
-from batchgen.stop_signals import STOP_SIGNALS
 
 
 def default_engine_factory(config: EngineConfig) -> Engine:
@@ -117,54 +115,6 @@ def validate_job(reader: JobReader, limit: int = 10) -> None:
         )
 
 
-class _Interrupt:
-    """SIGINT, SIGTERM and SIGHUP handler: the first signal asks the loop to stop (finished rows are
-    committed), a second goes to the handler that was there before (the CLI's, which records the
-    signal for the exit code; Python's KeyboardInterrupt for SIGINT), else raises KeyboardInterrupt.
-    SIGTERM is what `timeout`, `docker stop`, systemd and Slurm send, and SIGHUP what a closed
-    terminal sends, so both are handled as Ctrl-C is. Inside `shielded()` (a commit) signals are
-    only recorded, so a burst of Ctrl-C cannot stop a commit half-way and lose its rows."""
-
-    SIGNALS = STOP_SIGNALS
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-        self._shielded = False
-
-    @contextlib.contextmanager
-    def shielded(self) -> Iterator[None]:
-        """Signals that arrive inside only set `requested` (the caller then stops)."""
-        self._shielded = True
-        try:
-            yield
-        finally:
-            self._shielded = False
-
-    def __enter__(self) -> _Interrupt:
-        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self._shielded:
-            self.requested = True
-            self.signum = self.signum or signum
-            return
-        if self.requested:
-            previous = self._previous.get(signum)
-            if callable(previous):
-                previous(signum, frame)
-            raise KeyboardInterrupt
-        self.requested = True
-        self.signum = signum
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
-
-
 def _finished_summary(output: str, fmt: str, reader: JobReader) -> JobSummary:
     """The summary of a job whose output was already complete: its ok and error rows are counted
     from the output, so a rerun of a job whose every row failed still reports (and exits) so."""
@@ -232,8 +182,9 @@ def run_job(
         options: the job (see JobOptions).
         engine_factory: EngineConfig -> an `Engine` (the protocol); the default builds LLMEngine.
         dashboard: a `batchgen.dashboard.Dashboard` (default: one chosen from `options.dashboard`).
-        loop: what runs the rows, with `_loop`'s arguments and result (default `_loop`: one engine
-            here); `batchgen.distributed` passes its own, whose "engine" is a pool of replicas.
+        loop: what runs the rows, with `engine_loop`'s arguments and result (default
+            `batchgen.jobs.loop.engine_loop`: one engine here); `batchgen.distributed` passes its
+            own, whose "engine" is a pool of replicas.
 
     Returns:
         JobSummary; `interrupted` is True when SIGINT or SIGTERM stopped the run (committed rows are
@@ -258,10 +209,7 @@ def run_job(
     metrics: JobMetrics | NullMetrics = NullMetrics()
     try:
         total = reader.count_rows()
-        if dashboard is None:
-            from batchgen.dashboard import Dashboard
-
-            dashboard = Dashboard(total, live=options.dashboard, interval=options.progress_interval)
+        dashboard = _default_dashboard(options, total) if dashboard is None else dashboard
         summary = JobSummary(output, total or 0, rows_resumed=len(state.committed))
         if len(state.committed):
             dashboard.log(f"resuming: {len(state.committed)} rows already committed in {state.parts_dir}")
@@ -283,47 +231,12 @@ def run_job(
         metrics.bind(model_name, total, writer.committed_rows)
         if metrics.url:
             dashboard.log(f"metrics at {metrics.url}")
-        with _Interrupt() as interrupt:
-            dashboard.start()
-            if engine is not None and engine.start_line:
-                dashboard.log(engine.start_line)
-            try:
-                if engine is None:
-                    rows_read, finished = total or 0, True
-                else:
-                    rows_read, finished = (loop or _loop)(
-                        options,
-                        config,
-                        engine,
-                        reader,
-                        state,
-                        writer,
-                        dashboard,
-                        summary,
-                        interrupt,
-                        metrics,
-                    )
-                summary.interrupted = not finished
-                summary.stop_signal = interrupt.signum if summary.interrupted else None
-            except BaseException:
-                # Rows that finished are kept whatever stopped the loop; a failure to write them
-                # (say the output folder is gone) must not hide the error that stopped it.
-                with contextlib.suppress(OSError), interrupt.shielded():
-                    writer.commit()
-                dashboard.stop()
-                raise
-            with interrupt.shielded():
-                writer.commit()
-            metrics.on_rows(writer.committed_rows, summary.rows_error, idle=True)
-            dashboard.stop()
+        run_rows = (loop or engine_loop) if engine is not None else _nothing_to_run(total)
+        rows_read = _run_rows(
+            run_rows, options, config, engine, reader, state, writer, dashboard, summary, metrics
+        )
         if not summary.interrupted:
-            summary.rows_total = rows_read
-            finalize_output(state, rows_read, fmt, header, tuple(options.keep_columns), model_name)
-            summary.complete = True
-            summary.output_error_rows = summary.rows_error
-            if summary.rows_resumed:  # the earlier runs' error rows are in the output too
-                with contextlib.suppress(OSError, ValueError, pa.ArrowException):
-                    summary.output_error_rows = count_output_errors(output, fmt)[1]
+            _finish_output(state, rows_read, fmt, header, options, model_name, summary)
         summary.wall_s = time.perf_counter() - start
         if summary.interrupted:
             dashboard.log(
@@ -337,88 +250,72 @@ def run_job(
         state.release()
 
 
-def _loop(
+def _default_dashboard(options: JobOptions, total: int | None) -> Any:
+    """The Rich live view on a terminal (unless `--no-dashboard`), else periodic progress lines."""
+    from batchgen.dashboard import Dashboard
+
+    return Dashboard(total, live=options.dashboard, interval=options.progress_interval)
+
+
+def _run_rows(
+    loop: Callable[..., tuple[int, bool]],
     options: JobOptions,
     config: EngineConfig,
-    engine: Engine,
+    engine: Engine | None,
     reader: JobReader,
     state: Any,
     writer: PartWriter,
     dashboard: Any,
     summary: JobSummary,
-    interrupt: _Interrupt,
-    metrics: JobMetrics | NullMetrics | None = None,
-) -> tuple[int, bool]:
-    """The admission / step / commit loop; returns (input rows read, whether every row finished)."""
-    tokenizer = engine.tokenizer
-    chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
-    bos = getattr(tokenizer, "bos_token_id", None)
-    token_bytes = TokenBytes(tokenizer)
-    max_len: int = engine.max_model_len
-    inflight_limit = max(2 * config.max_num_seqs, 8)
-    window: LookaheadWindow[Prepared] = LookaheadWindow(options.policy, options.window)
-    pending: dict[str, Prepared] = {}
-    rows = iter(reader)
-    rows_read = 0
-    exhausted = False
-    metrics = metrics or NullMetrics()
-
-    def finish(result: dict[str, Any], keep: dict[str, Any] | None) -> None:
-        writer.add(result, keep)
-        if result["finish_reason"] == "error":
-            summary.rows_error += 1  # its prompt (often a too-long one) never ran: not counted
-            summary.first_error = summary.first_error or result.get("error")
-        else:
-            summary.rows_ok += 1
-            summary.prompt_tokens += result.get("prompt_tokens") or 0
-            summary.completion_tokens += result.get("completion_tokens") or 0
-        if writer.due():
+    metrics: JobMetrics | NullMetrics,
+) -> int:
+    """`loop` under the job's signal handling, with the dashboard running; the rows finished are
+    committed whatever stopped it. Returns the input rows read; `summary.interrupted` (and
+    `stop_signal`) say whether a signal stopped it."""
+    with Interrupt() as interrupt:
+        dashboard.start()
+        if engine is not None and engine.start_line:
+            dashboard.log(engine.start_line)
+        try:
+            rows_read, finished = loop(
+                options, config, engine, reader, state, writer, dashboard, summary, interrupt, metrics
+            )
+            summary.interrupted = not finished
+            summary.stop_signal = interrupt.signum if summary.interrupted else None
+        except BaseException:
+            # Rows that finished are kept whatever stopped the loop; a failure to write them
+            # (say the output folder is gone) must not hide the error that stopped it.
+            with contextlib.suppress(OSError), interrupt.shielded():
+                writer.commit()
+            dashboard.stop()
+            raise
+        with interrupt.shielded():
             writer.commit()
+        metrics.on_rows(writer.committed_rows, summary.rows_error, idle=True)
+        dashboard.stop()
+    return rows_read
 
-    while not interrupt.requested:
-        while not exhausted and not window.full and not interrupt.requested:
-            row = next(rows, None)
-            while reader.parser.notices:  # e.g. a column name one typo away from a sampling field
-                dashboard.log(reader.parser.notices.pop(0))
-            if row is None:
-                exhausted = True
-                break
-            rows_read = row.row_index + 1
-            if state.committed.is_committed(row.row_index, row.row_hash, row.where):
-                continue
-            if row.error is not None:
-                finish(error_result(row, row.error), row.keep)
-                continue
-            prepared, error = prepare_row(row, engine, options, chat, bos, max_len)
-            if error is not None:
-                finish(error_result(row, error, prepared and prepared.prompt_tokens), row.keep)
-                continue
-            sp = row.sampling_params
-            work = prepared.prompt_tokens + sp.n * (sp.max_tokens or max_len - prepared.prompt_tokens)
-            window.push(prepared, work=work, priority=sp.priority)
-        while window and engine.num_unfinished_requests() < inflight_limit and not interrupt.requested:
-            p = window.pop()
-            rid = str(p.row.row_index)
-            engine.add_request(rid, {"prompt_token_ids": p.token_ids}, p.row.sampling_params)
-            p.token_ids = None  # the engine holds them now
-            pending[rid] = p
-        if engine.has_unfinished_requests():
-            for out in engine.step():
-                metrics.on_request(out)
-                p = pending.pop(out.request_id)
-                finish(output_result(p, out, token_bytes), p.row.keep)
-            metrics.on_step(getattr(engine, "last_step", None), getattr(engine, "totals", None))
-        elif exhausted and not window:
-            break
-        dashboard.update(
-            summary.rows_done,
-            summary.rows_error,
-            engine.last_step,
-            engine.totals,
-        )
-        metrics.on_rows(writer.committed_rows, summary.rows_error)
-    finished = exhausted and not window and not pending
-    if not finished:
-        for rid in pending:
-            engine.abort_request(rid)
-    return rows_read, finished
+
+def _nothing_to_run(total: int | None) -> Callable[..., tuple[int, bool]]:
+    """The loop of a job whose every row is committed already: it reads nothing and is finished."""
+    return lambda *args: (total or 0, True)
+
+
+def _finish_output(
+    state: Any,
+    rows_read: int,
+    fmt: str,
+    header: dict[str, Any],
+    options: JobOptions,
+    model_name: str,
+    summary: JobSummary,
+) -> None:
+    """The final output from every committed part (`finalize_output`), and the summary's totals:
+    the output's error rows include those of earlier runs."""
+    summary.rows_total = rows_read
+    finalize_output(state, rows_read, fmt, header, tuple(options.keep_columns), model_name)
+    summary.complete = True
+    summary.output_error_rows = summary.rows_error
+    if summary.rows_resumed:  # the earlier runs' error rows are in the output too
+        with contextlib.suppress(OSError, ValueError, pa.ArrowException):
+            summary.output_error_rows = count_output_errors(summary.output_path, fmt)[1]

@@ -1,18 +1,32 @@
 """Look-ahead window: the bounded set of read-but-not-admitted rows, popped in policy order.
 
 The engine orders what it already holds; the window decides what it gets next, so a job file of
-millions of rows is never in memory and `max-throughput` can still pick short rows first.
+millions of rows is never in memory and `max-throughput` can still pick short rows first. The
+order is the engine's own (`batchgen.engine.policy`): each row stands in the policy's queue as a
+request would, with the window's pops as the policy's steps.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from batchgen.config import POLICIES
+from batchgen.engine.policy import make_policy
 
 T = TypeVar("T")
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """A row in the policy's queue: what the policies read of a request, and the row itself."""
+
+    request_id: str  # the push number: the heap policies key their bookkeeping by it
+    seq_no: int  # input order, the tie-breaker
+    arrival_step: int  # pops before this push: the aging clock
+    remaining_work: int
+    priority: int
+    item: Any
+    num_preemptions: int = 0  # a window row is never preempted
 
 
 class LookaheadWindow(Generic[T]):
@@ -20,12 +34,13 @@ class LookaheadWindow(Generic[T]):
 
     - "fcfs": input order.
     - "max-throughput": least total work first (prompt tokens + max_tokens), ties in input order;
-      an item passed over by `capacity` pops is served next (aging), so a long row waits at most
-      about two windows and the output stays close to input order.
+      an item passed over by `capacity` pops is served next (the policy's aging, with
+      `aging_steps = capacity - 1`), so a long row waits at most about two windows and the output
+      stays close to input order.
     - "priority": lowest `priority` value first (as vLLM), then input order.
 
     Args:
-        policy: one of `batchgen.config.POLICIES`.
+        policy: one of `batchgen.config.POLICY_NAMES`.
         capacity: most items held (rows); >= 1.
 
     Raises:
@@ -33,39 +48,27 @@ class LookaheadWindow(Generic[T]):
     """
 
     def __init__(self, policy: str, capacity: int) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        self._queue = make_policy(policy, aging_steps=capacity - 1)
         if capacity < 1:
             raise ValueError(f"window capacity must be >= 1 row, got {capacity}")
         self.policy = policy
         self.capacity = capacity
-        self._seq = 0
+        self._pushes = 0
         self._pops = 0
-        self._size = 0
-        self._fifo: deque[list] = deque()  # entries in input order: [key, seq, pushed_at_pop, item, alive]
-        self._heap: list[list] = []
 
     def __len__(self) -> int:
-        return self._size
+        return len(self._queue)
 
     @property
     def full(self) -> bool:
         """True when the window holds `capacity` items."""
-        return self._size >= self.capacity
+        return len(self._queue) >= self.capacity
 
     def push(self, item: T, work: int = 0, priority: int = 0) -> None:
         """Add an item; `work` is its total tokens, `priority` its priority value (lower first)."""
-        key = work if self.policy == "max-throughput" else priority if self.policy == "priority" else 0
-        entry = [key, self._seq, self._pops, item, True]
-        self._seq += 1
-        self._size += 1
-        if self.policy != "priority":  # priority has no aging, so it needs no input-order queue
-            self._fifo.append(entry)
-        if self.policy != "fcfs":
-            heapq.heappush(self._heap, entry)
-            if len(self._heap) > 2 * self.capacity:  # aged pops leave dead heap entries behind
-                self._heap = [e for e in self._heap if e[4]]
-                heapq.heapify(self._heap)
+        n = self._pushes
+        self._queue.push(_Entry(str(n), n, self._pops, work, priority, item))
+        self._pushes += 1
 
     def pop(self) -> T:
         """Remove and return the next item by policy.
@@ -73,25 +76,9 @@ class LookaheadWindow(Generic[T]):
         Raises:
             IndexError: the window is empty.
         """
-        if not self._size:
+        if not len(self._queue):
             raise IndexError("pop from an empty window")
-        aged = False
-        if self.policy == "max-throughput":
-            while not self._fifo[0][4]:
-                self._fifo.popleft()
-            aged = self._pops - self._fifo[0][2] >= self.capacity
-        if self.policy == "fcfs" or aged:
-            entry = self._fifo.popleft()
-        else:
-            entry = heapq.heappop(self._heap)
-            while not entry[4]:
-                entry = heapq.heappop(self._heap)
-        entry[4] = False
+        entry = self._queue.pop(self._pops)
         self._pops += 1
-        self._size -= 1
-        item = entry[3]
-        entry[3] = None
-        if not self._size:  # drop dead entries so they do not pile up
-            self._fifo.clear()
-            self._heap.clear()
+        item, entry.item = entry.item, None  # a dead heap entry must not keep its row alive
         return item

@@ -1,21 +1,25 @@
-"""The measured choice of prefill attention on the CPU: batchgen's C kernel or torch's SDPA.
+"""The measured choice of prefill attention on the CPU: batchgen's C kernels or torch's SDPA.
 
-The C kernel (`kernels/cpu/csrc/paged_prefill_attention.c`) reads the paged cache in place and
-serves many chunks in one call, so it wins on short chunks; torch's CPU SDPA runs oneDNN's
-matrix kernels (AMX tiles where the CPU has them) and can win on long ones. Which one wins, and
-from what chunk length, depends on the machine, so `tune_prefill_attention` times both on the
-model's head shapes at each row bucket (a chunk of that many tokens with no cached prefix) and
-the "cpu" backend runs each such chunk with the faster (`CPUAttentionBackend.prefill_by_bucket`).
+The C kernels read the paged cache in place and serve many chunks in one call:
+`paged_prefill_attention.c` on AVX-512 (or plain vector) arithmetic everywhere, and
+`amx_prefill_attention.c` on AMX tiles where the CPU has them. torch's CPU SDPA runs oneDNN's
+matrix kernels and takes one call a chunk. Which one wins, and from what chunk length, depends on
+the machine, so `tune_prefill_attention` times them on the model's head shapes at each row bucket,
+for a chunk of that many tokens with no cached prefix and for one that continues a cached prefix,
+and the "cpu" backend runs each chunk with the fastest (`CPUAttentionBackend.prefill_by_bucket`,
+`prefill_after_prefix_by_bucket`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.registry import TuningTable, buckets_up_to, choose
 from batchgen.model.attention.base import AttentionMetadata
-from batchgen.model.attention.sdpa import causal_attention
+from batchgen.model.attention.sdpa import causal_attention, gather_context
 from batchgen.model.attention.torch_backend import TorchAttentionBackend
 
 _RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -35,86 +39,102 @@ def tune_prefill_attention(
     dtype: torch.dtype,
     max_rows: int,
     block_size: int = 16,
+    prefix: bool = False,
 ) -> list[str]:
-    """The faster prefill attention ("c" or "sdpa") at each row bucket up to `max_rows`, for a chunk
-    of that many tokens with no cached prefix: from `table` or measured (added to `table`).
+    """The fastest prefill attention ("c", "amx" where the AMX kernel applies, or "sdpa") at each row
+    bucket up to `max_rows`, for a chunk of that many tokens with no cached prefix, or with `prefix`
+    one of as many tokens already in the cache (a prompt continued by chunked prefill): from `table`
+    or measured (added to `table`).
 
-    Each timed call computes the causal attention of `_CHUNKS` such chunks, each `[rows, num_heads,
-    head_dim]` queries over their own K/V `[rows, num_kv_heads, head_dim]`: the C kernel in one call,
-    reading the K/V from a paged cache of `block_size`-token blocks in shuffled order as in a running
-    engine; SDPA one call a chunk. Both are checked against the float32 SDPA result, and one that
-    differs or raises is dropped. Times are per chunk.
+    Each timed call computes the attention of `_CHUNKS` such chunks, each `[rows, num_heads,
+    head_dim]` queries over their context's K/V (`[rows or 2 * rows, num_kv_heads, head_dim]`): the C
+    kernel in one call, reading the K/V from a paged cache of `block_size`-token blocks in shuffled
+    order as in a running engine; SDPA one call a chunk, on the chunk's own K/V or (with a prefix)
+    on the context gathered from the cache as the torch backend does. Both are checked against the
+    float32 SDPA result, and one that differs or raises is dropped. Times are per chunk.
     """
     generator = torch.Generator().manual_seed(0)
     scale = head_dim**-0.5
-    prepared: dict[int, dict[str, torch.Tensor]] = {}
+    heads = (num_heads, num_kv_heads, head_dim, dtype, block_size)
 
+    @functools.lru_cache(maxsize=1)  # one bucket's case at a time: 2,048 rows of context are megabytes
     def data(rows: int) -> dict[str, torch.Tensor]:
-        if rows not in prepared:
-            prepared.clear()
-            per_seq = -(-rows // block_size)
-            tokens = _CHUNKS * rows
-            q = torch.randn(tokens, num_heads, head_dim, generator=generator).to(dtype)
-            k = torch.randn(tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
-            v = torch.randn(tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
-            tables = torch.randperm(_CHUNKS * per_seq, generator=generator).view(_CHUNKS, per_seq)
-            shape = (_CHUNKS * per_seq, block_size, num_kv_heads, head_dim)
-            k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-            position = torch.arange(rows)
-            for chunk in range(_CHUNKS):
-                slots = tables[chunk, position // block_size] * block_size + position % block_size
-                k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[chunk * rows : (chunk + 1) * rows]
-                v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[chunk * rows : (chunk + 1) * rows]
-            prepared[rows] = {
-                "q": q,
-                "k": k,
-                "v": v,
-                "k_cache": k_cache,
-                "v_cache": v_cache,
-                "tables": tables.to(torch.int32),
-                "seq_lens": torch.full((_CHUNKS,), rows, dtype=torch.int32),
-                "starts": torch.arange(0, tokens + 1, rows, dtype=torch.int32),
-            }
-        return prepared[rows]
+        return _prefill_case(rows, 2 * rows if prefix else rows, *heads, generator)
 
-    def c_kernel(rows: int):
-        d = data(rows)
-        out = torch.empty_like(d["q"])
-        return lambda: cpu_attention.paged_prefill_attention_cpu(
-            d["q"], d["k_cache"], d["v_cache"], d["tables"], d["seq_lens"], d["starts"], scale, out=out
-        )
+    def kernel_setup(kernel: str):
+        def setup(rows: int):
+            d, out = data(rows), torch.empty_like(data(rows)["q"])
+            args = (d["q"], d["k_cache"], d["v_cache"], d["tables"], d["seq_lens"], d["starts"], scale)
+            return lambda: cpu_attention.paged_prefill_attention_cpu(*args, out=out, kernel=kernel)
 
-    def per_chunk(rows: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(q)
-        for first in range(0, q.shape[0], rows):
-            chunk = slice(first, first + rows)
-            out[chunk] = causal_attention(q[chunk], k[chunk], v[chunk], scale)
-        return out
+        return setup
 
     def sdpa(rows: int):
-        d = data(rows)
-        return lambda: per_chunk(rows, d["q"], d["k"], d["v"])
+        return lambda: _sdpa_chunks(data(rows), rows, data(rows)["q"].dtype, scale)
 
     def reference(rows: int) -> torch.Tensor:
-        d = data(rows)
-        return per_chunk(rows, d["q"].float(), d["k"].float(), d["v"].float())
+        return _sdpa_chunks(data(rows), rows, torch.float32, scale)
 
+    candidates = {"c": kernel_setup("c"), "sdpa": sdpa}
+    if cpu_attention.supports_prefill_amx(dtype, head_dim, num_heads, num_kv_heads):
+        candidates["amx"] = kernel_setup("amx")
     shape = f"{num_heads}x{num_kv_heads}x{head_dim}:{str(dtype).removeprefix('torch.')}"
     buckets = buckets_up_to(max_rows)
     chosen = choose(
         table,
-        "prefill_attention",
+        "prefill_attention_after_prefix" if prefix else "prefill_attention",
         shape,
         buckets,
-        {"c": c_kernel, "sdpa": sdpa},
+        candidates,
         reference,
         _RTOL.get(dtype, 2e-2),
-        # One chunk's causal triangle: Q K^T and P V, 2 flops a multiply-add each.
-        work=lambda rows: 2.0 * num_heads * head_dim * rows * (rows + 1),
+        # Q K^T and P V over the chunk's causal triangle (and the prefix), 2 flops a multiply-add.
+        work=lambda rows: 2.0 * num_heads * head_dim * rows * (rows + 1 + (2 * rows if prefix else 0)),
         calls_per_run=_CHUNKS,
         prune=False,  # SDPA loses short chunks by its per-call cost and may win long ones
     )
     return [chosen[rows] for rows in buckets]
+
+
+def _sdpa_chunks(case: dict[str, torch.Tensor], rows: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The causal attention of `case`'s chunks of `rows` queries through torch's SDPA in `dtype`, one
+    call a chunk on its context gathered from the paged cache, as the torch backend does."""
+    q = case["q"].to(dtype)
+    out = torch.empty_like(q)
+    context = int(case["seq_lens"][0])
+    for chunk, first in enumerate(range(0, q.shape[0], rows)):
+        k = gather_context(case["k_cache"], case["tables"][chunk], context).to(dtype)
+        v = gather_context(case["v_cache"], case["tables"][chunk], context).to(dtype)
+        out[first : first + rows] = causal_attention(q[first : first + rows], k, v, scale)
+    return out
+
+
+def _prefill_case(
+    rows: int,
+    context: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    generator: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """`_CHUNKS` chunks of `rows` queries, each the last `rows` tokens of a `context`-token sequence
+    whose K/V lie in a paged cache of shuffled `block_size`-token blocks."""
+    per_seq = -(-context // block_size)
+    q = torch.randn(_CHUNKS * rows, num_heads, head_dim, generator=generator).to(dtype)
+    tables = torch.randperm(_CHUNKS * per_seq, generator=generator).view(_CHUNKS, per_seq)
+    shape = (_CHUNKS * per_seq, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    return {
+        "q": q,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "tables": tables.to(torch.int32),
+        "seq_lens": torch.full((_CHUNKS,), context, dtype=torch.int32),
+        "starts": torch.arange(0, _CHUNKS * rows + 1, rows, dtype=torch.int32),
+    }
 
 
 # Context tokens of each sequence in the timed decode steps: about a long-tail job's median.

@@ -23,6 +23,7 @@ from torch import nn
 from batchgen.config import KERNEL_MODES
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu.linear import (
+    WEIGHT_LAYOUTS,
     Bf16Linear,
     TunedLinear,
     can_prepack,
@@ -31,20 +32,13 @@ from batchgen.kernels.cpu.linear import (
     release_freed_heap,
 )
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
-from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, buckets_up_to, choose, machine_key
+from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, machine_key
 from batchgen.model.attention.cpu_backend import CPUAttentionBackend
 from batchgen.model.attention_choice import tune_decode_attention, tune_prefill_attention
+from batchgen.model.linear_choice import plan_layouts, shape_name, tune_linear
 from batchgen.model.stack_choice import cached_stack_rows, tune_decoder_stack
 
 logger = logging.getLogger(__name__)
-
-# Relative tolerance of a linear candidate against the float32 product of the same inputs: float32
-# kernels differ in summation order only; bf16 rounds the output (2^-8) and may sum in bf16 pairs.
-_LINEAR_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-# A second weight layout (and its memory) is kept only for buckets where it is this much faster.
-SECOND_LAYOUT_GAIN = 1.10
-# The weight bytes one linear timing call runs over (`_timing_copies`).
-_STREAMED_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -56,8 +50,10 @@ class KernelChoice:
     mode: str
     linears: dict[str, list[str]] = field(default_factory=dict)
     stack_max_rows: int | None = None
+    stack_linears: list[str] = field(default_factory=list)  # per row bucket: "bf16_c" or "amx_c"
     table: TuningTable | None = None
-    prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c" or "sdpa"
+    prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c", "amx" or "sdpa"
+    prefill_after_prefix_attention: list[str] = field(default_factory=list)  # the same, after a prefix
     decode_attention: list[str] = field(default_factory=list)  # per decode-batch bucket: "c" or "torch"
     seconds: float = 0.0  # spent choosing: measuring, or looking up a cached table, and packing
     extra_weight_bytes: int = 0  # weight copies held for a second layout (`plan_layouts`)
@@ -80,134 +76,39 @@ class KernelChoice:
         stack = ""
         if self.stack_max_rows is not None:
             stack = f"; decoder stack up to {self.stack_max_rows or 'any'} rows"
+            if "amx_c" in self.stack_linears:
+                stack += f" (AMX linears from {ROW_BUCKETS[self.stack_linears.index('amx_c')]} rows)"
         extra = self.extra_weight_bytes / 2**20
         memory = f"; second weight layouts {extra:.0f} MiB" if extra else ""
         attention = ""
-        if "sdpa" in self.prefill_attention:
-            first = ROW_BUCKETS[self.prefill_attention.index("sdpa")]
-            attention = f"; prefill attention torch SDPA from {first} rows"
+        if self.prefill_attention:
+            attention = f"; prefill attention {_by_rows(self.prefill_attention)}"
+        if self.prefill_after_prefix_attention:
+            attention += f" (after a cached prefix {_by_rows(self.prefill_after_prefix_attention)})"
         if "torch" in self.decode_attention:
             first = ROW_BUCKETS[self.decode_attention.index("torch")]
             attention += f"; decode attention torch from {first} sequences"
         return f"{self.mode}: linear " + ", ".join(parts) + stack + attention + memory
 
 
+def _by_rows(kinds: list[str]) -> str:
+    """A per-bucket choice in a few words: "c to 64 rows, amx from 128"."""
+    runs: list[tuple[str, int, int]] = []  # kind, first bucket, last bucket
+    for kind, rows in zip(kinds, ROW_BUCKETS, strict=False):
+        if runs and runs[-1][0] == kind:
+            runs[-1] = (kind, runs[-1][1], rows)
+        else:
+            runs.append((kind, rows, rows))
+    if len(runs) == 1:
+        return runs[0][0]
+    words = [f"{kind} {first}-{last}" if first != last else f"{kind} {first}" for kind, first, last in runs]
+    return ", ".join(words) + " rows"
+
+
 def _named_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             yield name, module
-
-
-def _shape_name(linear: nn.Linear) -> str:
-    return f"{linear.out_features}x{linear.in_features}" + ("+bias" if linear.bias is not None else "")
-
-
-def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[dict[str, float | None]]:
-    """Each candidate's time (ms; None where not timed or dropped) at each row bucket up to
-    `max_rows`, for `linear`'s shape and dtype, from `table` or measured (added to `table`).
-
-    Measured on random inputs, each call running the candidate over `_timing_copies` weights of
-    the shape (the layer's own first, checked against the float32 reference): a model step runs
-    dozens of layers, so their weights come from memory, not from a core's cache, and one weight
-    timed over and over would favour the kernels that gain most from a warm cache.
-    """
-    builders = linear_candidates(linear.weight, linear.bias)
-    buckets = buckets_up_to(max_rows)
-    if len(builders) == 1:
-        return [{next(iter(builders)): 0.0}] * len(buckets)
-    weight = linear.weight.detach()
-    dtype = weight.dtype
-    generator = torch.Generator().manual_seed(0)
-    copies = _timing_copies(weight)
-    scale = weight.float().std().item() or 0.02
-    others: list[torch.Tensor] = []  # made on first timing: a cached table needs none
-    inputs: dict[int, torch.Tensor] = {}
-    built: dict[str, list[nn.Module]] = {}
-
-    def x(rows: int) -> torch.Tensor:
-        if rows not in inputs:
-            inputs.clear()  # one bucket's input at a time: 2,048 rows of a wide layer are megabytes
-            inputs[rows] = torch.randn(rows, linear.in_features, generator=generator).to(dtype)
-        return inputs[rows]
-
-    def reference(rows: int) -> torch.Tensor:
-        bias = None if linear.bias is None else linear.bias.float()
-        return nn.functional.linear(x(rows).float(), weight.float(), bias)
-
-    def candidate(name: str):
-        def setup(rows: int):
-            if not others:
-                others.extend(
-                    (torch.randn(weight.shape, generator=generator) * scale).to(dtype)
-                    for _ in range(copies - 1)
-                )
-            if name not in built:
-                built[name] = [builders[name]()] + [
-                    linear_candidates(other, linear.bias)[name]() for other in others
-                ]
-            modules, data = built[name], x(rows)
-            first, rest = modules[0], modules[1:]
-
-            def call() -> torch.Tensor:
-                for module in rest:
-                    module(data)
-                return first(data)
-
-            return call
-
-        return setup
-
-    shape = f"{_shape_name(linear)}:{str(dtype).removeprefix('torch.')}"
-    choose(
-        table,
-        "linear",
-        shape,
-        buckets,
-        {name: candidate(name) for name in builders},
-        reference,
-        _LINEAR_RTOL.get(dtype, 2e-2),
-        work=lambda rows: 2.0 * rows * linear.in_features * linear.out_features,
-        calls_per_run=copies,
-    )
-    return [table.entries[f"linear|{shape}|{rows}"]["ms"] for rows in buckets]
-
-
-def _timing_copies(weight: torch.Tensor) -> int:
-    """How many weights of `weight`'s shape one timing call runs: enough to hold
-    `_STREAMED_BYTES` (more than a core's L2 cache on current x86 server CPUs, 1-2 MiB), at most 32."""
-    weight_bytes = weight.numel() * weight.element_size()
-    return max(1, min(32, -(-_STREAMED_BYTES // weight_bytes)))
-
-
-def plan_layouts(times: list[dict[str, float | None]], one_layout: bool = False) -> list[str]:
-    """The implementation to run at each bucket, given each candidate's time there.
-
-    Every implementation a layer runs holds its own copy of the weight, so a second one must pay
-    for its memory: one primary implementation (the least total slowdown against the fastest over
-    all buckets) runs everywhere, except at the buckets where another is more than
-    `SECOND_LAYOUT_GAIN` faster (so the result is always within that of the fastest). With
-    `one_layout`, the primary runs everywhere.
-    """
-    names = list(dict.fromkeys(name for bucket in times for name in bucket))
-
-    def slowdown(name: str) -> float:
-        total = 0.0
-        for bucket in times:
-            timed = [t for t in bucket.values() if t is not None]
-            mine = bucket.get(name)
-            total += float("inf") if mine is None else mine / max(min(timed), 1e-9)
-        return total
-
-    primary = min(names, key=slowdown)
-    if one_layout or len(names) == 1:
-        return [primary] * len(times)
-    plan = []
-    for bucket in times:
-        timed = {n: t for n, t in bucket.items() if t is not None}
-        fastest = min(timed, key=timed.__getitem__)
-        mine = bucket.get(primary)
-        plan.append(fastest if mine is None or mine > SECOND_LAYOUT_GAIN * timed[fastest] else primary)
-    return plan
 
 
 def apply_kernels(
@@ -250,14 +151,15 @@ def apply_kernels(
     for name, linear in list(_named_linears(model)):
         is_head = name.endswith("lm_head")
         rows = max_logit_rows if is_head else max_rows
-        key = f"{_shape_name(linear)}@{rows}"
+        key = f"{shape_name(linear)}@{rows}"
         if key not in by_shape:
             by_shape[key] = plan_layouts(tune_linear(table, linear, rows), one_layout)
         by_bucket = by_shape[key]
         choice.linears[key] = by_bucket
         builders = linear_candidates(linear.weight, linear.bias)
         kinds = list(dict.fromkeys(by_bucket))
-        if stack_possible and not is_head and "bf16_c" in builders and "bf16_c" not in kinds:
+        packed = {k for k in kinds if WEIGHT_LAYOUTS.get(k) == "packed_bf16"}
+        if stack_possible and not is_head and "bf16_c" in builders and not packed:
             kinds.append("bf16_c")
         impls = {kind: builders[kind]() for kind in kinds}
         parent_name, _, child = name.rpartition(".")
@@ -267,9 +169,13 @@ def apply_kernels(
         )
     _choose_attention(model, table, dtype, max_rows, max_logit_rows, choice)
     stack = build_decoder_stack(model, max_rows=0)
-    stack_rows = tune_decoder_stack(model, stack, table, max_logit_rows) if stack is not None else 0
+    stack_rows, stack_linears = (
+        tune_decoder_stack(model, stack, table, max_logit_rows) if stack is not None else (0, [])
+    )
     if stack_rows:
         stack.max_rows = stack_rows
+        stack.linear_by_bucket = stack_linears
+        choice.stack_linears = stack_linears
     model.decoder_stack = stack if stack_rows else None
     choice.stack_max_rows = stack_rows or None
     choice.extra_weight_bytes = _drop_unused_layouts(
@@ -294,11 +200,14 @@ def _drop_unused_layouts(model: nn.Module, keep_stack_layout: bool, element_size
     for name, module in list(model.named_modules()):
         if not isinstance(module, TunedLinear):
             continue
-        keep = set(module.by_bucket) | ({"bf16_c"} if keep_stack_layout else set())
+        keep = set(module.by_bucket)
+        if keep_stack_layout and not any(WEIGHT_LAYOUTS.get(k) == "packed_bf16" for k in keep):
+            keep.add("bf16_c")
         for kind in [k for k in module.impls if k not in keep]:
             del module.impls[kind]
         weight_bytes = module.in_features * module.out_features * element_size
-        extra += (len(module.impls) - 1) * weight_bytes
+        layouts = {WEIGHT_LAYOUTS.get(kind, kind) for kind in module.impls}
+        extra += (len(layouts) - 1) * weight_bytes
         if len(module.impls) == 1:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -323,10 +232,11 @@ def _choose_attention(
     attn = layers[0].self_attn
     if not cpu_attention.supports_prefill(dtype, attn.head_dim, attn.num_heads, attn.num_kv_heads):
         return
-    backend.prefill_by_bucket = tune_prefill_attention(
-        table, attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_rows
-    )
+    heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_rows)
+    backend.prefill_by_bucket = tune_prefill_attention(table, *heads)
+    backend.prefill_after_prefix_by_bucket = tune_prefill_attention(table, *heads, prefix=True)
     choice.prefill_attention = backend.prefill_by_bucket
+    choice.prefill_after_prefix_attention = backend.prefill_after_prefix_by_bucket
     if cpu_attention.supports(dtype, attn.head_dim, attn.num_heads, attn.num_kv_heads):
         backend.decode_by_bucket = tune_decode_attention(
             table, attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_decodes
@@ -338,7 +248,8 @@ def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:
     """The packed bf16 weight of batchgen's own kernel in `linear` (a `Bf16Linear`, or a
     `TunedLinear` holding one), where it has one and no bias (the stack adds none)."""
     if isinstance(linear, TunedLinear):
-        linear = linear.impls["bf16_c"] if "bf16_c" in linear.impls else None
+        packed = [m for m in linear.impls.values() if isinstance(m, Bf16Linear)]  # AmxLinear is one too
+        linear = packed[0] if packed else None
     if not isinstance(linear, Bf16Linear) or linear.bias is not None:
         return None
     return linear.packed_weight

@@ -1,7 +1,7 @@
 """The measured choice between the one-call C decoder stack and the per-layer path, by step rows.
 
 The stack (`kernels/cpu/stack.py`) runs every decoder layer of a step in one C call with batchgen's
-bf16 linear kernel; the per-layer path runs each layer's ops from Python with the linears the
+bf16 linear kernel, or its AMX one (both are candidates where AMX is there); the per-layer path runs each layer's ops from Python with the linears the
 registry chose per row bucket (oneDNN's, say, where it is faster). The stack saves the Python
 and dispatch cost of some ten calls a layer, which is most of a small decode step; its linears
 lose to a matrix-unit kernel as rows grow. Where the crossing lies depends on the machine, so
@@ -10,10 +10,13 @@ lose to a matrix-unit kernel as rows grow. Where the crossing lies depends on th
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
-from batchgen.kernels.cpu.linear import TunedLinear
+from batchgen.kernels.cpu.linear import AmxLinear, Bf16Linear, TunedLinear
 from batchgen.kernels.cpu.stack import DecoderStack
 from batchgen.kernels.registry import TuningTable, buckets_up_to, choose, matches
 from batchgen.model.attention.base import AttentionMetadata
@@ -52,9 +55,13 @@ def _decode_step(rows: int, num_layers: int, num_kv_heads: int, head_dim: int, v
     return input_ids, positions, caches, meta
 
 
-def tune_decoder_stack(model: nn.Module, stack: DecoderStack, table: TuningTable, max_rows: int) -> int:
-    """The largest row bucket up to which `stack` is faster than the per-layer path at every
-    bucket (0: at none), from `table` or measured on decode steps of `model` (added to `table`).
+def tune_decoder_stack(
+    model: nn.Module, stack: DecoderStack, table: TuningTable, max_rows: int
+) -> tuple[int, list[str]]:
+    """Where `stack` runs: the largest row bucket up to which a stack variant is faster than the
+    per-layer path at every bucket (0: at none), and the stack's linear kernel at each bucket up to
+    there ("bf16_c", or "amx_c" where the AMX kernel applies and won), from `table` or measured on
+    decode steps of `model` (added to `table`).
 
     Args:
         model: a bf16 `LlamaForCausalLM` with its linears chosen; its `decoder_stack` is left None.
@@ -74,52 +81,73 @@ def tune_decoder_stack(model: nn.Module, stack: DecoderStack, table: TuningTable
             )
         return steps[rows]
 
-    def forward(rows: int, use_stack: bool) -> torch.Tensor:
+    def forward(rows: int, linear: str | None) -> torch.Tensor:
+        """One step through the stack running `linear` kernels, or (None) through the per-layer path."""
         input_ids, positions, caches, meta = step(rows)
-        model.decoder_stack = stack if use_stack else None
+        model.decoder_stack = stack if linear else None
+        stack.linear_by_bucket = [linear] if linear else None
         try:
             return model(input_ids, positions, caches, meta(), torch.arange(rows))
         finally:
             model.decoder_stack = None
+            stack.linear_by_bucket = None
 
-    def same_kernels_per_layer(rows: int) -> torch.Tensor:
-        """The per-layer path on the very kernels the stack runs (batchgen's bf16 linear in every
-        decoder layer), which the stack must match whatever the per-layer path chose at `rows`."""
-        layer_linears = [m for m in model.model.layers.modules() if isinstance(m, TunedLinear)]
-        saved = [m._by_rows for m in layer_linears]
-        try:
-            for m in layer_linears:
-                m._by_rows = [m.impls["bf16_c"].forward]
-            return forward(rows, use_stack=False)
-        finally:
-            for m, by_rows in zip(layer_linears, saved, strict=True):
-                m._by_rows = by_rows
+    def stack_setup(linear: str):
+        def setup(rows: int):
+            with _layers_on(model, linear):  # the per-layer path on the very kernels the stack runs
+                same_kernels = forward(rows, linear=None)
+            if not matches(forward(rows, linear), same_kernels, _RTOL):
+                raise ValueError(
+                    f"its logits differ from the per-layer path on its kernels by more than {_RTOL:g}"
+                )
+            return lambda: forward(rows, linear)
 
-    def stack_setup(rows: int):
-        if not matches(forward(rows, use_stack=True), same_kernels_per_layer(rows), _RTOL):
-            raise ValueError(
-                f"its logits differ from the per-layer path on its kernels by more than {_RTOL:g}"
-            )
-        return lambda: forward(rows, use_stack=True)
+        return setup
 
     def layers_setup(rows: int):
-        return lambda: forward(rows, use_stack=False)
+        return lambda: forward(rows, linear=None)
 
-    shape = _shape(model)
+    candidates = {"stack": stack_setup("bf16_c"), "layers": layers_setup}
+    if DecoderStack.amx_applies(stack.dims):
+        candidates["stack_amx"] = stack_setup("amx_c")
     buckets = buckets_up_to(max_rows)
     chosen = choose(
         table,
         "decoder_stack",
-        shape,
+        _shape(model),
         buckets,
-        {"stack": stack_setup, "layers": layers_setup},
+        candidates,
         # The per-layer path is the engine's own (its linears each checked by the registry), and its
         # kernels round differently from the stack's: the stack is checked in `stack_setup`.
-        lambda rows: forward(rows, use_stack=False),
+        lambda rows: forward(rows, linear=None),
         float("inf"),
         prune=True,  # the stack's linears only fall further behind as rows grow
     )
-    return _stack_rows([chosen[rows] for rows in buckets], buckets)
+    kinds = [chosen[rows] for rows in buckets]
+    stack_rows = _stack_rows(kinds, buckets)
+    linears = [_STACK_LINEARS[kind] for kind, rows in zip(kinds, buckets, strict=True) if rows <= stack_rows]
+    return stack_rows, linears
+
+
+@contextlib.contextmanager
+def _layers_on(model: nn.Module, linear: str) -> Iterator[None]:
+    """Within the block, every tuned linear of the decoder layers runs `linear` ("bf16_c" or "amx_c")
+    on its packed weight at every row count: the per-layer path on the stack's own kernels."""
+    kernel = AmxLinear if linear == "amx_c" else Bf16Linear
+    layer_linears = [m for m in model.model.layers.modules() if isinstance(m, TunedLinear)]
+    saved = [m._by_rows for m in layer_linears]
+    try:
+        for m in layer_linears:
+            packed = next(i for i in m.impls.values() if isinstance(i, Bf16Linear))
+            m._by_rows = [kernel(packed.packed_weight, packed.bias).forward]
+        yield
+    finally:
+        for m, by_rows in zip(layer_linears, saved, strict=True):
+            m._by_rows = by_rows
+
+
+# The stack's candidates in the tuning table -> the linear kernel each runs.
+_STACK_LINEARS = {"stack": "bf16_c", "stack_amx": "amx_c"}
 
 
 def _shape(model: nn.Module) -> str:
@@ -135,7 +163,7 @@ def _stack_rows(kinds: list[str], buckets: tuple[int, ...]) -> int:
     """The largest bucket up to which every bucket chose the stack (0: none)."""
     best = 0
     for kind, rows in zip(kinds, buckets, strict=True):
-        if kind != "stack":
+        if kind not in _STACK_LINEARS:
             break
         best = rows
     return best

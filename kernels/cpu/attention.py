@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from batchgen.kernels.cpu.library import load_library
+from batchgen.kernels.cpu.library import isa_cap_allows, load_library
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -82,6 +82,16 @@ def _kernel_supports(
     return getattr(lib, check)(int(dtype == torch.bfloat16), head_dim, group) == 0
 
 
+def supports_prefill_amx(dtype: torch.dtype, head_dim: int, num_q_heads: int, num_kv_heads: int) -> bool:
+    """Whether the AMX prefill kernel (`csrc/amx_prefill_attention.c`) takes these shapes here: bf16,
+    head_dim a multiple of 32 up to 128, a whole GQA group, a CPU with AMX that Linux lets this
+    process use (and no `ONEDNN_MAX_CPU_ISA` below AMX emulating a machine without it)."""
+    if dtype != torch.bfloat16 or head_dim % 32 or head_dim > 128 or num_q_heads % num_kv_heads:
+        return False
+    lib = load_library()
+    return lib is not None and isa_cap_allows("amx") and lib.paged_prefill_attention_amx_available() == 1
+
+
 def prefill_uses_bf16_dot() -> bool:
     """Whether bf16 prefill runs on AVX512-BF16 dot products, which round the softmax probabilities
     to bf16 before the product with V (as FlashAttention's bf16 kernels do); elsewhere, and for
@@ -100,6 +110,7 @@ def paged_prefill_attention_cpu(
     scale: float,
     check_bounds: bool = True,
     out: torch.Tensor | None = None,
+    kernel: str = "c",
 ) -> torch.Tensor:
     """Causal attention of prefill chunks to their paged context, in place (no gather).
 
@@ -120,6 +131,8 @@ def paged_prefill_attention_cpu(
             kernel does not); a caller that calls once per layer with the same tables checks once.
         out: where to write the result (a contiguous CPU tensor of the query's shape and dtype, such
             as the prefill rows of a step's output); None allocates one.
+        kernel: "c" (`csrc/paged_prefill_attention.c`) or "amx" (`csrc/amx_prefill_attention.c`,
+            bf16 on AMX tiles, where `supports_prefill_amx`).
 
     Returns:
         `[T, Hq, D]` in the query's dtype (`out` when given).
@@ -129,7 +142,10 @@ def paged_prefill_attention_cpu(
         ValueError: a shape, dtype, device, layout or offset the kernel does not take.
     """
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    lib = _checked_library(query, k_cache, v_cache, block_tables, seq_lens, num_seqs, supports_prefill)
+    if kernel not in ("c", "amx"):
+        raise ValueError(f'kernel must be "c" or "amx"; got {kernel!r}')
+    supported = supports_prefill if kernel == "c" else supports_prefill_amx
+    lib = _checked_library(query, k_cache, v_cache, block_tables, seq_lens, num_seqs, supported)
     if query_starts.dtype != torch.int32 or query_starts.shape != (num_seqs + 1,):
         raise ValueError(
             f"query_starts must be int32 of shape ({num_seqs + 1},), got {query_starts.dtype} "
@@ -150,7 +166,7 @@ def paged_prefill_attention_cpu(
             f"out must be a contiguous CPU tensor of the query's shape {tuple(query.shape)} and dtype"
         )
     return _launch(
-        lib.paged_prefill_attention,
+        lib.paged_prefill_attention if kernel == "c" else lib.paged_prefill_attention_amx,
         "prefill",
         query,
         k_cache,

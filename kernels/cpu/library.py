@@ -7,8 +7,8 @@ torch headers are involved, so a build takes about two seconds. Where there is n
 
 The library holds the paged decode and prefill attention (wrapped by `batchgen.kernels.cpu.attention`), one-call
 versions of a decoder layer's bf16 element-wise chains and the write of a step's K/V rows into the
-paged cache (wrapped by `batchgen.kernels.cpu.ops`), the bf16 linear layer for CPUs with AVX512-BF16
-(wrapped by `batchgen.kernels.cpu.linear.Bf16Linear`), and a driver that runs all of a step's decoder
+paged cache (wrapped by `batchgen.kernels.cpu.ops`), the bf16 linear layers for CPUs with AVX512-BF16
+and with AMX (wrapped by `batchgen.kernels.cpu.linear.Bf16Linear` and `AmxLinear`), and a driver that runs all of a step's decoder
 layers through these kernels in one call (wrapped by `batchgen.kernels.cpu.stack`).
 """
 
@@ -39,7 +39,13 @@ HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # these two are enough for the compiler to vectorize the kernel's loops.
 BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
 # Tried in order; the later ones serve compilers without -march=native or OpenMP (one thread).
-FLAG_SETS = [["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []]
+FLAG_SETS = [
+    ["-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+    ["-march=native", "-fopenmp"],
+    ["-fopenmp"],
+    ["-march=native"],
+    [],
+]
 
 
 def _compiler() -> list[str] | None:
@@ -146,6 +152,38 @@ def _verified_record(target: Path) -> dict | None:
     return record if hashlib.sha256(data).hexdigest() == record.get("sha256") else None
 
 
+# oneDNN's ISA names (`ONEDNN_MAX_CPU_ISA`) at or above which a kernel on AVX512-BF16, or on AMX
+# tiles, may run: a cap below them emulates a machine without it, and batchgen's kernels honour it.
+_ISAS_WITH_AVX512_BF16 = (
+    "AVX512_CORE_BF16",
+    "AVX512_CORE_FP16",
+    "AVX512_CORE_AMX",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512",
+    "AVX10_1_512_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+    "ALL",
+    "DEFAULT",
+)
+_ISAS_WITH_AMX = tuple(isa for isa in _ISAS_WITH_AVX512_BF16 if "AMX" in isa) + ("ALL", "DEFAULT")
+
+
+def isa_cap_allows(feature: str) -> bool:
+    """Whether `ONEDNN_MAX_CPU_ISA` (or `DNNL_MAX_CPU_ISA`), when set, leaves `feature`
+    ("avx512_bf16" or "amx") to this process: the kernels that use it are then offered.
+
+    Raises:
+        ValueError: an unknown `feature`.
+    """
+    allowed = {"avx512_bf16": _ISAS_WITH_AVX512_BF16, "amx": _ISAS_WITH_AMX}.get(feature)
+    if allowed is None:
+        raise ValueError(f'feature must be "avx512_bf16" or "amx"; got {feature!r}')
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return not cap or cap.upper() in allowed
+
+
 def disabled_by_environment() -> bool:
     """Whether `BATCHGEN_CPU_KERNELS=0` turns the kernels off (then `load_library()` is None)."""
     return os.environ.get("BATCHGEN_CPU_KERNELS", "1") == "0"
@@ -192,6 +230,10 @@ def load_library() -> ctypes.CDLL | None:
     lib.paged_decode_attention_supported.argtypes = [i32, i32, i32]
     lib.paged_prefill_attention_supported.restype = i32
     lib.paged_prefill_attention_supported.argtypes = [i32, i32, i32]
+    lib.paged_prefill_attention_amx.restype = i32
+    lib.paged_prefill_attention_amx.argtypes = attention_head + [ptr] + attention_tail
+    lib.paged_prefill_attention_amx_available.restype = i32
+    lib.paged_prefill_attention_amx_available.argtypes = []
     lib.paged_prefill_attention_bf16_dot.restype = i32
     lib.paged_prefill_attention_bf16_dot.argtypes = []
     i64 = ctypes.c_int64
@@ -230,15 +272,19 @@ def load_library() -> ctypes.CDLL | None:
     lib.bf16_linear_available.argtypes = []
     lib.bf16_linear.restype = i32
     lib.bf16_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    lib.amx_linear_available.restype = i32
+    lib.amx_linear_available.argtypes = []
+    lib.amx_linear.restype = i32
+    lib.amx_linear.argtypes = lib.bf16_linear.argtypes
     lib.store_kv_rows.restype = i64
     lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     # decoder_stack_bf16(layers, num_layers, dims, eps, scale, num_tokens, hidden, delta, cos, sin,
     # slots, block_tables, table_stride, seq_lens, num_decodes, num_seqs, prefill_query_starts,
-    # workspace, num_threads) -> status; see csrc/decoder_stack.c.
+    # workspace, num_threads, use_amx) -> status; see csrc/decoder_stack.c.
     lib.decoder_stack_workspace_per_token.restype = i64
     lib.decoder_stack_workspace_per_token.argtypes = [ptr]
     f32 = ctypes.c_float
     lib.decoder_stack_bf16.restype = i32
     lib.decoder_stack_bf16.argtypes = [ptr, i32, ptr, f32, f32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]
-    lib.decoder_stack_bf16.argtypes += [i32, i32, ptr, ptr, i32]
+    lib.decoder_stack_bf16.argtypes += [i32, i32, ptr, ptr, i32, i32]
     return lib

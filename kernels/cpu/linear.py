@@ -8,6 +8,8 @@ one measured fastest for each step's row count.
   pays the reorder; oneDNN then runs its best ISA for the machine (AMX tiles where there are some).
 - `Bf16Linear` ("bf16_c"): batchgen's own AVX512-BF16 kernel (`csrc/bf16_linear.c`) on a weight
   packed for VDPBF16PS.
+- `AmxLinear` ("amx_c"): batchgen's own AMX kernel (`csrc/amx_linear.c`) on the same packed weight,
+  where the CPU has AMX tiles.
 
 Which is fastest depends on the machine and on the row count (few rows are memory-bound, many are
 compute-bound), so none is chosen by rule: `linear_candidates` lists what applies to a weight and
@@ -17,7 +19,7 @@ compute-bound), so none is chosen by rule: `linear_candidates` lists what applie
 from __future__ import annotations
 
 import ctypes
-import os
+import functools
 from collections.abc import Callable
 
 import torch
@@ -26,22 +28,6 @@ from torch.nn import functional as F
 
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.registry import ROW_BUCKETS, bucket_index
-
-# oneDNN's ISA names at or above which an AVX512-BF16 kernel may run: ONEDNN_MAX_CPU_ISA below them
-# emulates a machine without it, and batchgen's own bf16 kernel honours that too.
-_ISAS_WITH_AVX512_BF16 = (
-    "AVX512_CORE_BF16",
-    "AVX512_CORE_FP16",
-    "AVX512_CORE_AMX",
-    "AVX512_CORE_AMX_FP16",
-    "AVX10_1_512",
-    "AVX10_1_512_AMX",
-    "AVX10_1_512_AMX_FP16",
-    "AVX10_2_512",
-    "AVX10_2_512_AMX_2",
-    "ALL",
-    "DEFAULT",
-)
 
 
 class PrepackedLinear(nn.Module):
@@ -86,6 +72,13 @@ class Bf16Linear(nn.Module):
     `[..., N]` are bf16. Build it with `from_linear` where `bf16_linear_applies` says so.
     """
 
+    KERNEL = "bf16_linear"  # the C function: (x, ldx, w_packed, bias, y, ldy, m, n, k, threads) -> status
+    NEEDS = "AVX512-BF16"
+
+    @staticmethod
+    def kernel_available() -> bool:
+        return bf16_kernel_available()
+
     def __init__(self, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """`packed_weight` bf16 `[N/16, K/2, 16, 2]` (see `from_weight`), `bias` float32 `[N]` or None.
 
@@ -98,12 +91,12 @@ class Bf16Linear(nn.Module):
         self.bias = bias
         self.in_features = 2 * pairs
         self.out_features = 16 * strips
-        if not bf16_kernel_available():
+        if not self.kernel_available():
             raise RuntimeError(
-                "batchgen's bf16 linear kernel is not built here: it needs a CPU with AVX512-BF16 and a C "
-                "compiler (see bf16_linear_applies); use PrepackedLinear or nn.Linear"
+                f"batchgen's {self.KERNEL} kernel is not built here: it needs a CPU with {self.NEEDS} and a "
+                "C compiler (see bf16_linear_applies); use PrepackedLinear or nn.Linear"
             )
-        self._kernel = cpu_kernels.load_library().bf16_linear
+        self._kernel = getattr(cpu_kernels.load_library(), self.KERNEL)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Bf16Linear:
@@ -151,7 +144,7 @@ class Bf16Linear(nn.Module):
             torch.get_num_threads(),
         )
         if status != 0:  # from_weight only packs what the kernel takes; a failure here is a bug
-            raise RuntimeError(f"bf16_linear refused [{m}, {self.in_features}] x {self.extra_repr()}")
+            raise RuntimeError(f"{self.KERNEL} refused [{m}, {self.in_features}] x {self.extra_repr()}")
         return out
 
     def extra_repr(self) -> str:
@@ -169,14 +162,37 @@ def bf16_linear_applies(weight: torch.Tensor) -> bool:
     return n % 16 == 0 and k % 2 == 0 and k > 0 and bf16_kernel_available()
 
 
+class AmxLinear(Bf16Linear):
+    """`y = x @ W^T + b` in bf16 through batchgen's AMX kernel (`csrc/amx_linear.c`) on the same packed
+    weight as `Bf16Linear` (each 16 pair lines of a strip are one AMX B tile). Input `[..., K]` and
+    output `[..., N]` are bf16; K must be a multiple of 32 (`amx_linear_applies`)."""
+
+    KERNEL = "amx_linear"
+    NEEDS = "AMX (amx_bf16, amx_tile) and AVX512-BF16"
+
+    @staticmethod
+    def kernel_available() -> bool:
+        return amx_kernel_available()
+
+
+def amx_linear_applies(weight: torch.Tensor) -> bool:
+    """Whether `AmxLinear` takes `weight` `[N, K]`: as `bf16_linear_applies` with K a multiple of 32,
+    on a machine whose kernel library has the AMX kernel (`amx_kernel_available`)."""
+    return bf16_linear_applies(weight) and weight.shape[1] % 32 == 0 and amx_kernel_available()
+
+
+def amx_kernel_available() -> bool:
+    """Whether the C library is built here with the AMX linear kernel and Linux grants this process
+    the AMX tile state (and no `ONEDNN_MAX_CPU_ISA` below AMX emulates a machine without it)."""
+    lib = cpu_kernels.load_library()
+    return lib is not None and cpu_kernels.isa_cap_allows("amx") and bool(lib.amx_linear_available())
+
+
 def bf16_kernel_available() -> bool:
     """Whether the C library is built here with the AVX512-BF16 linear kernel (and no
     `ONEDNN_MAX_CPU_ISA` below AVX512_CORE_BF16 emulates a machine without it)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-    if cap and cap.upper() not in _ISAS_WITH_AVX512_BF16:  # a lesser machine is being emulated
-        return False
     lib = cpu_kernels.load_library()
-    return lib is not None and bool(lib.bf16_linear_available())
+    return lib is not None and cpu_kernels.isa_cap_allows("avx512_bf16") and bool(lib.bf16_linear_available())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -270,8 +286,10 @@ class PlainLinear(nn.Module):
 
 def linear_candidates(weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, Callable[[], nn.Module]]:
     """Builders of every linear implementation that takes this CPU weight `[N, K]` (float32 or bf16):
-    "torch" always, "onednn" where `can_prepack`, "bf16_c" where `bf16_linear_applies`. Each builder
-    packs its own copy of the weight when called."""
+    "torch" always, "onednn" where `can_prepack`, "bf16_c" where `bf16_linear_applies`, "amx_c" where
+    `amx_linear_applies`. Each builder
+    packs the weight when called, except that "bf16_c" and "amx_c" share one packed copy
+    (`WEIGHT_LAYOUTS`)."""
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     builders: dict[str, Callable[[], nn.Module]] = {"torch": lambda: PlainLinear(weight, bias)}
     if can_prepack(weight.dtype, weight.device):
@@ -279,8 +297,15 @@ def linear_candidates(weight: torch.Tensor, bias: torch.Tensor | None) -> dict[s
             pack_weight(weight), bias, weight.shape[1], weight.shape[0]
         )
     if bf16_linear_applies(weight):
-        builders["bf16_c"] = lambda: Bf16Linear.from_weight(weight, bias)
+        packed = functools.cache(lambda: Bf16Linear.from_weight(weight, bias))  # one copy for both kernels
+        builders["bf16_c"] = packed
+        if amx_linear_applies(weight):
+            builders["amx_c"] = lambda: AmxLinear(packed().packed_weight, packed().bias)
     return builders
+
+
+# The weight layout each implementation holds: implementations of one layout share one copy.
+WEIGHT_LAYOUTS = {"torch": "plain", "onednn": "onednn", "bf16_c": "packed_bf16", "amx_c": "packed_bf16"}
 
 
 class TunedLinear(nn.Module):

@@ -6,8 +6,8 @@ once a step: the same arithmetic in the same order, so its results equal the Pyt
 bit (`tests/kernels/cpu/test_cpu_stack.py`); `python scripts/profile_engine.py [--no-decoder-stack]`
 compares the two on a whole workload.
 
-It applies to bf16 models on the "cpu" attention backend whose linear layers run batchgen's own
-bf16 kernel (AVX512-BF16) without biases and without Qwen3's per-head q/k norms, for the row counts
+It applies to bf16 models on the "cpu" attention backend whose linear layers hold batchgen's packed
+bf16 weights (run by its AVX512-BF16 kernel, or its AMX kernel where measured faster) without biases and without Qwen3's per-head q/k norms, for the row counts
 where that kernel was measured fastest (`batchgen.model.llama.build_decoder_stack`).
 """
 
@@ -19,7 +19,8 @@ import torch
 
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import library as cpu_kernels
-from batchgen.kernels.cpu.linear import bf16_kernel_available
+from batchgen.kernels.cpu.linear import amx_kernel_available, bf16_kernel_available
+from batchgen.kernels.registry import bucket_index
 
 # Status codes of decoder_stack_bf16 (csrc/decoder_stack.c); its 1, a kernel refusing a shape,
 # cannot follow the builder's and __call__'s checks.
@@ -87,6 +88,10 @@ class DecoderStack:
         self.scale = float(dims.scale)
         self.layers = list(layers)
         self.max_rows = max_rows
+        # Per row bucket (`kernels.registry.ROW_BUCKETS`), the linear kernel the stack runs on its
+        # packed weights: "bf16_c" (csrc/bf16_linear.c) or "amx_c" (csrc/amx_linear.c, where
+        # `amx_applies`); None: "bf16_c" at every row count. Chosen by measurement (stack_choice).
+        self.linear_by_bucket: list[str] | None = None
         self._lib = cpu_kernels.load_library()
         self._table: torch.Tensor | None = None
         self._table_caches: tuple[int, ...] = ()
@@ -103,6 +108,13 @@ class DecoderStack:
             return False
         heads = (torch.bfloat16, dims.head_dim, dims.num_q_heads, dims.num_kv_heads)
         return cpu_attention.supports(*heads) and cpu_attention.supports_prefill(*heads)
+
+    @staticmethod
+    def amx_applies(dims: StackDims) -> bool:
+        """Whether the stack can run its linears on the AMX kernel: it is available here and every
+        linear's K (hidden size, query width, intermediate size) is a multiple of 32."""
+        widths = (dims.hidden_size, dims.num_q_heads * dims.head_dim, dims.intermediate_size)
+        return all(w % 32 == 0 for w in widths) and amx_kernel_available()
 
     def takes(self, hidden: torch.Tensor, max_rows: int) -> bool:
         """Whether this step's residual stream `hidden` `[T, hidden_size]` goes through the stack:
@@ -189,6 +201,7 @@ class DecoderStack:
             query_starts.data_ptr(),
             self._workspace.data_ptr(),
             torch.get_num_threads(),
+            self._linear_at(rows) == "amx_c",
         )
         if status == _BAD_SLOT:
             num_slots = k_cache.shape[0] * k_cache.shape[1]
@@ -201,6 +214,10 @@ class DecoderStack:
         if status:  # the builder and the checks above admit only shapes the kernels take
             raise RuntimeError(f"the C decoder stack refused the step (status {status})")
         return delta
+
+    def _linear_at(self, rows: int) -> str:
+        by_bucket = self.linear_by_bucket
+        return "bf16_c" if by_bucket is None else by_bucket[min(bucket_index(rows), len(by_bucket) - 1)]
 
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """int64 `[num_layers, 8]` addresses (csrc/decoder_stack.c's LAYER_FIELDS order), built when

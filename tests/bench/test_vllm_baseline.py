@@ -22,8 +22,9 @@ from rich.console import Console
 
 from batchgen.bench import vllm_baseline, vllm_child
 from batchgen.bench.metrics import RequestRecord, RunResult, summarize
-from batchgen.bench.report import build_report, render
-from batchgen.bench.runner import BenchSettings
+from batchgen.bench.report import build_report
+from batchgen.bench.settings import BenchSettings
+from batchgen.bench.table import render
 from batchgen.bench.vllm_baseline import (
     VLLM_CHILD,
     VllmRunError,

@@ -13,7 +13,7 @@ from batchgen.config import EngineConfig
 from batchgen.distributed.driver import replica_loop
 from batchgen.distributed.pool import ReplicaOptions
 from batchgen.distributed.replica import Replica, ReplicaInfo, Shard
-from batchgen.jobs.reader import JobInputError
+from batchgen.jobs.formats import JobInputError
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.jobs.writer import PartWriter
 from tests.jobs.fake_engine import FakeEngine, fake_factory

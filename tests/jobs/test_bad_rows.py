@@ -11,8 +11,8 @@ import pytest
 from rich.console import Console
 
 from batchgen.dashboard import Dashboard
+from batchgen.jobs.formats import JobInputError
 from batchgen.jobs.options import flag_hint
-from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.runner import JobOptions, run_job
 from tests.jobs.fake_engine import fake_factory
 

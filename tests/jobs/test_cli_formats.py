@@ -190,6 +190,47 @@ def test_run_and_bench_take_the_same_engine_options():
     assert run["max_num_seqs"][:2] == (("--max-num-seqs",), EngineConfig.max_num_seqs)
 
 
+def test_run_and_plan_take_every_sampling_default_with_its_default():
+    """The sampling flags are declared once (`SamplingDefaults`): `run` and `plan` take each field as
+    the flag of its name with the dataclass's default (an empty tuple is no flag value), and the
+    resume header's sampling options of a job that sets none of the later ones are the ones
+    written before those existed."""
+    import dataclasses
+
+    import typer.main
+
+    from batchgen.cli import _job_options
+    from batchgen.jobs.options import JobOptions
+    from batchgen.sampling_params import SamplingDefaults
+
+    for name in ("run", "plan"):
+        params = {p.name: p for p in typer.main.get_command(app).commands[name].params}
+        for f in dataclasses.fields(SamplingDefaults):
+            assert params[f.name].opts == [f"--{f.name.replace('_', '-')}"], (name, f.name)
+            assert params[f.name].default == (None if f.default == () else f.default), (name, f.name)
+    assert JobOptions("j.jsonl").sampling_defaults() == {
+        "max_tokens": 256,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "seed": None,
+        "stop": None,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+    }
+    values = {p.name: p.default for p in typer.main.get_command(app).commands["run"].params}
+    values.update(input="j.jsonl", stop=["###"], stop_token_ids=["2,13", "7"], n=3, min_p=0.1)
+    options = _job_options(values)
+    assert options.sampling_defaults() == {
+        **JobOptions("j.jsonl").sampling_defaults(),
+        "stop": ["###"],
+        "min_p": 0.1,
+        "stop_token_ids": [2, 13, 7],
+        "n": 3,
+    }
+
+
 def test_engine_flags_that_change_nothing_warn_once(tmp_path):
     """--aging-steps under fcfs / priority, --swap-space without swap preemption and
     --gpu-memory-utilization on a CPU were silent no-ops; each given one gets one warning line.
@@ -385,8 +426,8 @@ def test_error_rows_are_summarised_and_a_job_of_only_errors_exits_3(tmp_path, ti
 
 
 def test_error_rows_are_counted_in_every_output_format(tmp_path):
+    from batchgen.jobs.final_output import count_output_errors
     from batchgen.jobs.json_lines import openai_record, to_json
-    from batchgen.jobs.writer import count_output_errors
 
     base = {"row_hash": 7, "endpoint": "chat", "created": 0, "output": "hi", "prompt_tokens": 3}
     rows = [
@@ -421,7 +462,7 @@ def test_output_suffixes_are_matched_in_any_case():
     assert (
         output_format("OUT.JSONL", "jsonl") == "jsonl" and output_format("OUT.PARQUET", "jsonl") == "parquet"
     )
-    from batchgen.jobs.reader import JobInputError
+    from batchgen.jobs.formats import JobInputError
 
     with pytest.raises(JobInputError, match=r"\.jsonl, \.ndjson or \.json"):
         check_output_path("out.csv", "in.jsonl")

@@ -313,8 +313,10 @@ def test_parts_without_logprob_columns_are_read_as_nulls(tmp_path):
     them: its rows get nulls."""
     import pyarrow as pa
 
+    from batchgen.jobs.final_output import finalize_output
     from batchgen.jobs.resume import make_header, prepare_output
-    from batchgen.jobs.writer import OUTPUT_SCHEMA, PartWriter, finalize_output
+    from batchgen.jobs.schema import OUTPUT_SCHEMA
+    from batchgen.jobs.writer import PartWriter
 
     header = make_header({"path": "/x", "size": 1}, "tiny", {"sampling": {"logprobs": 1}})
     out = str(tmp_path / "o.parquet")
@@ -430,10 +432,9 @@ def test_tokens_inside_a_character_have_their_bytes(tmp_path, default_model_dir)
 
 
 def test_logprob_column_names_agree():
-    from batchgen.jobs.row_sampling import LOGPROB_COLUMNS
-    from batchgen.jobs.writer import LOGPROB_SCHEMA
+    from batchgen.jobs.schema import LOGPROB_COLUMNS, LOGPROB_SCHEMA
 
-    assert tuple(LOGPROB_SCHEMA.names) == LOGPROB_COLUMNS
+    assert tuple(LOGPROB_SCHEMA.names) == LOGPROB_COLUMNS == ("cumulative_logprob", "logprobs")
 
 
 def test_text_offsets_follow_the_text_around_broken_characters():

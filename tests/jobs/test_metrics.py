@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.jobs.reader import JobInputError
+from batchgen.jobs.formats import JobInputError
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.metrics import MetricsOptions
 from tests.jobs.fake_engine import fake_factory
@@ -222,3 +222,66 @@ def test_missing_prometheus_client_names_the_extra(tmp_path, monkeypatch):
     # Without a metrics option the job does not need it.
     summary = run_job(JobOptions(str(src), max_tokens=3), fake_factory(), dashboard=quiet())
     assert summary.complete and summary.rows_ok == 2
+
+
+def test_replicas_metrics_carry_a_replica_label(tmp_path, monkeypatch):
+    from batchgen.distributed import driver
+    from batchgen.distributed.pool import ReplicaOptions
+    from tests.distributed.test_driver import NUM_ROWS, InlinePool
+    from tests.distributed.test_driver import write_job as write_driver_job
+
+    class Pool(InlinePool):
+        """Replicas in this process; remembers which replica ran each shard's rows."""
+
+        def __init__(self, options, config):
+            super().__init__(options, replicas=2, shard_rows=6)
+            self.rows_by_replica = [0, 0]
+            self.requests_by_replica = [0, 0]  # rows that reach the engine
+
+        def submit(self, replica, shard):
+            self.rows_by_replica[replica] += len(shard.rows)
+            self.requests_by_replica[replica] += sum(row.error is None for row in shard.rows)
+            return super().submit(replica, shard)
+
+        def shutdown(self):
+            pass
+
+    pools = []
+    monkeypatch.setattr(
+        driver,
+        "ReplicaPool",
+        lambda replicas, options, config: pools.append(Pool(options, config)) or pools[-1],
+    )
+    src, out, prom = tmp_path / "job.jsonl", tmp_path / "out.parquet", tmp_path / "m.prom"
+    write_driver_job(src)  # 50 rows, row 7 a line that is not JSON (an error row with no request)
+    options = JobOptions(str(src), output=str(out), metrics=MetricsOptions(file=str(prom)), dashboard=False)
+    summary = driver.run_distributed(options, ReplicaOptions(replicas=2), dashboard=quiet())
+    assert summary.complete and summary.rows_ok == NUM_ROWS - 1
+
+    final = samples(prom.read_text())
+    ran = pools[0].rows_by_replica
+    assert all(ran) and sum(ran) == NUM_ROWS
+    per_replica = {}
+    for r in ("0", "1"):
+        per_replica[r] = {k.split("{")[0]: v for k, v in final.items() if k.endswith(f"replica={r}}}")}
+    assert [per_replica[r][P + "rows_committed_total"] for r in ("0", "1")] == ran
+    gen = [per_replica[r][P + "generation_tokens_total"] for r in ("0", "1")]
+    assert all(gen) and sum(gen) == summary.completion_tokens
+    prompt = sum(per_replica[r][P + "prompt_tokens_total"] for r in ("0", "1"))
+    assert prompt == summary.prompt_tokens
+    ttft = [per_replica[r][P + "time_to_first_token_seconds_count"] for r in ("0", "1")]
+    assert ttft == pools[0].requests_by_replica and sum(ttft) == NUM_ROWS - 1
+    steps = [per_replica[r][P + "engine_step_duration_seconds_count"] for r in ("0", "1")]
+    assert all(steps)
+    success = sum(v for k, v in final.items() if k.startswith(P + "request_success_total"))
+    assert success == NUM_ROWS - 1
+    assert all(
+        k.startswith(P + "request_success_total{finished_reason=") and ",replica=" in k
+        for k in final
+        if k.startswith(P + "request_success_total")
+    )
+    # The job's own totals have no replica; nothing else lacks one.
+    assert final[P + "job_rows"] == NUM_ROWS and final[P + "rows_resumed"] == 0
+    unlabelled = {k for k in final if "replica=" not in k}
+    assert unlabelled == {P + "job_rows", P + "rows_resumed"}
+    assert final[P + "num_requests_running{replica=0}"] == 0  # the job ended: queues empty

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.jobs.reader import JobInputError, JobReader, ReaderOptions, detect_format, parse_hf_reference
+from batchgen.jobs.formats import JobInputError, detect_format, parse_hf_reference
+from batchgen.jobs.reader import JobReader, ReaderOptions
 
 
 def write_jsonl(path: Path, rows: list, raw_lines: dict[int, str] | None = None) -> Path:

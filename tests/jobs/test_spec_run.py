@@ -63,7 +63,6 @@ def test_run_with_speculation_writes_the_same_rows_and_its_metrics(tmp_path, tin
     )
     assert 0 < accepted < drafts
     assert 0 < values[P + "spec_decode_num_drafts_total"] <= drafts
-    assert values[P + "spec_decode_draft_acceptance_rate"] == pytest.approx(accepted / drafts)
     # The progress line says it too.
     assert re.search(rf"spec {int(accepted)}/{int(drafts)} drafts accepted \(\d+%\)", spec.stderr)
 

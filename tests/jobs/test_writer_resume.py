@@ -12,13 +12,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.dashboard import Dashboard
+from batchgen.jobs.final_output import finalize_output
+from batchgen.jobs.formats import JobInputError
 from batchgen.jobs.json_lines import openai_record
 from batchgen.jobs.manifest import Manifest
-from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.resume import make_header, parts_dir_for, prepare_output
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.jobs.window import LookaheadWindow
-from batchgen.jobs.writer import PartWriter, finalize_output
+from batchgen.jobs.writer import PartWriter
 from tests.jobs.fake_engine import fake_factory
 
 COMPARED = ["row_index", "id", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error"]
@@ -58,6 +59,42 @@ def test_window_max_throughput_shortest_first_with_aging():
     assert order.index(0) <= 3
     with pytest.raises(ValueError, match="policy must be one of"):
         LookaheadWindow("lifo", 3)
+
+
+def test_window_pops_as_the_engine_policy_admits():
+    """The window orders rows by the engine's policy classes (one entry per configured name); the
+    orders below are the ones the window's own earlier string branches gave for these rows."""
+    from batchgen.config import POLICY_NAMES
+    from batchgen.engine.policy import POLICIES
+
+    assert tuple(POLICIES) == POLICY_NAMES
+    work = [40, 3, 17, 3, 90, 1, 8, 60, 2, 2, 5, 70, 4, 1, 33, 6]
+    expected = {
+        "fcfs": list(range(16)),
+        "max-throughput": [1, 3, 5, 6, 0, 2, 4, 8, 7, 9, 13, 10, 11, 12, 15, 14],
+        "priority": [1, 3, 4, 0, 7, 5, 2, 6, 11, 12, 13, 14, 15, 8, 9, 10],
+    }
+    for policy in POLICY_NAMES:
+        w = LookaheadWindow(policy, 4)
+        order = []
+        for i, units in enumerate(work):
+            w.push(i, work=units, priority=units % 3)
+            if w.full:
+                order.append(w.pop())
+        assert order + drain(w) == expected[policy], policy
+
+
+def test_window_queue_stays_the_size_of_what_it_holds():
+    """Rows served by aging leave dead entries in the work heap (and rows served by work, in the
+    age heap); a long job must not pile them up."""
+    w = LookaheadWindow("max-throughput", 4)
+    for i in range(20_000):
+        w.push(i, work=1000 if i % 5 == 0 else 1)  # every fifth row is long: it ages out
+        if w.full:
+            w.pop()
+    queue = w._queue
+    # compacted at a push past twice the rows held (4) plus 16
+    assert len(queue) == 3 and len(queue.heap) <= 2 * 4 + 16 and len(queue.by_age) <= 2 * 4 + 16
 
 
 # ----- writer + manifest -----
@@ -277,7 +314,7 @@ def test_finished_jsonl_output_rerun_is_already_complete(tmp_path):
 
 
 def test_a_failed_final_assembly_leaves_no_temp_file_and_keeps_the_parts(tmp_path, monkeypatch):
-    import batchgen.jobs.writer as writer_module
+    import batchgen.jobs.final_output as final_output_module
 
     opts = JobOptions(job_file(tmp_path), engine={"max_num_seqs": 4}, commit_rows=7)
 
@@ -285,7 +322,7 @@ def test_a_failed_final_assembly_leaves_no_temp_file_and_keeps_the_parts(tmp_pat
         raise OSError("disk full")
         yield  # a generator, as the real one
 
-    monkeypatch.setattr(writer_module, "iter_ordered_chunks", broken)
+    monkeypatch.setattr(final_output_module, "iter_ordered_chunks", broken)
     with pytest.raises(OSError, match="disk full"):
         run(opts)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.jsonl", "job.out.parquet.parts"]
@@ -651,7 +688,7 @@ def test_a_second_signal_goes_to_the_handler_that_was_there_before():
     SIGTERM arrives during the job loop."""
     import signal
 
-    from batchgen.jobs.runner import _Interrupt
+    from batchgen.jobs.interrupt import Interrupt
 
     seen = []
 
@@ -661,7 +698,7 @@ def test_a_second_signal_goes_to_the_handler_that_was_there_before():
 
     previous = signal.signal(signal.SIGTERM, before)
     try:
-        with _Interrupt() as interrupt:
+        with Interrupt() as interrupt:
             os.kill(os.getpid(), signal.SIGTERM)
             assert interrupt.requested and interrupt.signum == signal.SIGTERM and not seen
             with pytest.raises(KeyboardInterrupt):
@@ -677,9 +714,9 @@ def test_signals_during_a_commit_are_only_recorded():
     the run to stop, however many arrive."""
     import signal
 
-    from batchgen.jobs.runner import _Interrupt
+    from batchgen.jobs.interrupt import Interrupt
 
-    with _Interrupt() as interrupt:
+    with Interrupt() as interrupt:
         with interrupt.shielded():
             for _ in range(3):
                 os.kill(os.getpid(), signal.SIGINT)

@@ -22,8 +22,8 @@ from batchgen import LLM, SamplingParams
 from batchgen.kernels import registry
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu import linear as cpu_linear
-from batchgen.kernels.cpu.linear import PlainLinear, TunedLinear
-from batchgen.model import kernel_choice
+from batchgen.kernels.cpu.linear import WEIGHT_LAYOUTS, PlainLinear, TunedLinear
+from batchgen.model import kernel_choice, linear_choice
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40, 90)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -74,7 +74,8 @@ def test_a_slow_candidate_is_never_chosen_and_a_wrong_one_is_dropped(
         builders["wrong"] = lambda: _Wrong(weight.detach(), bias)
         return builders
 
-    monkeypatch.setattr(kernel_choice, "linear_candidates", with_bad_ones)
+    monkeypatch.setattr(kernel_choice, "linear_candidates", with_bad_ones)  # what the model builds
+    monkeypatch.setattr(linear_choice, "linear_candidates", with_bad_ones)  # what is timed
     with caplog.at_level("WARNING", logger="batchgen.kernels.registry"):
         llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4, device="cpu", kernels="auto")
     choice = llm.llm_engine.runner.kernel_choice
@@ -117,7 +118,8 @@ def test_prefill_chunks_on_torch_sdpa_give_the_reference_tokens(
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4, device="cpu", kernels="auto")
     backend = llm.llm_engine.runner.backend
     assert backend.name == "cpu" and backend.prefill_by_bucket[-1] == "sdpa"
-    assert "prefill attention torch SDPA from 16 rows" in llm.llm_engine.runner.kernel_choice.summary()
+    assert backend.prefill_after_prefix_by_bucket[-1] == "sdpa"
+    assert "prefill attention c 1-8, sdpa 16-2048 rows" in llm.llm_engine.runner.kernel_choice.summary()
     assert _tokens(llm) == reference_tokens
 
 
@@ -205,10 +207,15 @@ def _held_layouts_match_the_choice(llm: LLM) -> None:
     for name, module in model.named_modules():
         if isinstance(module, TunedLinear):
             in_layers = name.startswith("model.layers.")
-            assert set(module.impls) == set(module.by_bucket) | (
-                {"bf16_c"} if stack_runs and in_layers else set()
-            )
-            extra += (len(module.impls) - 1) * module.in_features * module.out_features * 2
+            runs = set(module.by_bucket)
+            if stack_runs and in_layers and not runs & {"bf16_c", "amx_c"}:
+                runs.add("bf16_c")  # the stack's packed layout
+            assert set(module.impls) == runs
+            # batchgen's two C kernels share one packed copy of the weight
+            layouts = {WEIGHT_LAYOUTS[kind] for kind in module.impls}
+            if {"bf16_c", "amx_c"} <= set(module.impls):
+                assert module.impls["bf16_c"].packed_weight is module.impls["amx_c"].packed_weight
+            extra += (len(layouts) - 1) * module.in_features * module.out_features * 2
     assert choice.extra_weight_bytes == extra
     assert (choice.stack_max_rows is None) == (not stack_runs)
 
@@ -222,10 +229,14 @@ def test_the_stack_runs_where_measured_faster_and_holds_its_layout_only_then(tin
     chosen_at = {int(key.rsplit("|", 1)[1]): entry["chosen"] for key, entry in entries.items()}
     expected = 0
     for rows in sorted(chosen_at):
-        if chosen_at[rows] != "stack":
+        if chosen_at[rows] not in ("stack", "stack_amx"):
             break
         expected = rows
     assert (choice.stack_max_rows or 0) == expected
+    linears = {"stack": "bf16_c", "stack_amx": "amx_c"}
+    assert choice.stack_linears == [
+        linears[chosen_at[rows]] for rows in sorted(chosen_at) if rows <= expected
+    ]
     _held_layouts_match_the_choice(llm)
 
 

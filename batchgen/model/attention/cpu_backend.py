@@ -13,7 +13,7 @@ from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu import ops as cpu_ops
 from batchgen.kernels.registry import bucket_index
 from batchgen.model.attention.base import AttentionMetadata
-from batchgen.model.attention.sdpa import causal_attention
+from batchgen.model.attention.sdpa import causal_attention, gather_context
 from batchgen.model.attention.torch_backend import TorchAttentionBackend
 
 
@@ -39,10 +39,12 @@ class CPUAttentionBackend(TorchAttentionBackend):
         else:
             TorchAttentionBackend._store(key, value, k_cache, v_cache, meta)
 
-    # Per row bucket (`kernels.registry.ROW_BUCKETS`) of a prefill chunk without a cached prefix:
-    # "c" (the C kernel) or "sdpa" (torch's SDPA, which runs oneDNN's AMX kernels where the CPU has
-    # them), measured by `batchgen.model.attention_choice`; None: the C kernel for every chunk.
+    # Per row bucket (`kernels.registry.ROW_BUCKETS`) of a prefill chunk without a cached prefix,
+    # and of one after a cached prefix: "c" (the C kernel), "amx" (the C kernel on AMX tiles) or
+    # "sdpa" (torch's SDPA), measured by `batchgen.model.attention_choice`; None: the C kernel for
+    # every such chunk.
     prefill_by_bucket: list[str] | None = None
+    prefill_after_prefix_by_bucket: list[str] | None = None
 
     def _prefill(self, query, key, value, k_cache, v_cache, meta, scale, out):
         _, num_heads, head_dim = query.shape
@@ -54,8 +56,14 @@ class CPUAttentionBackend(TorchAttentionBackend):
         if first_layer:
             segments = meta.scratch["prefill_segments"] = self._prefill_segments(meta)
         for kind, rows, seqs, query_starts in segments:
-            if kind == "sdpa":  # one chunk with no cached prefix: its own K/V are the whole context
-                out[rows] = causal_attention(query[rows], key[rows], value[rows], scale)
+            if kind == "sdpa":  # one chunk
+                seq_len = meta.seq_lens_cpu[seqs.start]
+                if seq_len == rows.stop - rows.start:  # no cached prefix: its own K/V are the context
+                    k, v = key[rows], value[rows]
+                else:
+                    k = gather_context(k_cache, meta.block_tables[seqs.start], seq_len)
+                    v = gather_context(v_cache, meta.block_tables[seqs.start], seq_len)
+                out[rows] = causal_attention(query[rows], k, v, scale)
                 continue
             cpu_attention.paged_prefill_attention_cpu(
                 query[rows].contiguous(),
@@ -67,33 +75,30 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 scale,
                 check_bounds=first_layer,
                 out=out[rows],
+                kernel=kind,
             )
 
     def _prefill_segments(self, meta: AttentionMetadata) -> list[tuple[str, slice, slice, Any]]:
-        """The step's prefill chunks as runs of consecutive sequences for one kernel call each:
-        (kind, their rows after the decodes, their sequence indices, for "c" their int32 query
-        starts from 0)."""
-        nd, by_bucket = meta.num_decodes, self.prefill_by_bucket
+        """The step's prefill chunks as runs of consecutive sequences for one call each: (kind: "c",
+        "amx" or "sdpa", their rows after the decodes, their sequence indices, for the C kernels
+        their int32 query starts from 0); an "sdpa" run is one chunk."""
+        nd = meta.num_decodes
         kinds = []
         for i in range(nd, meta.num_seqs):
             qlen = meta.query_lens_cpu[i]
             fresh = qlen == meta.seq_lens_cpu[i]
-            use_sdpa = (
-                by_bucket is not None
-                and fresh
-                and by_bucket[min(bucket_index(qlen), len(by_bucket) - 1)] == "sdpa"
-            )
-            kinds.append("sdpa" if use_sdpa else "c")
+            by_bucket = self.prefill_by_bucket if fresh else self.prefill_after_prefix_by_bucket
+            kinds.append("c" if by_bucket is None else by_bucket[min(bucket_index(qlen), len(by_bucket) - 1)])
         segments = []
         row, i = 0, 0
         while i < len(kinds):
             j = i + 1
-            while j < len(kinds) and kinds[i] == "c" == kinds[j]:
+            while j < len(kinds) and kinds[i] == kinds[j] != "sdpa":  # a kernel call takes many chunks
                 j += 1
             lengths = meta.query_lens_cpu[nd + i : nd + j]
             rows = slice(row, row + sum(lengths))
             starts = None
-            if kinds[i] == "c":
+            if kinds[i] != "sdpa":
                 starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
             segments.append((kinds[i], rows, slice(nd + i, nd + j), starts))
             row, i = rows.stop, j

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "avx512_bf16.h"
 #include "cephes_expf.h"
 
 /* Below this many elements a call runs on one thread: waking the pool costs more. */
@@ -36,6 +37,7 @@ static inline uint16_t to_bf16(float f) {
 
 static inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
 
+
 /* Optionally `hidden += delta` (in place, rounded), then `out = weight * bf16(hidden * rsqrt(mean(
  * hidden^2) + eps))` with the product rounded: Hugging Face's LlamaRMSNorm (Zhang & Sennrich 2019)
  * on a bf16 input, the statistic in float32. `delta` may be NULL. */
@@ -45,6 +47,29 @@ void add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16_t *
 #pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
   for (int64_t r = 0; r < rows; r++) {
     uint16_t *h = hidden + r * hidden_stride;
+#if HAVE_AVX512_BF16_OPS
+    {
+      const uint16_t *d = delta != NULL ? delta + r * delta_stride : NULL;
+      __m512 partial = _mm512_setzero_ps();
+      for (int c = 0; c < cols; c += 16) {
+        const __mmask16 m = tail_mask(cols - c);
+        __m512 x = load16(h + c, m);
+        if (d != NULL) {
+          x = round16(_mm512_add_ps(x, load16(d + c, m)));
+          store16(h + c, m, x);
+        }
+        partial = _mm512_fmadd_ps(x, x, partial);
+      }
+      const float inv = 1.f / sqrtf(_mm512_reduce_add_ps(partial) / (float)cols + eps);
+      const __m512 scale = _mm512_set1_ps(inv);
+      uint16_t *o = out + r * out_stride;
+      for (int c = 0; c < cols; c += 16) {
+        const __mmask16 m = tail_mask(cols - c);
+        store16(o + c, m, _mm512_mul_ps(load16(weight + c, m), round16(_mm512_mul_ps(load16(h + c, m), scale))));
+      }
+      continue;
+    }
+#endif
     if (delta != NULL) {
       const uint16_t *d = delta + r * delta_stride;
       for (int c = 0; c < cols; c++) h[c] = to_bf16(to_f32(h[c]) + to_f32(d[c]));
@@ -84,6 +109,19 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, int64_t rows
   for (int64_t r = 0; r < rows; r++) {
     const uint16_t *gate = gate_up + r * gate_up_stride, *up = gate + cols;
     uint16_t *o = out + r * out_stride;
+#if HAVE_AVX512_BF16_OPS
+    for (int c = 0; c < cols; c += 16) {
+      const __mmask16 m = tail_mask(cols - c);
+      const __m512 x = load16(gate + c, m);
+      const __m512 e = exp_nonpositive16(_mm512_castsi512_ps(
+          _mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)))); /* exp(-|x|) */
+      const __m512 one = _mm512_set1_ps(1.f);
+      const __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+      const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(e, positive, one), _mm512_add_ps(one, e));
+      store16(o + c, m, _mm512_mul_ps(round16(_mm512_mul_ps(x, sigmoid)), load16(up + c, m)));
+    }
+    continue;
+#endif
     for (int c = 0; c < cols; c++) {
       const float x = to_f32(gate[c]);
       const float e = exp_nonpositive(-fabsf(x)); /* exp(-|x|) never overflows */
@@ -110,6 +148,17 @@ void rotary_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos, const
       const uint16_t *restrict in = x + r * x_stride + (int64_t)h * head_dim;
       uint16_t *restrict o = h < q_heads ? q_out + (r * q_heads + h) * head_dim
                                 : k_out + (r * k_heads + (h - q_heads)) * head_dim;
+#if HAVE_AVX512_BF16_OPS
+      for (int d = 0; d < half; d += 16) {
+        const __mmask16 m = tail_mask(half - d);
+        const __m512 lo = load16(in + d, m), hi = load16(in + half + d, m);
+        const __m512 c_lo = load16(c + d, m), c_hi = load16(c + half + d, m);
+        const __m512 s_lo = load16(s + d, m), s_hi = load16(s + half + d, m);
+        store16(o + d, m, _mm512_sub_ps(round16(_mm512_mul_ps(lo, c_lo)), round16(_mm512_mul_ps(hi, s_lo))));
+        store16(o + half + d, m, _mm512_add_ps(round16(_mm512_mul_ps(hi, c_hi)), round16(_mm512_mul_ps(lo, s_hi))));
+      }
+      continue;
+#endif
       for (int d = 0; d < half; d++)
         o[d] = to_bf16(round_bf16(to_f32(in[d]) * to_f32(c[d])) - round_bf16(to_f32(in[d + half]) * to_f32(s[d])));
       for (int d = half; d < head_dim; d++)

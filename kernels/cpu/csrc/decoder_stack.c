@@ -36,6 +36,8 @@ void rotary_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos, const
                  uint16_t *k_out, int num_threads);
 int bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const float *bias, uint16_t *y,
                 int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
+int amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const float *bias, uint16_t *y,
+               int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
 int64_t store_kv_rows(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *k_cache,
                       char *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row_bytes,
                       int64_t num_slots, int num_threads);
@@ -81,6 +83,7 @@ int64_t decoder_stack_workspace_per_token(const int64_t *dims) {
  *          rest are prefill chunks whose rows start at `prefill_query_starts` [num_seqs - num_decodes
  *          + 1] (from 0, relative to the first prefill row)
  * workspace bf16, decoder_stack_workspace_per_token(dims) x T elements
+ * use_amx  1: the linears run amx_linear.c's AMX kernel, 0: bf16_linear.c's (the same packed weights)
  *
  * Returns 0; 1 when a kernel refused a shape; 2 when one could not allocate memory; 3 when a slot
  * lies outside the cache (nothing of that layer's K/V written). Bounds of the tables and lengths are
@@ -89,7 +92,9 @@ int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dim
                        int64_t num_tokens, uint16_t *hidden, uint16_t *delta, const uint16_t *cos,
                        const uint16_t *sin, const int64_t *slots, const int32_t *block_tables,
                        int64_t table_stride, const int32_t *seq_lens, int num_decodes, int num_seqs,
-                       const int32_t *prefill_query_starts, uint16_t *workspace, int num_threads) {
+                       const int32_t *prefill_query_starts, uint16_t *workspace, int num_threads, int use_amx) {
+  int (*const linear)(const uint16_t *, int64_t, const uint16_t *, const float *, uint16_t *, int64_t, int64_t,
+                      int64_t, int64_t, int) = use_amx ? amx_linear : bf16_linear;
   const int64_t t = num_tokens, h = dims[HIDDEN], d = dims[HEAD_DIM], inter = dims[INTERMEDIATE];
   const int hq = (int)dims[Q_HEADS], hkv = (int)dims[KV_HEADS], block_size = (int)dims[BLOCK_SIZE];
   const int64_t q = hq * d, kv = hkv * d, qkv_width = q + 2 * kv;
@@ -101,7 +106,7 @@ int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dim
     void *k_cache = (void *)(intptr_t)w[K_CACHE], *v_cache = (void *)(intptr_t)w[V_CACHE];
     add_rms_norm_bf16(hidden, h, l ? delta : NULL, h, (const uint16_t *)(intptr_t)w[INPUT_NORM], eps, t, (int)h,
                       normed, h, num_threads);
-    if (bf16_linear(normed, h, (const uint16_t *)(intptr_t)w[QKV_WEIGHT], NULL, qkv, qkv_width, t, qkv_width, h,
+    if (linear(normed, h, (const uint16_t *)(intptr_t)w[QKV_WEIGHT], NULL, qkv, qkv_width, t, qkv_width, h,
                     num_threads))
       return 1;
     rotary_bf16(qkv, qkv_width, cos, sin, d, t, hq, hkv, (int)d, query, key, num_threads);
@@ -118,14 +123,14 @@ int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dim
                                        seq_lens + num_decodes, prefill_query_starts, num_prefills, hq, hkv,
                                        (int)d, block_size, scale, attn + num_decodes * q, num_threads);
     if (status) return status;
-    if (bf16_linear(attn, q, (const uint16_t *)(intptr_t)w[O_WEIGHT], NULL, o, h, t, h, q, num_threads)) return 1;
+    if (linear(attn, q, (const uint16_t *)(intptr_t)w[O_WEIGHT], NULL, o, h, t, h, q, num_threads)) return 1;
     add_rms_norm_bf16(hidden, h, o, h, (const uint16_t *)(intptr_t)w[POST_NORM], eps, t, (int)h, normed, h,
                       num_threads);
-    if (bf16_linear(normed, h, (const uint16_t *)(intptr_t)w[GATE_UP_WEIGHT], NULL, gate_up, 2 * inter, t,
+    if (linear(normed, h, (const uint16_t *)(intptr_t)w[GATE_UP_WEIGHT], NULL, gate_up, 2 * inter, t,
                     2 * inter, h, num_threads))
       return 1;
     silu_mul_bf16(gate_up, 2 * inter, t, (int)inter, act, inter, num_threads);
-    if (bf16_linear(act, inter, (const uint16_t *)(intptr_t)w[DOWN_WEIGHT], NULL, delta, h, t, h, inter,
+    if (linear(act, inter, (const uint16_t *)(intptr_t)w[DOWN_WEIGHT], NULL, delta, h, t, h, inter,
                     num_threads))
       return 1;
   }

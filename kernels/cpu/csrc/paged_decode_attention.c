@@ -57,10 +57,13 @@
       const char *next = t0 + block_size < len                                                         \
           ? (const char *)(kc + (int64_t)table[t0 / block_size + 1] * block_stride + h0 * D)           \
           : NULL;                                                                                      \
+      /* The V rows of this block, for the second pass: read from L2 then, not from memory. */         \
+      const char *values = (const char *)(vc + (int64_t)table[t0 / block_size] * block_stride + h0 * D); \
       for (int h = h0; h < h1; h++) {                                                                  \
         const T *kb = block + (int64_t)h * D;                                                          \
         if (next) /* this head's share of the next block */                                            \
           prefetch_block(next + (size_t)(h - h0) * span / (h1 - h0), span / (h1 - h0) + 64);           \
+        prefetch_block(values + (size_t)(h - h0) * span / (h1 - h0), span / (h1 - h0) + 64);          \
         const vf *qh = qv + (h - h0) * group * NV;                                                     \
         float *sh = scores + (int64_t)(h - h0) * group * padded + t0;                                  \
         int r = 0;                                                                                     \

@@ -101,7 +101,7 @@ static inline void hsum4(vf a, vf b, vf c, vf d, float *out) {
  * core's few outstanding-miss slots (on a 2-core AVX2 EPYC, float32, 58 sequences: 108-119 ->
  * 91-99 ms a step in interleaved runs of scripts/cpu_attention_bench.py). */
 static inline void prefetch_block(const void *block, size_t bytes) {
-  for (size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch((const char *)block + offset);
+  for (size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch((const char *)block + offset, 0, 1);
 }
 
 static inline vf vselect(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }

@@ -45,13 +45,23 @@ def cached_step(query_lens, seq_lens, tables, num_decodes) -> AttentionMetadata:
 
 
 def assert_cpu_backend_matches_torch(
-    query, key, value, k_cache, v_cache, meta, scale=0.125, prefill_by_bucket=None
+    query,
+    key,
+    value,
+    k_cache,
+    v_cache,
+    meta,
+    scale=0.125,
+    prefill_by_bucket=None,
+    after_prefix_by_bucket=None,
 ):
     """The "cpu" backend's output for one step equals the "torch" backend's within float32 error
-    (`prefill_by_bucket`: the backend's measured prefill choice, None: the C kernel throughout)."""
+    (`prefill_by_bucket` / `after_prefix_by_bucket`: the backend's measured prefill choice for chunks
+    without and with a cached prefix, None: the C kernel throughout)."""
     expected = TorchAttentionBackend().forward(query, key, value, k_cache, v_cache, meta, scale)
     meta.scratch.clear()
     backend = CPUAttentionBackend()
     backend.prefill_by_bucket = prefill_by_bucket
+    backend.prefill_after_prefix_by_bucket = after_prefix_by_bucket
     got = backend.forward(query, key, value, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

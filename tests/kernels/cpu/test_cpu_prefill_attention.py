@@ -74,6 +74,50 @@ def test_kernel_matches_float64_reference(dtype, head_dim, group, block_size):
     assert torch.equal(got[0], first_v)
 
 
+NEEDS_AMX = pytest.mark.skipif(
+    not cpu_attention.supports_prefill_amx(torch.bfloat16, 64, 6, 2),
+    reason="the AMX prefill kernel needs a CPU with AMX tiles (amx_bf16) that Linux lets this process use",
+)
+
+
+@NEEDS_AMX
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("head_dim, group", [(32, 2), (64, 3), (96, 1), (128, 4)])
+def test_amx_kernel_matches_float64_reference(head_dim, group, block_size):
+    """bf16 products on the tiles, the probabilities rounded to bf16 before the product with V: as
+    the AVX512-BF16 kernel's bound. Every tail: 16-row query tiles and 64-key blocks cut anywhere."""
+    query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.bfloat16, head_dim, group, block_size)
+    scale = head_dim**-0.5
+    got = cpu_attention.paged_prefill_attention_cpu(
+        query, k_cache, v_cache, tables, seq_lens, starts, scale, kernel="amx"
+    )
+    expected = reference(query, k_cache, v_cache, tables, seq_lens, starts, scale)
+    assert got.shape == query.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), expected, rtol=2**-8, atol=5e-3)
+    first_v = v_cache[int(tables[0, 0]), 0].repeat_interleave(group, 0)
+    assert torch.equal(got[0], first_v)
+
+
+def test_the_amx_kernel_takes_only_what_it_supports():
+    assert not cpu_attention.supports_prefill_amx(torch.float32, 64, 9, 3)
+    assert not cpu_attention.supports_prefill_amx(torch.bfloat16, 48, 9, 3)  # head_dim % 32
+    assert not cpu_attention.supports_prefill_amx(torch.bfloat16, 256, 9, 3)
+    query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.float32, 64, 3, 16)
+    with pytest.raises(ValueError, match="no CPU kernel"):
+        cpu_attention.paged_prefill_attention_cpu(
+            query, k_cache, v_cache, tables, seq_lens, starts, 0.125, kernel="amx"
+        )
+    with pytest.raises(ValueError, match='kernel must be "c" or "amx"'):
+        cpu_attention.paged_prefill_attention_cpu(
+            query, k_cache, v_cache, tables, seq_lens, starts, 0.125, kernel="tiles"
+        )
+
+
+def test_an_emulated_machine_without_amx_has_no_amx_prefill(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert not cpu_attention.supports_prefill_amx(torch.bfloat16, 64, 9, 3)
+
+
 def chunk_rows(cache, tables, seq_lens, query_lens):
     """The cache rows at each sequence's chunk positions, back to back: the step's own K or V."""
     block_size = cache.shape[1]
@@ -85,10 +129,10 @@ def chunk_rows(cache, tables, seq_lens, query_lens):
     return cache.reshape(-1, *cache.shape[2:])[slots]
 
 
-def prefill_and_mixed_steps():
+def prefill_and_mixed_steps(dtype=torch.float32):
     """A step of `CHUNKS`'s prefill chunks, and one whose first two sequences decode instead (their
     first token): each as (num_decodes, query rows, key, value, k_cache, v_cache, metadata)."""
-    query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.float32, 64, 3, 16)
+    query, k_cache, v_cache, tables, seq_lens, starts = make_case(dtype, 64, 3, 16)
     chunk_lens = [chunk for _, chunk in CHUNKS]
     for num_decodes in (0, 2):
         first_rows = [query[int(starts[i]) : int(starts[i]) + 1] for i in range(num_decodes)]
@@ -109,30 +153,64 @@ def test_backend_prefill_and_mixed_steps_match_torch_backend():
 
 
 @pytest.mark.parametrize(
-    "by_bucket",
-    [["sdpa"] * 12, ["c", "sdpa"] * 6, ["c"] * 6 + ["sdpa"] * 6],
-    ids=["sdpa-everywhere", "alternating", "sdpa-from-64-rows"],
+    "by_bucket, after_prefix",
+    [
+        (["sdpa"] * 12, None),
+        (["c", "sdpa"] * 6, None),
+        (["c"] * 6 + ["sdpa"] * 6, None),
+        (["c"] * 12, ["sdpa"] * 12),
+        (["c", "sdpa"] * 6, ["sdpa", "c"] * 6),
+    ],
+    ids=["sdpa-everywhere", "alternating", "sdpa-from-64-rows", "sdpa-after-prefix", "both-alternating"],
 )
-def test_measured_sdpa_chunks_match_torch_backend(by_bucket):
-    """With the measured choice sending some chunks to torch's SDPA (only those without a cached
-    prefix) and the rest to the C kernel in runs of consecutive sequences, a prefill step and a
-    mixed step equal the torch backend's outputs."""
+def test_measured_sdpa_chunks_match_torch_backend(by_bucket, after_prefix):
+    """With the measured choices sending some chunks to torch's SDPA (chunks without a cached prefix
+    by one table, chunks after one by the other, whose context is gathered from the cache) and the
+    rest to the C kernel in runs of consecutive sequences, a prefill step and a mixed step equal
+    the torch backend's outputs."""
     chunk_lens = [chunk for _, chunk in CHUNKS]
     used = []
     for num_decodes, rows, key, value, k_cache, v_cache, meta in prefill_and_mixed_steps():
         assert_cpu_backend_matches_torch(
-            rows, key, value, k_cache, v_cache, meta, prefill_by_bucket=by_bucket
+            rows,
+            key,
+            value,
+            k_cache,
+            v_cache,
+            meta,
+            prefill_by_bucket=by_bucket,
+            after_prefix_by_bucket=after_prefix,
         )
         kinds = [kind for kind, *_ in meta.scratch["prefill_segments"]]
         fresh = [prefix == 0 for prefix, _ in CHUNKS[num_decodes:]]
         expected = []
         for is_fresh, chunk in zip(fresh, chunk_lens[num_decodes:], strict=True):
-            kind = "sdpa" if is_fresh and by_bucket[(chunk - 1).bit_length()] == "sdpa" else "c"
+            table = by_bucket if is_fresh else after_prefix
+            kind = "sdpa" if table is not None and table[(chunk - 1).bit_length()] == "sdpa" else "c"
             if not (expected and expected[-1] == "c" == kind):
                 expected.append(kind)
         assert kinds == expected
         used += kinds
     assert "sdpa" in used and "c" in used
+
+
+@NEEDS_AMX
+def test_measured_amx_chunks_match_torch_backend():
+    """bf16 steps whose chunks the measured choice sends to the AMX kernel (runs of consecutive
+    sequences in one call), the C kernel and SDPA by turns equal the torch backend's outputs."""
+    from batchgen.model.attention import CPUAttentionBackend, TorchAttentionBackend
+
+    used = []
+    for _, rows, key, value, k_cache, v_cache, meta in prefill_and_mixed_steps(torch.bfloat16):
+        expected = TorchAttentionBackend().forward(rows, key, value, k_cache, v_cache, meta, 0.125)
+        meta.scratch.clear()
+        backend = CPUAttentionBackend()
+        backend.prefill_by_bucket = ["amx"] * 5 + ["sdpa", "c"] + ["amx"] * 5  # chunks of 1, 31, 33, 130
+        backend.prefill_after_prefix_by_bucket = ["c", "amx"] * 6
+        got = backend.forward(rows, key, value, k_cache, v_cache, meta, 0.125)
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-2)
+        used += [kind for kind, *_ in meta.scratch["prefill_segments"]]
+    assert {"amx", "c", "sdpa"} <= set(used)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,130 @@
+"""How `batchgen run` runs a job and ends: the signal handling around `run_job` (or the Ray
+driver), the messages of a failed or interrupted run, `--summary-json`, and the exit code (listed in
+`batchgen.cli`'s docstring)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import TYPE_CHECKING
+
+import typer
+
+from batchgen.stop_signals import STOP_SIGNALS
+
+if TYPE_CHECKING:
+    from batchgen.distributed.pool import ReplicaOptions
+    from batchgen.jobs.options import JobOptions, JobSummary
+
+
+def run_and_exit(
+    options: JobOptions, summary_json: str | None = None, scale_out: ReplicaOptions | None = None
+) -> None:
+    """`run_job` with the command's signal handling and exit codes. The process's handlers are
+    restored on the way out, so an in-process caller (a test runner, say) does not inherit ignored
+    signals, nor pass them on to the processes it starts; the `batchgen` command itself ignores
+    them again until it exits (`batchgen.__main__.main`)."""
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        _run_with_stop_handlers(options, summary_json, scale_out)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _write_summary(path: str, summary: JobSummary, exit_code: int) -> None:
+    """`--summary-json`: the run's outcome (`JobSummary.to_dict`) as JSON, written atomically. A
+    failure to write it is reported, not raised: the job itself is done."""
+    import json
+    from pathlib import Path
+
+    from batchgen.cache import write_atomically
+
+    try:
+        write_atomically(Path(path), (json.dumps(summary.to_dict(exit_code), indent=1) + "\n").encode())
+    except OSError as e:
+        typer.echo(f"error: --summary-json {path} could not be written: {e}", err=True)
+
+
+def _exit_code(summary: JobSummary) -> int:
+    """`batchgen run`'s exit code for a run that returned (see the module docstring)."""
+    if summary.interrupted:  # the shell's convention: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM)
+        return 128 + (summary.stop_signal or signal.SIGINT)
+    return 3 if summary.every_row_failed else 0
+
+
+def _run_with_stop_handlers(
+    options: JobOptions, summary_json: str | None = None, scale_out: ReplicaOptions | None = None
+) -> None:
+    summary = _run_reporting_errors(options, scale_out)
+    # Everything is committed (or the run stopped cleanly): a Ctrl-C or SIGTERM from here to the end
+    # of the process has nothing left to stop, and must not kill it with a KeyboardInterrupt traceback.
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    if summary_json is not None:
+        _write_summary(summary_json, summary, _exit_code(summary))
+    if summary.already_complete:
+        errors = (
+            f", {summary.rows_error} of its {summary.rows_done} rows are error rows"
+            if summary.rows_error
+            else ""
+        )
+        typer.echo(
+            f"{summary.output_path} is already complete (same input and settings){errors}; --overwrite redoes it"
+        )
+    if summary.interrupted:
+        raise typer.Exit(_exit_code(summary))
+    if summary.every_row_failed:
+        # A script that checks the exit code must not take an output of nothing but errors for a
+        # finished job; the rows stay recorded, so a fixed command reruns with --overwrite.
+        typer.echo(
+            f"error: every one of the {summary.rows_error} rows failed; the first: {summary.first_error}\n"
+            "The error rows are in the output. Fix the cause, then rerun with --overwrite",
+            err=True,
+        )
+        raise typer.Exit(3)
+
+
+def _run_reporting_errors(options: JobOptions, scale_out: ReplicaOptions | None) -> JobSummary:
+    """The job, here or on Ray replicas; a failure ends the command with its message and exit code
+    (2 bad input, 1 the output could not be written, 128 + the signal that stopped it)."""
+    from batchgen.jobs.formats import JobInputError
+    from batchgen.jobs.runner import run_job
+
+    last_signal = [signal.SIGINT]
+
+    def stop_on_sigterm(signum: int, frame: object) -> None:
+        # Outside the job loop (model loading, the final assembly) SIGTERM stops the run as Ctrl-C
+        # does, instead of killing it without a word; inside it, `run_job` handles both itself.
+        last_signal[0] = signum
+        raise KeyboardInterrupt
+
+    for s in STOP_SIGNALS:  # SIGINT keeps Python's KeyboardInterrupt, and its exit code 130
+        if s != signal.SIGINT:
+            signal.signal(s, stop_on_sigterm)
+    try:
+        if scale_out is None:
+            return run_job(options)
+        from batchgen.distributed import run_distributed
+
+        return run_distributed(options, scale_out)
+    except JobInputError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except OSError as e:  # the disk, not the input: the output folder vanished, the disk filled up
+        folder = os.path.dirname(e.filename) if isinstance(e.filename, str) else None
+        if folder and not os.path.isdir(folder):  # the rows committed there went with it
+            kept = (
+                f"The folder {folder} is gone, and with it the rows committed there; fix the cause and rerun"
+            )
+        else:
+            kept = "Rows committed before this are kept; fix the cause and resume"
+        typer.echo(
+            f"error: cannot write the job's output: {e}. {kept} with:\n  {options.resume_command}", err=True
+        )
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:  # a second Ctrl-C, one during model loading, or SIGTERM: rows are kept
+        typer.echo(
+            f"interrupted; committed rows are kept. Resume with:\n  {options.resume_command}", err=True
+        )
+        raise typer.Exit(128 + last_signal[0]) from None

@@ -1,0 +1,153 @@
+"""The engine loop of a job: rows read into the look-ahead window, admitted into the engine in policy
+order, stepped, and each finished row handed to the part writer.
+
+`engine_loop` is what `batchgen.jobs.runner.run_job` runs by default (one engine in this process);
+each Ray replica runs it on its shards (`batchgen.distributed.replica`), and the driver swaps in its
+own loop with the same arguments and result (`batchgen.distributed.driver.replica_loop`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchgen.config import EngineConfig
+from batchgen.engine.protocol import Engine
+from batchgen.jobs.options import JobOptions, JobSummary
+from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
+from batchgen.jobs.token_bytes import TokenBytes
+from batchgen.jobs.window import LookaheadWindow
+from batchgen.metrics import JobMetrics, NullMetrics
+
+
+def engine_loop(
+    options: JobOptions,
+    config: EngineConfig,
+    engine: Engine,
+    reader: Any,
+    state: Any,
+    writer: Any,
+    dashboard: Any,
+    summary: JobSummary,
+    interrupt: Any,
+    metrics: JobMetrics | NullMetrics | None = None,
+) -> tuple[int, bool]:
+    """The admission / step / commit loop, until every row is done or `interrupt.requested`.
+
+    Args:
+        reader: iterates the job's `JobRow`s; its `parser.notices` are logged as they come.
+        state: the resume state; rows it holds as committed are skipped.
+        writer: takes each finished row (`add`) and commits when `due()`.
+        dashboard: `log` and `update` (progress).
+        summary: its row and token counts grow as rows finish.
+        interrupt: `requested` stops the loop (`batchgen.jobs.interrupt.Interrupt`).
+
+    Returns:
+        (input rows read, whether every row finished); rows still in the engine when it stops are
+        aborted (the next run regenerates them).
+    """
+    loop = _EngineLoop(options, config, engine, reader, state, writer, dashboard, summary, interrupt)
+    return loop.run(metrics or NullMetrics())
+
+
+class _EngineLoop:
+    """`engine_loop`'s state: the window, the rows in the engine, how far the input is read."""
+
+    def __init__(
+        self,
+        options: JobOptions,
+        config: EngineConfig,
+        engine: Engine,
+        reader: Any,
+        state: Any,
+        writer: Any,
+        dashboard: Any,
+        summary: JobSummary,
+        interrupt: Any,
+    ) -> None:
+        self.options, self.engine, self.reader, self.state = options, engine, reader, state
+        self.writer, self.dashboard, self.summary, self.interrupt = writer, dashboard, summary, interrupt
+        tokenizer = engine.tokenizer
+        self.chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
+        self.bos = getattr(tokenizer, "bos_token_id", None)
+        self.token_bytes = TokenBytes(tokenizer)
+        self.max_len: int = engine.max_model_len
+        self.inflight_limit = max(2 * config.max_num_seqs, 8)
+        self.window: LookaheadWindow[Prepared] = LookaheadWindow(options.policy, options.window)
+        self.pending: dict[str, Prepared] = {}  # request id -> the row the engine is running
+        self.rows = iter(reader)
+        self.rows_read = 0
+        self.exhausted = False
+
+    def run(self, metrics: JobMetrics | NullMetrics) -> tuple[int, bool]:
+        engine, summary = self.engine, self.summary
+        while not self.interrupt.requested:
+            self._fill_window()
+            self._admit()
+            if engine.has_unfinished_requests():
+                for out in engine.step():
+                    metrics.on_request(out)
+                    p = self.pending.pop(out.request_id)
+                    self._finish(output_result(p, out, self.token_bytes), p.row.keep)
+                metrics.on_step(engine.last_step, engine.totals)
+            elif self.exhausted and not self.window:
+                break
+            self.dashboard.update(summary.rows_done, summary.rows_error, engine.last_step, engine.totals)
+            metrics.on_rows(self.writer.committed_rows, summary.rows_error)
+        finished = self.exhausted and not self.window and not self.pending
+        if not finished:
+            for rid in self.pending:
+                engine.abort_request(rid)
+        return self.rows_read, finished
+
+    def _fill_window(self) -> None:
+        """Read rows until the window is full or the input ends: committed rows are skipped, rows
+        that cannot run (bad input, a prompt too long) are finished as error rows at once."""
+        while not self.exhausted and not self.window.full and not self.interrupt.requested:
+            row = next(self.rows, None)
+            notices = self.reader.parser.notices  # e.g. a column name one typo away from a sampling field
+            while notices:
+                self.dashboard.log(notices.pop(0))
+            if row is None:
+                self.exhausted = True
+                return
+            self.rows_read = row.row_index + 1
+            if self.state.committed.is_committed(row.row_index, row.row_hash, row.where):
+                continue
+            if row.error is not None:
+                self._finish(error_result(row, row.error), row.keep)
+                continue
+            prepared, error = prepare_row(row, self.engine, self.options, self.chat, self.bos, self.max_len)
+            if error is not None:
+                self._finish(error_result(row, error, prepared and prepared.prompt_tokens), row.keep)
+                continue
+            sp = row.sampling_params
+            work = prepared.prompt_tokens + sp.n * (sp.max_tokens or self.max_len - prepared.prompt_tokens)
+            self.window.push(prepared, work=work, priority=sp.priority)
+
+    def _admit(self) -> None:
+        """Hand rows from the window to the engine, in policy order, while it holds fewer than
+        `inflight_limit` (twice max_num_seqs, at least 8: enough to fill the next steps)."""
+        while (
+            self.window
+            and self.engine.num_unfinished_requests() < self.inflight_limit
+            and not self.interrupt.requested
+        ):
+            p = self.window.pop()
+            rid = str(p.row.row_index)
+            self.engine.add_request(rid, {"prompt_token_ids": p.token_ids}, p.row.sampling_params)
+            p.token_ids = None  # the engine holds them now
+            self.pending[rid] = p
+
+    def _finish(self, result: dict[str, Any], keep: dict[str, Any] | None) -> None:
+        """A finished row (output or error) to the writer and the summary; commit when due."""
+        summary = self.summary
+        self.writer.add(result, keep)
+        if result["finish_reason"] == "error":
+            summary.rows_error += 1  # its prompt (often a too-long one) never ran: not counted
+            summary.first_error = summary.first_error or result.get("error")
+        else:
+            summary.rows_ok += 1
+            summary.prompt_tokens += result.get("prompt_tokens") or 0
+            summary.completion_tokens += result.get("completion_tokens") or 0
+        if self.writer.due():
+            self.writer.commit()

@@ -276,8 +276,7 @@ class LLMEngine:
             finished.append(self._output(r))
         outputs = self.groups.collect(finished)
         if self.speculation is not None:  # the gate follows the job's acceptance
-            self.speculation.gate.observe(sched.num_drafts, sched.num_accepted_tokens)
-            self.scheduler.speculative_max_batch = self.speculation.gate.max_batch
+            self.scheduler.speculative_max_batch = self.speculation.observe(sched)
         self._record(sched, start, now, len(outputs), kv_cache_usage)
         return outputs
 

@@ -20,86 +20,17 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.detokenizer import check_stop
 from batchgen.engine.policy import Policy
 from batchgen.engine.request import Request, RequestStatus
-from batchgen.engine.spec_decode import NgramProposer, accepted_tokens, can_speculate
-from batchgen.model.step import StepOutput, is_decode
+from batchgen.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from batchgen.engine.spec_decode import NgramProposer, ShadowDrafts, accepted_tokens, can_speculate
+from batchgen.model.step import StepOutput
 
-
-@dataclass
-class ScheduledRequest:
-    """A request's share of a step: `num_new_tokens` tokens from position `start` on.
-
-    `spec_token_ids`: draft tokens to verify, the last `len(spec_token_ids)` of the
-    `num_new_tokens` (they follow the request's last token and are not in `request.token_ids`).
-    `samples` (set at construction, so it still holds once the step's tokens are appended): the
-    step reaches the request's last token, so a new token is sampled (one per position with drafts).
-    """
-
-    request: Request
-    start: int
-    num_new_tokens: int
-    spec_token_ids: list[int] = field(default_factory=list)
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens - len(self.spec_token_ids) == self.request.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return is_decode(self.num_new_tokens, self.samples)
-
-
-@dataclass
-class SchedulerOutput:
-    """The scheduler's decision for one step, consumed by the model runner.
-
-    Attributes:
-        scheduled: the step's requests, decodes (`ScheduledRequest.is_decode`) first, then
-            prefill chunks.
-        swap_out: (device block, CPU block) copies to run before anything else.
-        swap_in: (CPU block, device block) copies to run before the forward pass.
-        preempted: requests preempted in this step.
-        prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
-        num_accepted_tokens: draft tokens the model agreed with, set by `Scheduler.update`.
-        num_output_tokens: tokens appended to requests, set by `Scheduler.update`.
-    """
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_accepted_tokens: int = 0
-    num_output_tokens: int = 0
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
-
-    @property
-    def num_drafts(self) -> int:
-        """Requests verifying draft tokens in the step."""
-        return sum(1 for s in self.scheduled if s.spec_token_ids)
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return sum(len(s.spec_token_ids) for s in self.scheduled)
-
-    @property
-    def num_verify_tokens(self) -> int:
-        """Tokens of the requests verifying drafts (their last token and the drafts)."""
-        return sum(s.num_new_tokens for s in self.scheduled if s.spec_token_ids)
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -144,6 +75,7 @@ class Scheduler:
         self.max_model_len = sys.maxsize if max_model_len is None else max_model_len
         self.proposer = proposer
         self.speculative_max_batch = speculative_max_batch
+        self.shadow = ShadowDrafts(proposer) if proposer is not None else None
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.step_index = 0
@@ -167,6 +99,8 @@ class Scheduler:
 
     def remove(self, request: Request) -> None:
         """Take an unfinished request out of every queue and release its blocks (abort)."""
+        if self.shadow is not None:
+            self.shadow.drop(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.swapped:
@@ -184,12 +118,15 @@ class Scheduler:
         scheduled_running: list[Request] = []
         queue = list(self.running)
         speculate = self.proposer is not None and len(queue) <= self.speculative_max_batch
+        if self.shadow is not None and not speculate:  # the gate learns the acceptance while closed
+            self.shadow.propose(self.running)
         while queue and budget > 0:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if speculate and request.num_tokens - request.num_computed_tokens == 1:
                 drafts = self._draft(request, budget, len(queue))
                 if drafts:
+                    self.shadow.drop(request.request_id)
                     scheduled_running.append(request)
                     out.scheduled.append(
                         ScheduledRequest(request, request.num_computed_tokens, 1 + len(drafts), drafts)
@@ -347,7 +284,12 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(r)
                 continue
             samples = [next(tokens) for _ in range(1 + len(item.spec_token_ids))]
+            before = r.num_tokens
             reason = self._append(item, samples, out, now)
+            if self.shadow is not None:
+                settled, produced = self.shadow.check(r, r.token_ids[before:])
+                out.num_shadow_drafts += settled
+                out.num_shadow_accepted_tokens += produced
             self.block_manager.cache_full_blocks(r)
             if item.spec_token_ids:
                 self.block_manager.free_tail(r, r.num_computed_tokens)
@@ -384,6 +326,8 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str, now: float) -> Request:
         """Drop a finished request from the running queue and release its blocks."""
+        if self.shadow is not None:
+            self.shadow.drop(request.request_id)
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED

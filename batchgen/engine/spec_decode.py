@@ -105,3 +105,66 @@ class NgramProposer:
             return []
         start = int(ends[-1]) + 1  # the most recent of the longest matches
         return tokens[start : start + k].tolist()
+
+
+class ShadowDrafts:
+    """What verification would accept while the gate is closed, at the cost of proposals only.
+
+    A closed gate (a batch too large for drafts to pay at the acceptance seen so far) would never
+    learn the job's acceptance, so it could never open before the tail. Instead, a few running
+    greedy decodes a step get drafts proposed but not verified (`propose`); the tokens the request
+    then decodes settle them (`check`): for a greedy row the drafts a verification would have
+    accepted are exactly the leading ones the model goes on to produce. The counts feed the gate
+    like real verifications do (`spec_gate.SpeculationGate.observe`).
+
+    Args:
+        proposer: the drafts' source.
+        per_step: most proposals tried a step (round-robin over the running requests), which bounds
+            the proposer's cost on a large batch.
+    """
+
+    def __init__(self, proposer: NgramProposer, per_step: int = 8) -> None:
+        self.proposer = proposer
+        self.per_step = per_step
+        self._open: dict[str, tuple[list[int], int]] = {}  # request id -> (drafts, matched so far)
+        self._cursor = 0
+
+    def propose(self, running: list[Request]) -> None:
+        """Propose drafts for up to `per_step` running greedy decodes holding none yet."""
+        tried = examined = 0
+        n = len(running)
+        while examined < n and tried < self.per_step:
+            r = running[(self._cursor + examined) % n]
+            examined += 1
+            decoding = r.num_tokens - r.num_computed_tokens == 1
+            if r.request_id in self._open or not decoding or not can_speculate(r):
+                continue
+            tried += 1
+            drafts = self.proposer.propose(r.token_ids, r.max_tokens - r.num_output_tokens - 1)
+            if drafts:
+                self._open[r.request_id] = (drafts, 0)
+        # The next step starts after the last request examined: every one gets its turn.
+        self._cursor = (self._cursor + examined) % max(n, 1)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request's drafts (it finished, left, or verifies real ones)."""
+        self._open.pop(request_id, None)
+
+    def check(self, request: Request, new_tokens: list[int]) -> tuple[int, int]:
+        """Settle the request's drafts against the tokens it just appended: (1, drafts the model
+        produced) once they are settled (a token differs, or all were produced), else (0, 0)."""
+        entry = self._open.get(request.request_id)
+        if entry is None:
+            return 0, 0
+        drafts, matched = entry
+        for token in new_tokens:
+            if token != drafts[matched]:
+                break  # settled: the model left the drafts here
+            matched += 1
+            if matched == len(drafts):
+                break  # settled: every draft produced
+        else:  # every new token agreed and drafts remain: not settled yet
+            self._open[request.request_id] = (drafts, matched)
+            return 0, 0
+        del self._open[request.request_id]
+        return 1, matched

@@ -10,8 +10,9 @@ rows, `t_dec(B)`, and of B requests verifying K drafts each, `t_spec(B)`. A veri
 
     t_spec(B) <= (1 + a) * t_dec(B)
 
-with `a` the job's mean accepted drafts per verification so far (`SpeculationGate`), starting from
-a prior of one: at the start the K extra rows of each request may cost one decode row's share of the
+with `a` the job's mean accepted drafts per verification so far (`SpeculationGate`; while the gate
+is closed, drafts proposed but not verified count too, settled by the tokens the rows go on to
+produce: `spec_decode.ShadowDrafts`), starting from a prior of one: at the start the K extra rows of each request may cost one decode row's share of the
 step (`t_dec(B) / B` per request, B of them: `t_spec - t_dec <= t_dec`), and the gate widens or
 narrows as the job's acceptance shows. A summary copies whole phrases, and a small model's loops
 accept nearly every draft, so the gate a job settles on is its own. The boundary between the last
@@ -79,7 +80,8 @@ class SpeculationGate:
         return min(gate_from_points(self.points, 1.0 + self.accepted_per_verification), self.limit)
 
     def observe(self, num_drafts: int, num_accepted_tokens: int) -> None:
-        """Count a step's verifications and accepted drafts; the gate follows (unless fixed)."""
+        """Count a step's verifications (real or shadow) and accepted drafts; the gate follows
+        (unless fixed)."""
         if not num_drafts:
             return
         self.num_drafts += num_drafts
@@ -103,6 +105,15 @@ class SpeculationPlan:
 
     proposer: NgramProposer
     gate: SpeculationGate
+
+    def observe(self, sched: Any) -> int:
+        """Feed a step's verifications, real and shadow (a `SchedulerOutput`), to the gate;
+        returns the gate's running-batch limit for the next step."""
+        self.gate.observe(
+            sched.num_drafts + sched.num_shadow_drafts,
+            sched.num_accepted_tokens + sched.num_shadow_accepted_tokens,
+        )
+        return self.gate.max_batch
 
     def describe(self) -> str:
         p = self.proposer

@@ -18,7 +18,7 @@ from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.spec_decode import NgramProposer, accepted_tokens
+from batchgen.engine.spec_decode import NgramProposer, ShadowDrafts, accepted_tokens
 from batchgen.engine.spec_gate import SpeculationGate, gate_from_points
 from batchgen.model.step import StepOutput
 from batchgen.sampling_params import SamplingParams
@@ -303,3 +303,60 @@ def test_gate_off_above_the_batch() -> None:
             assert drafted_at == []
         else:
             assert drafted_at and set(drafted_at) == {1}
+
+
+def test_shadow_drafts_settle_on_the_tokens_that_follow() -> None:
+    shadow = ShadowDrafts(NgramProposer(3, 1, 2), per_step=1)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    a = Request("a", [1, 2, 3, 1, 2], params, 0.0, 20)
+    b = Request("b", [5, 6, 5, 6], params, 0.0, 20)
+    sampled = Request("s", [5, 6, 5, 6], SamplingParams(temperature=1.0, max_tokens=20), 0.0, 20)
+    for r in (a, b, sampled):
+        r.num_computed_tokens = r.num_tokens - 1  # decoding
+    shadow.propose([sampled, a, b])  # one a step: the sampled row is skipped, a gets [3, 1, 2]
+    assert shadow.check(b, [9]) == (0, 0)  # b holds none yet
+    assert shadow.check(a, [3]) == (0, 0)  # 1 of 3 produced: not settled
+    assert shadow.check(a, [1, 7]) == (1, 2)  # the third differs: 2 produced
+    assert shadow.check(a, [3]) == (0, 0)  # settled drafts are gone
+    shadow.propose([sampled, a, b])  # the cursor moved on: b gets [5, 6] after "5 6"
+    assert shadow.check(b, [5, 6, 5]) == (1, 2)  # every draft produced
+    shadow.propose([a])
+    shadow.drop("a")
+    assert shadow.check(a, [1, 2, 3]) == (0, 0)
+
+
+def test_a_closed_gate_learns_from_shadow_drafts() -> None:
+    """Gate 0: nothing is verified, outputs are those without speculation, and the shadow counts are
+    exactly what verification would have accepted, computed from the final outputs."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(11)] for _ in range(4)]
+    plain, _, _, _ = run_fake(prompts, spec=False)
+    proposals = []  # (the request's token list, its length then, the drafts)
+    real_propose = NgramProposer.propose
+
+    def recording(self, token_ids, max_drafts=None):
+        drafts = real_propose(self, token_ids, max_drafts)
+        if drafts:
+            proposals.append((token_ids, len(token_ids), drafts))
+        return drafts
+
+    NgramProposer.propose = recording
+    try:
+        spec, _, _, sched = run_fake(prompts, spec=True, gate=0)
+    finally:
+        NgramProposer.propose = real_propose
+    assert spec == plain
+    outs = [out for _, out in sched.steps]
+    assert sum(out.num_drafts for out in outs) == 0
+    expected_settled = expected_produced = 0
+    for tokens, length, drafts in proposals:
+        actual = tokens[length:]  # the list kept growing: it is the final sequence now
+        m = 0
+        while m < len(drafts) and m < len(actual) and actual[m] == drafts[m]:
+            m += 1
+        if m == len(drafts) or m < len(actual):  # settled before the request finished
+            expected_settled += 1
+            expected_produced += m
+    assert expected_settled > 10 and 0 < expected_produced
+    assert sum(out.num_shadow_drafts for out in outs) == expected_settled
+    assert sum(out.num_shadow_accepted_tokens for out in outs) == expected_produced

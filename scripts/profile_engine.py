@@ -40,6 +40,7 @@ C_KERNELS = (
     "amx_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "paged_prefill_attention_amx",
     "add_rms_norm_bf16",
     "silu_mul_bf16",
     "rotary_bf16",

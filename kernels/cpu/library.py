@@ -101,7 +101,7 @@ def _build(compiler: list[str], target: Path) -> dict:
         RuntimeError: no flag set compiled; the message holds the compiler's last error.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    error = ""
+    error = first_error = ""
     for flags in FLAG_SETS:
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as workdir:
             out = Path(workdir) / "lib.so"
@@ -109,8 +109,16 @@ def _build(compiler: list[str], target: Path) -> dict:
             result = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
                 error = result.stderr.strip()[-2000:]
+                first_error = first_error or error
                 continue
             data = out.read_bytes()
+        if flags != FLAG_SETS[0]:  # a lesser build runs much slower: say why the first one failed
+            logger.warning(
+                "CPU kernels built with %s only (%s failed: %s)",
+                " ".join(flags) or "no extra flags",
+                " ".join(FLAG_SETS[0]),
+                first_error[:500],
+            )
         record = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "flags": flags}
         write_atomically(target, data)
         write_atomically(target.with_suffix(".json"), json.dumps(record).encode())

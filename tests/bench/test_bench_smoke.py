@@ -232,7 +232,8 @@ def test_profile_engine_script_smoke(tiny_model_dir, tmp_path: Path) -> None:
     # Each request's last prompt step samples its first token, so decode steps carry the others.
     assert sum(phase_tokens) == prompt + output - 4
     # operator table printed, the linears under whichever path this CPU takes
-    assert any(op in proc.stdout for op in ("mkldnn::_linear_pointwise", "aten::mm", "batchgen::bf16_linear"))
+    linears = ("mkldnn::_linear_pointwise", "aten::mm", "batchgen::bf16_linear", "batchgen::amx_linear")
+    assert any(op in proc.stdout for op in linears)
 
 
 @pytest.mark.parametrize(

@@ -77,31 +77,48 @@ typedef struct {
   const int64_t *offset;
 } Args;
 
+/* The address of key t of one sequence's KV head h in the paged cache (NULL past its context). */
+static inline const uint16_t *cache_row(const Args *a, const uint16_t *cache, const int32_t *table, int h, int t,
+                                        int len) {
+  if (t >= len) return NULL;
+  const int64_t row_stride = (int64_t)a->num_kv_heads * a->head_dim, bs = a->block_size;
+  return cache + (int64_t)table[t / bs] * bs * row_stride + (t % bs) * row_stride + (int64_t)h * a->head_dim;
+}
+
 /* K^T and V of one sequence's KV head, gathered from the paged cache into the tiles' pair layouts,
- * zeros past the context. kt: per 16 keys, per 32 of D: 16 lines of [16 keys][2 d]. vt: per 32 keys,
- * per 16 of D: 16 lines of [16 d][2 keys]. */
+ * zeros past the context. kt: per 16 keys, per 32 of D, a tile of 16 lines [16 keys][2 d] (the
+ * keys' rows of 16 d-pairs, transposed as 16 x 16 words). vt: per 32 keys, per 16 of D, a tile of
+ * 16 lines [16 d][2 keys] (the rows of keys 2r and 2r + 1 interleaved). */
 static void gather_pairs(const Args *a, int b, int h) {
-  const int D = a->head_dim, len = a->seq_lens[b], bs = a->block_size;
+  const int D = a->head_dim, len = a->seq_lens[b];
   const int padded = (len + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
   const int64_t base = (a->offset[b] * a->num_kv_heads + (int64_t)h * padded) * D;
   uint16_t *kt = a->kt + base, *vt = a->vt + base;
-  const int64_t row_stride = (int64_t)a->num_kv_heads * D, block_stride = (int64_t)bs * row_stride;
   const int32_t *table = a->block_tables + b * a->table_stride;
-  for (int t = 0; t < padded; t++) {
-    const uint16_t *k = NULL, *v = NULL;
-    if (t < len) {
-      const int64_t at = (int64_t)table[t / bs] * block_stride + (t % bs) * row_stride + (int64_t)h * D;
-      k = a->k_cache + at, v = a->v_cache + at;
+  /* even 16-bit lanes from the first row's 16 values, odd ones from the second's */
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int t0 = 0; t0 < padded; t0 += 16) {
+    const uint16_t *k[16], *v[16];
+    for (int i = 0; i < 16; i++) {
+      k[i] = cache_row(a, a->k_cache, table, h, t0 + i, len);
+      v[i] = cache_row(a, a->v_cache, table, h, t0 + i, len);
     }
-    /* key t of 16-key group t / 16: line (d / 2) of its 32-d tile, column t % 16 */
-    uint16_t *kg = kt + (int64_t)(t / 16) * 16 * D;
-    /* key t of 32-key group t / 32: line (t % 32) / 2 of each 16-d tile, slot t % 2 */
-    uint16_t *vg = vt + (int64_t)(t / 32) * 32 * D;
-    for (int d = 0; d < D; d++) {
-      const uint16_t kv = k ? k[d] : 0, vv = v ? v[d] : 0;
-      kg[(d / 32) * 512 + ((d % 32) / 2) * 32 + (t % 16) * 2 + d % 2] = kv;
-      vg[(d / 16) * 512 + ((t % 32) / 2) * 32 + (d % 16) * 2 + t % 2] = vv;
+    for (int d0 = 0; d0 < D; d0 += 32) {
+      __m512i r[16];
+      for (int i = 0; i < 16; i++) r[i] = k[i] ? _mm512_loadu_si512(k[i] + d0) : _mm512_setzero_si512();
+      transpose_16x16(r);
+      uint16_t *tile = kt + (int64_t)(t0 / 16) * 16 * D + (d0 / 32) * 512;
+      for (int i = 0; i < 16; i++) _mm512_store_si512((void *)(tile + i * 32), r[i]);
     }
+    uint16_t *vg = vt + (int64_t)(t0 / 32) * 32 * D + ((t0 % 32) / 2) * 32; /* this half's 8 lines */
+    for (int d0 = 0; d0 < D; d0 += 16)
+      for (int i = 0; i < 16; i += 2) {
+        const __m256i lo = v[i] ? _mm256_loadu_si256((const __m256i *)(v[i] + d0)) : _mm256_setzero_si256();
+        const __m256i hi = v[i + 1] ? _mm256_loadu_si256((const __m256i *)(v[i + 1] + d0)) : _mm256_setzero_si256();
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        _mm512_store_si512((void *)(vg + (d0 / 16) * 512 + (i / 2) * 32), _mm512_permutexvar_epi16(interleave, both));
+      }
   }
 }
 

@@ -47,6 +47,31 @@ static inline __m512 exp_nonpositive16(__m512 x) {
   const __m512 value = _mm512_mul_ps(CEPHES_EXPF_POLY(r), _mm512_castsi512_ps(e));
   return _mm512_maskz_mov_ps(~underflow, value);
 }
+/* In-place transpose of a 16 x 16 matrix of 32-bit words held as 16 rows: 64 shuffles (pairs of
+ * words, then of 64-bit halves, then two rounds of 128-bit lanes). */
+static inline __attribute__((always_inline)) void transpose_16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  /* u[4g + c], 128-bit lane L: column 4L + c of rows 4g .. 4g + 3 */
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; c++) {
+    const __m512i even_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), odd_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i even_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88),
+                  odd_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(even_lo, even_hi, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(even_lo, even_hi, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0xdd);
+  }
+}
 #else
 #define HAVE_AVX512_BF16_OPS 0
 #endif

@@ -35,10 +35,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "avx512_bf16.h"
 #include "vector_math.h"
 
-#if defined(__AVX512BF16__) && LANES == 16
-#include <immintrin.h>
+#if defined(__AVX512BF16__) && LANES == 16 && HAVE_AVX512_BF16_OPS
 #define USE_DPBF16 1
 #else
 #define USE_DPBF16 0
@@ -152,32 +152,6 @@ static inline __attribute__((always_inline)) void stage_chunk_f32(const PrefillA
  * bf16 kernels, and their row sums are taken before that rounding. */
 static inline vf dot_pairs(vf acc, vu a, vu b) {
   return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
-}
-
-/* In-place transpose of a 16 x 16 matrix of 32-bit words held as 16 rows: 64 shuffles (pairs of
- * words, then of 64-bit halves, then two rounds of 128-bit lanes). */
-static inline __attribute__((always_inline)) void transpose_16x16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  /* u[4g + c], 128-bit lane L: column 4L + c of rows 4g .. 4g + 3 */
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; c++) {
-    const __m512i even_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), odd_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
-    const __m512i even_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88),
-                  odd_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
-    r[c] = _mm512_shuffle_i32x4(even_lo, even_hi, 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(even_lo, even_hi, 0xdd);
-    r[4 + c] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(odd_lo, odd_hi, 0xdd);
-  }
 }
 
 static inline __attribute__((always_inline)) void stage_chunk_pairs(const PrefillArgs *a, Scratch *w,

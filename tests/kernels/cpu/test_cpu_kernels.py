@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
 import tempfile
 import time
 
@@ -237,6 +239,22 @@ def test_builds_into_the_cache_once(fresh_library):
     built = list((fresh_library / "batchgen" / "cpu_kernels").glob("batchgen_cpu-*.so"))
     assert len(built) == 1
     assert cpu_kernels.load_library() is lib
+
+
+def test_the_kernels_compile_with_the_first_flag_set_where_the_compiler_takes_it(fresh_library, tmp_path):
+    """A compile error in one kernel source must not pass unseen: the build would fall back to a
+    flag set without -march=native, and every kernel would run (correctly but) several times slower."""
+    compiler = cpu_kernels._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    probe = tmp_path / "probe.c"
+    probe.write_text("int probe(void) { return 1; }\n")
+    flags = [*cpu_kernels.BASE_FLAGS, *cpu_kernels.FLAG_SETS[0]]
+    if subprocess.run([*compiler, *flags, str(probe), "-o", str(tmp_path / "probe.so")]).returncode != 0:
+        pytest.skip(f"{compiler[0]} does not take {' '.join(cpu_kernels.FLAG_SETS[0])}")
+    assert cpu_kernels.load_library() is not None
+    (record,) = (fresh_library / "batchgen" / "cpu_kernels").glob("batchgen_cpu-*.json")
+    assert json.loads(record.read_text())["flags"] == cpu_kernels.FLAG_SETS[0]
 
 
 def test_a_new_build_prunes_builds_unused_for_a_month(fresh_library):

@@ -134,6 +134,11 @@ def run_command(
     one_weight_layout: opt.OneWeightLayout = EngineConfig.one_weight_layout,
     device: opt.Device = EngineConfig.device,
     num_threads: opt.NumThreads = EngineConfig.num_threads,
+    speculative_method: opt.SpeculativeMethod = EngineConfig.speculative_method,
+    num_speculative_tokens: opt.NumSpeculativeTokens = EngineConfig.num_speculative_tokens,
+    prompt_lookup_min: opt.PromptLookupMin = EngineConfig.prompt_lookup_min,
+    prompt_lookup_max: opt.PromptLookupMax = EngineConfig.prompt_lookup_max,
+    speculative_max_batch: opt.SpeculativeMaxBatch = EngineConfig.speculative_max_batch,
     # --- job mechanics ---
     no_dashboard: Annotated[
         bool, typer.Option("--no-dashboard", help="Plain progress lines instead of the live view")

@@ -26,6 +26,7 @@ from batchgen.config import (
     KERNEL_MODES,
     MAX_THROUGHPUT,
     PREEMPTION_MODES,
+    SPECULATIVE_METHODS,
     parse_memory_size,
 )
 from batchgen.sampling_params import SamplingDefaults
@@ -91,6 +92,25 @@ OneWeightLayout = Annotated[
 ]
 Device = Annotated[str, typer.Option(help=choices(DEVICES))]
 NumThreads = Annotated[int | None, typer.Option(help="torch CPU threads")]
+SpeculativeMethod = Annotated[
+    str | None,
+    typer.Option(
+        help=choices(SPECULATIVE_METHODS) + ": prompt-lookup speculative decoding for greedy rows "
+        "(token-identical output; sampled rows decode as before); default off"
+    ),
+]
+NumSpeculativeTokens = Annotated[
+    int | None, typer.Option(help="Draft tokens verified per request and step (default 4)")
+]
+PromptLookupMin = Annotated[int | None, typer.Option(help="Shortest n-gram matched for drafts (default 2)")]
+PromptLookupMax = Annotated[int | None, typer.Option(help="Longest n-gram matched for drafts (default 4)")]
+SpeculativeMaxBatch = Annotated[
+    int | None,
+    typer.Option(
+        help="Speculate only while at most this many requests run (0 = never; default: measured "
+        "at start from this machine's step costs, cached)"
+    ),
+]
 
 # The parameter names above, as both commands spell them (EngineConfig's field names).
 ENGINE_OPTIONS = (
@@ -112,6 +132,11 @@ ENGINE_OPTIONS = (
     "one_weight_layout",
     "device",
     "num_threads",
+    "speculative_method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "speculative_max_batch",
 )
 
 

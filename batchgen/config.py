@@ -28,6 +28,20 @@ DTYPE_ALIASES = {
     "bf16": "bfloat16",
 }
 DEVICES = ("auto", "cpu", "cuda")
+# Speculative decoding methods (vLLM's `speculative_config["method"]` names); None = off.
+SPECULATIVE_METHODS = ("ngram",)
+# n-gram (prompt lookup) defaults when the option is not given: 4 draft tokens matched on the last 2
+# to 4 tokens (see docs/benchmarks.md, "Prompt-lookup speculative decoding").
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+DEFAULT_PROMPT_LOOKUP_MIN = 2
+DEFAULT_PROMPT_LOOKUP_MAX = 4
+# The options that apply only with a speculative method.
+SPECULATIVE_FIELDS = (
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "speculative_max_batch",
+)
 
 GiB = 1 << 30
 
@@ -130,6 +144,14 @@ class EngineConfig:
         device: "auto" (cuda when available), "cpu" or "cuda".
         seed: seed of the generator used by sampled requests that have no `seed` of their own.
         num_threads: torch intra-op threads on CPU; None keeps torch's default.
+        speculative_method: "ngram" (prompt lookup: draft tokens copied from the request's own
+            prompt and output, verified in one forward, `batchgen.engine.spec_decode`) or None (off).
+        num_speculative_tokens: most draft tokens verified per request and step (K); None = 4.
+        prompt_lookup_min / prompt_lookup_max: the n-gram lengths matched (the last n tokens, n from
+            max down to min); None = 2 and 4 (one given alone sets the other to it when needed).
+        speculative_max_batch: speculation runs only while the running batch holds at most this
+            many requests (0: never); None = measured when the engine starts
+            (`batchgen.engine.spec_gate`).
 
     Raises:
         TypeError / ValueError: naming the option and its allowed range.
@@ -155,6 +177,11 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    speculative_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         self.dtype = canonical_dtype(self.dtype)
@@ -185,6 +212,38 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         if self.num_threads is not None:
             _check_positive_int("num_threads", self.num_threads)
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """Validate the speculative options and resolve their defaults (only with a method)."""
+        if self.speculative_method is None:
+            given = [name for name in SPECULATIVE_FIELDS if getattr(self, name) is not None]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} apply only with speculative decoding; set speculative_method "
+                    "'ngram' (flag --speculative-method ngram) or drop them"
+                )
+            return
+        _check_choice("speculative_method", self.speculative_method, SPECULATIVE_METHODS)
+        for name in SPECULATIVE_FIELDS[:3]:
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if self.speculative_max_batch is not None:
+            _check_positive_int("speculative_max_batch", self.speculative_max_batch, minimum=0)
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low, high = DEFAULT_PROMPT_LOOKUP_MIN, DEFAULT_PROMPT_LOOKUP_MAX
+        elif low is None:
+            low = min(DEFAULT_PROMPT_LOOKUP_MIN, high)
+        elif high is None:
+            high = max(DEFAULT_PROMPT_LOOKUP_MAX, low)
+        if low > high:
+            raise ValueError(
+                f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high}); lower the first or raise the second"
+            )
+        self.prompt_lookup_min, self.prompt_lookup_max = low, high
 
     @property
     def kv_cache_bytes(self) -> int:

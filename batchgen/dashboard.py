@@ -209,6 +209,11 @@ class Dashboard:
             "kv cache": f"{100 * s.kv_cache_usage:.0f}%" if s else "-",
             "prefix hit": f"{100 * t.prefix_cache_hit_rate:.0f}%",
             "preemptions": str(t.preemptions),
+            # Speculative decoding: draft tokens accepted / verified since start ("-" before any).
+            "spec decode": f"{t.spec_decode_num_accepted_tokens}/{t.spec_decode_num_draft_tokens} "
+            f"drafts accepted ({100 * t.spec_decode_acceptance_rate:.0f}%)"
+            if t.spec_decode_num_draft_tokens
+            else "-",
         }
 
     # ----- views -----
@@ -221,6 +226,7 @@ class Dashboard:
             f"[batchgen] rows {f['rows']} err {f['errors']} | gen {f['gen tok/s']} tok/s "
             f"prompt {f['prompt tok/s']} tok/s | batch {f['batch']} | {f['queues']} | kv {f['kv cache']} "
             f"| prefix hit {f['prefix hit']} | preempt {f['preemptions']} | elapsed {f['elapsed']}{eta}"
+            + (f" | spec {f['spec decode']}" if f["spec decode"] != "-" else "")
         )
 
     def render(self) -> RenderableType:

@@ -35,6 +35,11 @@ METRICS: tuple[tuple[Any, ...], ...] = (
     ("preemptions", "counter", "num_preemptions", "Preemptions of running requests."),
     ("pc_queries", "counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("pc_hits", "counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    # Speculative decoding (vLLM's names); the acceptance rate is PromQL's
+    # rate(..._num_accepted_tokens_total) / rate(..._num_draft_tokens_total).
+    ("spec_drafts", "counter", "spec_decode_num_drafts", "Speculative decoding: verifications of draft tokens."),
+    ("spec_draft_tokens", "counter", "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."),
+    ("spec_accepted", "counter", "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
     ("committed", "counter", "rows_committed", "Rows committed to part files by this run (error rows included)."),
     ("errored", "counter", "rows_errored", "Rows that finished as error rows in this run."),
     ("success", "counter", "request_success", "Requests finished, by finish reason."),
@@ -124,6 +129,9 @@ def apply_step(m: dict[str, Any], s: Any) -> None:
     m["preemptions"].inc(s.num_preemptions)
     m["pc_queries"].inc(s.prefix_cache_queries)
     m["pc_hits"].inc(s.prefix_cache_hits)
+    m["spec_drafts"].inc(s.num_drafts)
+    m["spec_draft_tokens"].inc(s.num_draft_tokens)
+    m["spec_accepted"].inc(s.num_accepted_tokens)
     m["step_time"].observe(s.step_time_s)
     m["step_tokens"].observe(s.num_batched_tokens)
     m["step_seqs"].observe(s.num_seqs)

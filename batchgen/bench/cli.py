@@ -133,6 +133,17 @@ def bench_command(
     one_weight_layout: opt.OneWeightLayout = EngineConfig.one_weight_layout,
     device: opt.Device = EngineConfig.device,
     num_threads: opt.NumThreads = EngineConfig.num_threads,
+    speculative_method: Annotated[
+        str,
+        typer.Option(
+            help="Comma list of none, ngram: each continuous configuration runs once per item "
+            "(ngram: prompt-lookup speculative decoding, named <config>+ngram)"
+        ),
+    ] = "none",
+    num_speculative_tokens: opt.NumSpeculativeTokens = EngineConfig.num_speculative_tokens,
+    prompt_lookup_min: opt.PromptLookupMin = EngineConfig.prompt_lookup_min,
+    prompt_lookup_max: opt.PromptLookupMax = EngineConfig.prompt_lookup_max,
+    speculative_max_batch: opt.SpeculativeMaxBatch = EngineConfig.speculative_max_batch,
 ) -> None:
     """Benchmark continuous against static batching, Hugging Face and vLLM on one workload.
 
@@ -145,6 +156,9 @@ def bench_command(
     from rich.console import Console
 
     engine = opt.engine_options(locals())
+    methods = _speculative_methods(speculative_method)
+    # The engine options carry the method that speculates; each configuration turns it on or off.
+    engine["speculative_method"] = next((m for m in methods if m is not None), None)
 
     from batchgen.bench.runner import run_bench
     from batchgen.bench.settings import BenchSettings
@@ -177,6 +191,7 @@ def bench_command(
             warmup_run=warmup_run,
             vllm_python=str(vllm_python) if vllm_python is not None else None,
             vllm_timeout_s=vllm_timeout or None,
+            speculative_methods=methods,
         )
         # Everything that can fail without the model fails now, not after minutes of benchmarking.
         resolve_device(settings.engine.device)
@@ -197,6 +212,12 @@ def bench_command(
         c["status"] == "failed" and c["kind"] in ("continuous", "static") for c in report["configurations"]
     ):
         raise typer.Exit(code=1)
+
+
+def _speculative_methods(text: str) -> list[str | None]:
+    """`--speculative-method`'s comma list, each item once, in order: None for "none"."""
+    items = (p.strip() for p in text.split(","))
+    return list(dict.fromkeys(None if p.lower() == "none" else p for p in items if p))
 
 
 def _check_outputs(output: Path | None, plot: Path | None) -> None:

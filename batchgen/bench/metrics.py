@@ -10,6 +10,9 @@ Definitions (vLLM's benchmark names):
     output tokens/s   real output tokens (padding never counts) / wall time.
     total tokens/s    (real prompt tokens + real output tokens) / wall time.
     wall time         bench start (time 0, where arrivals are measured from) -> last finish.
+    tail              the moment fewer than `TAIL_REQUESTS` requests are left unfinished -> last
+                      finish: the end of a job, where the batch shrinks and the machine idles.
+    acceptance rate   speculative decoding: draft tokens accepted / draft tokens verified.
     mean batch size   mean over steps of the sequences in the step (running batch size).
 All times are `time.perf_counter()` seconds relative to the configuration's start.
 A run whose `extra["per_request_times"]` is False (the vLLM baseline) knows only its wall time: its
@@ -31,6 +34,9 @@ import psutil
 import torch
 
 from batchgen.kernels.cpu.linear import release_freed_heap
+
+# The tail starts when fewer than this many requests are left (issue 27's definition).
+TAIL_REQUESTS = 8
 
 
 @dataclass
@@ -62,7 +68,8 @@ class StepRecord:
     `num_sampled`, `num_attended_keys` and `num_context_tokens` set the step's roofline
     (`batchgen.bench.roofline`, see `StepStats` for their meaning); `num_prompt_tokens` (prefill
     tokens computed, padding included) and `step_time_s` (seconds) split the run's time into
-    prefill and decode.
+    prefill and decode; `num_draft_tokens` / `num_accepted_tokens` count speculative draft tokens
+    verified / accepted.
     """
 
     t: float
@@ -78,6 +85,8 @@ class StepRecord:
     num_context_tokens: int | None = None
     num_prompt_tokens: int | None = None
     step_time_s: float | None = None
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
 
 
 @dataclass
@@ -108,7 +117,7 @@ class RunResult:
     def timeline(self) -> dict[str, list[float]]:
         """Per-step arrays (`t`, `num_seqs`, `num_batched_tokens`, `num_generation_tokens`, and for
         batchgen's configurations `num_sampled`, `num_attended_keys`, `num_context_tokens`,
-        `num_prompt_tokens`, `step_time_s`)."""
+        `num_prompt_tokens`, `step_time_s`, `num_draft_tokens`, `num_accepted_tokens`)."""
         out = {
             "t": [round(s.t, 6) for s in self.steps],
             "num_seqs": [s.num_seqs for s in self.steps],
@@ -121,6 +130,8 @@ class RunResult:
             "num_context_tokens",
             "num_prompt_tokens",
             "step_time_s",
+            "num_draft_tokens",
+            "num_accepted_tokens",
         ):
             if self.steps and all(getattr(s, key) is not None for s in self.steps):
                 out[key] = [getattr(s, key) for s in self.steps]
@@ -192,6 +203,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "prefill_step_s": sum(s.step_time_s for s in timed if s.num_prompt_tokens) if timed_all else None,
         "decode_step_s": sum(s.step_time_s for s in timed if not s.num_prompt_tokens) if timed_all else None,
     }
+    out |= _tail_and_speculation(result, ok, wall)
     out |= {
         "num_steps": len(seqs),
         "batch_size_mean": float(np.mean(seqs)) if seqs else None,
@@ -218,6 +230,21 @@ def summarize(result: RunResult) -> dict[str, Any]:
     )
     out |= result.resources
     return out
+
+
+def _tail_and_speculation(result: RunResult, ok: list[RequestRecord], wall: float) -> dict[str, Any]:
+    """`tail_s` (see the module docstring; the whole wall time when fewer than `TAIL_REQUESTS`
+    requests ran) and the speculative decoding counts (None without them)."""
+    finishes = sorted(r.finish for r in ok)
+    tail_start = finishes[-TAIL_REQUESTS] if len(finishes) >= TAIL_REQUESTS else 0.0
+    drafts = _sum_or_none([s.num_draft_tokens for s in result.steps])
+    accepted = _sum_or_none([s.num_accepted_tokens for s in result.steps])
+    return {
+        "tail_s": wall - tail_start if finishes else None,
+        "spec_decode_num_draft_tokens": drafts,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_acceptance_rate": accepted / drafts if drafts and accepted is not None else None,
+    }
 
 
 # --- resources ----------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ RATIO_KEYS = (
     "e2e_p99_s",
     "tpot_mean_s",
     "wall_s",
+    "tail_s",
     "roofline_s",
 )
 

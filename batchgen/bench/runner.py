@@ -2,7 +2,8 @@
 
 Configurations, in this order (ratios in the report are against the first one that ran):
     continuous/<policy>  batchgen's continuous batching (`bench.continuous`), once per `--policy`,
-                         each in a fresh engine
+                         each in a fresh engine; once per `--speculative-method` item too, named
+                         continuous/<policy>+ngram with speculative decoding ("none": without)
     static/b<N>          padded static batches of N through batchgen's engine (`bench.static`)
     hf-static/b<N>       transformers `generate` in padded static batches of N (`bench.hf_baselines`)
     hf-cb                transformers' continuous batching
@@ -215,19 +216,23 @@ def median_run(runs: list[RunResult]) -> RunResult:
     """The run with the median wall time (the lower middle one for an even count).
 
     A failed or skipped run wins over the others, so no failure is hidden by a repeat. With several
-    runs, `extra["runs_wall_s"]` lists every run's wall time (seconds) in run order.
+    runs, `extra["runs_wall_s"]` and `extra["runs_tail_s"]` list every run's wall time and tail
+    (seconds) in run order.
     """
     bad = [r for r in runs if r.skipped]
     if bad or len(runs) == 1:
         return (bad or runs)[0]
-    walls = [summarize(r)["wall_s"] for r in runs]
+    metrics = [summarize(r) for r in runs]
+    walls = [m["wall_s"] for m in metrics]
     order = sorted(range(len(runs)), key=walls.__getitem__)
     chosen = runs[order[(len(runs) - 1) // 2]]
     chosen.extra["runs_wall_s"] = [round(w, 3) for w in walls]
+    chosen.extra["runs_tail_s"] = [None if m["tail_s"] is None else round(m["tail_s"], 3) for m in metrics]
     which = "median" if len(runs) % 2 else "faster of the two middle runs" if len(runs) > 2 else "faster"
+    tails = ", ".join("-" if t is None else f"{t:.1f}" for t in chosen.extra["runs_tail_s"])
     chosen.notes.append(
         f"{chosen.name}: {which} of {len(runs)} runs by wall time; every run: "
-        f"{', '.join(f'{w:.1f}' for w in walls)} s"
+        f"{', '.join(f'{w:.1f}' for w in walls)} s (tails {tails} s)"
     )
     return chosen
 
@@ -262,6 +267,9 @@ def _run_one(
         else:
             result = run_static(engine, workload, settings.static_batch_size, pad, plan.name, monitor)
         _record_kernels(result, engine)
+        if (speculation := getattr(engine, "speculation", None)) is not None:
+            result.extra["speculation"] = speculation.describe()
+            result.notes.append(f"{plan.name}: {speculation.describe()}")
         return result
     if facts.hf_dir is None:
         facts.hf_dir = resolve_hf_dir(settings.engine.model)

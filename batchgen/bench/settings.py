@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from batchgen.bench.spec import WorkloadSpec
-from batchgen.config import FCFS, POLICY_NAMES, EngineConfig
+from batchgen.config import FCFS, POLICY_NAMES, SPECULATIVE_FIELDS, SPECULATIVE_METHODS, EngineConfig
 
 MODES = ("continuous", "static")
 BASELINES = ("hf-static", "hf-cb", "vllm")
@@ -34,6 +34,8 @@ class BenchSettings:
             docs/benchmarks.md).
         vllm_python: the interpreter of a virtual environment with vLLM (baseline `vllm` only).
         vllm_timeout_s: stop a vLLM run after this many seconds (None = never).
+        speculative_methods: the continuous configurations run once per item: None without
+            speculative decoding, "ngram" with it (the other speculative options from `engine`).
     """
 
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
@@ -47,6 +49,7 @@ class BenchSettings:
     warmup_run: bool = True
     vllm_python: str | None = None
     vllm_timeout_s: float | None = None
+    speculative_methods: list[str | None] = field(default_factory=lambda: [None])
 
     def __post_init__(self) -> None:
         for name, values, allowed in (
@@ -67,6 +70,14 @@ class BenchSettings:
                 f"--policy {','.join(self.policies)} applies to --mode continuous only; add continuous "
                 "to --mode or drop --policy"
             )
+        bad = [m for m in self.speculative_methods if m not in (None, *SPECULATIVE_METHODS)]
+        if bad or not self.speculative_methods:
+            raise ValueError(
+                f"speculative method must be a comma list of none, {', '.join(SPECULATIVE_METHODS)}; "
+                f"got {', '.join(map(str, bad)) or 'nothing'}"
+            )
+        if any(self.speculative_methods) and self.engine.speculative_method is None:
+            raise ValueError("the engine options need speculative_method set when a configuration speculates")
         if self.static_batch_size < 1:
             raise ValueError(f"static_batch_size must be >= 1, got {self.static_batch_size}")
         if self.repeat < 1:
@@ -91,6 +102,7 @@ class ConfigPlan:
     name: str
     kind: str
     policy: str | None = None
+    speculative: str | None = None
 
 
 def plan_configs(settings: BenchSettings) -> list[ConfigPlan]:
@@ -99,7 +111,11 @@ def plan_configs(settings: BenchSettings) -> list[ConfigPlan]:
     plans: list[ConfigPlan] = []
     for mode in settings.modes:
         if mode == "continuous":
-            plans += [ConfigPlan(f"continuous/{p}", "continuous", p) for p in settings.policies]
+            plans += [
+                ConfigPlan(f"continuous/{p}" + (f"+{m}" if m else ""), "continuous", p, m)
+                for p in settings.policies
+                for m in settings.speculative_methods
+            ]
         else:
             plans.append(ConfigPlan(f"static/b{b}", "static", FCFS))
     for base in settings.baselines:
@@ -110,6 +126,11 @@ def plan_configs(settings: BenchSettings) -> list[ConfigPlan]:
 
 
 def engine_config_for(settings: BenchSettings, plan: ConfigPlan) -> EngineConfig:
-    """The engine options of one batchgen configuration: the policy, and prefix caching off for static."""
+    """The engine options of one batchgen configuration: the policy, prefix caching off for static,
+    and the speculative options only for a configuration that speculates."""
     caching = settings.engine.enable_prefix_caching and plan.kind != "static"
-    return dataclasses.replace(settings.engine, policy=plan.policy or FCFS, enable_prefix_caching=caching)
+    config = dataclasses.replace(settings.engine, policy=plan.policy or FCFS, enable_prefix_caching=caching)
+    if plan.speculative is None and config.speculative_method is not None:
+        off = dict.fromkeys(SPECULATIVE_FIELDS)
+        config = dataclasses.replace(config, speculative_method=None, **off)
+    return config

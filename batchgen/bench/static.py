@@ -67,11 +67,14 @@ def step_record(stats: Any, t0: float, real_generation_tokens: int | None = None
         num_preemptions=stats.num_preemptions,
         prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits,
-        num_sampled=stats.num_generation_tokens,
+        # Rows of the LM head: one per sampled token, plus one per draft token verified.
+        num_sampled=stats.num_generation_tokens - stats.num_accepted_tokens + stats.num_draft_tokens,
         num_attended_keys=stats.num_attended_keys,
         num_context_tokens=stats.num_context_tokens,
         num_prompt_tokens=stats.num_prompt_tokens,
         step_time_s=stats.step_time_s,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
     )
 
 

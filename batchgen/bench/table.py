@@ -18,6 +18,16 @@ _ROWS: list[tuple[str, str, str, float, bool]] = [
     # The machine's matmul rate measured on either side of the run: a slow phase shows here.
     ("matmul GFLOP/s around run", "matmul_flops_per_s", "{:.0f}", 1e-9, False),
     ("wall time (s)", "wall_s", "{:.1f}", 1, True),
+    # From the moment fewer than 8 requests are left to the end (`metrics.TAIL_REQUESTS`).
+    ("tail: < 8 requests left (s)", "tail_s", "{:.1f}", 1, True),
+    (
+        "drafts accepted / verified",
+        ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens"),
+        "{:d}",
+        1,
+        False,
+    ),  # fmt: skip
+    ("draft acceptance rate", "spec_decode_acceptance_rate", "{:.1%}", 1, False),
     # Steps that computed prompt tokens / steps of decodes only: which phase a schedule saves in.
     ("prefill / decode steps (s)", ("prefill_step_s", "decode_step_s"), "{:.1f}", 1, False),
     ("TTFT mean (s)", "ttft_mean_s", "{:.2f}", 1, True),

@@ -10,6 +10,7 @@ and hash in an O(1) LRU pool (an `OrderedDict`) and are evicted only when a fres
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,6 +94,16 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks held by live requests."""
         return self.num_used_blocks / self.num_blocks
+
+    def num_fresh_free_blocks(self, limit: int) -> int:
+        """Free blocks holding no cached prefix, counted from the front of the pool up to `limit`:
+        the blocks the next allocations take without evicting anything (O(limit))."""
+        count = 0
+        for block_id in itertools.islice(self.free_queue, limit):
+            if self.blocks[block_id].block_hash is not None:
+                break
+            count += 1
+        return count
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens (ceiling division by `block_size`)."""
@@ -201,6 +212,24 @@ class BlockManager:
                     self.free_queue.move_to_end(block_id, last=False)
         request.block_table = []
         request.block_hashes = []
+
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks past the first `num_tokens` tokens: the blocks taken only for
+        speculative draft tokens that were rejected (their slots are rolled back).
+
+        Such blocks were fresh (`allocate_slots` takes no cached block past the computed tokens) and
+        never hashed (`cache_full_blocks` reads computed tokens only), so they go back to the front of
+        the free pool, last first: the pool is in the order it had before they were taken, and the
+        next allocation gets the same blocks a run without speculation would.
+        """
+        keep = self.blocks_needed(num_tokens)
+        while len(request.block_table) > keep:
+            block = self.blocks[request.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block.block_id, last=False)
 
     # ---- swap ----
     def can_swap_out(self, request: Request) -> bool:

@@ -16,6 +16,7 @@ from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sizing import plan_engine, resolve_dtype, slow_dtype_reason
+from batchgen.engine.spec_gate import plan_speculation
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
 from batchgen.model.loading import loader
@@ -87,6 +88,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, self.block_size, config.enable_prefix_caching, num_swap_blocks
         )
+        self.speculation = plan_speculation(config, self.runner, self.max_num_batched_tokens, self.dtype)
         self.scheduler = Scheduler(
             self.block_manager,
             make_policy(config.policy, config.aging_steps),
@@ -96,6 +98,8 @@ class LLMEngine:
             config.preemption_mode,
             tokenizer=self.tokenizer,
             max_model_len=self.max_model_len,
+            proposer=self.speculation.proposer if self.speculation else None,
+            speculative_max_batch=self.speculation.gate.max_batch if self.speculation else 0,
         )
         self.requests: dict[str, Request] = {}
         self.groups = SampleGroups()  # requests with n > 1
@@ -110,8 +114,12 @@ class LLMEngine:
 
     @property
     def start_line(self) -> str:
-        """What the engine settled on at start, for the job's log: the kernel choice."""
-        return f"kernels {self.kernel_summary}" if self.kernel_summary else ""
+        """What the engine settled on at start, for the job's log: the kernel choice and the
+        speculative decoding gate."""
+        parts = [f"kernels {self.kernel_summary}"] if self.kernel_summary else []
+        if self.speculation is not None:
+            parts.append(self.speculation.describe())
+        return "; ".join(parts)
 
     # ---- requests ----
     def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -267,7 +275,9 @@ class LLMEngine:
             del self.requests[r.request_id]
             finished.append(self._output(r))
         outputs = self.groups.collect(finished)
-        self._record(sched, start, now, len(sampled.token_ids), len(outputs), kv_cache_usage)
+        if self.speculation is not None:  # the gate follows the job's acceptance
+            self.scheduler.speculative_max_batch = self.speculation.observe(sched)
+        self._record(sched, start, now, len(outputs), kv_cache_usage)
         return outputs
 
     def _step_inputs(self, sched: SchedulerOutput) -> list[StepInput]:
@@ -278,12 +288,15 @@ class LLMEngine:
             banned = None
             if item.samples and r.num_output_tokens < p.min_tokens:
                 banned = sorted(r.eos_token_ids | set(p.stop_token_ids or ()))
+            drafts = item.spec_token_ids
             inputs.append(
                 StepInput(
-                    token_ids=r.token_ids[item.start : item.start + item.num_new_tokens],
+                    token_ids=r.token_ids[item.start : item.start + item.num_new_tokens - len(drafts)]
+                    + drafts,
                     start=item.start,
                     block_table=r.block_table,
                     sample=item.samples,
+                    num_draft_tokens=len(drafts),
                     temperature=0.0 if p.greedy else float(p.temperature),
                     top_k=p.top_k,
                     top_p=p.top_p,
@@ -350,11 +363,10 @@ class LLMEngine:
         sched: SchedulerOutput,
         start: float,
         now: float,
-        num_sampled: int,
         num_finished: int,
         kv_cache_usage: float,
     ) -> None:
-        decodes = sched.num_decodes
+        decodes = sched.num_decodes + sched.num_verify_tokens  # tokens that are not prompt tokens
         stats = StepStats(
             step=self.totals.steps,
             time=now,
@@ -362,7 +374,7 @@ class LLMEngine:
             num_seqs=len(sched.scheduled),
             num_batched_tokens=sched.num_batched_tokens,
             num_prompt_tokens=sched.num_batched_tokens - decodes,
-            num_generation_tokens=num_sampled,
+            num_generation_tokens=sched.num_output_tokens,
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             num_swapped=len(self.scheduler.swapped),
@@ -371,6 +383,9 @@ class LLMEngine:
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
             num_finished=num_finished,
+            num_drafts=sched.num_drafts,
+            num_draft_tokens=sched.num_draft_tokens,
+            num_accepted_tokens=sched.num_accepted_tokens,
             num_context_tokens=sum(s.start + s.num_new_tokens for s in sched.scheduled),
             # tokens start .. start + n - 1 attend to start + 1 .. start + n keys
             num_attended_keys=sum(

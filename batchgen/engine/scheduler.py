@@ -8,6 +8,11 @@ share a step. Running requests come first, then swapped ones, then waiting ones 
 The scheduler owns the request lifecycle: `schedule()` decides a step, `update()` applies what the
 step sampled (tokens appended, stop conditions, full blocks cached, finished requests freed), as
 vLLM v1's `update_from_output` and nano-vllm's `postprocess` do.
+
+With a `proposer` (speculative decoding, `engine.spec_decode`), a running greedy decode may carry
+draft tokens while the running batch is at most `speculative_max_batch`: it is scheduled as
+`1 + len(drafts)` tokens, and `update()` keeps the drafts the model agrees with and rolls the rest
+back (computed tokens, and the blocks taken only for rejected drafts).
 """
 
 from __future__ import annotations
@@ -15,64 +20,17 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.detokenizer import check_stop
 from batchgen.engine.policy import Policy
 from batchgen.engine.request import Request, RequestStatus
-from batchgen.model.step import StepOutput, is_decode
+from batchgen.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from batchgen.engine.spec_decode import NgramProposer, ShadowDrafts, accepted_tokens, can_speculate
+from batchgen.model.step import StepOutput
 
-
-@dataclass
-class ScheduledRequest:
-    """A request's share of a step: `num_new_tokens` tokens from position `start` on.
-
-    `samples` (set at construction, so it still holds once the step's token is appended): the step
-    reaches the request's last token, so a new token is sampled.
-    """
-
-    request: Request
-    start: int
-    num_new_tokens: int
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return is_decode(self.num_new_tokens, self.samples)
-
-
-@dataclass
-class SchedulerOutput:
-    """The scheduler's decision for one step, consumed by the model runner.
-
-    Attributes:
-        scheduled: the step's requests, decodes (`ScheduledRequest.is_decode`) first, then
-            prefill chunks.
-        swap_out: (device block, CPU block) copies to run before anything else.
-        swap_in: (CPU block, device block) copies to run before the forward pass.
-        preempted: requests preempted in this step.
-        prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
-    """
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -88,6 +46,9 @@ class Scheduler:
         preemption_mode: "recompute" or "swap" (falls back to recompute when swap space is full).
         tokenizer: decodes outputs for stop strings (None: no request may have stop strings).
         max_model_len: a request stops ("length") once it holds this many tokens (None: no limit).
+        proposer: draft tokens for greedy decodes (None: no speculative decoding).
+        speculative_max_batch: drafts are proposed only in steps that start with at most this
+            many running requests (the gate; 0: never).
     """
 
     def __init__(
@@ -101,6 +62,8 @@ class Scheduler:
         *,
         tokenizer: Any = None,
         max_model_len: int | None = None,
+        proposer: NgramProposer | None = None,
+        speculative_max_batch: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.policy = policy
@@ -110,6 +73,9 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.tokenizer = tokenizer
         self.max_model_len = sys.maxsize if max_model_len is None else max_model_len
+        self.proposer = proposer
+        self.speculative_max_batch = speculative_max_batch
+        self.shadow = ShadowDrafts(proposer) if proposer is not None else None
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.step_index = 0
@@ -133,6 +99,8 @@ class Scheduler:
 
     def remove(self, request: Request) -> None:
         """Take an unfinished request out of every queue and release its blocks (abort)."""
+        if self.shadow is not None:
+            self.shadow.drop(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.swapped:
@@ -149,9 +117,22 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_running: list[Request] = []
         queue = list(self.running)
+        speculate = self.proposer is not None and len(queue) <= self.speculative_max_batch
+        if self.shadow is not None and not speculate:  # the gate learns the acceptance while closed
+            self.shadow.propose(self.running)
         while queue and budget > 0:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if speculate and request.num_tokens - request.num_computed_tokens == 1:
+                drafts = self._draft(request, budget, len(queue))
+                if drafts:
+                    self.shadow.drop(request.request_id)
+                    scheduled_running.append(request)
+                    out.scheduled.append(
+                        ScheduledRequest(request, request.num_computed_tokens, 1 + len(drafts), drafts)
+                    )
+                    budget -= 1 + len(drafts)
+                    continue
             while self.block_manager.allocate_slots(request, num_new) is None:
                 victim = self.policy.victim(queue + [request])
                 self._preempt(victim, out)
@@ -175,6 +156,29 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: 0 if s.is_decode else 1)
         self.step_index += 1
         return out
+
+    def _draft(self, request: Request, budget: int, num_after: int) -> list[int]:
+        """Draft tokens for a running decode, with their slots allocated, or [] (then the request
+        is scheduled as a plain decode). Drafts never cost another request its place: each of the
+        `num_after` running requests still to schedule keeps one token of `budget` and one free
+        block, so drafts never cause a preemption. Their extra blocks are fresh ones only (never
+        a cached prefix evicted for a draft that may be rejected), and they never run past
+        `max_tokens`."""
+        if not can_speculate(request):
+            return []
+        room = min(budget - 1 - num_after, request.max_tokens - request.num_output_tokens - 1)
+        drafts = self.proposer.propose(request.token_ids, room) if room > 0 else []
+        if not drafts:
+            return []
+        bm = self.block_manager
+        most_extra = max(bm.blocks_needed(request.num_tokens + len(drafts)) - len(request.block_table), 0)
+        extra = max(bm.num_fresh_free_blocks(num_after + most_extra) - num_after, 0)
+        # Slots for the last token and the drafts (positions up to num_tokens - 1 + d) in the
+        # blocks held and the extra ones.
+        drafts = drafts[: (len(request.block_table) + extra) * bm.block_size - request.num_tokens]
+        if not drafts or bm.allocate_slots(request, 1 + len(drafts)) is None:
+            return []
+        return drafts
 
     def _admit_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -248,10 +252,16 @@ class Scheduler:
         """Apply a step's results: computed tokens advance, full blocks join the prefix cache, each
         sampled token is appended and the stop conditions checked (`detokenizer.check_stop`).
 
+        A request that verified drafts keeps the tokens `spec_decode.accepted_tokens` picks, each
+        appended and checked as if decoded one by one (a stop ends it there); its computed tokens
+        and blocks are rolled back to the tokens whose K/V are valid, so no block is hashed from
+        a rejected draft and the blocks taken only for rejected drafts are free again.
+
         Args:
-            out: the step, as `schedule()` returned it.
-            sampled: one token (with its log probabilities and error, if any) per scheduled request
-                that `samples`, in `out.scheduled` order.
+            out: the step, as `schedule()` returned it; `num_accepted_tokens` and
+                `num_output_tokens` are set here.
+            sampled: per scheduled request that `samples`, in `out.scheduled` order, its
+                `1 + len(spec_token_ids)` tokens (with their log probabilities and errors).
             scheduled_at / now: `perf_counter` seconds at the step's start (a request's wait ends
                 then) and after its forward pass (first-token and finish times); None: now.
 
@@ -269,27 +279,55 @@ class Scheduler:
             r = item.request
             if r.first_scheduled_time is None:  # the wait ends when the step that serves it begins
                 r.first_scheduled_time = scheduled_at
-            r.num_computed_tokens = item.start + item.num_new_tokens
-            self.block_manager.cache_full_blocks(r)
             if not item.samples:
+                r.num_computed_tokens = item.start + item.num_new_tokens
+                self.block_manager.cache_full_blocks(r)
                 continue
-            token, logprobs, error = next(tokens)
-            if error is not None:  # no valid token: the request fails here, with what it has so far
-                r.error = error
-                finished.append(self._finish(r, "error", now))
-                continue
-            r.token_ids.append(token)
-            if r.output_logprobs is not None:
-                r.output_logprobs.append(logprobs)
-            if r.first_token_time is None:
-                r.first_token_time = now
-            reason = check_stop(r, self.tokenizer, self.max_model_len)
+            samples = [next(tokens) for _ in range(1 + len(item.spec_token_ids))]
+            before = r.num_tokens
+            reason = self._append(item, samples, out, now)
+            if self.shadow is not None:
+                settled, produced = self.shadow.check(r, r.token_ids[before:])
+                out.num_shadow_drafts += settled
+                out.num_shadow_accepted_tokens += produced
+            self.block_manager.cache_full_blocks(r)
+            if item.spec_token_ids:
+                self.block_manager.free_tail(r, r.num_computed_tokens)
             if reason is not None:
                 finished.append(self._finish(r, reason, now))
         return finished
 
+    def _append(
+        self, item: ScheduledRequest, samples: list[tuple], out: SchedulerOutput, now: float
+    ) -> str | None:
+        """Append a sampling request's kept tokens one at a time, checking the stop conditions
+        after each, and set its computed tokens; returns the finish reason, or None."""
+        r = item.request
+        drafts = item.spec_token_ids
+        kept = accepted_tokens(drafts, [t for t, _, _ in samples]) if drafts else [samples[0][0]]
+        out.num_accepted_tokens += len(kept) - 1
+        reason = None
+        for token, logprobs, error in samples[: len(kept)]:
+            if error is not None:  # no valid token: the request fails here, with what it has so far
+                r.error, reason = error, "error"
+                break
+            r.token_ids.append(token)
+            out.num_output_tokens += 1
+            if r.output_logprobs is not None:
+                r.output_logprobs.append(logprobs)
+            if r.first_token_time is None:
+                r.first_token_time = now
+            if (reason := check_stop(r, self.tokenizer, self.max_model_len)) is not None:
+                break
+        # Every token before the last appended one went through this step (the request's last
+        # token, then accepted drafts): their K/V are valid. After an error, the last one's too.
+        r.num_computed_tokens = len(r.token_ids) - (0 if reason == "error" else 1)
+        return reason
+
     def _finish(self, request: Request, reason: str, now: float) -> Request:
         """Drop a finished request from the running queue and release its blocks."""
+        if self.shadow is not None:
+            self.shadow.drop(request.request_id)
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED

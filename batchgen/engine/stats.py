@@ -29,6 +29,9 @@ class StepStats:
             KV-cache traffic in the bench's roofline (`batchgen.bench.roofline`).
         num_attended_keys: keys attended to, summed over the step's tokens (causal: a token at
             position p attends to p + 1 keys). Sets the step's attention FLOPs.
+        num_drafts / num_draft_tokens / num_accepted_tokens: speculative decoding in the step:
+            requests that verified drafts, draft tokens verified, drafts the model agreed with
+            (vLLM's `spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`).
     """
 
     step: int
@@ -48,6 +51,9 @@ class StepStats:
     num_finished: int
     num_context_tokens: int = 0
     num_attended_keys: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -62,6 +68,9 @@ class EngineTotals:
     prefix_cache_hits: int = 0
     finished: int = 0
     peak_kv_cache_usage: float = 0.0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
@@ -72,7 +81,16 @@ class EngineTotals:
         self.prefix_cache_hits += s.prefix_cache_hits
         self.finished += s.num_finished
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, s.kv_cache_usage)
+        self.spec_decode_num_drafts += s.num_drafts
+        self.spec_decode_num_draft_tokens += s.num_draft_tokens
+        self.spec_decode_num_accepted_tokens += s.num_accepted_tokens
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Draft tokens accepted / proposed since start (0 when none was proposed)."""
+        drafts = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafts if drafts else 0.0

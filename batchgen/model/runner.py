@@ -150,7 +150,8 @@ class ModelRunner:
     def prepare(
         self, seqs: list[StepInput]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flatten the step: (input_ids [T], positions [T], metadata, logits_indices [B'])."""
+        """Flatten the step: (input_ids [T], positions [T], metadata, logits_indices [B']), B' the
+        sum of the sequences' `num_sampled`."""
         bs = self.block_size
         query_lens = [len(s.token_ids) for s in seqs]
         seq_lens = [s.start + n for s, n in zip(seqs, query_lens, strict=True)]
@@ -166,7 +167,12 @@ class ModelRunner:
         slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
-        logits_indices = [query_start_loc[i + 1] - 1 for i, s in enumerate(seqs) if s.sample]
+        # A sequence with draft tokens needs logits at its last `num_draft_tokens + 1` positions.
+        logits_indices = [
+            query_start_loc[i + 1] - s.num_sampled + j
+            for i, s in enumerate(seqs)
+            for j in range(s.num_sampled)
+        ]
         num_decodes = 0
         while num_decodes < len(seqs) and seqs[num_decodes].is_decode:
             num_decodes += 1
@@ -191,13 +197,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[StepInput]) -> StepOutput:
-        """Run one step; returns the tokens sampled for the sequences with `sample` set, in order.
+        """Run one step; returns the tokens sampled for the sequences with `sample` set, in order:
+        `num_sampled` tokens each (a sequence with draft tokens gets one per position, each sampled
+        with the sequence's settings).
 
         Sequences must come decodes first (`StepInput.is_decode`), then prefill chunks.
+
+        Raises:
+            ValueError: draft tokens on a sequence with a penalty or banned ids (their values at
+                each draft position would need the drafts in the history; the engine never asks).
         """
+        if any(s.num_draft_tokens and (s.penalty or s.banned_token_ids) for s in seqs):
+            raise ValueError("draft tokens cannot be verified with penalties or banned token ids")
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
-        sampled = [s for s in seqs if s.sample]
+        sampled = [s for s in seqs for _ in range(s.num_sampled)]
         if not sampled:
             return StepOutput([], [])
         # Log probabilities come from the raw logits, which the sampler changes in place: copied
@@ -211,12 +225,16 @@ class ModelRunner:
         errors = None
         if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
             bad_rows = (~torch.isfinite(logits).all(dim=-1)).tolist()
+            # The position of each sampled token (a draft row's j-th is d - j before the last).
+            ends = [
+                s.start + len(s.token_ids) - s.num_sampled + j + 1 for s in seqs for j in range(s.num_sampled)
+            ]
             errors = [
-                f"the model produced NaN or infinite logits at position {s.start + len(s.token_ids)} (a "
+                f"the model produced NaN or infinite logits at position {end} (a "
                 "numerical overflow in this dtype, or damaged weights); try dtype bfloat16 or float32"
                 if bad
                 else None
-                for s, bad in zip(sampled, bad_rows, strict=True)
+                for end, bad in zip(ends, bad_rows, strict=True)
             ]
         batch = SamplingBatch(
             temperatures=[s.temperature for s in sampled],

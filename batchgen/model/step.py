@@ -32,6 +32,10 @@ class StepInput:
         start: position of the first new token.
         block_table: the sequence's physical blocks.
         sample: whether to sample a token after this step.
+        num_draft_tokens: how many of the last `token_ids` are speculative draft tokens (needs
+            `sample`): a token is sampled at each of the last `num_draft_tokens + 1` positions (the
+            model's next token after the last real token and after each draft), so the engine can
+            verify the drafts; the runner itself knows nothing of drafts.
         temperature / top_k / top_p / min_p / generator / banned_token_ids: sampling settings.
         penalty: the sequence's penalties and tokens (`RowPenalty`), None when it has none.
         logprobs: how many top log probabilities to return with the sampled token (None: none).
@@ -41,6 +45,7 @@ class StepInput:
     start: int
     block_table: list[int]
     sample: bool
+    num_draft_tokens: int = 0
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -54,12 +59,18 @@ class StepInput:
     def is_decode(self) -> bool:
         return is_decode(len(self.token_ids), self.sample)
 
+    @property
+    def num_sampled(self) -> int:
+        """Tokens sampled for this sequence: 0 without `sample`, else `num_draft_tokens + 1`."""
+        return self.num_draft_tokens + 1 if self.sample else 0
+
 
 @dataclass
 class StepOutput:
-    """What a step sampled: one token id per sequence with `sample` set, in order, and for each
-    its `SampleLogprobs` (None where the sequence asked for none) and, in `errors`, why its token is
-    not valid (NaN logits), else None; `errors` None = no error in the step."""
+    """What a step sampled: for each sequence with `sample` set, in order, its `num_sampled` token
+    ids (one, or one per draft token plus one), flat; for each token its `SampleLogprobs` (None where
+    the sequence asked for none) and, in `errors`, why it is not valid (NaN logits), else None;
+    `errors` None = no error in the step."""
 
     token_ids: list[int]
     logprobs: list[SampleLogprobs | None]

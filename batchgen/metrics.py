@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.jobs.formats import JobInputError
 from batchgen.metrics_record import (
     JOB_KEYS,
     METRICS,
@@ -56,11 +55,18 @@ class MetricsOptions:
         return self.port is not None or self.file is not None
 
 
+def _input_error(message: str) -> Exception:
+    """A JobInputError (imported on use: batchgen.jobs imports this module for MetricsOptions)."""
+    from batchgen.jobs.formats import JobInputError
+
+    return JobInputError(message)
+
+
 def _import_prometheus() -> Any:
     try:
         import prometheus_client
     except ImportError:
-        raise JobInputError(
+        raise _input_error(
             "--metrics-port and --metrics-file need the prometheus_client package: "
             "pip install 'batchgen[metrics]'"
         ) from None
@@ -146,7 +152,7 @@ class JobMetrics:
                 why = f"{where} is not allowed for this user (ports below 1024 need privileges)"
             else:
                 why = f"cannot listen on {where}: {e.strerror or e}"
-            raise JobInputError(
+            raise _input_error(
                 f"--metrics-port {o.port}: {why}; choose another --metrics-port (or --metrics-host)"
             ) from None
 
@@ -154,11 +160,11 @@ class JobMetrics:
         path = self.options.file
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
-            raise JobInputError(f"--metrics-file {path}: the folder {folder} does not exist")
+            raise _input_error(f"--metrics-file {path}: the folder {folder} does not exist")
         try:
             self.write_file()
         except OSError as e:
-            raise JobInputError(f"--metrics-file {path}: cannot write it: {e.strerror or e}") from None
+            raise _input_error(f"--metrics-file {path}: cannot write it: {e.strerror or e}") from None
 
     def _write_loop(self) -> None:
         while not self._stop.wait(self.options.interval_s):

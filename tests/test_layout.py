@@ -10,7 +10,11 @@ test says to drop it from the list), so the list can only shrink.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_FILE_LINES = 400
@@ -92,3 +96,10 @@ def test_the_measure_counts_a_command_from_its_body(tmp_path: Path) -> None:
         f"class C:\n    def method(self) -> None:\n{''.join('    ' + line + chr(10) for line in body.splitlines())}"
     )
     assert long_functions(tmp_path / "m.py") == {"helper": 86, "C.method": 86}
+
+
+@pytest.mark.parametrize("module", ["batchgen.metrics", "batchgen.metrics_record", "batchgen.jobs.options"])
+def test_a_module_imports_on_its_own(module: str) -> None:
+    """Imported first in a fresh interpreter, a module must not meet a half-initialized one."""
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -220,8 +220,8 @@ class ModelRunner:
         raw = logits[asked] if asked else None
         # A NaN or infinite logit (an overflow in float16, a bad weight) would be sampled as some
         # token and the text would go on as if nothing happened: such a row fails instead, with the
-        # reason. A row sum finds them in one cheap pass (0.08 ms at 64 rows here; a full isnan
-        # mask took 2.8 ms); the exact rows are looked up only when one is there.
+        # reason. A row sum finds them in one cheap pass (a full isnan mask costs far more: see
+        # docs/benchmarks.md); the exact rows are looked up only when one is there.
         errors = None
         if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
             bad_rows = (~torch.isfinite(logits).all(dim=-1)).tolist()

@@ -83,8 +83,8 @@ class Sampler:
             if banned:
                 logits[row, banned] = float("-inf")
         if batch.all_greedy:
-            # `max(dim).indices` is argmax (first maximum on ties) but about 3x faster on CPU, where
-            # argmax over a [B, vocab] bf16 tensor took 17 ms at B=64. Widening to float32 is exact,
+            # `max(dim).indices` is argmax (first maximum on ties) but faster on CPU (measured: see
+            # docs/benchmarks.md). Widening to float32 is exact,
             # so the model dtype picks the same token.
             return logits.max(dim=-1).indices
         logits = logits.float()

@@ -2,11 +2,8 @@
 
 The torch decode path gathers every sequence's blocks into a padded copy before SDPA reads it, so
 each K/V byte crosses memory three times. The C kernel reads the blocks in place through the block
-table. On the default model's shapes (64 sequences, 19,296 context tokens, bf16, 30 layers with a
-cache each: one decode step), `python scripts/cpu_attention_bench.py --num-threads 2` measured
-131-154 ms for the torch path and 44-57 ms for the kernel (2.3-2.9x, 8-10 GB/s of K/V against about
-14.5 GB/s of plain reads) on the 2-core development machine. On a 2-core AVX2 EPYC in float32 at 58
-sequences around 400 tokens, the torch path took 771 ms and the kernel 131 ms (10 GB/s of K/V).
+table. `python scripts/cpu_attention_bench.py` times both on the default model's shapes; the
+figures are in docs/benchmarks.md ("Smaller measurements").
 """
 
 from __future__ import annotations

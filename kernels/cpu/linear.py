@@ -212,8 +212,8 @@ def prepacked_linear(
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (oneDNN's check: AVX-512 bf16 or AMX on x86).
 
-    Without it, bf16 matmuls are emulated: measured on a 2-core AVX2 EPYC (torch 2.13, one
-    thread, 256 x 576 by 576 x 2048), 9 GFLOP/s in bf16 against 76 GFLOP/s in float32.
+    Without it, bf16 matmuls are emulated, several times slower than float32 (measured: see
+    docs/benchmarks.md, "Emulated bf16").
     """
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 

@@ -20,8 +20,8 @@ from batchgen.model.attention.torch_backend import TorchAttentionBackend
 class CPUAttentionBackend(TorchAttentionBackend):
     """The torch backend with its decodes, prefill chunks and KV-cache writes in compiled C kernels.
 
-    See `batchgen.kernels.cpu.attention` (decodes 2.3-2.9x faster than the gather + SDPA path at 64
-    sequences; prefill 2.8-3.6x torch's CPU SDPA in bf16). With this backend the model's bf16
+    See `batchgen.kernels.cpu.attention` (its decodes read the cache in place instead of gathering
+    it for SDPA; which kernel runs at which size is measured on the machine, `attention_choice`). With this backend the model's bf16
     element-wise ops run as C kernels too (`fused_cpu_ops`). A dtype or head size the kernels are
     not compiled for takes the torch path.
     """

@@ -19,7 +19,8 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Copy whole blocks out of a paged cache: `[n, block_size, Hkv, D]` for int `block_ids` `[n]`.
 
     The rows are moved as int64 words when the block's byte size allows: CPU `index_select` on
-    16-bit floats copies element by element, about 4x slower than the word-sized copy.
+    16-bit floats copies element by element, several times slower than the word-sized copy
+    (measured: see docs/benchmarks.md, "Smaller measurements").
     """
     block_ids = block_ids.long()
     flat = cache.view(cache.shape[0], -1)
@@ -128,8 +129,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     Without a prefix (Q == L) one causal SDPA call. With one, SDPA needs an explicit mask and then
     computes the whole Q x L rectangle, masked half included, so the queries go in tiles of
     `PREFIX_CHUNK_QUERY_TILE` rows, each attending only to the keys up to its last row: about the
-    causal triangle plus the prefix. (A 1948-token chunk after a 100-token prefix took 74 ms a layer
-    in one call, bf16, one thread.) The mask is additive, in the query dtype: SDPA converts a
+    causal triangle plus the prefix (measured: see docs/benchmarks.md, "Smaller measurements"). The mask is additive, in the query dtype: SDPA converts a
     boolean one on every call.
     """
     qlen, klen = q.shape[0], k.shape[0]

@@ -156,6 +156,17 @@ class Snapshot:
     cached: dict[int, int]
 
 
+def fake_step_output(out) -> StepOutput:
+    """The fake model's tokens for a scheduled step: one per position of each sampling request
+    (its drafts' positions included), as the runner samples at every position of a verification."""
+    tokens = []
+    for item in out.scheduled:
+        if item.samples:
+            seq, drafts = item.request.token_ids, item.spec_token_ids
+            tokens += [fake_next(seq + drafts[:j]) for j in range(len(drafts) + 1)]
+    return StepOutput(tokens, [None] * len(tokens))
+
+
 def run_fake(
     prompts: list[list[int]],
     spec: bool,
@@ -182,12 +193,7 @@ def run_fake(
         running = list(sched.running)
         out = sched.schedule()
         steps.append((running, out))
-        tokens = []
-        for item in out.scheduled:
-            if item.samples:
-                seq, drafts = item.request.token_ids, item.spec_token_ids
-                tokens += [fake_next(seq + drafts[:j]) for j in range(len(drafts) + 1)]
-        sched.update(out, StepOutput(tokens, [None] * len(tokens)))
+        sched.update(out, fake_step_output(out))
         return out
 
     if warm is not None:
@@ -293,12 +299,7 @@ def test_gate_off_above_the_batch() -> None:
             out = sched.schedule()
             if out.num_drafts:
                 drafted_at.append(running)
-            tokens = []
-            for item in out.scheduled:
-                if item.samples:
-                    seq, drafts = item.request.token_ids, item.spec_token_ids
-                    tokens += [fake_next(seq + drafts[:j]) for j in range(len(drafts) + 1)]
-            sched.update(out, StepOutput(tokens, [None] * len(tokens)))
+            sched.update(out, fake_step_output(out))
         if gate == 0:
             assert drafted_at == []
         else:

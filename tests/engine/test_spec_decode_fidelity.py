@@ -16,7 +16,14 @@ import transformers
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine import spec_gate
-from tests.engine.test_fidelity import BATCHING_OPTIONS, INSTRUCTION, TEXT_PROMPTS, _xsum_documents, hf_greedy
+from tests.engine.test_fidelity import (
+    BATCHING_OPTIONS,
+    INSTRUCTION,
+    TEXT_PROMPTS,
+    _xsum_documents,
+    hf_greedy,
+    token_ids,
+)
 
 SPEC = dict(speculative_method="ngram", speculative_max_batch=64)
 REPETITIVE = [
@@ -25,10 +32,6 @@ REPETITIVE = [
     "a b c d e f g a b c d e f g a b c d e f g a b c",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.fixture(scope="module")

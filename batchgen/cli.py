@@ -287,6 +287,14 @@ def plan_command(**values: Any) -> None:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
         typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_plan(result))
+        if result.rows_error and not result.rows_valid and not result.rows_resumed:
+            # `run` would end with exit 3 (every row failed): a script gets the same answer first.
+            typer.echo(
+                f"error: every one of the {result.rows_error} rows would fail; the first: "
+                f"{result.first_errors[0]}",
+                err=True,
+            )
+            raise typer.Exit(3)
 
     token = _job_action.set(plan)
     try:

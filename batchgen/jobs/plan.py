@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 from batchgen.jobs.block_lru import BlockLru
-from batchgen.jobs.options import JobOptions, default_output_path, output_format
+from batchgen.jobs.options import JobOptions, check_output_path, default_output_path, output_format
 from batchgen.jobs.plan_inputs import CommittedOutputs, TokenizerEngine, committed_rows
 from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.requests import prepare_row
+from batchgen.jobs.resume import check_output_location
 from batchgen.jobs.wall_time import Sequences, WallTimeEstimate, WallTimeOptions, expected_outputs
 
 FIRST_ERRORS = 5
@@ -142,6 +143,8 @@ def _open_job(options: JobOptions, engine: Any) -> tuple[Any, ...]:
     config = check_run_options(options)
     reader = job_reader(options)
     output = options.output or default_output_path(options.input, reader.format)
+    check_output_path(output, options.input)  # run's own checks: plan refuses what run would
+    check_output_location(output)
     fmt = output_format(output, reader.format)
     committed, outputs, note = (
         (None, None, None) if options.overwrite else committed_rows(output, job_header(options, reader, fmt))

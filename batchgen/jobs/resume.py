@@ -105,10 +105,22 @@ def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         diffs.append(
             f"the files of model {new.get('model')!r} changed (weights, configs, tokenizer or chat template)"
         )
-    o, n = old.get("options", {}), new.get("options", {})
-    for k in sorted(set(o) | set(n)):
-        if o.get(k) != n.get(k):
-            diffs.append(f"{k} {o.get(k)!r} -> {n.get(k)!r}")
+    diffs += _option_differences(old.get("options", {}), new.get("options", {}))
+    return diffs
+
+
+def _option_differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """'max_tokens 48 -> 40' for each option that differs; a dict of options (the job's sampling
+    defaults) is compared key by key, so only what changed is named."""
+    diffs = []
+    for k in sorted(set(old) | set(new)):
+        o, n = old.get(k), new.get(k)
+        if o == n:
+            continue
+        if isinstance(o, dict) and isinstance(n, dict):
+            diffs += _option_differences(o, n, f"{prefix}{k}.")
+        else:
+            diffs.append(f"{prefix}{k} {o!r} -> {n!r}")
     return diffs
 
 
@@ -207,6 +219,23 @@ def _lock(parts_dir: str) -> int:
     return fd
 
 
+def check_output_location(output_path: str) -> None:
+    """Refuse an output whose folder is missing or not writable, or that is a folder or read-only.
+
+    Raises:
+        JobInputError: naming the path and the fix.
+    """
+    out_dir = os.path.dirname(os.path.abspath(output_path))
+    if not os.path.isdir(out_dir):
+        raise JobInputError(f"output directory {out_dir} does not exist; create it or pass another --output")
+    if os.path.isdir(output_path):
+        raise JobInputError(f"--output {output_path} is a directory; give a file path")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise JobInputError(f"output directory {out_dir} is not writable; pass a writable --output")
+    if os.path.exists(output_path) and not os.access(output_path, os.W_OK):
+        raise JobInputError(f"output {output_path} is not writable; pass another --output")
+
+
 def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) -> ResumeState:
     """Check the output location and resume state before any model work.
 
@@ -221,16 +250,8 @@ def prepare_output(output_path: str, header: dict[str, Any], overwrite: bool) ->
         JobInputError: unwritable location, changed header, or an output that is not ours.
     """
     parts_dir = parts_dir_for(output_path)
-    out_dir = os.path.dirname(os.path.abspath(output_path))
     empty = CommittedRows(np.zeros(0, np.int64), np.zeros(0, np.int64))
-    if not os.path.isdir(out_dir):
-        raise JobInputError(f"output directory {out_dir} does not exist; create it or pass another --output")
-    if os.path.isdir(output_path):
-        raise JobInputError(f"--output {output_path} is a directory; give a file path")
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise JobInputError(f"output directory {out_dir} is not writable; pass a writable --output")
-    if os.path.exists(output_path) and not os.access(output_path, os.W_OK):
-        raise JobInputError(f"output {output_path} is not writable; pass another --output")
+    check_output_location(output_path)
     manifest_path = os.path.join(parts_dir, MANIFEST)
     if overwrite:
         return _start_fresh(output_path, parts_dir, header, empty)

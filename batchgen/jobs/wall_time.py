@@ -146,6 +146,8 @@ def estimate_wall_time(
         simulate_schedule(seqs.prompts, seqs.cached, out, limits, unit).peak_seqs
         for out in (seqs.expected, seqs.budgets)
     )
+    # Up to the next power of two (within max_num_seqs): a job of 9 rows and one of 10 share a calibration.
+    max_batch = min(1 << max(peak - 1, 0).bit_length(), max(limits.max_num_seqs, peak))
     device = resolve_device(config.device)
     measure = options.calibrate if options.calibrate is not None else device == "cpu"
     load = busy_share() if device == "cpu" else None  # read before the calibration adds to it
@@ -154,7 +156,7 @@ def estimate_wall_time(
         dtype,
         prompt_len=_pow2(float(seqs.prompts.mean())),
         context_len=_pow2(float(seqs.prompts.mean() + seqs.budgets.mean() / 2)),
-        max_batch=peak,
+        max_batch=max_batch,
         measure=measure,
         refresh=options.calibrate is True,
         use_cache=options.use_cache,
@@ -163,7 +165,11 @@ def estimate_wall_time(
     )
     if calibration is None:
         why = "--no-calibrate" if options.calibrate is False else f"on {device}, only with --calibrate"
-        return None, f"no measured step times for this model and machine yet ({why}: a few seconds' run)"
+        shape = f"batches up to {max_batch}, prompts of about {_pow2(float(seqs.prompts.mean()))} tokens"
+        return None, (
+            f"no measured step times for this model, machine and job shape ({shape}) in the cache; "
+            f"{why} skipped measuring them: a few seconds' run"
+        )
     return _estimate(seqs, limits, calibration, tokenize_s, peak, load), None
 
 

@@ -125,3 +125,24 @@ def test_fit_costs_recovers_the_prices_of_synthetic_steps():
     assert median.base(16) + median.per_context_token * 8000 > fast.base(16) + fast.per_context_token * 8000
     with pytest.raises(ValueError, match="context"):
         fit_costs([s for s in samples if s.series != "context"])
+
+
+@pytest.mark.parametrize("rows, batch", [(9, 16), (10, 16), (16, 16), (17, 32), (300, 256)])
+def test_jobs_of_similar_size_share_one_calibration(monkeypatch, rows, batch):
+    """The calibration is keyed by its largest batch: the job's peak rounded up to a power of two,
+    within max_num_seqs, so a job of 9 rows reuses the one of 10 rows."""
+    import numpy as np
+
+    from batchgen.config import EngineConfig
+    from batchgen.jobs import calibrate, wall_time
+
+    asked = {}
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **kw: asked.update(kw))  # returns None
+    seqs = wall_time.Sequences(*(np.full(rows, v, np.int64) for v in (20, 0, 8)))
+    seqs.expected = seqs.budgets
+    limits = ScheduleLimits(max_num_seqs=256, max_num_batched_tokens=8192, num_blocks=4096, block_size=16)
+    options = wall_time.WallTimeOptions(calibrate=False)
+    estimate, note = wall_time.estimate_wall_time(
+        seqs, limits, EngineConfig(device="cpu"), None, 0.0, options
+    )
+    assert estimate is None and asked["max_batch"] == batch and f"batches up to {batch}" in note

@@ -117,6 +117,29 @@ def test_plan_of_a_job_with_other_settings_committed(tmp_path, tiny_model_dir):
     assert "committed by a run with other settings" in plan.note and "max_tokens" in plan.note
 
 
+@pytest.mark.parametrize(
+    "output, says",
+    [("missing/out.parquet", "does not exist"), ("out.csv", "must end in .parquet"), ("job.jsonl", "input")],
+)
+def test_plan_refuses_the_outputs_run_refuses(tmp_path, output, says):
+    src = tmp_path / "job.jsonl"
+    src.write_text(json.dumps({"prompt": "Hello?"}) + "\n")
+    with pytest.raises(JobInputError, match=says):
+        plan_job(JobOptions(str(src), output=str(tmp_path / output)))
+
+
+def test_plan_of_a_job_whose_every_row_fails_exits_3_as_run_does(tmp_path, tiny_model_dir):
+    src = tmp_path / "bad.jsonl"
+    src.write_text(
+        json.dumps({"text": "no prompt"}) + "\n" + json.dumps({"prompt": "x", "temperature": "hot"}) + "\n"
+    )
+    cmd = [sys.executable, "-m", "batchgen", "plan", str(src), "--model", str(tiny_model_dir("llama"))]
+    proc = subprocess.run(cmd + ["--no-calibrate"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr
+    assert "rows: 2 (0 valid, 2 error rows" in proc.stdout
+    assert "every one of the 2 rows would fail" in proc.stderr and "row 0" in proc.stderr
+
+
 def test_plan_refuses_a_missing_input(tmp_path):
     with pytest.raises(JobInputError):
         plan_job(JobOptions(str(tmp_path / "nope.jsonl")))

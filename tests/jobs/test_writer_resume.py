@@ -16,7 +16,7 @@ from batchgen.jobs.final_output import finalize_output
 from batchgen.jobs.formats import JobInputError
 from batchgen.jobs.json_lines import openai_record
 from batchgen.jobs.manifest import Manifest
-from batchgen.jobs.resume import make_header, parts_dir_for, prepare_output
+from batchgen.jobs.resume import header_differences, make_header, parts_dir_for, prepare_output
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter
@@ -821,3 +821,13 @@ def test_summary_json_gives_scripts_the_error_rows_of_a_partly_failed_job(tmp_pa
     assert result.exit_code == 0 and "already complete" in result.stdout
     again = json.loads(summary.read_text())
     assert again["error_rows"] == 1 and again["rows"] == 4 and again["complete"]
+
+
+def test_a_changed_sampling_default_is_named_alone_not_as_two_whole_dicts():
+    old = {
+        "options": {"sampling": {"max_tokens": 48, "temperature": 0.0, "top_p": 1.0}, "chat_template": True}
+    }
+    new = {
+        "options": {"sampling": {"max_tokens": 40, "temperature": 0.0, "top_p": 1.0}, "chat_template": True}
+    }
+    assert header_differences(old, new) == ["sampling.max_tokens 48 -> 40"]

@@ -55,8 +55,15 @@ def _triton(device: torch.device) -> AttentionBackend:
             "attention_backend='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels "
             "in Triton's CPU interpreter, for tests); use attention_backend='torch' on this machine"
         )
-    from batchgen.model.attention.triton_backend import TritonAttentionBackend  # needs Triton
-
+    try:
+        from batchgen.model.attention.triton_backend import TritonAttentionBackend  # needs Triton
+    except ImportError as e:
+        if e.name != "triton":
+            raise
+        raise ValueError(
+            "attention_backend='triton' needs the triton package (torch's CUDA builds bring it): "
+            "pip install 'batchgen[gpu]', or use attention_backend='torch'"
+        ) from None
     return TritonAttentionBackend()
 
 

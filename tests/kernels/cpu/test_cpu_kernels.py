@@ -332,3 +332,20 @@ def test_cache_dir_without_a_home(monkeypatch):
 
     monkeypatch.setattr(cache.Path, "home", staticmethod(no_home))
     assert str(cpu_kernels._cache_dir()).startswith(tempfile.gettempdir())
+
+
+def test_the_triton_backend_without_triton_names_the_extra(monkeypatch):
+    """A CPU install has no Triton (the gpu and dev extras bring it): choosing it says how to get it."""
+    import sys
+
+    for name in list(sys.modules):
+        if (
+            name == "triton"
+            or name.startswith(("triton.", "batchgen.kernels.triton"))
+            or name.endswith("attention.triton_backend")
+        ):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` fails as if not installed
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match=r"batchgen\[gpu\]"):
+        select_backend("triton", torch.device("cpu"))

@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 
 from batchgen.config import EngineConfig, resolve_device
+from batchgen.jobs.header import header_differences
 from batchgen.jobs.manifest import MANIFEST, CommittedRows, PartEntry
 from batchgen.jobs.reader import JobInputError
-from batchgen.jobs.resume import header_differences, parts_dir_for
+from batchgen.jobs.resume import parts_dir_for
 
 
 class CommittedOutputs:

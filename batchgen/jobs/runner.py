@@ -20,6 +20,7 @@ from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.protocol import Engine
 from batchgen.jobs.final_output import count_output_errors, finalize_output
 from batchgen.jobs.formats import JobInputError
+from batchgen.jobs.header import make_header
 from batchgen.jobs.interrupt import Interrupt
 from batchgen.jobs.loop import engine_loop
 from batchgen.jobs.options import (
@@ -32,7 +33,7 @@ from batchgen.jobs.options import (
     output_format,
 )
 from batchgen.jobs.reader import JobReader, ReaderOptions
-from batchgen.jobs.resume import make_header, prepare_output, remove_earlier_output
+from batchgen.jobs.resume import prepare_output, remove_earlier_output
 from batchgen.jobs.writer import PartWriter
 from batchgen.metrics import JobMetrics, NullMetrics
 from batchgen.model.loading.fingerprint import model_fingerprint

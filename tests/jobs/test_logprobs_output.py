@@ -314,7 +314,8 @@ def test_parts_without_logprob_columns_are_read_as_nulls(tmp_path):
     import pyarrow as pa
 
     from batchgen.jobs.final_output import finalize_output
-    from batchgen.jobs.resume import make_header, prepare_output
+    from batchgen.jobs.header import make_header
+    from batchgen.jobs.resume import prepare_output
     from batchgen.jobs.schema import OUTPUT_SCHEMA
     from batchgen.jobs.writer import PartWriter
 
@@ -475,7 +476,8 @@ def test_many_buffered_logprob_entries_make_a_commit_due(tmp_path, monkeypatch):
     """Rows with long log-probability lists are committed by their entry count, not only every
     `commit_rows` rows, so the buffer's Python objects stay bounded."""
     from batchgen.jobs import writer as writer_module
-    from batchgen.jobs.resume import make_header, prepare_output
+    from batchgen.jobs.header import make_header
+    from batchgen.jobs.resume import prepare_output
 
     monkeypatch.setattr(writer_module, "MAX_BUFFERED_LOGPROBS", 10)
     state = prepare_output(

@@ -14,9 +14,10 @@ import pytest
 from batchgen.dashboard import Dashboard
 from batchgen.jobs.final_output import finalize_output
 from batchgen.jobs.formats import JobInputError
+from batchgen.jobs.header import header_differences, make_header
 from batchgen.jobs.json_lines import openai_record
 from batchgen.jobs.manifest import Manifest
-from batchgen.jobs.resume import header_differences, make_header, parts_dir_for, prepare_output
+from batchgen.jobs.resume import parts_dir_for, prepare_output
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.jobs.writer import PartWriter

@@ -282,7 +282,7 @@ def plan_command(**values: Any) -> None:
         from batchgen.jobs.plan import format_plan, plan_job
 
         try:
-            result = plan_job(options, progress=True, wall_time=wall_time)
+            result = plan_job(options, progress=True, wall_time=wall_time, torch_free=True)
         except JobInputError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None

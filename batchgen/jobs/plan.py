@@ -136,11 +136,12 @@ class _Tally:
             self.committed_completion += completion
 
 
-def _open_job(options: JobOptions, engine: Any) -> tuple[Any, ...]:
+def _open_job(options: JobOptions, engine: Any, torch_free: bool) -> tuple[Any, ...]:
     """(engine config, reader, tokenizer engine, committed rows, their outputs, a note on them)."""
     from batchgen.jobs.runner import check_run_options, job_header, job_reader
 
-    config = check_run_options(options)
+    # The device is checked where torch is: TokenizerEngine's sizes (in a child with torch_free).
+    config = check_run_options(options, check_device=engine is not None)
     reader = job_reader(options)
     output = options.output or default_output_path(options.input, reader.format)
     check_output_path(output, options.input)  # run's own checks: plan refuses what run would
@@ -153,7 +154,7 @@ def _open_job(options: JobOptions, engine: Any) -> tuple[Any, ...]:
         from batchgen.model.loading.architectures import ModelNotFoundError
 
         try:
-            engine = TokenizerEngine(config)
+            engine = TokenizerEngine(config, torch_free=torch_free)
         except (ModelNotFoundError, ValueError) as e:
             raise JobInputError(f"cannot plan for model {config.model or '(default)'}: {e}") from e
     return config, reader, engine, committed, outputs, note
@@ -230,7 +231,11 @@ def _sequences(plan: JobPlan, tally: _Tally, given: int | None) -> Sequences:
 
 
 def plan_job(
-    options: JobOptions, engine: Any = None, progress: bool = False, wall_time: WallTimeOptions | None = None
+    options: JobOptions,
+    engine: Any = None,
+    progress: bool = False,
+    wall_time: WallTimeOptions | None = None,
+    torch_free: bool = False,
 ) -> JobPlan:
     """Read the job (streaming) and tokenize every row as `run` would; nothing is written.
 
@@ -240,6 +245,8 @@ def plan_job(
         progress: a progress bar on stderr while rows are tokenized (only on a terminal).
         wall_time: estimate the wall time too (`batchgen.jobs.wall_time`: may load the model for a
             calibration of a few steps); None: no estimate.
+        torch_free: keep torch out of this process (`TokenizerEngine`), for one that ends after
+            the plan, as the CLI's does: a plan's memory is then mostly the job's, not torch's.
 
     Raises:
         JobInputError: the input, its schema, the options or the model cannot be used, or the
@@ -250,7 +257,7 @@ def plan_job(
     from batchgen.model.loading.architectures import ModelNotFoundError
 
     start = time.perf_counter()
-    config, reader, engine, committed, outputs, note = _open_job(options, engine)
+    config, reader, engine, committed, outputs, note = _open_job(options, engine, torch_free)
     plan = JobPlan(reader.source, engine.model_name or str(config.model or "default"), note=note)
     plan.prefix_caching = config.enable_prefix_caching
     prefix = _PrefixEstimate(engine.block_size, engine.num_blocks) if config.enable_prefix_caching else None
@@ -277,7 +284,7 @@ def plan_job(
     )
     try:
         plan.wall_time, plan.wall_time_note = estimate_wall_time(
-            seqs, limits, config, engine.dtype, read_s, wall_time
+            seqs, limits, config, engine.dtype, read_s, wall_time, engine.device, engine.measure
         )
     except (ModelNotFoundError, ValueError) as e:
         raise JobInputError(f"cannot calibrate model {config.model or '(default)'}: {e}") from e

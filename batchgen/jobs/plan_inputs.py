@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from batchgen.config import EngineConfig, resolve_device
+from batchgen.config import EngineConfig
 from batchgen.jobs.header import header_differences
 from batchgen.jobs.manifest import MANIFEST, CommittedRows, PartEntry
 from batchgen.jobs.reader import JobInputError
@@ -99,35 +100,69 @@ class TokenizerEngine:
     `max_model_len`) and the KV-cache sizes, from the model's files without its weights: the sizes
     are `LLMEngine`'s own (`plan_engine`).
 
+    Args:
+        config: the job's engine options.
+        torch_free: keep torch out of this process where it is not imported yet
+            (`batchgen.jobs.plan_child`): the sizes and any calibration come from a child process.
+            Only for a process that ends after the plan: torch stays unimportable in it.
+
+    Attributes:
+        device: "cpu" or "cuda"; dtype: the compute dtype's name ("bfloat16"); plan: the
+            `EnginePlan`; model_dir: the model's folder (a GGUF file's converted copy).
+
     Raises:
-        ValueError: options the engine refuses too (`plan_engine`).
-        ModelNotFoundError / UnsupportedModelError: from the loader.
+        JobInputError: the device cannot be used (torch_free only: else `check_run_options` says so).
+        ValueError: the model cannot be found or used, or options the engine refuses too.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        import torch
-
-        from batchgen.engine.sizing import plan_engine, resolve_dtype
+    def __init__(self, config: EngineConfig, torch_free: bool = False) -> None:
+        from batchgen.engine.engine_plan import EnginePlan
         from batchgen.engine.tokenize import vocabulary_limit
+        from batchgen.jobs import plan_child
         from batchgen.model.loading import loader
 
-        device = torch.device(resolve_device(config.device))
-        files = loader.resolve_model(config.model)
-        self.model_files = files
-        self.model_config = files.config
-        self.tokenizer = loader.load_tokenizer(files)
-        self.vocab_limit = vocabulary_limit(self.tokenizer, int(files.config.vocab_size))
+        self.isolated = torch_free and plan_child.can_hide_torch()
+        try:
+            if self.isolated:
+                plan_child.hide_torch()
+                facts = plan_child.ask_child("sizes", config)
+            else:
+                facts = plan_child.sizes(config)
+        except plan_child.ChildError as e:
+            if e.kind == "options":
+                raise JobInputError(str(e)) from e
+            raise ValueError(str(e)) from e
+        self.device: str = facts["device"]
+        self.dtype: str = facts["dtype"]
+        self.model_dir = Path(facts["model_dir"])
+        self.model_name: str | None = facts["model_name"]
+        self.vocab_size: int = facts["vocab_size"]
+        self.tokenizer = loader.load_tokenizer(self.model_dir)
+        self.vocab_limit = vocabulary_limit(self.tokenizer, self.vocab_size)
         self.block_size = config.block_size
-        self.dtype = resolve_dtype(config.dtype, files.config, device)
-        self.plan = plan_engine(config, files.config, device, self.dtype)
+        self.plan = EnginePlan(**facts["plan"])
         self.max_model_len = self.plan.max_model_len
         self.max_num_batched_tokens = self.plan.max_num_batched_tokens
         self.num_blocks = self.plan.num_blocks
         self.bytes_per_block = self.plan.bytes_per_block
 
-    @property
-    def model_name(self) -> str | None:
-        return self.model_files.name
+    def measure(
+        self, config: EngineConfig, dtype: str, device: str, lengths: dict[str, int], options: Any
+    ) -> tuple[Any, tuple[float, int] | None]:
+        """`wall_time.measure_machine`, in a child process when this one keeps torch out.
+
+        Raises:
+            ValueError / ModelNotFoundError: the calibration's engine cannot be built.
+        """
+        from batchgen.jobs import plan_child
+
+        if self.isolated:
+            return plan_child.ask_measure(config, dtype, device, lengths, options)
+        import torch
+
+        from batchgen.jobs.wall_time import measure_machine
+
+        return measure_machine(config, getattr(torch, dtype), device, lengths, options)
 
     def check_prompt_len(self, num_tokens: int) -> str | None:
         return self.plan.check_prompt_len(num_tokens)
@@ -135,4 +170,4 @@ class TokenizerEngine:
     def encode_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
         from batchgen.engine.tokenize import encode_prompt
 
-        return encode_prompt(self.tokenizer, prompt, vocab_size=int(self.model_config.vocab_size))
+        return encode_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size)

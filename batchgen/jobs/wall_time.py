@@ -121,6 +121,8 @@ def estimate_wall_time(
     dtype: Any,
     tokenize_s: float,
     options: WallTimeOptions,
+    device: str | None = None,
+    measure: Callable[..., tuple[Any, tuple[float, int] | None]] | None = None,
 ) -> tuple[WallTimeEstimate | None, str | None]:
     """(the estimate, None) or (None, why there is none).
 
@@ -132,12 +134,14 @@ def estimate_wall_time(
         tokenize_s: seconds the plan took to read the job, load the tokenizer and tokenize the rows
             (`run` does the same before and between its steps).
         options: calibration and expectation options.
+        device: the engine's device, "cpu" or "cuda" (None: `config.device` resolved here).
+        measure: `measure_machine` or a stand-in with its arguments (`plan_child.ask_measure`
+            runs it in a child process).
 
     Raises:
         ValueError / ModelNotFoundError: a calibration's engine cannot be built.
     """
     from batchgen.config import resolve_device
-    from batchgen.jobs.calibrate import calibrate
 
     if not len(seqs.prompts):
         return None, "no rows to run"
@@ -148,21 +152,13 @@ def estimate_wall_time(
     )
     # Up to the next power of two (within max_num_seqs): a job of 9 rows and one of 10 share a calibration.
     max_batch = min(1 << max(peak - 1, 0).bit_length(), max(limits.max_num_seqs, peak))
-    device = resolve_device(config.device)
-    measure = options.calibrate if options.calibrate is not None else device == "cpu"
-    load = busy_share() if device == "cpu" else None  # read before the calibration adds to it
-    calibration = calibrate(
-        config,
-        dtype,
-        prompt_len=_pow2(float(seqs.prompts.mean())),
-        context_len=_pow2(float(seqs.prompts.mean() + seqs.budgets.mean() / 2)),
-        max_batch=max_batch,
-        measure=measure,
-        refresh=options.calibrate is True,
-        use_cache=options.use_cache,
-        cache_dir=options.cache_dir,
-        log=options.log,
-    )
+    device = device or resolve_device(config.device)
+    lengths = {
+        "prompt_len": _pow2(float(seqs.prompts.mean())),
+        "context_len": _pow2(float(seqs.prompts.mean() + seqs.budgets.mean() / 2)),
+        "max_batch": max_batch,
+    }
+    calibration, load = (measure or measure_machine)(config, dtype, device, lengths, options)
     if calibration is None:
         why = "--no-calibrate" if options.calibrate is False else f"on {device}, only with --calibrate"
         shape = f"batches up to {max_batch}, prompts of about {_pow2(float(seqs.prompts.mean()))} tokens"
@@ -171,6 +167,32 @@ def estimate_wall_time(
             f"{why} skipped measuring them: a few seconds' run"
         )
     return _estimate(seqs, limits, calibration, tokenize_s, peak, load), None
+
+
+def measure_machine(
+    config: Any, dtype: Any, device: str, lengths: dict[str, int], options: WallTimeOptions
+) -> tuple[Any, tuple[float, int] | None]:
+    """(the calibration: cached, measured now or None (`calibrate`); on a CPU the load before it,
+    `busy_share`). `lengths`: `calibrate`'s prompt_len, context_len and max_batch.
+
+    Raises:
+        ValueError / ModelNotFoundError: a calibration's engine cannot be built.
+    """
+    from batchgen.jobs.calibrate import calibrate
+
+    measure = options.calibrate if options.calibrate is not None else device == "cpu"
+    load = busy_share() if device == "cpu" else None  # read before the calibration adds to it
+    calibration = calibrate(
+        config,
+        dtype,
+        **lengths,
+        measure=measure,
+        refresh=options.calibrate is True,
+        use_cache=options.use_cache,
+        cache_dir=options.cache_dir,
+        log=options.log,
+    )
+    return calibration, load
 
 
 def busy_share() -> tuple[float, int] | None:

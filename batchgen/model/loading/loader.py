@@ -144,19 +144,18 @@ def iter_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_tokenizer(files: ModelFiles) -> Any:
-    """Load the model's tokenizer with `transformers.AutoTokenizer` from `files.path`.
+def load_tokenizer(files: ModelFiles | Path) -> Any:
+    """Load the model's tokenizer with `transformers.AutoTokenizer` from `files.path` (or a folder).
 
     Raises:
         ModelNotFoundError: the directory holds none of the usual tokenizer files.
     """
-    if not any((files.path / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelNotFoundError(
-            f"no tokenizer in {files.path}: expected one of {', '.join(TOKENIZER_FILES)}"
-        )
+    path = files if isinstance(files, Path) else files.path
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelNotFoundError(f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)}")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(files.path)
+    return AutoTokenizer.from_pretrained(path)
 
 
 def eos_token_ids(files: ModelFiles, tokenizer: Any) -> frozenset[int]:

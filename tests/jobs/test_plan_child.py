@@ -1,0 +1,86 @@
+"""A plan that keeps torch out of its process (`batchgen.jobs.plan_child`) says what one with torch says."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchgen.jobs.formats import JobInputError
+from batchgen.jobs.plan import plan_job
+from batchgen.jobs.plan_child import can_hide_torch, hide_torch
+from batchgen.jobs.runner import JobOptions
+from batchgen.jobs.wall_time import WallTimeOptions
+from tests.jobs.test_bad_rows import bad_lines
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Runs in a fresh interpreter: plans the job of argv[1] with the engine options of argv[2] (JSON)
+# without torch and prints the plan (or the error) as JSON, then whether torch got imported.
+_PLAN_WITHOUT_TORCH = """
+import json, sys
+from batchgen.jobs.formats import JobInputError
+from batchgen.jobs.plan import plan_job
+from batchgen.jobs.runner import JobOptions
+from batchgen.jobs.wall_time import WallTimeOptions
+options = JobOptions(sys.argv[1], max_tokens=8, engine=json.loads(sys.argv[2]))
+try:
+    plan = plan_job(options, wall_time=WallTimeOptions(calibrate=False, cache_dir=sys.argv[3]), torch_free=True)
+    print(json.dumps(plan.to_dict()))
+except JobInputError as e:
+    print(json.dumps({"error": str(e)}))
+print(sys.modules.get("torch") is not None)
+"""
+
+
+def _plan_without_torch(src: Path, engine: dict, cache_dir: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _PLAN_WITHOUT_TORCH, str(src), json.dumps(engine), str(cache_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    answer, has_torch = proc.stdout.strip().splitlines()[-2:]
+    assert has_torch == "False", "the plan imported torch"
+    return json.loads(answer)
+
+
+def test_a_plan_without_torch_equals_the_plan_with_it(tmp_path, tiny_model_dir):
+    """Error rows, token counts, KV sizes (a lowered max_model_len included) and the wall-time note
+    are the same, whichever process decides them."""
+    src = tmp_path / "bad.jsonl"
+    src.write_text("\n".join(bad_lines()) + "\n")
+    engine = {"model": str(tiny_model_dir("qwen2")), "max_model_len": 64, "kv_cache_memory": "1MiB"}
+    without = _plan_without_torch(src, engine, tmp_path / "none")
+    options = JobOptions(str(src), max_tokens=8, engine=engine)
+    with_torch = plan_job(options, wall_time=WallTimeOptions(calibrate=False, cache_dir=tmp_path / "none"))
+    assert without == with_torch.to_dict()
+    assert without["rows_error"] == 6 and without["rows_valid"] == 3
+    assert without["kv_cache_tokens"] == with_torch.kv_cache_tokens > 0
+    assert "--no-calibrate" in without["wall_time_note"]
+
+
+def test_a_plan_without_torch_names_the_device_and_model_errors_as_run_does(tmp_path, tiny_model_dir):
+    src = tmp_path / "job.jsonl"
+    src.write_text(json.dumps({"prompt": "Hello?"}) + "\n")
+    cuda = _plan_without_torch(src, {"model": str(tiny_model_dir("llama")), "device": "cuda"}, tmp_path)
+    if "error" not in cuda:
+        pytest.skip("this machine has a GPU: --device cuda is no error here")
+    assert cuda["error"].startswith("invalid engine option: device is 'cuda' but torch.cuda.is_available()")
+    missing = _plan_without_torch(src, {"model": str(tmp_path / "no-such-model")}, tmp_path)
+    assert missing["error"].startswith(f"cannot plan for model {tmp_path / 'no-such-model'}: ")
+    with pytest.raises(JobInputError) as in_process:
+        plan_job(JobOptions(str(src), max_tokens=8, engine={"model": str(tmp_path / "no-such-model")}))
+    assert missing["error"] == str(in_process.value)
+
+
+def test_torch_cannot_be_hidden_once_imported():
+    """This test's process holds torch: a torch-free plan here plans in-process, and hiding refuses."""
+    assert not can_hide_torch()
+    with pytest.raises(RuntimeError, match="imported already"):
+        hide_torch()

@@ -123,9 +123,9 @@ class TokenizerEngine:
 
         self.isolated = torch_free and plan_child.can_hide_torch()
         try:
-            if self.isolated:
-                plan_child.hide_torch()
+            if self.isolated:  # the child first: it peaks while this process is at its smallest
                 facts = plan_child.ask_child("sizes", config)
+                plan_child.hide_torch()
             else:
                 facts = plan_child.sizes(config)
         except plan_child.ChildError as e:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from batchgen.jobs.block_lru import BlockLru
-from batchgen.jobs.options import JobOptions, check_output_path, default_output_path, output_format
+from batchgen.jobs.options import JobOptions, check_output_path, default_output_path, flag_hint, output_format
 from batchgen.jobs.plan_inputs import CommittedOutputs, TokenizerEngine, committed_rows
 from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.requests import prepare_row
@@ -138,7 +138,7 @@ class _Tally:
 
 def _open_job(options: JobOptions, engine: Any, torch_free: bool) -> tuple[Any, ...]:
     """(engine config, reader, tokenizer engine, committed rows, their outputs, a note on them)."""
-    from batchgen.jobs.runner import check_run_options, job_header, job_reader
+    from batchgen.jobs.runner import check_run_options, job_header, job_reader, validate_job
 
     # The device is checked where torch is: TokenizerEngine's sizes (in a child with torch_free).
     config = check_run_options(options, check_device=engine is not None)
@@ -146,6 +146,8 @@ def _open_job(options: JobOptions, engine: Any, torch_free: bool) -> tuple[Any, 
     output = options.output or default_output_path(options.input, reader.format)
     check_output_path(output, options.input)  # run's own checks: plan refuses what run would
     check_output_location(output)
+    if options.strict:
+        validate_job(reader)
     fmt = output_format(output, reader.format)
     committed, outputs, note = (
         (None, None, None) if options.overwrite else committed_rows(output, job_header(options, reader, fmt))
@@ -156,7 +158,9 @@ def _open_job(options: JobOptions, engine: Any, torch_free: bool) -> tuple[Any, 
         try:
             engine = TokenizerEngine(config, torch_free=torch_free)
         except (ModelNotFoundError, ValueError) as e:
-            raise JobInputError(f"cannot plan for model {config.model or '(default)'}: {e}") from e
+            raise JobInputError(
+                f"cannot plan for model {config.model or '(default)'}: {e}{flag_hint(str(e))}"
+            ) from e
     return config, reader, engine, committed, outputs, note
 
 
@@ -183,10 +187,10 @@ def _read_rows(tally: _Tally, options: JobOptions, reader: Any, engine: Any, com
             continue
         sp = row.sampling_params
         unknown = [t for t in sp.stop_token_ids or () if t >= engine.vocab_limit]
-        if unknown:  # the engine's own check (LLMEngine._add_one)
+        if unknown:  # the engine's own check (LLMEngine._add_one), worded as run's error row
             tally.error(
-                f"stop_token_ids holds ids outside the vocabulary [0, {engine.vocab_limit}): {unknown[:5]}; "
-                "fix or remove them"
+                f"{row.where}: stop_token_ids holds ids outside the vocabulary [0, {engine.vocab_limit}): "
+                f"{unknown[:5]}; fix or remove them"
             )
             continue
         room = max_len - prepared.prompt_tokens
@@ -256,8 +260,9 @@ def plan_job(
     from batchgen.jobs.wall_time import estimate_wall_time
     from batchgen.model.loading.architectures import ModelNotFoundError
 
-    start = time.perf_counter()
     config, reader, engine, committed, outputs, note = _open_job(options, engine, torch_free)
+    # From here: run reads and tokenizes the same rows (its start-up is the calibration's startup_s).
+    start = time.perf_counter()
     plan = JobPlan(reader.source, engine.model_name or str(config.model or "default"), note=note)
     plan.prefix_caching = config.enable_prefix_caching
     prefix = _PrefixEstimate(engine.block_size, engine.num_blocks) if config.enable_prefix_caching else None

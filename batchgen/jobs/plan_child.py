@@ -73,21 +73,25 @@ def ask_child(task: str, config: EngineConfig, **args: Any) -> dict[str, Any]:
     """Run `task` ("sizes" or "measure") in a child interpreter and return its answer.
 
     Raises:
-        ChildError: the child refused the options or the model.
-        RuntimeError: the child died (its messages are on stderr, above).
+        ChildError: the child refused the options or the model, or died (its messages are on
+            stderr, above).
     """
-    request = {"task": task, "engine": dataclasses.asdict(config), **args}
+    request = {"task": task, "engine": dataclasses.asdict(config), "parent": os.getpid(), **args}
     proc = subprocess.run(
-        [sys.executable, "-m", "batchgen.jobs.plan_child"],
+        [sys.executable, "-m", "batchgen.jobs.plan_child", task],  # the task in argv: `ps` tells them apart
         input=json.dumps(request),
         stdout=subprocess.PIPE,
         text=True,
         check=False,
+        # Out of the terminal's process group: Ctrl-C reaches this process alone, whose
+        # KeyboardInterrupt kills the child (subprocess.run does) with no traceback of the child's.
+        start_new_session=True,
     )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"batchgen plan's {task} process exited with code {proc.returncode} (its messages are above)"
+        raise ChildError(
+            "model",
+            f"batchgen plan's {task} process exited with code {proc.returncode} (its messages are above)",
         )
     answer = json.loads(lines[-1])
     if "error" in answer:
@@ -189,13 +193,29 @@ def ask_measure(
     return calibration, (None if load is None else (float(load[0]), int(load[1])))
 
 
+def _follow_parent(parent: int) -> None:
+    """End with the plan's process, however it ends: SIGTERM here when it dies (Linux's
+    PR_SET_PDEATHSIG; subprocess.run kills this process only when the parent unwinds)."""
+    import ctypes
+    import signal
+
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the line above
+        sys.exit(1)
+
+
 def _main() -> None:
     request = json.loads(sys.stdin.read())
+    _follow_parent(request["parent"])
     config = EngineConfig(**request["engine"])
     try:
         answer = sizes(config) if request["task"] == "sizes" else measure(config, request)
     except ChildError as e:
         answer = {"error": str(e), "kind": e.kind}
+    except Exception as e:  # damaged weights and the like: one line for the user, as run's errors
+        answer = {"error": f"{type(e).__name__}: {e}", "kind": "model"}
     sys.stdout.write("\n" + json.dumps(answer) + "\n")
 
 

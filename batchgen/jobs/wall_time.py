@@ -131,8 +131,8 @@ def estimate_wall_time(
         limits: the engine's budgets (from `EnginePlan`).
         config: the job's `EngineConfig` (the calibration's engine).
         dtype: the engine's resolved dtype.
-        tokenize_s: seconds the plan took to read the job, load the tokenizer and tokenize the rows
-            (`run` does the same before and between its steps).
+        tokenize_s: seconds the plan took to read the job and tokenize the rows (`run` does the
+            same before and between its steps; its start-up is the calibration's `startup_s`).
         options: calibration and expectation options.
         device: the engine's device, "cpu" or "cuda" (None: `config.device` resolved here).
         measure: `measure_machine` or a stand-in with its arguments (`plan_child.ask_measure`

@@ -52,10 +52,12 @@ def test_plan_command_prints_json(tmp_path, tiny_model_dir):
     shared = "You are a careful assistant. Answer in one short sentence, please. " * 3
     src.write_text("\n".join(json.dumps({"prompt": f"{shared}Question {i}?"}) for i in range(10)) + "\n")
     cmd = [sys.executable, "-m", "batchgen", "plan", str(src), "--model", str(tiny_model_dir("llama"))]
-    cmd += ["--max-tokens", "16", "--kv-cache-memory", "64MiB", "--json"]
+    summary = tmp_path / "plan.json"
+    cmd += ["--max-tokens", "16", "--kv-cache-memory", "64MiB", "--summary-json", str(summary), "--json"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
+    assert json.loads(summary.read_text()) == plan  # --summary-json: the same plan, for scripts
     assert plan["rows"] == plan["rows_valid"] == 10 and plan["rows_error"] == 0
     assert plan["max_output_tokens"] == 160
     # Nine rows after the first find its shared prefix blocks in the cache.
@@ -138,6 +140,29 @@ def test_plan_of_a_job_whose_every_row_fails_exits_3_as_run_does(tmp_path, tiny_
     assert proc.returncode == 3, proc.stderr
     assert "rows: 2 (0 valid, 2 error rows" in proc.stdout
     assert "every one of the 2 rows would fail" in proc.stderr and "row 0" in proc.stderr
+
+
+def test_plan_words_every_error_row_as_run_and_refuses_strict_as_run(tmp_path, tiny_model_dir):
+    """A stop token outside the vocabulary (the engine's own check) reads as run's error row, and
+    --strict refuses the invalid rows before any model is read, with run's message."""
+    src = tmp_path / "job.jsonl"
+    src.write_text(
+        json.dumps({"prompt": "Hi", "stop_token_ids": [999999]}) + "\n" + "\n".join(bad_lines()) + "\n"
+    )
+    options = JobOptions(
+        str(src), max_tokens=4, engine={"model": str(tiny_model_dir("llama")), "dtype": "float32"}
+    )
+    plan = plan_job(options)
+    run_job(options, default_engine_factory, dashboard=quiet())
+    errors = [r["error"] for r in pq.read_table(tmp_path / "job.out.parquet").to_pylist() if r["error"]]
+    assert plan.first_errors == errors[:5]
+    assert errors[0].startswith("row 0 (line 1): stop_token_ids holds ids outside the vocabulary")
+    strict = JobOptions(str(src), strict=True, overwrite=True, engine={"model": str(tmp_path / "none")})
+    with pytest.raises(JobInputError) as planned:
+        plan_job(strict)
+    with pytest.raises(JobInputError) as ran:
+        run_job(strict, default_engine_factory, dashboard=quiet())
+    assert str(planned.value) == str(ran.value) and str(ran.value).startswith("--strict: 5 invalid row(s)")
 
 
 def test_plan_refuses_a_missing_input(tmp_path):

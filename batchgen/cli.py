@@ -20,7 +20,7 @@ import typer
 
 from batchgen import cli_types as opt
 from batchgen.bench.cli import bench_command
-from batchgen.cli_run import run_and_exit
+from batchgen.cli_run import run_and_exit, write_summary_json
 from batchgen.config import POLICY_NAMES, EngineConfig
 from batchgen.sampling_params import SamplingDefaults
 from batchgen.tune import tune_command
@@ -264,18 +264,6 @@ _job_action: ContextVar[Callable[[JobOptions, str | None], None] | None] = Conte
 )
 
 
-def _write_plan(path: str, plan: dict[str, Any]) -> None:
-    """`plan --summary-json`: the plan as JSON, written atomically; a failure is reported, not raised."""
-    from pathlib import Path
-
-    from batchgen.cache import write_atomically
-
-    try:
-        write_atomically(Path(path), (json.dumps(plan, indent=1) + "\n").encode())
-    except OSError as e:
-        typer.echo(f"error: --summary-json {path} could not be written: {e}", err=True)
-
-
 def plan_command(**values: Any) -> None:
     """Plan a job without running it: rows, error rows, prompt tokens, output budget, prefix-cache
     savings and KV-cache memory from the job file and the model's tokenizer, and the estimated wall
@@ -300,7 +288,7 @@ def plan_command(**values: Any) -> None:
             raise typer.Exit(2) from None
         typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_plan(result))
         if summary_json is not None:  # the plan, as --json prints it
-            _write_plan(summary_json, result.to_dict())
+            write_summary_json(summary_json, result.to_dict())
         if result.rows_error and not result.rows_valid and not result.rows_resumed:
             # `run` would end with exit 3 (every row failed): a script gets the same answer first.
             typer.echo(

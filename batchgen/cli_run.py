@@ -32,16 +32,16 @@ def run_and_exit(
             signal.signal(s, handler)
 
 
-def _write_summary(path: str, summary: JobSummary, exit_code: int) -> None:
-    """`--summary-json`: the run's outcome (`JobSummary.to_dict`) as JSON, written atomically. A
-    failure to write it is reported, not raised: the job itself is done."""
+def write_summary_json(path: str, data: dict) -> None:
+    """`--summary-json`: `data` (a run's outcome, `JobSummary.to_dict`, or a plan) as JSON, written
+    atomically. A failure to write it is reported, not raised: the command's work is done."""
     import json
     from pathlib import Path
 
     from batchgen.cache import write_atomically
 
     try:
-        write_atomically(Path(path), (json.dumps(summary.to_dict(exit_code), indent=1) + "\n").encode())
+        write_atomically(Path(path), (json.dumps(data, indent=1) + "\n").encode())
     except OSError as e:
         typer.echo(f"error: --summary-json {path} could not be written: {e}", err=True)
 
@@ -62,7 +62,7 @@ def _run_with_stop_handlers(
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     if summary_json is not None:
-        _write_summary(summary_json, summary, _exit_code(summary))
+        write_summary_json(summary_json, summary.to_dict(_exit_code(summary)))
     if summary.already_complete:
         errors = (
             f", {summary.rows_error} of its {summary.rows_done} rows are error rows"

@@ -161,7 +161,7 @@ def estimate_wall_time(
     calibration, load = (measure or measure_machine)(config, dtype, device, lengths, options)
     if calibration is None:
         why = "--no-calibrate" if options.calibrate is False else f"on {device}, only with --calibrate"
-        shape = f"batches up to {max_batch}, prompts of about {_pow2(float(seqs.prompts.mean()))} tokens"
+        shape = f"batches up to {max_batch}, prompts of about {lengths['prompt_len']} tokens"
         return None, (
             f"no measured step times for this model, machine and job shape ({shape}) in the cache; "
             f"{why} skipped measuring them: a few seconds' run"

@@ -3,11 +3,12 @@
  * including its own position), with both matrix products on TDPBF16PS.
  *
  * FlashAttention's loop (Dao et al. 2022, arXiv:2205.14135): a work item is 16 query positions of
- * one query head; it walks the context in blocks of 32 keys, S = Q K^T on the tiles, an online
- * softmax of S in AVX-512 registers (running maximum and sum per row, float32), then O += P V on the
- * tiles with P rounded to bf16 (as torch's CPU flash attention and FlashAttention's bf16 kernels
- * do), O kept in float32 and rescaled when a row's maximum grows. Only the key blocks a row can see
- * are visited (the causal triangle plus the cached prefix).
+ * one query head; it walks the context in blocks of 64 keys, S = Q K^T on the tiles, an online
+ * softmax of S in AVX-512 registers (running maximum and sum per row, float32, in the log2 domain),
+ * then O += P V on the tiles with P rounded to bf16 (as torch's CPU flash attention and
+ * FlashAttention's bf16 kernels do), O kept in float32 and rescaled when a row's maximum grows by
+ * more than a margin (lazy rescaling, as in FlashAttention-4's softmax). Only the key
+ * blocks a row can see are visited (the causal triangle plus the cached prefix).
  *
  * The tiles need their B operands in pairs along the reduced dimension: K^T as [D/2][keys][2]
  * for S, V as [keys/2][D][2] for P V. Every sequence's K and V are first gathered from the paged
@@ -40,6 +41,7 @@
 #define Q_TILE 16   /* query positions per work item: one A tile of rows */
 #define KEY_BLOCK 64 /* keys per step of the online softmax: four S tiles, two P tiles of K */
 #define MAX_D 128
+#define RESCALE_MARGIN 8.f /* log2 units: see attend_tile */
 
 int amx_linear_available(void);
 
@@ -144,7 +146,7 @@ static void attend_tile(const Args *a, int b, int qh, int q0, int rows) {
   float s[Q_TILE * KEY_BLOCK] __attribute__((aligned(64)));
   uint16_t p[Q_TILE * KEY_BLOCK] __attribute__((aligned(64)));
   float pv[Q_TILE * 64] __attribute__((aligned(64)));
-  const __m512 scale = _mm512_set1_ps(a->scale), minus_inf = _mm512_set1_ps(-INFINITY);
+  const __m512 scale = _mm512_set1_ps(a->scale * 1.44269504088896341f), minus_inf = _mm512_set1_ps(-INFINITY);
   enum { KV = KEY_BLOCK / 16 }; /* 16-key vectors a block */
 
   const int last_key = prefix + q0 + rows - 1; /* the tile's last row sees keys 0..last_key */
@@ -186,14 +188,15 @@ static void attend_tile(const Args *a, int b, int qh, int q0, int rows) {
       }
       __m512 mx = x[0];
       for (int j = 1; j < KV; j++) mx = _mm512_max_ps(mx, x[j]);
-      const float block_max = _mm512_reduce_max_ps(mx);
-      if (block_max == -INFINITY) { /* no key of this block is visible to the row */
-        memset(pr, 0, sizeof(uint16_t) * KEY_BLOCK);
-        continue;
-      }
-      if (block_max > row_max[r]) {
+      /* Lazy rescaling: the running maximum moves only when a score exceeds it by more than
+       * RESCALE_MARGIN (log2 units), so P's values stay under 2^RESCALE_MARGIN and O is rescaled a
+       * few times a row, not at every block that raises the maximum a little. The test is one
+       * compare of 16 lanes; the block's maximum is reduced only when it passes. A row's first
+       * block always holds a visible key (key 0), so its maximum is finite from then on. */
+      if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(row_max[r] + RESCALE_MARGIN), _CMP_GT_OQ)) {
+        const float block_max = _mm512_reduce_max_ps(mx);
         if (row_max[r] != -INFINITY) {
-          const __m512 alpha = _mm512_set1_ps(expf(row_max[r] - block_max));
+          const __m512 alpha = _mm512_set1_ps(exp2f(row_max[r] - block_max));
           row_sum[r] = _mm512_mul_ps(row_sum[r], alpha);
           for (int d = 0; d < D; d += 16) _mm512_store_ps(o + r * D + d, _mm512_mul_ps(_mm512_load_ps(o + r * D + d), alpha));
         }
@@ -201,7 +204,8 @@ static void attend_tile(const Args *a, int b, int qh, int q0, int rows) {
       }
       const __m512 m = _mm512_set1_ps(row_max[r]);
       for (int j = 0; j < KV; j += 2) {
-        const __m512 e0 = exp_nonpositive16(_mm512_sub_ps(x[j], m)), e1 = exp_nonpositive16(_mm512_sub_ps(x[j + 1], m));
+        const __m512 e0 = exp2_nonpositive16(_mm512_sub_ps(x[j], m)),
+                     e1 = exp2_nonpositive16(_mm512_sub_ps(x[j + 1], m));
         row_sum[r] = _mm512_add_ps(row_sum[r], _mm512_add_ps(e0, e1));
         _mm512_store_si512((void *)(pr + 16 * j),
                            _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16_16(e0)), to_bf16_16(e1), 1));

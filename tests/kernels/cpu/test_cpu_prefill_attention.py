@@ -98,6 +98,26 @@ def test_amx_kernel_matches_float64_reference(head_dim, group, block_size):
     assert torch.equal(got[0], first_v)
 
 
+@NEEDS_AMX
+def test_amx_kernel_rescales_as_scores_climb_along_the_context():
+    """Key t scores about 0.25 t more than key 0 (a ramp in one dimension): every row's maximum
+    passes the kernel's lazy-rescaling margin (2^8) again and again along its context, and the
+    probabilities end up nearly one-hot on its last keys."""
+    query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.bfloat16, 64, 3, 16)
+    block_size = k_cache.shape[1]
+    rows = k_cache.view(-1, *k_cache.shape[2:])
+    for seq, length in enumerate(seq_lens.tolist()):
+        for t in range(length):
+            rows[int(tables[seq, t // block_size]) * block_size + t % block_size, :, 0] = 0.1 * t
+    query[:, :, 0] = 20.0
+    scale = 64**-0.5
+    got = cpu_attention.paged_prefill_attention_cpu(
+        query, k_cache, v_cache, tables, seq_lens, starts, scale, kernel="amx"
+    )
+    expected = reference(query, k_cache, v_cache, tables, seq_lens, starts, scale)
+    torch.testing.assert_close(got.double(), expected, rtol=2**-8, atol=5e-3)
+
+
 def test_the_amx_kernel_takes_only_what_it_supports():
     assert not cpu_attention.supports_prefill_amx(torch.float32, 64, 9, 3)
     assert not cpu_attention.supports_prefill_amx(torch.bfloat16, 48, 9, 3)  # head_dim % 32

@@ -143,10 +143,23 @@ def _config_entry(r: RunResult, ceiling: dict[str, Any] | None) -> dict[str, Any
             rate = m["matmul_flops_per_s"] or ceiling["matmul"]["flops_per_s"]
             m["ceiling_fraction"] = ceiling["flops"]["total"] / rate / m["wall_s"]
         m["roofline_s"] = r.extra.get("roofline_s")
+        m |= _prefill_rate(r.extra, m["prefill_step_s"])
         own = r.extra.get("roofline_own_rate_s")
         m["roofline_fraction"] = own / m["wall_s"] if own and m["wall_s"] else None
         entry["metrics"] = m
     return entry
+
+
+def _prefill_rate(extra: dict[str, Any], prefill_step_s: float | None) -> dict[str, float | None]:
+    """`prefill_flops_per_s`: the model FLOPs of the prefill steps over their seconds; and
+    `prefill_table_fraction`: that over the kernel table's rate for the model's linears at the
+    largest row bucket (the registry's own measure of the machine, `table_flops_per_s`)."""
+    flops, table_rate = extra.get("prefill_flops"), extra.get("table_flops_per_s")
+    rate = flops / prefill_step_s if flops and prefill_step_s else None
+    return {
+        "prefill_flops_per_s": rate,
+        "prefill_table_fraction": rate / table_rate if rate and table_rate else None,
+    }
 
 
 def _add_ratios(configs: list[dict[str, Any]], base: dict | None, vllm: dict | None) -> None:

@@ -104,3 +104,17 @@ def roofline_seconds(
         moved = step_bytes(shape, dtype_bytes, s.num_batched_tokens, s.num_context_tokens)
         total += max(flops / flops_per_s, moved / bytes_per_s)
     return total
+
+
+def prefill_flops(steps: list[Any], shape: ModelShape) -> float | None:
+    """Forward FLOPs (`ceiling.forward_flops`: linears, attention and LM head) of the `steps` that
+    computed prompt tokens, decode rows mixed into them included: over the prefill steps' seconds,
+    the rate the bench compares with the kernel table's (`KernelChoice.largest_bucket_flops_per_s`).
+    None when a step's counts are unknown (the Hugging Face baselines)."""
+    total = 0.0
+    for s in steps:
+        if s.num_prompt_tokens is None or s.num_sampled is None or s.num_attended_keys is None:
+            return None
+        if s.num_prompt_tokens:
+            total += forward_flops(shape, s.num_batched_tokens, s.num_attended_keys, s.num_sampled)["total"]
+    return total

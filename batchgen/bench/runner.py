@@ -37,6 +37,7 @@ from batchgen.bench.metrics import ResourceMonitor, RunResult, release_memory, s
 from batchgen.bench.model_facts import EngineFactory, ModelFacts, bench_workload, model_facts, pad_id
 from batchgen.bench.rates import RateSamples
 from batchgen.bench.report import build_report
+from batchgen.bench.roofline import prefill_flops
 from batchgen.bench.settings import MODES, BenchSettings, ConfigPlan, engine_config_for, plan_configs
 from batchgen.bench.spec import BenchInputError
 from batchgen.bench.static import run_static
@@ -103,6 +104,9 @@ def run_bench(
             rates.measure()
     runs = _timed_runs(plans, settings.repeat, run, rates)
     results = [median_run(runs[plan.name]) for plan in plans]
+    for result in results:
+        if result.steps:
+            result.extra["prefill_flops"] = prefill_flops(result.steps, shape)
     return build_report(
         settings=settings,
         workload=workload,
@@ -247,6 +251,7 @@ def _record_kernels(result: RunResult, engine: Any) -> None:
     result.extra["kernels"] = choice.summary()
     result.extra["second_layout_mib"] = round(choice.extra_weight_bytes / 2**20, 1)
     result.extra["kernel_choice_s"] = round(choice.seconds, 3)
+    result.extra["table_flops_per_s"] = choice.largest_bucket_flops_per_s
 
 
 def _run_one(

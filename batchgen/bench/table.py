@@ -30,6 +30,10 @@ _ROWS: list[tuple[str, str, str, float, bool]] = [
     ("draft acceptance rate", "spec_decode_acceptance_rate", "{:.1%}", 1, False),
     # Steps that computed prompt tokens / steps of decodes only: which phase a schedule saves in.
     ("prefill / decode steps (s)", ("prefill_step_s", "decode_step_s"), "{:.1f}", 1, False),
+    # Model FLOPs (linears, attention, LM head) of the prefill steps a second, and that against the
+    # kernel table's rate for the model's linears at the largest row bucket.
+    ("prefill steps: GFLOP/s", "prefill_flops_per_s", "{:.0f}", 1e-9, False),
+    ("prefill: of kernel table's rate", "prefill_table_fraction", "{:.1%}", 1, False),
     ("TTFT mean (s)", "ttft_mean_s", "{:.2f}", 1, True),
     ("TTFT p50 / p90", ("ttft_p50_s", "ttft_p90_s"), "{:.2f}", 1, False),
     ("TTFT p99 (s)", "ttft_p99_s", "{:.2f}", 1, True),

@@ -32,7 +32,7 @@ from batchgen.kernels.cpu.linear import (
     release_freed_heap,
 )
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
-from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, machine_key
+from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, buckets_up_to, machine_key
 from batchgen.model.attention.cpu_backend import CPUAttentionBackend
 from batchgen.model.attention_choice import tune_decode_attention, tune_prefill_attention
 from batchgen.model.linear_choice import plan_layouts, shape_name, tune_linear
@@ -57,6 +57,9 @@ class KernelChoice:
     decode_attention: list[str] = field(default_factory=list)  # per decode-batch bucket: "c" or "torch"
     seconds: float = 0.0  # spent choosing: measuring, or looking up a cached table, and packing
     extra_weight_bytes: int = 0  # weight copies held for a second layout (`plan_layouts`)
+    # FLOP/s of the model's layer linears at the largest row bucket, each at its chosen candidate's
+    # time in the table (`table_linear_rate`): the registry's own figure for the machine's matmul rate.
+    largest_bucket_flops_per_s: float | None = None
 
     def summary(self) -> str:
         """A few words for the start line, e.g. "auto: linear onednn 80%, torch 20%" (shares of the
@@ -148,8 +151,11 @@ def apply_kernels(
     stack_possible = dtype == torch.bfloat16 and not one_layout and _fused_cpu_backend(model)
     stack_possible = stack_possible and cached_stack_rows(model, table, max_logit_rows) != 0
     by_shape: dict[str, list[str]] = {}
+    layer_shapes: list[str] = []  # one entry per layer linear, for `table_linear_rate`
     for name, linear in list(_named_linears(model)):
         is_head = name.endswith("lm_head")
+        if not is_head:
+            layer_shapes.append(shape_name(linear))
         rows = max_logit_rows if is_head else max_rows
         key = f"{shape_name(linear)}@{rows}"
         if key not in by_shape:
@@ -167,6 +173,7 @@ def apply_kernels(
         setattr(
             parent, child, TunedLinear(impls, by_bucket) if len(impls) > 1 else next(iter(impls.values()))
         )
+    choice.largest_bucket_flops_per_s = table_linear_rate(layer_shapes, table, dtype, max_rows)
     _choose_attention(model, table, dtype, max_rows, max_logit_rows, choice)
     stack = build_decoder_stack(model, max_rows=0)
     stack_rows, stack_linears = (
@@ -185,6 +192,32 @@ def apply_kernels(
     release_freed_heap()  # the plain weights, and the layouts, that no implementation kept
     choice.seconds = time.perf_counter() - start
     return choice
+
+
+def table_linear_rate(
+    layer_shapes: list[str], table: TuningTable, dtype: torch.dtype, max_rows: int
+) -> float | None:
+    """FLOP/s of a model's layer linears at the largest row bucket up to `max_rows`: their FLOPs
+    summed over the chosen candidates' times in `table`, one call per linear as a step makes them.
+
+    Args:
+        layer_shapes: `shape_name` of every layer linear (the LM head aside), repeats included.
+
+    Returns:
+        FLOP/s, or None where an entry is missing or has no time. Reads `table` after
+        `tune_linear` filled it; measures nothing.
+    """
+    rows = buckets_up_to(max_rows)[-1]
+    dtype_name = str(dtype).removeprefix("torch.")
+    flops = seconds = 0.0
+    for shape in layer_shapes:
+        entry = table.entries.get(f"linear|{shape}:{dtype_name}|{rows}")
+        ms = entry["ms"].get(entry["chosen"]) if entry else None
+        if not ms or not entry.get("work"):
+            return None
+        flops += entry["work"]
+        seconds += ms * 1e-3
+    return flops / seconds if seconds else None
 
 
 def _fused_cpu_backend(model: nn.Module) -> bool:

@@ -195,10 +195,24 @@ def test_step_counts_and_roofline(bench_report) -> None:
         assert m["prefill_step_s"] == pytest.approx(sum(tl["step_time_s"][i] for i in prefill_steps))
         assert m["prefill_step_s"] + m["decode_step_s"] == pytest.approx(sum(tl["step_time_s"]))
         assert 0 < m["prefill_step_s"] and 0 < m["decode_step_s"] and sum(tl["step_time_s"]) <= m["wall_s"]
+        # the prefill rate: the prefill steps' model FLOPs (more than their linears' alone) over
+        # their seconds, and that against the kernel table's rate where the table has one
+        linear_flops = (
+            2
+            * report["model"]["non_embedding_params"]
+            * sum(tl["num_batched_tokens"][i] for i in prefill_steps)
+        )
+        assert extra["prefill_flops"] > linear_flops, name
+        assert m["prefill_flops_per_s"] == pytest.approx(extra["prefill_flops"] / m["prefill_step_s"])
+        table_rate = extra.get("table_flops_per_s")
+        assert m["prefill_table_fraction"] == (
+            pytest.approx(m["prefill_flops_per_s"] / table_rate) if table_rate else None
+        )
     for c in report["configurations"]:
         if c["kind"].startswith("hf-") and c["status"] == "ok":
             assert c["metrics"]["roofline_s"] is None and "num_sampled" not in c["timeline"]
             assert c["metrics"]["prefill_step_s"] is None and "step_time_s" not in c["timeline"]
+            assert c["metrics"]["prefill_flops_per_s"] is None
 
 
 def test_bench_compare_script_smoke(tiny_model_dir, tmp_path: Path) -> None:

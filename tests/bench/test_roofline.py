@@ -9,6 +9,7 @@ from batchgen.bench.metrics import StepRecord
 from batchgen.bench.roofline import (
     kv_bytes_per_token,
     measure_memory_bandwidth,
+    prefill_flops,
     roofline_seconds,
     step_bytes,
     weight_bytes,
@@ -20,10 +21,10 @@ SHAPE = ModelShape(
 )
 
 
-def step(tokens: int, keys: int, sampled: int, context: int) -> StepRecord:
+def step(tokens: int, keys: int, sampled: int, context: int, prompt: int = 0) -> StepRecord:
     return StepRecord(
         t=0.0, num_seqs=1, num_batched_tokens=tokens, num_generation_tokens=sampled,
-        num_sampled=sampled, num_attended_keys=keys, num_context_tokens=context,
+        num_sampled=sampled, num_attended_keys=keys, num_context_tokens=context, num_prompt_tokens=prompt,
     )  # fmt: skip
 
 
@@ -51,6 +52,15 @@ def test_each_step_takes_the_slower_of_compute_and_memory() -> None:
 def test_steps_without_counts_have_no_roofline() -> None:
     baseline_step = StepRecord(t=0.0, num_seqs=1, num_batched_tokens=3, num_generation_tokens=1)
     assert roofline_seconds([step(3, 20, 1, 10), baseline_step], SHAPE, 2, 1.0, 1.0) is None
+
+
+def test_prefill_flops_count_every_row_of_the_steps_that_computed_prompt_tokens() -> None:
+    # A 2-token prompt chunk mixed with one decode row (8352 FLOPs), then a decode-only step.
+    steps = [step(3, 20, 1, 10, prompt=2), step(1, 11, 1, 11, prompt=0)]
+    assert prefill_flops(steps, SHAPE) == 8352.0
+    assert prefill_flops(steps[1:], SHAPE) == 0.0
+    baseline_step = StepRecord(t=0.0, num_seqs=1, num_batched_tokens=3, num_generation_tokens=1)
+    assert prefill_flops([*steps, baseline_step], SHAPE) is None
 
 
 def test_memory_bandwidth_is_measured() -> None:

@@ -269,3 +269,21 @@ def test_decodes_on_the_torch_path_give_the_reference_tokens(tiny_model_dir, ref
     assert backend.decode_by_bucket == ["c", "torch", "torch"]
     assert "decode attention torch from 2 sequences" in llm.llm_engine.runner.kernel_choice.summary()
     assert _tokens(llm) == reference_tokens
+
+
+def test_the_table_rate_sums_each_layer_linear_at_its_chosen_candidate_and_the_largest_bucket():
+    """Two 8x4 linears and one 4x8 at 64 rows (the largest bucket up to 50 rows): 3 x 4,096 FLOPs
+    over 2 x 1 ms + 2 ms at the chosen candidates, whatever the others took."""
+    table = registry.TuningTable(key={}, path=None)
+    for shape, chosen_ms in (("8x4", 1.0), ("4x8", 2.0)):
+        table.entries[f"linear|{shape}:bfloat16|64"] = {
+            "chosen": "amx_c", "ms": {"amx_c": chosen_ms, "torch": 0.1 * chosen_ms, "slow": None},
+            "dropped": {}, "work": 2.0 * 64 * 32, "unit": "flop",
+        }  # fmt: skip
+    rate = kernel_choice.table_linear_rate(["8x4", "8x4", "4x8"], table, torch.bfloat16, max_rows=50)
+    assert rate == pytest.approx(3 * 4096 / 4e-3)
+    # a shape the table lacks, another dtype, or a chosen candidate without a time: no figure
+    assert kernel_choice.table_linear_rate(["8x4", "16x4"], table, torch.bfloat16, 50) is None
+    assert kernel_choice.table_linear_rate(["8x4"], table, torch.float32, 50) is None
+    table.entries["linear|8x4:bfloat16|64"]["chosen"] = "slow"
+    assert kernel_choice.table_linear_rate(["8x4"], table, torch.bfloat16, 50) is None

@@ -284,6 +284,9 @@ def load_library() -> ctypes.CDLL | None:
     lib.amx_linear_available.argtypes = []
     lib.amx_linear.restype = i32
     lib.amx_linear.argtypes = lib.bf16_linear.argtypes
+    # (x, ldx, w_packed, bias, y, ldy, m, intermediate, k, num_threads) -> status; csrc/amx_linear.c.
+    lib.amx_swiglu.restype = i32
+    lib.amx_swiglu.argtypes = lib.bf16_linear.argtypes
     lib.store_kv_rows.restype = i64
     lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     # decoder_stack_bf16(layers, num_layers, dims, eps, scale, num_tokens, hidden, delta, cos, sin,

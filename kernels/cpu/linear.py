@@ -96,7 +96,8 @@ class Bf16Linear(nn.Module):
                 f"batchgen's {self.KERNEL} kernel is not built here: it needs a CPU with {self.NEEDS} and a "
                 "C compiler (see bf16_linear_applies); use PrepackedLinear or nn.Linear"
             )
-        self._kernel = getattr(cpu_kernels.load_library(), self.KERNEL)
+        self._library = cpu_kernels.load_library()
+        self._kernel = getattr(self._library, self.KERNEL)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Bf16Linear:
@@ -173,6 +174,32 @@ class AmxLinear(Bf16Linear):
     @staticmethod
     def kernel_available() -> bool:
         return amx_kernel_available()
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU on this layer as the fused gate/up projection (outputs: I gate, then I up):
+        bf16 `x [M, K]` (unit column stride) -> bf16 `silu(gate) * up` `[M, I]`, bit for bit
+        `silu_mul_bf16(self(x))` (kernels.cpu.ops) without the `[M, 2 I]` intermediate.
+
+        Raises:
+            ValueError: `x` is not bf16 `[M, in_features]` rows, or out_features is not a
+                multiple of 32 (I a multiple of 16).
+        """
+        if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.bfloat16 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"swiglu takes bf16 [M, {self.in_features}] rows; got {x.dtype} {tuple(x.shape)}"
+            )
+        if self.out_features % 32:
+            raise ValueError(f"swiglu needs 2 x a multiple of 16 outputs; this layer has {self.out_features}")
+        m, intermediate = x.shape[0], self.out_features // 2
+        out = torch.empty((m, intermediate), dtype=torch.bfloat16)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        status = self._library.amx_swiglu(
+            x.data_ptr(), x.stride(0), self.packed_weight.data_ptr(), bias, out.data_ptr(), intermediate,
+            m, intermediate, self.in_features, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:  # the layer was built for this kernel: a failure here is a bug
+            raise RuntimeError(f"amx_swiglu refused [{m}, {self.in_features}] x {self.extra_repr()}")
+        return out
 
 
 def amx_linear_applies(weight: torch.Tensor) -> bool:
@@ -331,11 +358,21 @@ class TunedLinear(nn.Module):
         self._by_rows = [forwards[by_bucket[0]]]  # 0 rows: as 1
         for index, name in enumerate(by_bucket):
             self._by_rows += [forwards[name]] * (ROW_BUCKETS[index] - len(self._by_rows) + 1)
+        swiglus = {name: fused_swiglu(impl) for name, impl in impls.items()}
+        self._swiglu_by_rows = [
+            swiglus[by_bucket[min(bucket_index(rows), len(by_bucket) - 1)]]
+            for rows in range(len(self._by_rows))
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
         by_rows = self._by_rows
         return (by_rows[rows] if rows < len(by_rows) else by_rows[-1])(x)
+
+    def swiglu_at(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """`fused_swiglu` of the implementation a call of `rows` rows runs."""
+        by_rows = self._swiglu_by_rows
+        return by_rows[rows] if rows < len(by_rows) else by_rows[-1]
 
     def kind_at(self, rows: int) -> str:
         """The implementation name a call of `rows` rows runs."""
@@ -343,3 +380,16 @@ class TunedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, by_bucket={self.by_bucket}"
+
+
+def fused_swiglu(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`AmxLinear.swiglu` of `linear` where it is an `AmxLinear` whose outputs split into two halves
+    of whole 16-column strips (a SwiGLU gate/up projection can run fused), else None."""
+    return linear.swiglu if isinstance(linear, AmxLinear) and linear.out_features % 32 == 0 else None
+
+
+def swiglu_for_rows(linear: nn.Module, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The fused SwiGLU (`AmxLinear.swiglu`) of a gate/up projection for a call of `rows` rows: where
+    the implementation chosen for that row count is batchgen's AMX kernel; else None (run the linear,
+    then SiLU-and-multiply)."""
+    return linear.swiglu_at(rows) if isinstance(linear, TunedLinear) else fused_swiglu(linear)

@@ -17,14 +17,21 @@
  *
  * Layouts: x [M] rows of K bf16, `ldx` elements apart; w_packed as above; bias float32 [N] or NULL;
  * y [M] rows of N bf16, `ldy` elements apart. N must be a multiple of 16 and K of 32.
+ *
+ * `amx_swiglu` runs a SwiGLU layer's fused gate/up projection (the first I outputs gate, the next I
+ * up) with SiLU(gate) * up in the store: each block pairs gate strip j with up strip j (the same
+ * packed weight, the second B tile I/16 strips further on) and writes I bf16 values a row instead
+ * of 2 I, rounding gate and up to bf16 first, so the result is bit for bit that of `amx_linear`
+ * followed by bf16_ops.c's `silu_mul_bf16`, without the [M, 2 I] intermediate's write and read.
  * Linux hands out AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, kernel 5.16+):
  * `amx_linear_available` asks once. Compiled with the other kernels by kernels/cpu/library.py.
  */
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <immintrin.h>
+#include "avx512_bf16.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && HAVE_AVX512_BF16_OPS && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
@@ -79,9 +86,25 @@ static void store_rows(const float *acc, int rows, int strips, const float *bias
   }
 }
 
-/* One block: `rows` (1-32) rows of x against `strips` (1-2) strips, the whole K. */
-static void block(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t strip_stride, int strips, int rows,
-                  int64_t k, const float *bias, uint16_t *y, int64_t ldy) {
+/* SwiGLU store: C tile rows with gate strip j in columns 0-15 and up strip j in 16-31 of each
+ * 128-byte row of `acc` -> bf16(silu(bf16(gate)) * bf16(up)) [rows][16], biases added first. */
+static void store_swiglu(const float *acc, int rows, const float *gate_bias, const float *up_bias, uint16_t *y,
+                         int64_t ldy) {
+  for (int r = 0; r < rows; r++) {
+    __m512 gate = _mm512_loadu_ps(acc + r * 32), up = _mm512_loadu_ps(acc + r * 32 + 16);
+    if (gate_bias) {
+      gate = _mm512_add_ps(gate, _mm512_loadu_ps(gate_bias));
+      up = _mm512_add_ps(up, _mm512_loadu_ps(up_bias));
+    }
+    store16(y + r * ldy, 0xffff, silu_mul16(round16(gate), round16(up)));
+  }
+}
+
+/* One block: `rows` (1-32) rows of x against `strips` (1-2) strips, the whole K, into `acc`
+ * (float32 [rows][32]: the first strip in columns 0-15, the second `second_strip` elements further
+ * on in the packed weight, in 16-31). */
+static void block(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t second_strip, int strips, int rows,
+                  int64_t k, float *acc) {
   const int two_a = rows > 16;
   _tile_zero(4);
   _tile_zero(5);
@@ -100,19 +123,17 @@ static void block(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t str
       _tile_dpbf16ps(6, 1, 2);
     }
     if (strips == 2) {
-      _tile_loadd(3, wk + strip_stride, 64);
+      _tile_loadd(3, wk + second_strip, 64);
       _tile_dpbf16ps(5, 0, 3);
       if (two_a) _tile_dpbf16ps(7, 1, 3);
     }
   }
-  float acc[32 * 32];
   _tile_stored(4, acc, 128);
   if (strips == 2) _tile_stored(5, acc + 16, 128);
   if (two_a) {
     _tile_stored(6, acc + 16 * 32, 128);
     if (strips == 2) _tile_stored(7, acc + 16 * 32 + 16, 128);
   }
-  store_rows(acc, rows, strips, bias, y, ldy);
 }
 
 static int amx_permission(void) {
@@ -131,12 +152,17 @@ int amx_linear_available(void) {
 #endif
 }
 
-/* y = x W^T + b; returns 0, or 1 when the shape or the machine is not one this kernel takes. */
-int amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const float *bias, uint16_t *y,
-               int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
 #if HAVE_AMX
-  if (n % 16 || k % 32 || k <= 0 || m < 0 || !amx_permission()) return 1;
-  const int64_t strips = n / 16, pairs = (strips + 1) / 2, strip_stride = k * 16;
+/* Both entry points over `strips` strips of the packed weight, split into units of work that the
+ * threads share: a pair of adjacent strips (a linear: 32 output columns), or gate strip j and up
+ * strip j, I/16 strips apart (`swiglu`: 16 output columns). */
+static void run(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const float *bias, uint16_t *y,
+                int64_t ldy, int64_t m, int64_t strips, int64_t k, int swiglu, int num_threads) {
+  const int64_t strip_stride = k * 16;
+  const int64_t units = swiglu ? strips / 2 : (strips + 1) / 2;
+  const int64_t unit_stride = swiglu ? strip_stride : 2 * strip_stride;
+  const int64_t second_strip = swiglu ? units * strip_stride : strip_stride;
+  const int64_t out_width = swiglu ? 16 : 32, n = 16 * strips;
 #pragma omp parallel num_threads(num_threads) if (m * n * k >= PARALLEL_MIN_MACS)
   {
 #ifdef _OPENMP
@@ -144,13 +170,13 @@ int amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const f
 #else
     const int64_t t = 0, threads = 1;
 #endif
-    const int64_t p0 = pairs * t / threads, p1 = pairs * (t + 1) / threads;
+    const int64_t u0 = units * t / threads, u1 = units * (t + 1) / threads;
     int configured0 = -1, configured1 = -1;
+    float acc[32 * 32];
     for (int64_t panel = 0; panel < m; panel += PANEL_ROWS) {
       const int64_t panel_end = m - panel < PANEL_ROWS ? m : panel + PANEL_ROWS;
-      for (int64_t p = p0; p < p1; p++) {
-        const int64_t s = 2 * p;
-        const int strips_here = s + 1 < strips ? 2 : 1;
+      for (int64_t u = u0; u < u1; u++) {
+        const int strips_here = swiglu || 2 * u + 1 < strips ? 2 : 1;
         for (int64_t r = panel; r < panel_end; r += 32) {
           const int rows = panel_end - r < 32 ? (int)(panel_end - r) : 32;
           const int rows0 = rows < 16 ? rows : 16, rows1 = rows - rows0;
@@ -158,16 +184,45 @@ int amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const f
             configure(rows0, rows1);
             configured0 = rows0, configured1 = rows1;
           }
-          block(x + r * ldx, ldx, w_packed + s * strip_stride, strip_stride, strips_here, rows, k,
-                bias ? bias + 16 * s : NULL, y + r * ldy + 16 * s, ldy);
+          block(x + r * ldx, ldx, w_packed + u * unit_stride, second_strip, strips_here, rows, k, acc);
+          uint16_t *out = y + r * ldy + out_width * u;
+          if (swiglu) {
+            store_swiglu(acc, rows, bias ? bias + 16 * u : NULL, bias ? bias + 16 * (u + units) : NULL, out, ldy);
+          } else {
+            store_rows(acc, rows, strips_here, bias ? bias + 32 * u : NULL, out, ldy);
+          }
         }
       }
     }
     if (configured0 >= 0) _tile_release();
   }
+}
+#endif
+
+/* y = x W^T + b; returns 0, or 1 when the shape or the machine is not one this kernel takes. */
+int amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const float *bias, uint16_t *y,
+               int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+#if HAVE_AMX
+  if (n % 16 || k % 32 || k <= 0 || m < 0 || !amx_permission()) return 1;
+  run(x, ldx, w_packed, bias, y, ldy, m, n / 16, k, 0, num_threads);
   return 0;
 #else
   (void)x, (void)ldx, (void)w_packed, (void)bias, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)num_threads;
+  return 1;
+#endif
+}
+
+/* y [M, I] = silu(g) * u for [g | u] = x W^T + b, W the packed [2 I, K] gate/up weight (gate rows
+ * first); returns 0, or 1 when the shape or the machine is not one this kernel takes. */
+int amx_swiglu(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const float *bias, uint16_t *y,
+               int64_t ldy, int64_t m, int64_t intermediate, int64_t k, int num_threads) {
+#if HAVE_AMX
+  if (intermediate % 16 || intermediate <= 0 || k % 32 || k <= 0 || m < 0 || !amx_permission()) return 1;
+  run(x, ldx, w_packed, bias, y, ldy, m, intermediate / 8, k, 1, num_threads);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)w_packed, (void)bias, (void)y, (void)ldy, (void)m, (void)intermediate, (void)k,
+      (void)num_threads;
   return 1;
 #endif
 }

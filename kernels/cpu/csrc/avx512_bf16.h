@@ -58,6 +58,17 @@ static inline __m512 exp2_nonpositive16(__m512 t) {
   return _mm512_maskz_scalef_ps(normal, poly, n);
 }
 
+/* SwiGLU's gate (Shazeer 2020) as torch's bf16 `F.silu(gate) * up` on values already rounded to bf16:
+ * round(silu(gate)) * up in float32, for the caller's one rounding. silu(x) = x / (1 + exp(-x)) as
+ * x * sigmoid(x) with exp(-|x|) (never overflows) and one division for both signs. */
+static inline __m512 silu_mul16(__m512 gate, __m512 up) {
+  const __m512 e = exp2_nonpositive16(_mm512_mul_ps(_mm512_abs_ps(gate), _mm512_set1_ps(-1.44269504088896341f)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __mmask16 positive = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(e, positive, one), _mm512_add_ps(one, e));
+  return _mm512_mul_ps(round16(_mm512_mul_ps(gate, sigmoid)), up);
+}
+
 /* In-place transpose of a 16 x 16 matrix of 32-bit words held as 16 rows: 64 shuffles (pairs of
  * words, then of 64-bit halves, then two rounds of 128-bit lanes). */
 static inline __attribute__((always_inline)) void transpose_16x16(__m512i r[16]) {

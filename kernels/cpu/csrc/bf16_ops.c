@@ -112,13 +112,7 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, int64_t rows
 #if HAVE_AVX512_BF16_OPS
     for (int c = 0; c < cols; c += 16) {
       const __mmask16 m = tail_mask(cols - c);
-      const __m512 x = load16(gate + c, m);
-      /* exp(-|x|) = 2^(-|x| log2(e)) */
-      const __m512 e = exp2_nonpositive16(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-1.44269504088896341f)));
-      const __m512 one = _mm512_set1_ps(1.f);
-      const __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
-      const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(e, positive, one), _mm512_add_ps(one, e));
-      store16(o + c, m, _mm512_mul_ps(round16(_mm512_mul_ps(x, sigmoid)), load16(up + c, m)));
+      store16(o + c, m, silu_mul16(load16(gate + c, m), load16(up + c, m)));
     }
     continue;
 #endif

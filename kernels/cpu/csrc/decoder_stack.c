@@ -38,6 +38,8 @@ int bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const 
                 int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
 int amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const float *bias, uint16_t *y,
                int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
+int amx_swiglu(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const float *bias, uint16_t *y,
+               int64_t ldy, int64_t m, int64_t intermediate, int64_t k, int num_threads);
 int64_t store_kv_rows(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *k_cache,
                       char *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row_bytes,
                       int64_t num_slots, int num_threads);
@@ -126,10 +128,13 @@ int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dim
     if (linear(attn, q, (const uint16_t *)(intptr_t)w[O_WEIGHT], NULL, o, h, t, h, q, num_threads)) return 1;
     add_rms_norm_bf16(hidden, h, o, h, (const uint16_t *)(intptr_t)w[POST_NORM], eps, t, (int)h, normed, h,
                       num_threads);
-    if (linear(normed, h, (const uint16_t *)(intptr_t)w[GATE_UP_WEIGHT], NULL, gate_up, 2 * inter, t,
-                    2 * inter, h, num_threads))
-      return 1;
-    silu_mul_bf16(gate_up, 2 * inter, t, (int)inter, act, inter, num_threads);
+    const uint16_t *gate_up_weight = (const uint16_t *)(intptr_t)w[GATE_UP_WEIGHT];
+    if (use_amx) { /* SiLU(gate) * up in the AMX kernel's store: no [T, 2 I] intermediate */
+      if (amx_swiglu(normed, h, gate_up_weight, NULL, act, inter, t, inter, h, num_threads)) return 1;
+    } else {
+      if (linear(normed, h, gate_up_weight, NULL, gate_up, 2 * inter, t, 2 * inter, h, num_threads)) return 1;
+      silu_mul_bf16(gate_up, 2 * inter, t, (int)inter, act, inter, num_threads);
+    }
     if (linear(act, inter, (const uint16_t *)(intptr_t)w[DOWN_WEIGHT], NULL, delta, h, t, h, inter,
                     num_threads))
       return 1;

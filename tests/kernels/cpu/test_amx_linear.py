@@ -11,10 +11,15 @@ from torch import nn
 from batchgen.kernels.cpu.linear import (
     AmxLinear,
     Bf16Linear,
+    PlainLinear,
+    TunedLinear,
     amx_kernel_available,
     amx_linear_applies,
     linear_candidates,
+    swiglu_for_rows,
 )
+from batchgen.kernels.cpu.ops import silu_mul_bf16
+from batchgen.model.layers import MLP
 from tests.kernels.cpu.test_bf16_linear import assert_close_to_exact, bf16_linear
 
 pytestmark = pytest.mark.skipif(
@@ -104,6 +109,48 @@ def test_the_decoder_stack_on_amx_linears_is_bit_identical_to_the_layers_on_them
     assert stack._linear_at(40) == "amx_c"
     stack.linear_by_bucket = ["bf16_c", "amx_c"]  # by row bucket: 1 row, then 2 and more
     assert (stack._linear_at(1), stack._linear_at(2), stack._linear_at(60)) == ("bf16_c", "amx_c", "amx_c")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("intermediate,hidden", [(16, 32), (48, 64), (1536, 576)])
+def test_fused_swiglu_is_bit_for_bit_the_linear_then_silu_and_multiply(intermediate, hidden, bias) -> None:
+    """Gate strip j pairs with up strip j, I/16 strips further on; every row-block tail, a panel
+    boundary, and one thread against all."""
+    layer = AmxLinear.from_linear(bf16_linear(2 * intermediate, hidden, bias))
+    for rows in [0, *range(1, 18), 31, 32, 33, 513]:
+        x = (2 * torch.randn(rows, hidden)).to(torch.bfloat16)  # gates well into SiLU's both tails
+        expected = silu_mul_bf16(layer(x)) if rows else torch.empty(0, intermediate, dtype=torch.bfloat16)
+        assert torch.equal(layer.swiglu(x).view(torch.int16), expected.view(torch.int16)), rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer.swiglu(x), expected)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="bf16"):
+        layer.swiglu(x.float())
+
+
+def test_the_mlp_runs_fused_exactly_where_its_gate_up_projection_runs_the_amx_kernel() -> None:
+    mlp = MLP(64, 48, c_ops=True).to(torch.bfloat16)
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    unfused = mlp(x)  # nn.Linear: torch's SiLU path
+    weight = mlp.gate_up_proj.weight
+    amx, calls = AmxLinear.from_weight(weight), []
+    fused = amx.swiglu
+    amx.swiglu = lambda rows: calls.append(rows.shape[0]) or fused(rows)  # counts the fused calls
+    # torch up to 16 rows (buckets 1-16), the AMX kernel from 17
+    tuned = TunedLinear({"torch": PlainLinear(weight, None), "amx_c": amx}, ["torch"] * 5 + ["amx_c"])
+    assert swiglu_for_rows(tuned, 16) is None and swiglu_for_rows(tuned, 17) is not None
+    assert swiglu_for_rows(tuned, 5000) is not None and swiglu_for_rows(amx, 1) is not None
+    assert swiglu_for_rows(PlainLinear(weight, None), 40) is None
+    mlp.gate_up_proj = tuned
+    for rows in (16, 40):
+        expected = mlp.down_proj(silu_mul_bf16(tuned(x[:rows])))
+        assert torch.equal(mlp(x[:rows]), expected), rows
+    assert calls == [40]
+    # the fused result is the C SiLU's, within one bf16 rounding of torch's chain
+    torch.testing.assert_close(mlp(x).float(), unfused.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_nn_linear_class_is_untouched() -> None:

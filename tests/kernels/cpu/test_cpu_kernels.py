@@ -17,6 +17,7 @@ from batchgen import LLM, cache
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu import ops as cpu_ops
+from batchgen.kernels.cpu.linear import AmxLinear
 from batchgen.model.attention import TorchAttentionBackend, select_backend, store_kv_cache_torch
 from batchgen.model.layers import apply_rotary
 from batchgen.model.runner import StepInput
@@ -205,12 +206,15 @@ def test_cpu_backend_runs_the_c_ops_and_torch_backend_does_not(tiny_model_dir, m
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(cpu_ops, name, counted)
+    swiglu = AmxLinear.swiglu  # SiLU-and-multiply inside the AMX kernel, where that runs the gate/up
+    monkeypatch.setattr(AmxLinear, "swiglu", lambda self, x: calls.append("amx_swiglu") or swiglu(self, x))
     fused_llm = LLM(path, dtype="bfloat16", attention_backend="cpu", device="cpu")
     # The layer-by-layer path (the C decoder stack calls the same kernels from C, where they cannot
     # be counted; tests/kernels/cpu/test_cpu_stack.py shows it gives the same bits).
     fused_llm.llm_engine.runner.model.decoder_stack = None
     fused = _prefill_logits(fused_llm, prompts)
-    assert {"add_rms_norm_bf16", "silu_mul_bf16", "rotary_bf16", "store_kv"} <= set(calls)
+    assert {"add_rms_norm_bf16", "rotary_bf16", "store_kv"} <= set(calls)
+    assert {"silu_mul_bf16", "amx_swiglu"} & set(calls)
     calls.clear()
     plain_llm = LLM(path, dtype="bfloat16", attention_backend="torch", device="cpu")
     plain = _prefill_logits(plain_llm, prompts)

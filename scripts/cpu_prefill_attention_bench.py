@@ -1,9 +1,11 @@
-"""CPU prefill attention: the C kernel against the torch path (SDPA per sequence), interleaved.
+"""CPU prefill attention: the C kernels against the torch path (SDPA per sequence), interleaved.
 
 Default shapes are the default model's (9 query heads, 3 KV heads, head_dim 64, block_size 16,
 bf16). For each prompt length, one whole-prompt chunk with no cached prefix goes through both
-backends' `forward` (the K/V already in a shuffled paged cache); prints the median milliseconds a
-call, the causal attention's GFLOP/s (4 * Hq * D * L^2 / 2 FLOPs) and the ratio:
+backends' `forward` (the K/V already in a shuffled paged cache): the AVX-512 kernel ("kernel") and,
+where the CPU has AMX, the AMX flash kernel ("amx", `csrc/amx_prefill_attention.c`); prints the
+median milliseconds a call, the causal attention's GFLOP/s (4 * Hq * D * L^2 / 2 FLOPs) and each
+kernel's speed against torch's:
 
     python scripts/cpu_prefill_attention_bench.py --lengths 300,1200,2048
 """
@@ -69,6 +71,9 @@ def main() -> None:
         sys.exit("the C prefill kernel is not available for these shapes (or could not be built)")
     torch.manual_seed(0)
     backends = {"torch": TorchAttentionBackend(), "kernel": CPUAttentionBackend()}
+    if cpu_attention.supports_prefill_amx(dtype, args.head_dim, args.num_q_heads, args.num_kv_heads):
+        backends["amx"] = CPUAttentionBackend()
+        backends["amx"].prefill_by_bucket = ["amx"]  # every chunk length on the AMX kernel
     scale = args.head_dim**-0.5
     print(
         f"{args.dtype}, {args.num_q_heads} query / {args.num_kv_heads} KV heads of {args.head_dim}, "
@@ -86,9 +91,13 @@ def main() -> None:
         flops = 4 * args.num_q_heads * args.head_dim * length * length / 2
         median = {name: statistics.median(t[1:]) for name, t in times.items()}  # first round: warm-up
         print(
-            f"L={length}: torch {median['torch'] * 1e3:.2f} ms ({flops / median['torch'] / 1e9:.0f} GFLOP/s), "
-            f"kernel {median['kernel'] * 1e3:.2f} ms ({flops / median['kernel'] / 1e9:.0f} GFLOP/s), "
-            f"{median['torch'] / median['kernel']:.2f}x"
+            f"L={length}: "
+            + ", ".join(
+                f"{name} {ms * 1e3:.2f} ms ({flops / ms / 1e9:.0f} GFLOP/s"
+                + ("" if name == "torch" else f", {median['torch'] / ms:.2f}x torch")
+                + ")"
+                for name, ms in median.items()
+            )
         )
 
 

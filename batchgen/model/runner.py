@@ -38,10 +38,7 @@ def allocate_kv_caches(
         ]
     per_cache = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     per_cache += -per_cache % 64  # keep every cache 64-byte aligned (the gather reads int64 words)
-    # Private, not mmap's default MAP_SHARED on Unix: shared anonymous memory is shmem, whose
-    # first-touch faults cost more (docs/benchmarks.md, "KV cache first touch").
-    flags = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
-    memory = torch.frombuffer(mmap.mmap(-1, 2 * num_layers * per_cache, **flags), dtype=torch.uint8)
+    memory = torch.frombuffer(mmap.mmap(-1, 2 * num_layers * per_cache), dtype=torch.uint8)
     numel = math.prod(shape)
 
     def view(i: int) -> torch.Tensor:

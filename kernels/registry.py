@@ -44,6 +44,11 @@ TABLE_VERSION = 2  # 2: linear times taken over weights that stream from memory 
 _ENV_KEYS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "BATCHGEN_CPU_KERNELS", "ATEN_CPU_CAPABILITY")
 
 
+def entry_key(op: str, shape: str, rows: int) -> str:
+    """A `TuningTable` entry's key: op, shape name and row bucket, e.g. "linear|576x1536:bfloat16|64"."""
+    return f"{op}|{shape}|{rows}"
+
+
 def bucket_index(rows: int) -> int:
     """Index into `ROW_BUCKETS` of a step with `rows` rows (>= 1): the smallest bound >= rows."""
     return min(max(rows - 1, 0).bit_length(), len(ROW_BUCKETS) - 1)
@@ -245,8 +250,8 @@ def choose(
     slow_streak = dict.fromkeys(candidates, 0)
     dropped: dict[str, str] = {}
     for rows in buckets:
-        entry_key = f"{op}|{shape}|{rows}"
-        entry = table.entries.get(entry_key)
+        key = entry_key(op, shape, rows)
+        entry = table.entries.get(key)
         if entry is not None and entry["chosen"] in candidates:
             chosen[rows] = entry["chosen"]
             continue
@@ -272,7 +277,7 @@ def choose(
         for name, t in timed.items():
             slow_streak[name] = slow_streak[name] + 1 if t > PRUNE_RATIO * timed[best] else 0
         chosen[rows] = best
-        table.entries[entry_key] = {
+        table.entries[key] = {
             "chosen": best,
             "ms": times,
             "dropped": {n: r for n, r in dropped.items() if n in candidates},

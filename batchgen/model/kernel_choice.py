@@ -32,10 +32,10 @@ from batchgen.kernels.cpu.linear import (
     release_freed_heap,
 )
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
-from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, buckets_up_to, machine_key
+from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, buckets_up_to, entry_key, machine_key
 from batchgen.model.attention.cpu_backend import CPUAttentionBackend
 from batchgen.model.attention_choice import tune_decode_attention, tune_prefill_attention
-from batchgen.model.linear_choice import plan_layouts, shape_name, tune_linear
+from batchgen.model.linear_choice import plan_layouts, shape_name, table_shape, tune_linear
 from batchgen.model.stack_choice import cached_stack_rows, tune_decoder_stack
 
 logger = logging.getLogger(__name__)
@@ -208,10 +208,9 @@ def table_linear_rate(
         `tune_linear` filled it; measures nothing.
     """
     rows = buckets_up_to(max_rows)[-1]
-    dtype_name = str(dtype).removeprefix("torch.")
     flops = seconds = 0.0
     for shape in layer_shapes:
-        entry = table.entries.get(f"linear|{shape}:{dtype_name}|{rows}")
+        entry = table.entries.get(entry_key("linear", table_shape(shape, dtype), rows))
         ms = entry["ms"].get(entry["chosen"]) if entry else None
         if not ms or not entry.get("work"):
             return None

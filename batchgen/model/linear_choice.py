@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from batchgen.kernels.cpu.linear import WEIGHT_LAYOUTS, linear_candidates
-from batchgen.kernels.registry import TuningTable, buckets_up_to, choose
+from batchgen.kernels.registry import TuningTable, buckets_up_to, choose, entry_key
 
 # Relative tolerance of a linear candidate against the float32 product of the same inputs: float32
 # kernels differ in summation order only; bf16 rounds the output (2^-8) and may sum in bf16 pairs.
@@ -20,6 +20,11 @@ _STREAMED_BYTES = 64 * 2**20
 
 def shape_name(linear: nn.Linear) -> str:
     return f"{linear.out_features}x{linear.in_features}" + ("+bias" if linear.bias is not None else "")
+
+
+def table_shape(shape: str, dtype: torch.dtype) -> str:
+    """A linear's shape name in the tuning table: its `shape_name` and dtype, e.g. "576x1536:bfloat16"."""
+    return f"{shape}:{str(dtype).removeprefix('torch.')}"
 
 
 def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[dict[str, float | None]]:
@@ -77,7 +82,7 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
 
         return setup
 
-    shape = f"{shape_name(linear)}:{str(dtype).removeprefix('torch.')}"
+    shape = table_shape(shape_name(linear), dtype)
     choose(
         table,
         "linear",
@@ -89,7 +94,7 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
         work=lambda rows: 2.0 * rows * linear.in_features * linear.out_features,
         calls_per_run=copies,
     )
-    return [table.entries[f"linear|{shape}|{rows}"]["ms"] for rows in buckets]
+    return [table.entries[entry_key("linear", shape, rows)]["ms"] for rows in buckets]
 
 
 def _timing_copies(weight: torch.Tensor) -> int:

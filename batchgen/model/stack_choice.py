@@ -18,7 +18,7 @@ from torch import nn
 
 from batchgen.kernels.cpu.linear import AmxLinear, Bf16Linear, TunedLinear
 from batchgen.kernels.cpu.stack import DecoderStack
-from batchgen.kernels.registry import TuningTable, buckets_up_to, choose, matches
+from batchgen.kernels.registry import TuningTable, buckets_up_to, choose, entry_key, matches
 from batchgen.model.attention.base import AttentionMetadata
 
 # Context tokens of each synthetic sequence; all but its last block are shared by every sequence
@@ -173,7 +173,7 @@ def cached_stack_rows(model: nn.Module, table: TuningTable, max_rows: int) -> in
     """What `tune_decoder_stack` would return, where `table` already holds every bucket's choice
     (None: it must measure). Lets a second start skip the layout the stack would need."""
     buckets = buckets_up_to(max_rows)
-    entries = [table.entries.get(f"decoder_stack|{_shape(model)}|{rows}") for rows in buckets]
+    entries = [table.entries.get(entry_key("decoder_stack", _shape(model), rows)) for rows in buckets]
     if any(entry is None for entry in entries):
         return None
     return _stack_rows([entry["chosen"] for entry in entries], buckets)

@@ -353,16 +353,16 @@ class TunedLinear(nn.Module):
         self.by_bucket = list(by_bucket)
         first = next(iter(impls.values()))
         self.in_features, self.out_features = first.in_features, first.out_features
-        # Row count -> the implementation's forward (no nn.Module call: no hooks are ever set on them).
+        # Row count -> the implementation's forward (no nn.Module call: no hooks are ever set on them),
+        # and -> its fused SwiGLU where it has one (`fused_swiglu`, for `swiglu_at`).
         forwards = {name: impl.forward for name, impl in impls.items()}
-        self._by_rows = [forwards[by_bucket[0]]]  # 0 rows: as 1
-        for index, name in enumerate(by_bucket):
-            self._by_rows += [forwards[name]] * (ROW_BUCKETS[index] - len(self._by_rows) + 1)
         swiglus = {name: fused_swiglu(impl) for name, impl in impls.items()}
-        self._swiglu_by_rows = [
-            swiglus[by_bucket[min(bucket_index(rows), len(by_bucket) - 1)]]
-            for rows in range(len(self._by_rows))
-        ]
+        self._by_rows = [forwards[by_bucket[0]]]  # 0 rows: as 1
+        self._swiglu_by_rows = [swiglus[by_bucket[0]]]
+        for index, name in enumerate(by_bucket):
+            count = ROW_BUCKETS[index] - len(self._by_rows) + 1
+            self._by_rows += [forwards[name]] * count
+            self._swiglu_by_rows += [swiglus[name]] * count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features

@@ -1,5 +1,5 @@
-/* AVX-512 helpers for bfloat16 rows, shared by the element-wise kernels (bf16_ops.c) and the AMX
- * prefill attention (amx_prefill_attention.c). 16 float32 lanes a vector; a row's last `n % 16`
+/* AVX-512 helpers for bfloat16 rows, shared by the element-wise kernels (bf16_ops.c), the AMX
+ * linear's SwiGLU store (amx_linear.c) and the AMX prefill attention (amx_prefill_attention.c). 16 float32 lanes a vector; a row's last `n % 16`
  * values go through the same vector code under a mask (`tail_mask`), so a value's result never
  * depends on where it sits in its row. Conversions to bf16 are the hardware's VCVTNEPS2BF16, which
  * rounds to nearest even as torch does (NaNs stay NaNs, with another payload).
@@ -11,7 +11,6 @@
 #define BATCHGEN_AVX512_BF16_H
 
 #include <stdint.h>
-
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>

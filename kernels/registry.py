@@ -82,8 +82,13 @@ KERNELS_ROOT = Path(__file__).parent
 @functools.lru_cache(maxsize=4)
 def kernel_source_hash(root: Path = KERNELS_ROOT) -> str:
     """SHA-256 (16 hex digits) of every kernel source under `root` (`batchgen.kernels`): Python and C."""
+    return files_hash(root, sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h")))
+
+
+def files_hash(root: Path, paths: list[Path]) -> str:
+    """SHA-256 (16 hex digits) of `paths`' names (relative to `root`) and contents, in the order given."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h")):
+    for path in paths:
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -27,7 +27,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchgen.kernels.cpu.linear import TunedLinear, linear_candidates  # noqa: E402
-from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, machine_key  # noqa: E402
+from batchgen.kernels.registry import ROW_BUCKETS, TuningTable  # noqa: E402
+from batchgen.model.kernel_choice import tuning_key  # noqa: E402
 from batchgen.model.linear_choice import plan_layouts, tune_linear  # noqa: E402
 
 DEFAULT_ROWS = [1, 2, 3, 4, 8, 16, 24, 32, 64, 100, 128, 256, 512, 1024, 2048]
@@ -68,7 +69,7 @@ def main() -> None:
     paths: dict[str, list[nn.Module]] = {
         name: [b[name]() for b in builders] for name in builders[0] if all(name in b for b in builders)
     }
-    table = TuningTable.load(machine_key(dtype))
+    table = TuningTable.load(tuning_key(dtype))
     max_rows = max(args.rows)
     plans = {}
     for n, k in shapes:

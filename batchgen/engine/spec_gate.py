@@ -33,7 +33,8 @@ import torch
 
 from batchgen.cache import cache_root, write_atomically
 from batchgen.engine.spec_decode import NgramProposer
-from batchgen.kernels.registry import fastest_seconds, machine_key
+from batchgen.kernels.registry import fastest_seconds
+from batchgen.model.kernel_choice import tuning_key
 from batchgen.model.step import StepInput
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def gate_cache_key(runner: Any, k: int, max_batch: int, dtype: torch.dtype) -> d
     """What the gate depends on: the kernels' machine key, the GPU if any, the model's shape, the
     attention backend and kernel mode, K and the largest batch measured."""
     config = runner.config
-    key = dict(machine_key(dtype))
+    key = tuning_key(dtype)
     if runner.device.type == "cuda":
         key["gpu"] = torch.cuda.get_device_name(runner.device)
     shape = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

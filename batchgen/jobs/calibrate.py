@@ -14,7 +14,7 @@ choice and thread count), and a few real steps are timed on random token ids:
 `fit_costs` turns the timed steps into `StepCosts` (`batchgen.jobs.estimate`), with the fastest time
 of each point (what the machine does when least disturbed), the median or the slowest. The
 samples are cached on disk under batchgen's cache (`plan_calibration/`), keyed like the kernel
-tuning table (`batchgen.kernels.registry.machine_key`: CPU, threads, torch, dtype, kernel sources)
+tuning table (`batchgen.model.kernel_choice.tuning_key`: CPU, threads, torch, dtype, kernel sources)
 plus the model's fingerprint, the engine options that change a step's time and the calibration's
 lengths, so planning the same job again on the same machine measures nothing.
 """
@@ -162,10 +162,10 @@ def calibration_key(
     """What a calibration's times depend on: the machine (as the kernel table's key), the model's
     files, the engine options that change a step's time, and the calibration's own lengths."""
     from batchgen.config import resolve_device
-    from batchgen.kernels.registry import machine_key
+    from batchgen.model.kernel_choice import tuning_key
     from batchgen.model.loading.fingerprint import model_fingerprint
 
-    key = machine_key(dtype, threads)
+    key = tuning_key(dtype, threads)
     key["calibration"] = str(CALIBRATION_VERSION)
     device = resolve_device(config.device)
     if device == "cuda":

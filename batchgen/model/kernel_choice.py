@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,13 +33,32 @@ from batchgen.kernels.cpu.linear import (
     release_freed_heap,
 )
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
-from batchgen.kernels.registry import ROW_BUCKETS, TuningTable, buckets_up_to, entry_key, machine_key
+from batchgen.kernels.registry import (
+    ROW_BUCKETS,
+    TuningTable,
+    buckets_up_to,
+    entry_key,
+    files_hash,
+    machine_key,
+)
 from batchgen.model.attention.cpu_backend import CPUAttentionBackend
 from batchgen.model.attention_choice import tune_decode_attention, tune_prefill_attention
 from batchgen.model.linear_choice import plan_layouts, shape_name, table_shape, tune_linear
 from batchgen.model.stack_choice import cached_stack_rows, tune_decoder_stack
 
 logger = logging.getLogger(__name__)
+
+# The modules that measure the choices (what a candidate is timed on, how it is checked): a change to
+# one of them makes a cached table stale as surely as a change to a kernel does.
+_CHOOSER_SOURCES = ("kernel_choice.py", "linear_choice.py", "stack_choice.py", "attention_choice.py")
+
+
+def tuning_key(dtype: torch.dtype, num_threads: int | None = None) -> dict[str, str]:
+    """The kernel tuning table's key: `machine_key` (CPU, threads, torch, dtype, kernel sources) and
+    the source hash of the modules that measure the choices."""
+    here = Path(__file__).parent
+    choosers = files_hash(here, [here / name for name in _CHOOSER_SOURCES])
+    return {**machine_key(dtype, num_threads), "choosers": choosers}
 
 
 @dataclass
@@ -144,7 +164,7 @@ def apply_kernels(
         model.decoder_stack = build_decoder_stack(model, max_rows=0)
         return KernelChoice("native", stack_max_rows=0 if model.decoder_stack is not None else None)
     start = time.perf_counter()
-    table = TuningTable.load(machine_key(dtype))
+    table = TuningTable.load(tuning_key(dtype))
     choice = KernelChoice("auto", table=table)
     # The decoder stack needs every layer linear in batchgen's bf16 layout: held for its measurement
     # even where the per-layer path does not use it, and dropped again where the stack loses.

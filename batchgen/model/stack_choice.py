@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from batchgen.kernels.cpu.linear import AmxLinear, Bf16Linear, TunedLinear
+from batchgen.kernels.cpu.linear import AmxLinear, Bf16Linear, TunedLinear, fused_swiglu
 from batchgen.kernels.cpu.stack import DecoderStack
 from batchgen.kernels.registry import TuningTable, buckets_up_to, choose, entry_key, matches
 from batchgen.model.attention.base import AttentionMetadata
@@ -135,15 +135,18 @@ def _layers_on(model: nn.Module, linear: str) -> Iterator[None]:
     on its packed weight at every row count: the per-layer path on the stack's own kernels."""
     kernel = AmxLinear if linear == "amx_c" else Bf16Linear
     layer_linears = [m for m in model.model.layers.modules() if isinstance(m, TunedLinear)]
-    saved = [m._by_rows for m in layer_linears]
+    saved = [(m._by_rows, m._swiglu_by_rows) for m in layer_linears]
     try:
         for m in layer_linears:
             packed = next(i for i in m.impls.values() if isinstance(i, Bf16Linear))
-            m._by_rows = [kernel(packed.packed_weight, packed.bias).forward]
+            impl = kernel(packed.packed_weight, packed.bias)
+            # The MLP's gate/up runs its fused SwiGLU where the table's choice has one: on the
+            # stack's kernels it is the stack's (AMX: fused, bit for bit; bf16_c: none).
+            m._by_rows, m._swiglu_by_rows = [impl.forward], [fused_swiglu(impl)]
         yield
     finally:
-        for m, by_rows in zip(layer_linears, saved, strict=True):
-            m._by_rows = by_rows
+        for m, (by_rows, swiglu_by_rows) in zip(layer_linears, saved, strict=True):
+            m._by_rows, m._swiglu_by_rows = by_rows, swiglu_by_rows
 
 
 # The stack's candidates in the tuning table -> the linear kernel each runs.

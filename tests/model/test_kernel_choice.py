@@ -287,3 +287,18 @@ def test_the_table_rate_sums_each_layer_linear_at_its_chosen_candidate_and_the_l
     assert kernel_choice.table_linear_rate(["8x4"], table, torch.float32, 50) is None
     table.entries["linear|8x4:bfloat16|64"]["chosen"] = "slow"
     assert kernel_choice.table_linear_rate(["8x4"], table, torch.bfloat16, 50) is None
+
+
+def test_the_table_key_covers_the_modules_that_measure_the_choices(tmp_path, monkeypatch):
+    """A change to how a choice is measured (a chooser module) makes a cached table stale."""
+    key = kernel_choice.tuning_key(torch.bfloat16, num_threads=2)
+    assert {k: v for k, v in key.items() if k != "choosers"} == registry.machine_key(torch.bfloat16, 2)
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for name in kernel_choice._CHOOSER_SOURCES:
+        (copy / name).write_bytes((ROOT / "batchgen" / "model" / name).read_bytes())
+    paths = [copy / name for name in kernel_choice._CHOOSER_SOURCES]
+    assert registry.files_hash(copy, paths) == key["choosers"]
+    stack_choice = copy / "stack_choice.py"
+    stack_choice.write_text(stack_choice.read_text() + "\n# changed\n")
+    assert registry.files_hash(copy, paths) != key["choosers"]

@@ -156,3 +156,27 @@ def test_the_mlp_runs_fused_exactly_where_its_gate_up_projection_runs_the_amx_ke
 def test_nn_linear_class_is_untouched() -> None:
     # AmxLinear subclasses Bf16Linear only for its packing and forward: both stay nn.Modules.
     assert issubclass(AmxLinear, nn.Module) and AmxLinear.KERNEL != Bf16Linear.KERNEL
+
+
+def test_the_layers_on_the_stacks_kernels_run_its_swiglu_too() -> None:
+    """`tune_decoder_stack` checks the stack against the per-layer path on the stack's own kernels:
+    where the table fused gate/up on AMX, the bf16_c check must not run the AMX SwiGLU (its rounding
+    differs from bf16_c's, which dropped the bf16_c stack at 1 row)."""
+    from types import SimpleNamespace
+
+    from batchgen.model.stack_choice import _layers_on
+
+    mlp = MLP(64, 48, c_ops=True).to(torch.bfloat16)
+    weight = mlp.gate_up_proj.weight.detach()
+    packed = Bf16Linear.from_weight(weight, None)
+    tuned = TunedLinear({"bf16_c": packed, "amx_c": AmxLinear(packed.packed_weight, None)}, ["amx_c"])
+    mlp.gate_up_proj = tuned
+    model = SimpleNamespace(model=SimpleNamespace(layers=nn.ModuleList([mlp])))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    before = (tuned.swiglu_at(3), tuned(x))
+    with _layers_on(model, "bf16_c"):
+        assert swiglu_for_rows(tuned, 3) is None
+        assert torch.equal(mlp(x), mlp.down_proj(silu_mul_bf16(packed(x))))
+    with _layers_on(model, "amx_c"):
+        assert swiglu_for_rows(tuned, 3) is not None
+    assert tuned.swiglu_at(3) == before[0] and torch.equal(tuned(x), before[1])

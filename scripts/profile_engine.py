@@ -4,7 +4,8 @@
 Runs the `batchgen bench` workload (default: long-tail, 64 prompts) through one `LLMEngine` with
 continuous batching and prints:
 
-- per-phase totals: steps that hold prefill tokens ("prefill") and steps of decodes only ("decode"),
+- per-phase totals: steps that hold prefill tokens ("prefill"), steps that verify speculative drafts
+  ("verify", with `--speculative-method ngram`) and steps of decodes only ("decode"),
   with their step count, tokens and wall seconds;
 - with `--torch-profiler`, the top operators of each phase by self CPU time (`torch.profiler`);
   batchgen's C kernels, which torch cannot see, are listed as `batchgen::<function>`. The C decoder
@@ -88,6 +89,8 @@ def main() -> None:
         action="store_true",
         help="run the layers one by one in Python (per-kernel profile) instead of the C decoder stack",
     )
+    parser.add_argument("--speculative-method", default=None, help="ngram: prompt-lookup speculation")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None)
     args = parser.parse_args()
 
     if args.num_threads:
@@ -101,6 +104,8 @@ def main() -> None:
             policy=args.policy,
             num_threads=args.num_threads,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            speculative_method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
         )
     )
     spec_args = {"dist": args.dist, "num_prompts": args.num_prompts, "seed": args.seed}
@@ -117,7 +122,7 @@ def main() -> None:
             r.request_id, {"prompt_token_ids": r.prompt_token_ids}, bench_sampling_params(r.output_len)
         )
 
-    phases = {"prefill": [0, 0, 0.0], "decode": [0, 0, 0.0]}  # steps, tokens, seconds
+    phases = {"prefill": [0, 0, 0.0], "verify": [0, 0, 0.0], "decode": [0, 0, 0.0]}  # steps, tokens, s
     step_phase: list[str] = []
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     profiler_stopped = False
@@ -130,7 +135,7 @@ def main() -> None:
             engine.step()
         elapsed = time.perf_counter() - t
         s = engine.last_step
-        phase = "prefill" if s.num_batched_tokens > s.num_seqs else "decode"
+        phase = "prefill" if s.num_prompt_tokens else "verify" if s.num_drafts else "decode"
         step_phase.append(phase)
         if args.profile_steps and len(step_phase) <= args.profile_steps:
             print(

@@ -9,6 +9,11 @@ are the job's, not text generated past the end of a summary. The lengths come fr
 of the model with EOS on, in the dtype given (the bench's dtype: outputs in bf16 and float32 may
 differ).
 
+The cap (`--max-tokens`, default 1,024) sets the job's tail: the default model ends most summaries
+within 20-360 tokens and loops on a few articles until the cap. At 1,024 those few rows run on
+alone at the end, as in a real job with a generous `max_tokens`; at 256, eight rows were cut at the
+cap within a few steps of each other and the job had hardly a tail (docs/benchmarks.md).
+
 Usage (the issue 27 workload, about 2 minutes on two CPU cores)::
 
     python scripts/xsum_bench_job.py --rows 64 --output /tmp/xsum64.jsonl
@@ -39,7 +44,7 @@ def main() -> None:
         "--xsum", type=Path, default=DEFAULT_XSUM, help="XSum test.jsonl (id, document, summary)"
     )
     parser.add_argument("--rows", type=int, default=64, help="articles, from the first")
-    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens per summary")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="most tokens per summary")
     parser.add_argument("--template", default=TEMPLATE, help="prompt with a {document} placeholder")
     parser.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", help="the dtype the bench will run in")

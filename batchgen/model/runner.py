@@ -187,6 +187,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
+            verifies_drafts=any(s.num_draft_tokens for s in seqs),
         )
         return (
             torch.from_numpy(input_ids).to(dev),

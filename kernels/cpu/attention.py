@@ -108,12 +108,17 @@ def paged_prefill_attention_cpu(
     check_bounds: bool = True,
     out: torch.Tensor | None = None,
     kernel: str = "c",
+    short_chunks: bool = False,
 ) -> torch.Tensor:
     """Causal attention of prefill chunks to their paged context, in place (no gather).
 
     Sequence b's query rows `query[query_starts[b]:query_starts[b + 1]]` are the last positions of
     its `seq_lens[b]` context tokens; each row attends to every cached token up to and including its
     own position (a cached prefix fully, its chunk causally). Their K/V must already be in the cache.
+    With `short_chunks` (a step that verifies speculative draft tokens), chunks of a few rows (up to
+    16 on "c", 6 on "amx") walk their context once in the decode kernel's loop
+    (`paged_short_chunk_attention` in `csrc/paged_decode_attention.c`); without it a row's result
+    does not depend on how its prompt was cut into chunks (a resumed job's greedy text stays the same).
     2.8-3.6x torch's CPU SDPA on the default model's shapes in bf16 at 300-2,048 tokens
     (`scripts/cpu_prefill_attention_bench.py`; see `csrc/paged_prefill_attention.c`).
 
@@ -130,6 +135,7 @@ def paged_prefill_attention_cpu(
             as the prefill rows of a step's output); None allocates one.
         kernel: "c" (`csrc/paged_prefill_attention.c`) or "amx" (`csrc/amx_prefill_attention.c`,
             bf16 on AMX tiles, where `supports_prefill_amx`).
+        short_chunks: route chunks of a few rows to the decode kernel's walk (above).
 
     Returns:
         `[T, Hq, D]` in the query's dtype (`out` when given).
@@ -173,15 +179,16 @@ def paged_prefill_attention_cpu(
         scale,
         query_starts,
         out=out,
+        extra=(int(short_chunks),),
     )
 
 
 def _launch(
-    kernel, what, query, k_cache, v_cache, block_tables, seq_lens, scale, *offsets, out=None
+    kernel, what, query, k_cache, v_cache, block_tables, seq_lens, scale, *offsets, out=None, extra=()
 ) -> torch.Tensor:
     """Call one attention kernel (arguments checked) into `out` (None: a new tensor); `offsets` are the
-    tensors a kernel takes after `seq_lens` (the prefill kernel's query starts). Raises RuntimeError
-    when the kernel fails."""
+    tensors a kernel takes after `seq_lens` (the prefill kernel's query starts), `extra` the integers it
+    takes after `num_threads`. Raises RuntimeError when the kernel fails."""
     out = torch.empty_like(query) if out is None else out
     _, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -202,6 +209,7 @@ def _launch(
         scale,
         out.data_ptr(),
         torch.get_num_threads(),
+        *extra,
     )
     if status:
         raise RuntimeError(f"CPU paged {what} attention failed with status {status} (2: out of memory)")

@@ -226,20 +226,22 @@ def load_library() -> ctypes.CDLL | None:
         )
     # Both attention kernels: (is_bf16, query, k_cache, v_cache, block_tables, table_stride,
     # seq_lens, [prefill: query_starts,] num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
-    # scale, out, num_threads) -> status.
+    # scale, out, num_threads[, prefill: short_chunks]) -> status.
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     attention_head = [i32, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr]
     attention_tail = [i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
     lib.paged_decode_attention.restype = i32
     lib.paged_decode_attention.argtypes = attention_head + attention_tail
     lib.paged_prefill_attention.restype = i32
-    lib.paged_prefill_attention.argtypes = attention_head + [ptr] + attention_tail
+    lib.paged_prefill_attention.argtypes = attention_head + [ptr] + attention_tail + [i32]
     lib.paged_decode_attention_supported.restype = i32
     lib.paged_decode_attention_supported.argtypes = [i32, i32, i32]
     lib.paged_prefill_attention_supported.restype = i32
     lib.paged_prefill_attention_supported.argtypes = [i32, i32, i32]
+    lib.paged_short_chunk_attention.restype = i32
+    lib.paged_short_chunk_attention.argtypes = attention_head + [ptr] + attention_tail + [i32]
     lib.paged_prefill_attention_amx.restype = i32
-    lib.paged_prefill_attention_amx.argtypes = attention_head + [ptr] + attention_tail
+    lib.paged_prefill_attention_amx.argtypes = attention_head + [ptr] + attention_tail + [i32]
     lib.paged_prefill_attention_amx_available.restype = i32
     lib.paged_prefill_attention_amx_available.argtypes = []
     lib.paged_prefill_attention_bf16_dot.restype = i32
@@ -291,11 +293,11 @@ def load_library() -> ctypes.CDLL | None:
     lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     # decoder_stack_bf16(layers, num_layers, dims, eps, scale, num_tokens, hidden, delta, cos, sin,
     # slots, block_tables, table_stride, seq_lens, num_decodes, num_seqs, prefill_query_starts,
-    # workspace, num_threads, use_amx) -> status; see csrc/decoder_stack.c.
+    # workspace, num_threads, use_amx, short_chunks) -> status; see csrc/decoder_stack.c.
     lib.decoder_stack_workspace_per_token.restype = i64
     lib.decoder_stack_workspace_per_token.argtypes = [ptr]
     f32 = ctypes.c_float
     lib.decoder_stack_bf16.restype = i32
     lib.decoder_stack_bf16.argtypes = [ptr, i32, ptr, f32, f32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]
-    lib.decoder_stack_bf16.argtypes += [i32, i32, ptr, ptr, i32, i32]
+    lib.decoder_stack_bf16.argtypes += [i32, i32, ptr, ptr, i32, i32, i32]
     return lib

@@ -142,8 +142,9 @@ class DecoderStack:
             cos_sin: the step's rotary tables, bf16 `[T, 1, head_dim]` each.
             kv_caches: per layer, bf16 (K, V) `[num_blocks, block_size, Hkv, head_dim]`, contiguous.
             meta: the step's attention metadata (decodes first, then prefill chunks): an object with
-                `slot_mapping`, `block_tables`, `seq_lens`, `query_start_loc`, `num_decodes` and
-                `num_seqs` as `batchgen.model.attention.AttentionMetadata` has them.
+                `slot_mapping`, `block_tables`, `seq_lens`, `query_start_loc`, `num_decodes`,
+                `num_seqs` and `verifies_drafts` as `batchgen.model.attention.AttentionMetadata` has
+                them.
 
         Returns:
             the last layer's MLP output, bf16 `[T, hidden_size]`, not yet added to `hidden` (as the
@@ -202,6 +203,7 @@ class DecoderStack:
             self._workspace.data_ptr(),
             torch.get_num_threads(),
             self._linear_at(rows) == "amx_c",
+            meta.verifies_drafts,
         )
         if status == _BAD_SLOT:
             num_slots = k_cache.shape[0] * k_cache.shape[1]

@@ -242,7 +242,8 @@ def test_profile_engine_script_smoke(tiny_model_dir, tmp_path: Path) -> None:
     assert [line.split(":")[0] for line in lines if line.startswith("step ")] == ["step 0", "step 1"]
     header = next(line for line in lines if line.startswith("workload "))
     prompt, output = (int(word) for word in header.split(",")[1].replace("prompt +", "").split()[:2])
-    phase_tokens = [int(line.split()[3]) for line in lines if line.split()[:1] in (["prefill"], ["decode"])]
+    phases = (["prefill"], ["verify"], ["decode"])
+    phase_tokens = [int(line.split()[3]) for line in lines if line.split()[:1] in phases]
     # Each request's last prompt step samples its first token, so decode steps carry the others.
     assert sum(phase_tokens) == prompt + output - 4
     # operator table printed, the linears under whichever path this CPU takes

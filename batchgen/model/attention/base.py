@@ -29,6 +29,9 @@ class AttentionMetadata:
         num_decodes: the first `num_decodes` sequences have exactly one query token.
         max_query_len / max_seq_len: maxima of the query and context lengths (tokens).
         query_lens_cpu / seq_lens_cpu: the same lengths as Python lists, for host-side loops.
+        verifies_drafts: some sequence verifies speculative draft tokens this step: the CPU
+            kernels may then walk short chunks' contexts once (`paged_prefill_attention_cpu`'s
+            `short_chunks`); without drafts a prompt row's result never depends on its chunking.
         scratch: per-step values a backend derives from the above on the first layer and reuses in
             the others (the torch backend's decode groups); empty when the step starts.
     """
@@ -42,6 +45,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    verifies_drafts: bool = False
     scratch: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -76,6 +76,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 check_bounds=first_layer,
                 out=out[rows],
                 kernel=kind,
+                short_chunks=meta.verifies_drafts,
             )
 
     def _prefill_segments(self, meta: AttentionMetadata) -> list[tuple[str, slice, slice, Any]]:

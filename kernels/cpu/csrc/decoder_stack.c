@@ -50,7 +50,8 @@ int paged_decode_attention(int is_bf16, const void *query, const void *k_cache, 
 int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                             const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                             const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
-                            int head_dim, int block_size, float scale, void *out, int num_threads);
+                            int head_dim, int block_size, float scale, void *out, int num_threads,
+                            int short_chunks);
 
 /* Columns of the per-layer table `layers` [num_layers][LAYER_FIELDS]: addresses, as int64. */
 enum {
@@ -86,6 +87,7 @@ int64_t decoder_stack_workspace_per_token(const int64_t *dims) {
  *          + 1] (from 0, relative to the first prefill row)
  * workspace bf16, decoder_stack_workspace_per_token(dims) x T elements
  * use_amx  1: the linears run amx_linear.c's AMX kernel, 0: bf16_linear.c's (the same packed weights)
+ * short_chunks 1: the step verifies draft tokens (paged_prefill_attention's short chunks)
  *
  * Returns 0; 1 when a kernel refused a shape; 2 when one could not allocate memory; 3 when a slot
  * lies outside the cache (nothing of that layer's K/V written). Bounds of the tables and lengths are
@@ -94,7 +96,8 @@ int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dim
                        int64_t num_tokens, uint16_t *hidden, uint16_t *delta, const uint16_t *cos,
                        const uint16_t *sin, const int64_t *slots, const int32_t *block_tables,
                        int64_t table_stride, const int32_t *seq_lens, int num_decodes, int num_seqs,
-                       const int32_t *prefill_query_starts, uint16_t *workspace, int num_threads, int use_amx) {
+                       const int32_t *prefill_query_starts, uint16_t *workspace, int num_threads, int use_amx,
+                       int short_chunks) {
   int (*const linear)(const uint16_t *, int64_t, const uint16_t *, const float *, uint16_t *, int64_t, int64_t,
                       int64_t, int64_t, int) = use_amx ? amx_linear : bf16_linear;
   const int64_t t = num_tokens, h = dims[HIDDEN], d = dims[HEAD_DIM], inter = dims[INTERMEDIATE];
@@ -123,7 +126,8 @@ int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dim
       status = paged_prefill_attention(1, query + num_decodes * q, k_cache, v_cache,
                                        block_tables + num_decodes * table_stride, table_stride,
                                        seq_lens + num_decodes, prefill_query_starts, num_prefills, hq, hkv,
-                                       (int)d, block_size, scale, attn + num_decodes * q, num_threads);
+                                       (int)d, block_size, scale, attn + num_decodes * q, num_threads,
+                                       short_chunks);
     if (status) return status;
     if (linear(attn, q, (const uint16_t *)(intptr_t)w[O_WEIGHT], NULL, o, h, t, h, q, num_threads)) return 1;
     add_rms_norm_bf16(hidden, h, o, h, (const uint16_t *)(intptr_t)w[POST_NORM], eps, t, (int)h, normed, h,

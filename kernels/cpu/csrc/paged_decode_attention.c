@@ -3,7 +3,10 @@
  * The torch path gathers each sequence's blocks into a padded copy and runs SDPA on it, so every
  * K/V byte is read, written and read again. Here each sequence walks its blocks in place through
  * the block table (PagedAttention, Kwon et al. 2023, arXiv:2309.06180) and reads every K/V row
- * once, for all the query heads of each KV head's GQA group.
+ * once, for all the query heads of each KV head's GQA group. The same walk serves short chunks
+ * (`paged_short_chunk_attention`: a few query positions a sequence, such as a verification of
+ * speculative draft tokens), called from the prefill kernels: every K and V row is read once for
+ * all the chunk's positions, each position masked to its own causal length.
  *
  * Layouts (row-major, contiguous):
  *   query, out         [num_seqs, num_q_heads, HEAD_DIM]
@@ -28,26 +31,34 @@
 
 #include "vector_math.h"
 
-/* One sequence's KV heads [h0, h1): the scores of all its context rows for each head's query group,
- * softmax, then the weighted sum of V rows. A block's rows hold every KV head side by side, so the
- * heads are walked inside the block loop: each block is read as one contiguous run of memory
- * (walking one head at a time read a third of every row and ran at half the bandwidth).
- * `scores` holds (h1 - h0) * group * padded floats; `qv` and `acc` hold (h1 - h0) * group * D. */
+/* One sequence's KV heads [h0, h1) for its last `q_len` positions (one, or a short chunk such as
+ * a verification of draft tokens): the scores of all its context rows for each head's query rows,
+ * softmax, then the weighted sum of V rows. A head's query rows are its GQA group at each of the
+ * q_len positions (position j's rows `q_stride` elements after position j - 1's); each K and V row
+ * is read once for all of them, so a chunk of q_len positions costs about what one decode does
+ * while the step is bound by memory. Row j attends to the first len - (q_len - 1 - j) keys. A block's
+ * rows hold every KV head side by side, so the heads are walked inside the block loop: each block is
+ * read as one contiguous run of memory (walking one head at a time read a third of every row and ran
+ * at half the bandwidth). `scores` holds (h1 - h0) * q_len * group * padded floats; `qv` and `acc`
+ * hold (h1 - h0) * q_len * group * D. */
 #define DEFINE_ITEM(SUFFIX, T, LOADV, STOREV, D)                                                      \
   static void item_##SUFFIX(const void *q_, const void *kc_, const void *vc_, const int32_t *table,  \
-                            int len, int h0, int h1, int num_kv_heads, int group,                      \
-                            int64_t row_stride, int64_t block_stride, int block_size, float scale,     \
-                            void *out_,                                                                \
-                            float *scores, vf *qv, vf *acc) {                                          \
+                            int len, int q_len, int64_t q_stride, int h0, int h1, int num_kv_heads,    \
+                            int group, int64_t row_stride, int64_t block_stride, int block_size,       \
+                            float scale, void *out_, float *scores, vf *qv, vf *acc) {                 \
     enum { NV = D / LANES };                                                                           \
     const T *q = q_, *kc = kc_, *vc = vc_;                                                             \
     T *out = out_;                                                                                     \
-    const int rows_q = (h1 - h0) * group; /* query heads of this item, from head h0 * group on */     \
-    for (int i = 0; i < rows_q; i++)                                                                   \
-      for (int j = 0; j < NV; j++) {                                                                   \
-        qv[i * NV + j] = LOADV(q + (h0 * group + i) * D + j * LANES) * scale;                          \
-        acc[i * NV + j] = (vf){};                                                                      \
+    const int head_rows = q_len * group;    /* query rows of one KV head: (position, group head) */    \
+    const int rows_q = (h1 - h0) * head_rows; /* row (h - h0, j, g) at ((h - h0) * q_len + j) * group + g */ \
+    for (int i = 0; i < rows_q; i++) {                                                                 \
+      const int hh = i / head_rows, j = i % head_rows / group, g = i % group;                          \
+      const T *qi = q + j * q_stride + ((h0 + hh) * group + g) * D;                                    \
+      for (int jj = 0; jj < NV; jj++) {                                                                \
+        qv[i * NV + jj] = LOADV(qi + jj * LANES) * scale;                                              \
+        acc[i * NV + jj] = (vf){};                                                                     \
       }                                                                                                \
+    }                                                                                                  \
     const int padded = (len + LANES - 1) / LANES * LANES;                                              \
     /* A block's bytes from head h0 of its first row to head h1 - 1 of its last. */                   \
     const size_t span = ((size_t)block_stride - (size_t)(num_kv_heads - (h1 - h0)) * D) * sizeof(T);   \
@@ -64,13 +75,13 @@
         if (next) /* this head's share of the next block */                                            \
           prefetch_block(next + (size_t)(h - h0) * span / (h1 - h0), span / (h1 - h0) + 64);           \
         prefetch_block(values + (size_t)(h - h0) * span / (h1 - h0), span / (h1 - h0) + 64);          \
-        const vf *qh = qv + (h - h0) * group * NV;                                                     \
-        float *sh = scores + (int64_t)(h - h0) * group * padded + t0;                                  \
+        const vf *qh = qv + (h - h0) * head_rows * NV;                                                 \
+        float *sh = scores + (int64_t)(h - h0) * head_rows * padded + t0;                              \
         int r = 0;                                                                                     \
         for (; REGISTER_LIGHT && r + 4 <= rows; r += 4) {                                              \
           const T *r0 = kb + r * row_stride, *r1 = r0 + row_stride, *r2 = r1 + row_stride,              \
                   *r3 = r2 + row_stride;                                                               \
-          for (int g = 0; g < group; g++) {                                                            \
+          for (int g = 0; g < head_rows; g++) {                                                        \
             const vf *qg = qh + g * NV;                                                                \
             vf s0 = qg[0] * LOADV(r0), s1 = qg[0] * LOADV(r1), s2 = qg[0] * LOADV(r2),                 \
                s3 = qg[0] * LOADV(r3);                                                                 \
@@ -91,7 +102,7 @@
             k2[j] = LOADV(kb + (r + 2) * row_stride + j * LANES);                                      \
             k3[j] = LOADV(kb + (r + 3) * row_stride + j * LANES);                                      \
           }                                                                                            \
-          for (int g = 0; g < group; g++) {                                                            \
+          for (int g = 0; g < head_rows; g++) {                                                        \
             const vf *qg = qh + g * NV;                                                                \
             vf s0 = qg[0] * k0[0], s1 = qg[0] * k1[0], s2 = qg[0] * k2[0], s3 = qg[0] * k3[0];         \
             for (int j = 1; j < NV; j++) {                                                             \
@@ -106,7 +117,7 @@
         for (; r < rows; r++) {                                                                        \
           vf kv[NV];                                                                                   \
           for (int j = 0; j < NV; j++) kv[j] = LOADV(kb + r * row_stride + j * LANES);                 \
-          for (int g = 0; g < group; g++) {                                                            \
+          for (int g = 0; g < head_rows; g++) {                                                        \
             const vf *qg = qh + g * NV;                                                                \
             vf s = qg[0] * kv[0];                                                                      \
             for (int j = 1; j < NV; j++) s += qg[j] * kv[j];                                           \
@@ -117,7 +128,8 @@
     }                                                                                                  \
     for (int i = 0; i < rows_q; i++) {                                                                 \
       float *si = scores + (int64_t)i * padded;                                                        \
-      for (int t = len; t < padded; t++) si[t] = -INFINITY; /* exp(-inf - m) = 0 */                   \
+      const int row_len = len - (q_len - 1 - i % head_rows / group); /* causal: its own position on */ \
+      for (int t = row_len; t < padded; t++) si[t] = -INFINITY; /* exp(-inf - m) = 0 */               \
       vf mv = load_f32(si);                                                                            \
       for (int t = LANES; t < padded; t += LANES) {                                                    \
         vf x = load_f32(si + t);                                                                       \
@@ -144,11 +156,11 @@
         const T *vb = block + (int64_t)h * D;                                                          \
         if (next) /* this head's share of the next block */                                            \
           prefetch_block(next + (size_t)(h - h0) * span / (h1 - h0), span / (h1 - h0) + 64);           \
-        vf *ah = acc + (h - h0) * group * NV;                                                          \
-        const float *sh = scores + (int64_t)(h - h0) * group * padded + t0;                            \
-        if (REGISTER_LIGHT) { /* per query head, up to 8 accumulators held over the block's rows */   \
+        vf *ah = acc + (h - h0) * head_rows * NV;                                                      \
+        const float *sh = scores + (int64_t)(h - h0) * head_rows * padded + t0;                        \
+        if (REGISTER_LIGHT) { /* per query row, up to 8 accumulators held over the block's rows */    \
           enum { JB = NV < 8 ? NV : 8 };                                                               \
-          for (int g = 0; g < group; g++)                                                              \
+          for (int g = 0; g < head_rows; g++)                                                          \
             for (int j0 = 0; j0 < NV; j0 += JB) {                                                      \
               vf a[JB];                                                                                \
               for (int j = 0; j < JB; j++) a[j] = ah[g * NV + j0 + j];                                 \
@@ -160,38 +172,35 @@
             }                                                                                          \
           continue;                                                                                    \
         }                                                                                              \
-        if (group * NV <= 16) { /* the group's accumulators stay in registers over the block */        \
-          enum { MAX_G = 16 / NV };                                                                    \
-          vf a[16];                                                                                    \
+        /* The rows' accumulators stay in registers over the block, 16 vectors at a time (a decode's \
+         * group at once; a chunk's rows in passes, each V row read again from L1). */                \
+        enum { MAX_G = NV <= 16 ? 16 / NV : 1 };                                                       \
+        for (int g0 = 0; g0 < head_rows; g0 += MAX_G) {                                                \
+          const int n = head_rows - g0 < MAX_G ? head_rows - g0 : MAX_G;                               \
+          vf a[MAX_G * NV];                                                                            \
           for (int g = 0; g < MAX_G; g++)                                                              \
-            if (g < group)                                                                             \
-              for (int j = 0; j < NV; j++) a[g * NV + j] = ah[g * NV + j];                              \
+            if (g < n)                                                                                 \
+              for (int j = 0; j < NV; j++) a[g * NV + j] = ah[(g0 + g) * NV + j];                      \
           for (int r = 0; r < rows; r++) {                                                             \
             vf vv[NV];                                                                                 \
             for (int j = 0; j < NV; j++) vv[j] = LOADV(vb + r * row_stride + j * LANES);               \
             for (int g = 0; g < MAX_G; g++)                                                            \
-              if (g < group) {                                                                         \
-                const float p = sh[g * padded + r];                                                    \
+              if (g < n) {                                                                             \
+                const float p = sh[(g0 + g) * padded + r];                                             \
                 for (int j = 0; j < NV; j++) a[g * NV + j] += p * vv[j];                               \
               }                                                                                        \
           }                                                                                            \
           for (int g = 0; g < MAX_G; g++)                                                              \
-            if (g < group)                                                                             \
-              for (int j = 0; j < NV; j++) ah[g * NV + j] = a[g * NV + j];                              \
-          continue;                                                                                    \
-        }                                                                                              \
-        for (int r = 0; r < rows; r++) {                                                               \
-          vf vv[NV];                                                                                   \
-          for (int j = 0; j < NV; j++) vv[j] = LOADV(vb + r * row_stride + j * LANES);                 \
-          for (int g = 0; g < group; g++) {                                                            \
-            const float p = sh[g * padded + r];                                                        \
-            for (int j = 0; j < NV; j++) ah[g * NV + j] += p * vv[j];                                  \
-          }                                                                                            \
+            if (g < n)                                                                                 \
+              for (int j = 0; j < NV; j++) ah[(g0 + g) * NV + j] = a[g * NV + j];                      \
         }                                                                                              \
       }                                                                                                \
     }                                                                                                  \
-    for (int i = 0; i < rows_q; i++)                                                                   \
-      for (int j = 0; j < NV; j++) STOREV(out + (h0 * group + i) * D + j * LANES, acc[i * NV + j]);    \
+    for (int i = 0; i < rows_q; i++) {                                                                 \
+      const int hh = i / head_rows, j = i % head_rows / group, g = i % group;                          \
+      T *oi = out + j * q_stride + ((h0 + hh) * group + g) * D;                                        \
+      for (int jj = 0; jj < NV; jj++) STOREV(oi + jj * LANES, acc[i * NV + jj]);                       \
+    }                                                                                                  \
   }
 
 DEFINE_ITEM(f32_16, float, load_f32, store_f32, 16)
@@ -203,8 +212,8 @@ DEFINE_ITEM(bf16_32, uint16_t, load_bf16, store_bf16, 32)
 DEFINE_ITEM(bf16_64, uint16_t, load_bf16, store_bf16, 64)
 DEFINE_ITEM(bf16_128, uint16_t, load_bf16, store_bf16, 128)
 
-typedef void (*item_fn)(const void *, const void *, const void *, const int32_t *, int, int, int, int, int,
-                        int64_t, int64_t, int, float, void *, float *, vf *, vf *);
+typedef void (*item_fn)(const void *, const void *, const void *, const int32_t *, int, int, int64_t, int, int,
+                        int, int, int64_t, int64_t, int, float, void *, float *, vf *, vf *);
 
 static item_fn find_item(int is_bf16, int head_dim) {
   RETURN_HEAD_DIM_VARIANT(item, is_bf16, head_dim)
@@ -215,35 +224,65 @@ int paged_decode_attention_supported(int is_bf16, int head_dim, int group) {
   return find_item(is_bf16, head_dim) != NULL && group >= 1 && group <= MAX_GROUP ? 0 : 1;
 }
 
+/* The sequences this kernel runs: every one (query_starts NULL: one row each), or those whose
+ * chunk has 1 to max_rows rows. Writes their indices to `which` (NULL: only counts) and returns the
+ * count; `max_q_len` gets their longest chunk. */
+static int short_sequences(const int32_t *query_starts, int num_seqs, int max_rows, int *which, int *max_q_len) {
+  int count = 0;
+  *max_q_len = 0;
+  for (int b = 0; b < num_seqs; b++) {
+    const int q_len = query_starts ? query_starts[b + 1] - query_starts[b] : 1;
+    if (q_len < 1 || q_len > max_rows) continue;
+    if (which) which[count] = b;
+    count++;
+    *max_q_len = q_len > *max_q_len ? q_len : *max_q_len;
+  }
+  return count;
+}
+
 /* Returns 0 on success, 1 for an unsupported shape, 2 when scratch memory could not be allocated.
  * Work items are sequences, or (sequence, range of KV heads) when there are fewer than two
- * sequences a thread, spread over `num_threads` OpenMP threads. */
-int paged_decode_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
-                           const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                           int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                           float scale, void *out, int num_threads) {
+ * sequences a thread, spread over `num_threads` OpenMP threads. query_starts NULL: sequence b's one
+ * query row is row b; else its rows are query_starts[b] .. query_starts[b + 1] - 1 and only the
+ * sequences with at most max_rows of them are computed (the others' rows are left untouched). */
+static int decode_rows(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
+                       const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                       const int32_t *query_starts, int max_rows, int num_seqs, int num_q_heads, int num_kv_heads,
+                       int head_dim, int block_size, float scale, void *out, int num_threads) {
+  if (num_seqs <= 0) return 0;
+  int max_q_len, *which = NULL;
+  const int count = short_sequences(query_starts, num_seqs, max_rows, NULL, &max_q_len);
+  if (count == 0) return 0; /* nothing to do is never refused (max_rows 0: the prefill kernels' "none") */
   const int group = num_q_heads / num_kv_heads;
   item_fn item = find_item(is_bf16, head_dim);
   if (item == NULL || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_q_heads) return 1;
-  if (num_seqs <= 0) return 0;
+  if (query_starts) {
+    which = malloc(sizeof(int) * count);
+    if (which == NULL) return 2;
+    short_sequences(query_starts, num_seqs, max_rows, which, &max_q_len);
+  }
   const size_t elem = is_bf16 ? 2 : 4;
   int max_len = 0;
-  for (int b = 0; b < num_seqs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+  for (int i = 0; i < count; i++) {
+    const int b = which ? which[i] : i;
+    max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+  }
   const size_t padded = (size_t)(max_len + LANES - 1) / LANES * LANES;
   const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
   const int64_t block_stride = (int64_t)block_size * row_stride;
-  int splits = (2 * num_threads + num_seqs - 1) / num_seqs;
+  const int64_t q_stride = (int64_t)num_q_heads * head_dim; /* elements from one query row to the next */
+  int splits = (2 * num_threads + count - 1) / count;
   splits = splits < 1 ? 1 : (splits > num_kv_heads ? num_kv_heads : splits);
   const int heads_per_split = (num_kv_heads + splits - 1) / splits;
   splits = (num_kv_heads + heads_per_split - 1) / heads_per_split;
-  const int64_t num_items = (int64_t)num_seqs * splits;
-  const size_t item_q_heads = (size_t)heads_per_split * group;
+  const int64_t num_items = (int64_t)count * splits;
+  const size_t item_rows = (size_t)heads_per_split * group * max_q_len;
   int failed = 0;
 #pragma omp parallel num_threads(num_threads)
   {
-    float *scores = malloc(sizeof(float) * item_q_heads * padded);
-    vf *qv = aligned_alloc(sizeof(vf), sizeof(vf) * item_q_heads * (head_dim / LANES));
-    vf *acc = aligned_alloc(sizeof(vf), sizeof(vf) * item_q_heads * (head_dim / LANES));
+    float *scores = malloc(sizeof(float) * item_rows * padded);
+    vf *qv = aligned_alloc(sizeof(vf), sizeof(vf) * item_rows * (head_dim / LANES));
+    vf *acc = aligned_alloc(sizeof(vf), sizeof(vf) * item_rows * (head_dim / LANES));
     const int ok = scores != NULL && qv != NULL && acc != NULL;
     if (!ok) {
 #pragma omp atomic write
@@ -252,15 +291,41 @@ int paged_decode_attention(int is_bf16, const void *query, const void *k_cache, 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; i++) {
       if (!ok) continue;
-      const int b = (int)(i / splits), h0 = (int)(i % splits) * heads_per_split;
+      const int b = which ? which[i / splits] : (int)(i / splits), h0 = (int)(i % splits) * heads_per_split;
       const int h1 = h0 + heads_per_split < num_kv_heads ? h0 + heads_per_split : num_kv_heads;
-      const size_t offset = (size_t)b * num_q_heads * head_dim * elem;
-      item((const char *)query + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b], h0,
-           h1, num_kv_heads, group, row_stride, block_stride, block_size, scale, (char *)out + offset, scores, qv, acc);
+      const int first = query_starts ? query_starts[b] : b;
+      const int q_len = query_starts ? query_starts[b + 1] - first : 1;
+      const size_t offset = (size_t)first * q_stride * elem;
+      item((const char *)query + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b], q_len,
+           q_stride, h0, h1, num_kv_heads, group, row_stride, block_stride, block_size, scale, (char *)out + offset,
+           scores, qv, acc);
     }
     free(scores);
     free(qv);
     free(acc);
   }
+  free(which);
   return failed;
+}
+
+/* One query row a sequence (row b for sequence b). Returns as `decode_rows`. */
+int paged_decode_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
+                           const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                           int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                           float scale, void *out, int num_threads) {
+  return decode_rows(is_bf16, query, k_cache, v_cache, block_tables, table_stride, seq_lens, NULL, 1, num_seqs,
+                     num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads);
+}
+
+/* The prefill kernels' layouts (query_starts [num_seqs + 1]), for the sequences whose chunk has at
+ * most `max_rows` query rows (a verification of draft tokens, a prompt's last few tokens): each
+ * walks its context once for all its rows, where the prefill kernels' tiles of query positions
+ * pay per key for a tile of 32 positions. The other sequences' rows are left untouched. Returns as
+ * `decode_rows`. */
+int paged_short_chunk_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
+                                const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                                const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
+                                int head_dim, int block_size, float scale, void *out, int num_threads, int max_rows) {
+  return decode_rows(is_bf16, query, k_cache, v_cache, block_tables, table_stride, seq_lens, query_starts, max_rows,
+                     num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads);
 }

@@ -21,7 +21,11 @@ pytestmark = pytest.mark.skipif(
 # (cached prefix, chunk) in tokens. The kernel's tiles hold 32 query rows and its key chunks 64 or
 # 128 keys: one row, rows left after whole tiles, a tile boundary, a prefix that ends inside a key
 # chunk and one longer than several, and a one-token chunk after a long prefix (a decode-like row).
+# With `short_chunks`, chunks of up to 16 rows (6 on the AMX kernel) run the short-chunk path
+# (`paged_short_chunk_attention`: each context walked once for all the chunk's rows, causally): both
+# sides of both limits.
 CHUNKS = [(0, 1), (0, 31), (0, 33), (5, 64), (100, 50), (0, 130), (250, 7), (300, 1)]
+CHUNKS += [(37, 5), (90, 6), (21, 16), (140, 17), (3, 2)]
 
 
 def make_case(dtype, head_dim, group, block_size, num_kv_heads=2, seed=0):
@@ -54,13 +58,16 @@ def reference(query, k_cache, v_cache, tables, seq_lens, starts, scale):
     return out
 
 
+@pytest.mark.parametrize("short_chunks", [False, True])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("head_dim, group", [(16, 1), (32, 2), (64, 3), (128, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_float64_reference(dtype, head_dim, group, block_size):
+def test_kernel_matches_float64_reference(dtype, head_dim, group, block_size, short_chunks):
     query, k_cache, v_cache, tables, seq_lens, starts = make_case(dtype, head_dim, group, block_size)
     scale = head_dim**-0.5
-    got = cpu_attention.paged_prefill_attention_cpu(query, k_cache, v_cache, tables, seq_lens, starts, scale)
+    got = cpu_attention.paged_prefill_attention_cpu(
+        query, k_cache, v_cache, tables, seq_lens, starts, scale, short_chunks=short_chunks
+    )
     expected = reference(query, k_cache, v_cache, tables, seq_lens, starts, scale)
     assert got.shape == query.shape and got.dtype == dtype
     if dtype == torch.float32:
@@ -81,15 +88,16 @@ NEEDS_AMX = pytest.mark.skipif(
 
 
 @NEEDS_AMX
+@pytest.mark.parametrize("short_chunks", [False, True])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("head_dim, group", [(32, 2), (64, 3), (96, 1), (128, 4)])
-def test_amx_kernel_matches_float64_reference(head_dim, group, block_size):
+def test_amx_kernel_matches_float64_reference(head_dim, group, block_size, short_chunks):
     """bf16 products on the tiles, the probabilities rounded to bf16 before the product with V: as
     the AVX512-BF16 kernel's bound. Every tail: 16-row query tiles and 64-key blocks cut anywhere."""
     query, k_cache, v_cache, tables, seq_lens, starts = make_case(torch.bfloat16, head_dim, group, block_size)
     scale = head_dim**-0.5
     got = cpu_attention.paged_prefill_attention_cpu(
-        query, k_cache, v_cache, tables, seq_lens, starts, scale, kernel="amx"
+        query, k_cache, v_cache, tables, seq_lens, starts, scale, kernel="amx", short_chunks=short_chunks
     )
     expected = reference(query, k_cache, v_cache, tables, seq_lens, starts, scale)
     assert got.shape == query.shape and got.dtype == torch.bfloat16
@@ -315,3 +323,30 @@ def test_engine_tokens_match_torch_backend_with_chunks_and_prefix_hits(tiny_mode
         tokens[backend] = [o.outputs[0].token_ids for o in first + rest]
         assert sum(o.num_cached_tokens for o in rest) > 0  # later prompts reused the prefix
     assert tokens["cpu"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("kernel", ["c", "amx"])
+def test_without_drafts_a_rows_result_does_not_depend_on_its_chunking(kernel):
+    """A prompt cut into a long chunk and a short last one gives its rows the values of one chunk
+    (a resumed job's greedy text depends on it); with `short_chunks` the short one walks once."""
+    if kernel == "amx" and not cpu_attention.supports_prefill_amx(torch.bfloat16, 64, 6, 2):
+        pytest.skip("no AMX prefill kernel on this machine")
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables = shuffled_caches([80], torch.bfloat16, 64, 16, 2, gen)
+    query = torch.randn(80, 6, 64, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([80], dtype=torch.int32)
+
+    def attend(rows: slice, short_chunks: bool) -> torch.Tensor:
+        starts = torch.tensor([0, rows.stop - rows.start], dtype=torch.int32)
+        return cpu_attention.paged_prefill_attention_cpu(
+            query[rows].contiguous(), k_cache, v_cache, tables, torch.tensor([rows.stop], dtype=torch.int32),
+            starts, 0.125, kernel=kernel, short_chunks=short_chunks,
+        )  # fmt: skip
+
+    whole = cpu_attention.paged_prefill_attention_cpu(
+        query, k_cache, v_cache, tables, lens, torch.tensor([0, 80], dtype=torch.int32), 0.125, kernel=kernel
+    )
+    assert torch.equal(torch.cat([attend(slice(0, 76), False), attend(slice(76, 80), False)]), whole)
+    walked = attend(slice(76, 80), True)
+    assert not torch.equal(walked, whole[76:])  # the other kernel: rounded differently
+    torch.testing.assert_close(walked.float(), whole[76:].float(), rtol=2**-7, atol=1e-2)

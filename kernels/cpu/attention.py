@@ -116,7 +116,7 @@ def paged_prefill_attention_cpu(
     its `seq_lens[b]` context tokens; each row attends to every cached token up to and including its
     own position (a cached prefix fully, its chunk causally). Their K/V must already be in the cache.
     With `short_chunks` (a step that verifies speculative draft tokens), chunks of a few rows (up to
-    16 on "c", 6 on "amx") walk their context once in the decode kernel's loop
+    8 on "c", 6 on "amx") walk their context once in the decode kernel's loop
     (`paged_short_chunk_attention` in `csrc/paged_decode_attention.c`); without it a row's result
     does not depend on how its prompt was cut into chunks (a resumed job's greedy text stays the same).
     2.8-3.6x torch's CPU SDPA on the default model's shapes in bf16 at 300-2,048 tokens

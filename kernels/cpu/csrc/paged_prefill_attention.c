@@ -46,10 +46,11 @@ int paged_short_chunk_attention(int is_bf16, const void *query, const void *k_ca
 int paged_decode_attention_supported(int is_bf16, int head_dim, int group);
 
 /* Chunks of up to this many query rows go to `paged_short_chunk_attention`: on a 2-core Xeon with
- * AMX (bf16, 9 query / 3 KV heads of 64, 1-6 sequences of 300-1,500 tokens) it took 0.70-0.93x this
- * kernel's time at 2-16 rows and 1.02-1.05x at 32. */
+ * AMX (bf16, 9 query / 3 KV heads of 64, 1-6 sequences of 300-1,500 tokens;
+ * `scripts/verify_attention_bench.py`) it took 0.73-1.00x this kernel's time at 2-5 rows, 0.86-1.05x
+ * at 6-8 (faster the more sequences and context), and 0.96-1.06x at 16. */
 #ifndef SHORT_CHUNK_ROWS
-#define SHORT_CHUNK_ROWS 16
+#define SHORT_CHUNK_ROWS 8
 #endif
 
 #if defined(__AVX512BF16__) && LANES == 16 && HAVE_AVX512_BF16_OPS

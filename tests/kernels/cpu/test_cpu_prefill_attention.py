@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(
 # (cached prefix, chunk) in tokens. The kernel's tiles hold 32 query rows and its key chunks 64 or
 # 128 keys: one row, rows left after whole tiles, a tile boundary, a prefix that ends inside a key
 # chunk and one longer than several, and a one-token chunk after a long prefix (a decode-like row).
-# With `short_chunks`, chunks of up to 16 rows (6 on the AMX kernel) run the short-chunk path
+# With `short_chunks`, chunks of up to 8 rows (6 on the AMX kernel) run the short-chunk path
 # (`paged_short_chunk_attention`: each context walked once for all the chunk's rows, causally): both
-# sides of both limits.
+# sides of the AMX limit here, of the C one in `test_short_chunks_on_both_sides_of_the_c_limit`.
 CHUNKS = [(0, 1), (0, 31), (0, 33), (5, 64), (100, 50), (0, 130), (250, 7), (300, 1)]
 CHUNKS += [(37, 5), (90, 6), (21, 16), (140, 17), (3, 2)]
 
@@ -350,3 +350,30 @@ def test_without_drafts_a_rows_result_does_not_depend_on_its_chunking(kernel):
     walked = attend(slice(76, 80), True)
     assert not torch.equal(walked, whole[76:])  # the other kernel: rounded differently
     torch.testing.assert_close(walked.float(), whole[76:].float(), rtol=2**-7, atol=1e-2)
+
+
+def test_verify_attention_benchmark_script_smoke():
+    """scripts/verify_attention_bench.py runs (tiny sizes; no timings checked)."""
+    script = Path(__file__).resolve().parents[3] / "scripts" / "verify_attention_bench.py"
+    args = ["--num-seqs", "2", "--contexts", "40", "--rows", "3,20", "--rounds", "2"]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "2 x 40 tokens, 3 rows:" in result.stdout and "short walk" in result.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_chunks_on_both_sides_of_the_c_limit(dtype):
+    """8 rows walk the context once (`short_chunks`), 9 take the tiles: both as the float64 reference."""
+    gen = torch.Generator().manual_seed(5)
+    chunks = [(60, 8), (77, 9), (0, 8)]
+    seq_lens = [prefix + chunk for prefix, chunk in chunks]
+    k_cache, v_cache, tables = shuffled_caches(seq_lens, dtype, 64, 16, 2, gen)
+    query = (torch.randn(sum(c for _, c in chunks), 6, 64, generator=gen) * 2).to(dtype)
+    starts = torch.tensor([0, 8, 17, 25], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    got = cpu_attention.paged_prefill_attention_cpu(
+        query, k_cache, v_cache, tables, lens, starts, 0.125, short_chunks=True
+    )
+    expected = reference(query, k_cache, v_cache, tables, lens, starts, 0.125)
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)

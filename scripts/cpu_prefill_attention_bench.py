@@ -52,18 +52,24 @@ def prefill_case(length: int, args: argparse.Namespace, dtype: torch.dtype):
     return query, key, value, k_cache, v_cache, meta
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--lengths", default="300,1200,2048", help="prompt lengths in tokens, comma list")
+def add_shape_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """The attention shape and timing options both attention scripts take (the default model's
+    heads, bf16); `rounds`: interleaved timing rounds by default."""
     parser.add_argument("--num-q-heads", type=int, default=9)
     parser.add_argument("--num-kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--num-threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lengths", default="300,1200,2048", help="prompt lengths in tokens, comma list")
+    add_shape_arguments(parser, rounds=7)
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, args.dtype)

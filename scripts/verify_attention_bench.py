@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cpu_prefill_attention_bench import add_shape_arguments  # noqa: E402  (this folder: sys.path[0])
+
 from batchgen.kernels.cpu import attention as cpu_attention  # noqa: E402
 
 
@@ -39,13 +41,7 @@ def main() -> None:
     parser.add_argument("--num-seqs", default="1,4,6", help="sequences a call, comma list")
     parser.add_argument("--contexts", default="300,1500", help="context tokens a sequence, comma list")
     parser.add_argument("--rows", default="2,5,8,16", help="query rows a chunk (its last positions)")
-    parser.add_argument("--num-q-heads", type=int, default=9)
-    parser.add_argument("--num-kv-heads", type=int, default=3)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--num-threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--rounds", type=int, default=15)
+    add_shape_arguments(parser, rounds=15)
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, args.dtype)

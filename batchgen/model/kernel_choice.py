@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -56,9 +57,13 @@ _CHOOSER_SOURCES = ("kernel_choice.py", "linear_choice.py", "stack_choice.py", "
 def tuning_key(dtype: torch.dtype, num_threads: int | None = None) -> dict[str, str]:
     """The kernel tuning table's key: `machine_key` (CPU, threads, torch, dtype, kernel sources) and
     the source hash of the modules that measure the choices."""
+    return {**machine_key(dtype, num_threads), "choosers": _chooser_source_hash()}
+
+
+@functools.cache
+def _chooser_source_hash() -> str:
     here = Path(__file__).parent
-    choosers = files_hash(here, [here / name for name in _CHOOSER_SOURCES])
-    return {**machine_key(dtype, num_threads), "choosers": choosers}
+    return files_hash(here, [here / name for name in _CHOOSER_SOURCES])
 
 
 @dataclass

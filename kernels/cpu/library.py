@@ -238,8 +238,6 @@ def load_library() -> ctypes.CDLL | None:
     lib.paged_decode_attention_supported.argtypes = [i32, i32, i32]
     lib.paged_prefill_attention_supported.restype = i32
     lib.paged_prefill_attention_supported.argtypes = [i32, i32, i32]
-    lib.paged_short_chunk_attention.restype = i32
-    lib.paged_short_chunk_attention.argtypes = attention_head + [ptr] + attention_tail + [i32]
     lib.paged_prefill_attention_amx.restype = i32
     lib.paged_prefill_attention_amx.argtypes = attention_head + [ptr] + attention_tail + [i32]
     lib.paged_prefill_attention_amx_available.restype = i32

@@ -35,8 +35,8 @@
  * a verification of draft tokens): the scores of all its context rows for each head's query rows,
  * softmax, then the weighted sum of V rows. A head's query rows are its GQA group at each of the
  * q_len positions (position j's rows `q_stride` elements after position j - 1's); each K and V row
- * is read once for all of them, so a chunk of q_len positions costs about what one decode does
- * while the step is bound by memory. Row j attends to the first len - (q_len - 1 - j) keys. A block's
+ * is read once for all of them (the score products are still computed per row: 5 positions cost
+ * 2-2.5x one decode, docs/benchmarks.md). Row j attends to the first len - (q_len - 1 - j) keys. A block's
  * rows hold every KV head side by side, so the heads are walked inside the block loop: each block is
  * read as one contiguous run of memory (walking one head at a time read a third of every row and ran
  * at half the bandwidth). `scores` holds (h1 - h0) * q_len * group * padded floats; `qv` and `acc`
@@ -224,22 +224,6 @@ int paged_decode_attention_supported(int is_bf16, int head_dim, int group) {
   return find_item(is_bf16, head_dim) != NULL && group >= 1 && group <= MAX_GROUP ? 0 : 1;
 }
 
-/* The sequences this kernel runs: every one (query_starts NULL: one row each), or those whose
- * chunk has 1 to max_rows rows. Writes their indices to `which` (NULL: only counts) and returns the
- * count; `max_q_len` gets their longest chunk. */
-static int short_sequences(const int32_t *query_starts, int num_seqs, int max_rows, int *which, int *max_q_len) {
-  int count = 0;
-  *max_q_len = 0;
-  for (int b = 0; b < num_seqs; b++) {
-    const int q_len = query_starts ? query_starts[b + 1] - query_starts[b] : 1;
-    if (q_len < 1 || q_len > max_rows) continue;
-    if (which) which[count] = b;
-    count++;
-    *max_q_len = q_len > *max_q_len ? q_len : *max_q_len;
-  }
-  return count;
-}
-
 /* Returns 0 on success, 1 for an unsupported shape, 2 when scratch memory could not be allocated.
  * Work items are sequences, or (sequence, range of KV heads) when there are fewer than two
  * sequences a thread, spread over `num_threads` OpenMP threads. query_starts NULL: sequence b's one
@@ -249,17 +233,25 @@ static int decode_rows(int is_bf16, const void *query, const void *k_cache, cons
                        const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                        const int32_t *query_starts, int max_rows, int num_seqs, int num_q_heads, int num_kv_heads,
                        int head_dim, int block_size, float scale, void *out, int num_threads) {
-  if (num_seqs <= 0) return 0;
-  int max_q_len, *which = NULL;
-  const int count = short_sequences(query_starts, num_seqs, max_rows, NULL, &max_q_len);
-  if (count == 0) return 0; /* nothing to do is never refused (max_rows 0: the prefill kernels' "none") */
+  if (num_seqs <= 0 || max_rows < 1) return 0; /* nothing to do is never refused (the prefill kernels' "none") */
+  /* The sequences computed, `which` (NULL: all, one row each), and their longest chunk. */
+  int count = num_seqs, max_q_len = 1, *which = NULL;
+  if (query_starts) {
+    which = malloc(sizeof(int) * num_seqs);
+    if (which == NULL) return 2;
+    count = 0;
+    for (int b = 0; b < num_seqs; b++) {
+      const int q_len = query_starts[b + 1] - query_starts[b];
+      if (q_len < 1 || q_len > max_rows) continue;
+      which[count++] = b;
+      max_q_len = q_len > max_q_len ? q_len : max_q_len;
+    }
+  }
   const int group = num_q_heads / num_kv_heads;
   item_fn item = find_item(is_bf16, head_dim);
-  if (item == NULL || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_q_heads) return 1;
-  if (query_starts) {
-    which = malloc(sizeof(int) * count);
-    if (which == NULL) return 2;
-    short_sequences(query_starts, num_seqs, max_rows, which, &max_q_len);
+  if (count == 0 || item == NULL || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_q_heads) {
+    free(which);
+    return count == 0 ? 0 : 1;
   }
   const size_t elem = is_bf16 ? 2 : 4;
   int max_len = 0;
@@ -318,9 +310,9 @@ int paged_decode_attention(int is_bf16, const void *query, const void *k_cache, 
 }
 
 /* The prefill kernels' layouts (query_starts [num_seqs + 1]), for the sequences whose chunk has at
- * most `max_rows` query rows (a verification of draft tokens, a prompt's last few tokens): each
- * walks its context once for all its rows, where the prefill kernels' tiles of query positions
- * pay per key for a tile of 32 positions. The other sequences' rows are left untouched. Returns as
+ * most `max_rows` query rows (their callers pass a limit only in steps that verify draft tokens):
+ * each walks its context once for all its rows, where the prefill kernels' tiles of query
+ * positions pay per key for a whole tile. The other sequences' rows are left untouched. Returns as
  * `decode_rows`. */
 int paged_short_chunk_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                                 const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,

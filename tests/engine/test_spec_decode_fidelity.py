@@ -16,6 +16,7 @@ import transformers
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine import spec_gate
+from batchgen.kernels.cpu.linear import bf16_kernel_available
 from tests.engine.test_fidelity import (
     BATCHING_OPTIONS,
     INSTRUCTION,
@@ -227,4 +228,22 @@ def test_default_model_with_speculation_matches_hf_on_xsum(default_model_dir):
     llm = LLM(dtype="float32", **SPEC)
     outputs = llm.generate(messages, SamplingParams(temperature=0.0, max_tokens=48))
     assert token_ids(outputs) == expected
+    assert_drafts_accepted_and_rejected(llm)
+
+
+def test_bfloat16_greedy_tokens_are_those_without_speculation(spec_case):
+    """In bf16 a verification must round as the decodes it replaces: its short chunks walk the
+    context on the decode kernel's loop (`short_chunks`), so greedy outputs with speculation equal
+    those without, not just Hugging Face's in float32. `--kernels native` keeps every linear on one
+    kernel whatever a step's row count (under "auto" a verification's rows can fall in another
+    linear bucket than the decodes', which on some machines is another kernel)."""
+    if not bf16_kernel_available():
+        pytest.skip("the bf16 C kernels need a CPU with AVX512-BF16 and a C compiler")
+    path, prompt_ids, _ = spec_case
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    options = dict(dtype="bfloat16", kernels="native", max_num_seqs=8)
+    plain = token_ids(LLM(str(path), **options).generate(prompts, params))
+    llm = LLM(str(path), **options, **SPEC)
+    assert token_ids(llm.generate(prompts, params)) == plain
     assert_drafts_accepted_and_rejected(llm)

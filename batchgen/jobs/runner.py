@@ -221,6 +221,14 @@ def run_job(
         try:
             # Before the model loads: a metrics port in use stops the command with nothing started.
             metrics = JobMetrics.open(options.metrics)
+            if not nothing_left:
+                # Said before the load: a first start on a new machine used to sit silent for a minute.
+                label = _model_label(options)
+                dashboard.log(
+                    f"[batchgen] loading {'the default model' if label == 'default' else label}; a first start "
+                    "on this machine also measures its kernels, which can take a minute (later starts read "
+                    "them from the cache)"
+                )
             engine = None if nothing_left else (engine_factory or default_engine_factory)(config)
         except BaseException:
             state.discard_if_unused()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import rich.console
 
 from batchgen.dashboard import Dashboard
 from batchgen.jobs.final_output import finalize_output
@@ -832,3 +834,25 @@ def test_a_changed_sampling_default_is_named_alone_not_as_two_whole_dicts():
         "options": {"sampling": {"max_tokens": 40, "temperature": 0.0, "top_p": 1.0}, "chat_template": True}
     }
     assert header_differences(old, new) == ["sampling.max_tokens 48 -> 40"]
+
+
+def test_a_start_says_what_it_loads_before_the_model_loads(tmp_path):
+    """A first start on a new machine measures its kernels for about a minute: the job says so
+    before the engine is built, not after."""
+    stream = io.StringIO()
+    dashboard = Dashboard(None, live=False, stream=stream, console=rich.console.Console(file=io.StringIO()))
+    said_before_load = []
+    factory = fake_factory()
+
+    def loading(config):
+        said_before_load.append(stream.getvalue())
+        return factory(config)
+
+    opts = JobOptions(job_file(tmp_path), engine={"max_num_seqs": 4})
+    assert run_job(opts, loading, dashboard=dashboard).complete
+    (before,) = said_before_load
+    assert before.startswith("[batchgen] loading the default model;") and "measures its kernels" in before
+    # A finished job loads no model, and says nothing of loading one.
+    stream.truncate(0)
+    assert run_job(opts, loading, dashboard=dashboard).already_complete
+    assert "loading" not in stream.getvalue() and len(said_before_load) == 1

@@ -222,13 +222,7 @@ def run_job(
             # Before the model loads: a metrics port in use stops the command with nothing started.
             metrics = JobMetrics.open(options.metrics)
             if not nothing_left:
-                # Said before the load: a first start on a new machine used to sit silent for a minute.
-                label = _model_label(options)
-                dashboard.log(
-                    f"[batchgen] loading {'the default model' if label == 'default' else label}; a first start "
-                    "on this machine also measures its kernels, which can take a minute (later starts read "
-                    "them from the cache)"
-                )
+                dashboard.log(_loading_line(options))
             engine = None if nothing_left else (engine_factory or default_engine_factory)(config)
         except BaseException:
             state.discard_if_unused()
@@ -257,6 +251,16 @@ def run_job(
     finally:
         metrics.close()  # the file's last write holds the final counts
         state.release()
+
+
+def _loading_line(options: JobOptions) -> str:
+    """Said before the model loads: a first start on a new machine used to sit silent for a minute."""
+    label = _model_label(options)
+    return (
+        f"[batchgen] loading {'the default model' if label == 'default' else label}; a first start on "
+        "this machine also measures its kernels, which can take a minute (later starts read them from "
+        "the cache)"
+    )
 
 
 def _default_dashboard(options: JobOptions, total: int | None) -> Any:

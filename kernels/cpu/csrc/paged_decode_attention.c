@@ -224,6 +224,13 @@ int paged_decode_attention_supported(int is_bf16, int head_dim, int group) {
   return find_item(is_bf16, head_dim) != NULL && group >= 1 && group <= MAX_GROUP ? 0 : 1;
 }
 
+/* The chunk length up to which a prefill kernel hands chunks to `paged_short_chunk_attention`:
+ * `limit` (the caller's measured one) in a step that verifies draft tokens (`short_chunks`) where
+ * this kernel has the shape, else 0 (none). */
+int short_chunk_rows(int short_chunks, int is_bf16, int head_dim, int group, int limit) {
+  return short_chunks && paged_decode_attention_supported(is_bf16, head_dim, group) == 0 ? limit : 0;
+}
+
 /* Returns 0 on success, 1 for an unsupported shape, 2 when scratch memory could not be allocated.
  * Work items are sequences, or (sequence, range of KV heads) when there are fewer than two
  * sequences a thread, spread over `num_threads` OpenMP threads. query_starts NULL: sequence b's one

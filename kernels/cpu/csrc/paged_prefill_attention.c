@@ -43,7 +43,7 @@ int paged_short_chunk_attention(int is_bf16, const void *query, const void *k_ca
                                 const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                 const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
                                 int head_dim, int block_size, float scale, void *out, int num_threads, int max_rows);
-int paged_decode_attention_supported(int is_bf16, int head_dim, int group);
+int short_chunk_rows(int short_chunks, int is_bf16, int head_dim, int group, int limit);
 
 /* Chunks of up to this many query rows go to `paged_short_chunk_attention`: on a 2-core Xeon with
  * AMX (bf16, 9 query / 3 KV heads of 64, 1-6 sequences of 300-1,500 tokens;
@@ -526,8 +526,7 @@ int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache,
    * in the decode kernel instead, which pays per key for their rows only, not for a tile of TILE_POS
    * positions (where it has the head size compiled in). Only then: a row's result here does not
    * depend on how its prompt was cut into chunks, which keeps a resumed job's greedy text the same. */
-  const int short_rows =
-      short_chunks && paged_decode_attention_supported(is_bf16, head_dim, group) == 0 ? SHORT_CHUNK_ROWS : 0;
+  const int short_rows = short_chunk_rows(short_chunks, is_bf16, head_dim, group, SHORT_CHUNK_ROWS);
   const int status = paged_short_chunk_attention(is_bf16, query, k_cache, v_cache, block_tables, table_stride,
                                                  seq_lens, query_starts, num_seqs, num_q_heads, num_kv_heads,
                                                  head_dim, block_size, scale, out, num_threads, short_rows);

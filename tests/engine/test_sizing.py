@@ -61,3 +61,20 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) is below max_model_len \(128\)"):
         plan(kv_cache_memory=64 * 8192, enable_chunked_prefill=False, max_num_batched_tokens=16)
     assert plan(kv_cache_memory=64 * 8192, enable_chunked_prefill=False).max_num_batched_tokens == 2048
+
+
+def test_cuda_budget_counts_the_memory_a_dropped_engine_left_in_torchs_allocator(monkeypatch) -> None:
+    """A first engine's KV cache, dropped, stays reserved by torch's caching allocator and shows as
+    used in `mem_get_info` until `empty_cache`: the next engine must size its cache after handing it
+    back (seen on an H200: the second `LLM` of a test run got an 8-token max_model_len)."""
+    from batchgen.engine.sizing import num_kv_blocks, num_parameters
+
+    total, held_by_allocator = 10**9, 9 * 10**8
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: (total - (0 if emptied else held_by_allocator), total)
+    )
+    weights = int(num_parameters(MODEL) * 4 * 1.5)
+    blocks = num_kv_blocks(EngineConfig(block_size=16), torch.device("cuda"), torch.float32, 8192, MODEL)
+    assert blocks == (int(total * 0.9) - weights) // 8192

@@ -302,3 +302,13 @@ def test_the_table_key_covers_the_modules_that_measure_the_choices(tmp_path, mon
     stack_choice = copy / "stack_choice.py"
     stack_choice.write_text(stack_choice.read_text() + "\n# changed\n")
     assert registry.files_hash(copy, paths) != key["choosers"]
+
+
+def test_off_the_cpu_nothing_is_measured_and_the_summary_says_so() -> None:
+    """On CUDA the linears stay torch's and attention is the backend's (Triton): the start line must not
+    call that "reference: plain torch" (seen on an H200 bench, which ran the Triton kernels)."""
+    model = nn.Sequential(nn.Linear(8, 8))
+    choice = kernel_choice.apply_kernels(model, "auto", torch.device("cuda"), max_rows=8, max_logit_rows=8)
+    assert choice.table is None and not choice.linears
+    assert choice.summary() == "cuda: torch linears; attention from the attention backend (not measured here)"
+    assert isinstance(model[0], nn.Linear)

@@ -12,6 +12,12 @@ timing or a result (`machine_key`): CPU model and flags, threads, torch version,
 source hash and the environment switches that emulate lesser machines (`ONEDNN_MAX_CPU_ISA`). A
 second start on the same machine looks every choice up in it. A file that does not parse, or that
 holds another key, is rebuilt, never trusted.
+
+Timings taken while other processes kept a core busy are not the kernels' own: on a 2-core machine
+beside one busy process, every candidate of a 0.1 ms linear timed at about 8 ms (a thread waiting out
+a scheduler slice at each barrier), and the table picked at random. Such a table records the load
+(`others_load`, in cores); it is used while the machine stays busy, and measured again at the first
+start that finds the machine quiet.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pathlib import Path
 import torch
 
 from batchgen.cache import cache_root, write_atomically
+from batchgen.kernels.machine_load import BUSY_CORES, other_load
 
 logger = logging.getLogger(__name__)
 
@@ -117,18 +124,27 @@ class TuningTable:
 
     Each entry: `chosen` (candidate name), `ms` (candidate -> fastest milliseconds, None where not timed),
     `dropped` (candidate -> why it was not a choice) and `work` / `unit` (flops or bytes of one call,
-    for rates in the printed table).
+    for rates in the printed table). `others_load`: the most CPU other processes used (cores) while
+    entries were measured, None where that is unknown.
     """
 
     key: dict[str, str]
     path: Path | None
     entries: dict[str, dict] = field(default_factory=dict)
     dirty: bool = False
+    others_load: float | None = None
 
     @classmethod
-    def load(cls, key: dict[str, str], directory: Path | None = None) -> TuningTable:
+    def load(
+        cls,
+        key: dict[str, str],
+        directory: Path | None = None,
+        load_now: Callable[[], float | None] | None = None,
+    ) -> TuningTable:
         """The cached table for `key` under `directory` (default: batchgen's cache), or an empty one
-        when there is none or the file is corrupt or holds another key."""
+        when there is none, the file is corrupt or holds another key, or it was measured on a busy
+        machine (`others_load` >= `BUSY_CORES`) and `load_now()` (other processes' cores now, by default
+        measured over 0.1 s; called only then) finds it quiet."""
         directory = directory if directory is not None else cache_root() / "kernel_tuning"
         name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
         path = directory / f"{name}.json"
@@ -143,9 +159,28 @@ class TuningTable:
         if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("entries"), dict):
             logger.warning("kernel tuning cache %s does not match this machine; measuring again", path)
             return table
+        busy_then = data.get("others_load")
+        if isinstance(busy_then, (int, float)) and busy_then >= BUSY_CORES:
+            now = load_now() if load_now is not None else other_load(0.1)
+            if now is not None and now < BUSY_CORES:
+                logger.warning(
+                    "kernel tuning cache %s was measured while other processes used %.1f cores, so its "
+                    "timings were not the kernels' own; measuring again on the quiet machine",
+                    path,
+                    busy_then,
+                )
+                return table
+        if isinstance(busy_then, (int, float)):
+            table.others_load = float(busy_then)
         table.entries = {k: v for k, v in data["entries"].items() if _valid_entry(v)}
         table.dirty = len(table.entries) != len(data["entries"])
         return table
+
+    def note_load(self, others: float | None) -> None:
+        """Record that entries measured since the table was loaded ran beside `others` cores of other
+        processes' work (None: unknown; a table with nothing new measured keeps its record)."""
+        if self.dirty and others is not None:
+            self.others_load = max(self.others_load or 0.0, others)
 
     def save(self) -> None:
         """Write the table atomically when something was measured since it was loaded (a cache
@@ -154,7 +189,8 @@ class TuningTable:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"key": self.key, "entries": self.entries}, indent=1, sort_keys=True)
+            data = {"key": self.key, "entries": self.entries, "others_load": self.others_load}
+            text = json.dumps(data, indent=1, sort_keys=True)
             write_atomically(self.path, text.encode())
             self.dirty = False
         except OSError as exc:

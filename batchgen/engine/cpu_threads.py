@@ -8,8 +8,8 @@ step, which made batchgen many times slower beside one busy process on a 2-core 
 measured: docs/benchmarks.md). Running as many threads as there are cores nobody else uses keeps
 the loss to about the share of the cores taken.
 
-`CpuThreads` measures the other processes' load from /proc/stat (all CPU time on the machine,
-less this process's own) at engine start and again every `recheck_s` seconds between steps, and
+`CpuThreads` measures the other processes' load (`batchgen.kernels.machine_load`: /proc/stat, all
+CPU time on the machine less this process's own) at engine start and again every `recheck_s` seconds between steps, and
 sets `torch.set_num_threads` to the cores left free (at least one). A user's `--num-threads` is
 kept as given (with a warning when the machine is busy). On a system without /proc/stat (not
 Linux), nothing is measured and torch's default stays.
@@ -18,80 +18,13 @@ Linux), nothing is measured and torch's default stays.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 
+from batchgen.kernels.machine_load import BUSY_CORES, LoadSample, other_load, usable_cores
+
 logger = logging.getLogger(__name__)
-
-# A core counts as taken when other processes keep it this busy (fraction of one core) on average.
-_TAKEN = 0.5
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask; all CPUs where that is unknown)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _busy_seconds(cpus: frozenset[int] | None) -> float | None:
-    """CPU seconds the CPUs in `cpus` (None: all) spent busy, not idle nor waiting for I/O, since
-    boot. Only the CPUs this process may use count: in a container pinned to a few CPUs of a big
-    host, the others' load is not ours to yield to."""
-    try:
-        with open("/proc/stat") as stat:
-            lines = stat.readlines()
-    except OSError:
-        return None
-    busy = 0
-    for line in lines:
-        name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu" or not name[3:].isdigit():
-            continue
-        if cpus is not None and int(name[3:]) not in cpus:
-            continue
-        # user nice system idle iowait irq softirq steal (guest time is already in user / nice)
-        ticks = [int(v) for v in rest.split()[:8]]
-        busy += sum(ticks[:3]) + sum(ticks[5:8])
-    return busy / _CLOCK_TICKS if busy else None
-
-
-def _allowed_cpus() -> frozenset[int] | None:
-    return frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-
-
-def _own_seconds() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
-class LoadSample:
-    """Other processes' CPU use between two readings, in cores (1.0 = one core kept busy)."""
-
-    def __init__(self) -> None:
-        self.wall = time.monotonic()
-        self.machine = _busy_seconds(_allowed_cpus())
-        self.own = _own_seconds()
-
-    def other_cores_since(self, earlier: LoadSample) -> float | None:
-        if self.machine is None or earlier.machine is None:
-            return None
-        elapsed = self.wall - earlier.wall
-        if elapsed <= 0:
-            return None
-        others = (self.machine - earlier.machine) - (self.own - earlier.own)
-        return max(0.0, others / elapsed)
-
-
-def other_load(sample_s: float = 0.2) -> float | None:
-    """Cores' worth of CPU that other processes use, measured over `sample_s` seconds (None where
-    /proc/stat is not available)."""
-    first = LoadSample()
-    time.sleep(sample_s)
-    return LoadSample().other_cores_since(first)
 
 
 class CpuThreads:
@@ -117,7 +50,7 @@ class CpuThreads:
 
     def free_cores(self, load: float) -> int:
         """Cores left when others use `load` cores' worth of CPU (at least one)."""
-        taken = int(load + (1 - _TAKEN))  # 0.5 of a core or more counts as a core
+        taken = int(load + (1 - BUSY_CORES))  # 0.5 of a core or more counts as a core
         return max(1, min(self._default, self.cores - taken))
 
     def maybe_adjust(self) -> None:
@@ -132,7 +65,7 @@ class CpuThreads:
 
     def _apply(self, load: float, at_start: bool) -> None:
         if self.requested is not None:
-            if at_start and load >= _TAKEN:
+            if at_start and load >= BUSY_CORES:
                 logger.warning(
                     "the machine is busy: other processes use %.1f of its %d cores; batchgen keeps the "
                     "--num-threads %d given (fewer threads than free cores run faster on a busy machine)",

@@ -240,8 +240,9 @@ def calibrate(
     import torch
 
     from batchgen.config import resolve_device
-    from batchgen.engine.cpu_threads import CpuThreads, LoadSample
+    from batchgen.engine.cpu_threads import CpuThreads
     from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.kernels.machine_load import LoadSample
 
     lengths = {"prompt_len": prompt_len, "context_len": context_len, "max_batch": max_batch}
     if use_cache and not refresh:

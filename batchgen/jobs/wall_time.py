@@ -198,7 +198,7 @@ def measure_machine(
 def busy_share() -> tuple[float, int] | None:
     """(the largest of the 1, 5 and 15-minute load averages, usable cores), or None where the
     system keeps no load average."""
-    from batchgen.engine.cpu_threads import usable_cores
+    from batchgen.kernels.machine_load import usable_cores
 
     try:
         return max(os.getloadavg()), usable_cores()

@@ -34,6 +34,7 @@ from batchgen.kernels.cpu.linear import (
     release_freed_heap,
 )
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
+from batchgen.kernels.machine_load import LoadSample
 from batchgen.kernels.registry import (
     ROW_BUCKETS,
     TuningTable,
@@ -173,7 +174,7 @@ def apply_kernels(
         prepack_linears(model)
         model.decoder_stack = build_decoder_stack(model, max_rows=0)
         return KernelChoice("native", stack_max_rows=0 if model.decoder_stack is not None else None)
-    start = time.perf_counter()
+    start, load_before = time.perf_counter(), LoadSample()
     table = TuningTable.load(tuning_key(dtype))
     choice = KernelChoice("auto", table=table)
     # The decoder stack needs every layer linear in batchgen's bf16 layout: held for its measurement
@@ -218,6 +219,7 @@ def apply_kernels(
     choice.extra_weight_bytes = _drop_unused_layouts(
         model, keep_stack_layout=bool(stack_rows), element_size=torch.empty((), dtype=dtype).element_size()
     )
+    table.note_load(LoadSample().other_cores_since(load_before))
     table.save()
     release_freed_heap()  # the plain weights, and the layouts, that no implementation kept
     choice.seconds = time.perf_counter() - start

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from batchgen.engine import cpu_threads
-from batchgen.engine.cpu_threads import CpuThreads, other_load
+from batchgen.engine.cpu_threads import CpuThreads
+from batchgen.kernels import machine_load
+from batchgen.kernels.machine_load import other_load
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/stat (Linux)")
 
@@ -38,12 +40,12 @@ def test_our_own_threads_are_not_counted_as_others(monkeypatch):
     """The machine's busy time less this process's own: a run that keeps both cores busy itself
     does not see a busy machine."""
     clock = {"now": 0.0}
-    monkeypatch.setattr(cpu_threads, "_busy_seconds", lambda cpus: 2.0 * clock["now"])
-    monkeypatch.setattr(cpu_threads, "_own_seconds", lambda: 1.9 * clock["now"])
+    monkeypatch.setattr(machine_load, "_busy_seconds", lambda cpus: 2.0 * clock["now"])
+    monkeypatch.setattr(machine_load, "_own_seconds", lambda: 1.9 * clock["now"])
     monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: clock["now"])
-    first = cpu_threads.LoadSample()
+    first = machine_load.LoadSample()
     clock["now"] = 10.0
-    assert cpu_threads.LoadSample().other_cores_since(first) == pytest.approx(0.1)
+    assert machine_load.LoadSample().other_cores_since(first) == pytest.approx(0.1)
 
 
 class FakeMachine:
@@ -52,8 +54,8 @@ class FakeMachine:
     def __init__(self, monkeypatch, cores: int, others: float) -> None:
         self.now, self.busy, self.others = 1000.0, 0.0, others
         monkeypatch.setattr(cpu_threads, "usable_cores", lambda: cores)
-        monkeypatch.setattr(cpu_threads, "_busy_seconds", lambda cpus: self.busy)
-        monkeypatch.setattr(cpu_threads, "_own_seconds", lambda: 0.0)
+        monkeypatch.setattr(machine_load, "_busy_seconds", lambda cpus: self.busy)
+        monkeypatch.setattr(machine_load, "_own_seconds", lambda: 0.0)
         monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: self.now)
         monkeypatch.setattr(cpu_threads.time, "sleep", self.advance)
 

@@ -94,6 +94,47 @@ def test_a_saved_table_is_used_without_measuring(tmp_path) -> None:
     assert [(r["op"], r["rows"], r["chosen"]) for r in rows] == [("double", 1, "fast"), ("double", 2, "fast")]
 
 
+def test_a_table_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(tmp_path, caplog) -> None:
+    """Timings beside another busy process are not the kernels' own (seen: every candidate of a
+    0.1 ms linear at about 8 ms, and choices at random). The table records the load; a later start
+    uses it while the machine stays busy and measures again once it is quiet."""
+    candidates, reference = _op({"slow": _slow, "fast": lambda x: x + x})
+    table = _table(tmp_path)
+    choose(table, "double", "8", (1, 2), candidates, reference, rtol=1e-6)
+    table.note_load(1.2)  # cores of other processes' work while it measured
+    table.save()
+
+    still_busy = TuningTable.load(KEY, directory=tmp_path, load_now=lambda: 1.5)
+    assert set(still_busy.entries) == {"double|8|1", "double|8|2"} and still_busy.others_load == 1.2
+    unknown = TuningTable.load(KEY, directory=tmp_path, load_now=lambda: None)  # no /proc/stat
+    assert unknown.entries
+    with caplog.at_level(logging.WARNING, logger="batchgen.kernels.registry"):
+        quiet = TuningTable.load(KEY, directory=tmp_path, load_now=lambda: 0.1)
+    assert quiet.entries == {} and "measured while other processes used 1.2 cores" in caplog.text
+
+    choose(quiet, "double", "8", (1, 2), candidates, reference, rtol=1e-6)
+    quiet.note_load(0.1)
+    quiet.save()
+
+    def not_asked() -> float:
+        raise AssertionError("a table measured on a quiet machine needs no new measurement of the load")
+
+    trusted = TuningTable.load(KEY, directory=tmp_path, load_now=not_asked)
+    assert set(trusted.entries) == {"double|8|1", "double|8|2"} and trusted.others_load == 0.1
+
+
+def test_only_a_measurement_records_the_load(tmp_path) -> None:
+    """A start that looked every choice up measured nothing: the load it ran beside is not the table's."""
+    candidates, reference = _op({"fast": lambda x: x + x})
+    table = _table(tmp_path)
+    choose(table, "double", "8", (1,), candidates, reference, rtol=1e-6)
+    table.save()
+    again = _table(tmp_path)
+    choose(again, "double", "8", (1,), candidates, reference, rtol=1e-6)
+    again.note_load(1.9)
+    assert again.others_load is None and not again.dirty
+
+
 @pytest.mark.parametrize("damage", ["truncate", "other-key", "not-json-object"])
 def test_a_corrupt_or_stale_table_is_rebuilt(tmp_path, damage: str, caplog) -> None:
     candidates, reference = _op({"slow": _slow, "fast": lambda x: x + x})

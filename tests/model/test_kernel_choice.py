@@ -312,3 +312,33 @@ def test_off_the_cpu_nothing_is_measured_and_the_summary_says_so() -> None:
     assert choice.table is None and not choice.linears
     assert choice.summary() == "cuda: torch linears; attention from the attention backend (not measured here)"
     assert isinstance(model[0], nn.Linear)
+
+
+def test_a_table_timed_beside_a_busy_process_is_timed_again_on_a_quiet_start(tiny_model_dir, monkeypatch):
+    """The engine records the other processes' load over its measurement; a later start on a quiet
+    machine measures again instead of trusting timings that were not the kernels' own."""
+    path = str(tiny_model_dir("llama"))
+    threads = torch.get_num_threads()
+
+    class BusyWhileMeasuring(kernel_choice.LoadSample):
+        def other_cores_since(self, earlier) -> float:
+            return 1.0
+
+    monkeypatch.setattr(kernel_choice, "LoadSample", BusyWhileMeasuring)
+    first = LLM(path, dtype="float32", max_num_seqs=4, device="cpu", kernels="auto", num_threads=threads)
+    saved = json.loads(first.llm_engine.runner.kernel_choice.table.path.read_text())
+    assert saved["others_load"] == 1.0 and saved["entries"]
+    del first
+
+    class QuietWhileMeasuring(kernel_choice.LoadSample):
+        def other_cores_since(self, earlier) -> float:
+            return 0.0
+
+    monkeypatch.setattr(kernel_choice, "LoadSample", QuietWhileMeasuring)
+    monkeypatch.setattr(registry, "other_load", lambda seconds: 0.0)  # the machine is quiet now
+    timed = []
+    real_timing = registry.fastest_seconds
+    monkeypatch.setattr(registry, "fastest_seconds", lambda *a, **k: timed.append(1) or real_timing(*a, **k))
+    second = LLM(path, dtype="float32", max_num_seqs=4, device="cpu", kernels="auto", num_threads=threads)
+    assert timed, "a table measured on a busy machine must be measured again once the machine is quiet"
+    assert second.llm_engine.runner.kernel_choice.table.others_load == 0.0

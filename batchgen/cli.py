@@ -20,7 +20,7 @@ import typer
 
 from batchgen import cli_types as opt
 from batchgen.bench.cli import bench_command
-from batchgen.cli_run import run_and_exit, write_summary_json
+from batchgen.cli_run import check_summary_json, run_and_exit, write_summary_json
 from batchgen.config import POLICY_NAMES, EngineConfig
 from batchgen.sampling_params import SamplingDefaults
 from batchgen.tune import tune_command
@@ -190,6 +190,7 @@ def run_command(
     ] = 1.0,
 ) -> None:
     """Run a job file through the engine into an output file; rerun the same command to resume."""
+    check_summary_json(summary_json)
     options = _job_options(locals())
     scale_out = _scale_out(replicas, ray_address, cpus_per_replica, gpus_per_replica)
     action = _job_action.get()  # `batchgen plan` plans the rows wherever they would run

@@ -32,9 +32,29 @@ def run_and_exit(
             signal.signal(s, handler)
 
 
-def write_summary_json(path: str, data: dict) -> None:
+def check_summary_json(path: str | None) -> None:
+    """Refuse, before any work, a `--summary-json` path that cannot be written: a folder, or a file in
+    a folder that does not exist or is not writable (the summary is written atomically, through a
+    temporary file beside it). Exits 2 with the path and the fix."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        problem = "is a folder; give a file path such as summary.json"
+    elif not os.path.isdir(folder):
+        problem = f"is in {folder}, which does not exist; create it or choose another path"
+    elif not os.access(folder, os.W_OK):
+        problem = f"is in {folder}, which is not writable; choose another path"
+    else:
+        return
+    typer.echo(f"error: --summary-json {path} {problem}", err=True)
+    raise typer.Exit(2)
+
+
+def write_summary_json(path: str, data: dict) -> bool:
     """`--summary-json`: `data` (a run's outcome, `JobSummary.to_dict`, or a plan) as JSON, written
-    atomically. A failure to write it is reported, not raised: the command's work is done."""
+    atomically. A failure to write it is reported and returned (False), not raised: the rows are
+    committed whatever happens to the summary."""
     import json
     from pathlib import Path
 
@@ -44,6 +64,8 @@ def write_summary_json(path: str, data: dict) -> None:
         write_atomically(Path(path), (json.dumps(data, indent=1) + "\n").encode())
     except OSError as e:
         typer.echo(f"error: --summary-json {path} could not be written: {e}", err=True)
+        return False
+    return True
 
 
 def _exit_code(summary: JobSummary) -> int:
@@ -61,8 +83,9 @@ def _run_with_stop_handlers(
     # of the process has nothing left to stop, and must not kill it with a KeyboardInterrupt traceback.
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
-    if summary_json is not None:
-        write_summary_json(summary_json, summary.to_dict(_exit_code(summary)))
+    summary_written = summary_json is None or write_summary_json(
+        summary_json, summary.to_dict(_exit_code(summary))
+    )
     if summary.already_complete:
         errors = (
             f", {summary.rows_error} of its {summary.rows_done} rows are error rows"
@@ -83,6 +106,8 @@ def _run_with_stop_handlers(
             err=True,
         )
         raise typer.Exit(3)
+    if not summary_written:  # the rows are done, but a script reading the summary would find none
+        raise typer.Exit(1)
 
 
 def _run_reporting_errors(options: JobOptions, scale_out: ReplicaOptions | None) -> JobSummary:

@@ -826,6 +826,50 @@ def test_summary_json_gives_scripts_the_error_rows_of_a_partly_failed_job(tmp_pa
     assert again["error_rows"] == 1 and again["rows"] == 4 and again["complete"]
 
 
+@pytest.mark.parametrize("where", ["missing folder", "a folder"])
+def test_a_summary_json_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch, where):
+    """Found by a new user: the whole job ran, then the summary failed to write and the run exited 0."""
+    from typer.testing import CliRunner
+
+    import batchgen.jobs.runner as runner_module
+    from batchgen.cli import app
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the summary path is checked before any model work")
+
+    monkeypatch.setattr(runner_module, "default_engine_factory", no_engine)
+    src = tmp_path / "j.jsonl"
+    src.write_text(json.dumps({"prompt": "one"}) + "\n")
+    summary = tmp_path / "nowhere" / "s.json" if where == "missing folder" else tmp_path
+    result = CliRunner().invoke(app, ["run", str(src), "--no-dashboard", "--summary-json", str(summary)])
+    assert result.exit_code == 2
+    assert f"--summary-json {summary} " in result.output
+    assert "does not exist" in result.output if where == "missing folder" else "is a folder" in result.output
+    assert not (tmp_path / "j.out.parquet").exists()
+
+
+def test_a_summary_json_that_fails_at_the_end_exits_1_with_the_rows_kept(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import batchgen.cli_run as cli_run
+    import batchgen.jobs.runner as runner_module
+    from batchgen.cli import app
+
+    monkeypatch.setattr(runner_module, "default_engine_factory", fake_factory())
+
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("batchgen.cache.write_atomically", disk_full)
+    src = tmp_path / "j.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["one", "two"]))
+    summary = tmp_path / "s.json"
+    result = CliRunner().invoke(app, ["run", str(src), "--no-dashboard", "--summary-json", str(summary)])
+    assert result.exit_code == 1 and "could not be written" in result.output
+    assert pq.read_table(tmp_path / "j.out.parquet").num_rows == 2
+    assert cli_run.write_summary_json(str(summary), {}) is False
+
+
 def test_a_changed_sampling_default_is_named_alone_not_as_two_whole_dicts():
     old = {
         "options": {"sampling": {"max_tokens": 48, "temperature": 0.0, "top_p": 1.0}, "chat_template": True}

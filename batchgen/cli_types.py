@@ -27,6 +27,7 @@ from batchgen.config import (
     MAX_THROUGHPUT,
     PREEMPTION_MODES,
     SPECULATIVE_METHODS,
+    EngineConfig,
     parse_memory_size,
 )
 from batchgen.sampling_params import SamplingDefaults
@@ -217,6 +218,12 @@ def engine_options(values: dict[str, Any]) -> dict[str, Any]:
     Inside a command, each engine flag given on the command line that has no effect with the other
     options (see `inert_options`) gets one warning line on stderr."""
     engine = {name: values[name] for name in ENGINE_OPTIONS}
+    try:
+        EngineConfig(**engine)
+    except (TypeError, ValueError):
+        # The command fails on this value with its own message; "--swap-space -1 ... is ignored"
+        # before "swap_space must be >= 0" would contradict it.
+        return engine
     given = _given_options(ENGINE_OPTIONS)
     for message in inert_options(engine, given, str(values.get("policy") or "fcfs")):
         typer.echo(f"warning: {message}", err=True)

@@ -188,7 +188,12 @@ class JobReader:
                         "and may index them ({tags[0]}, {meta[key]}), nothing else"
                     )
                 if base not in cols:
-                    raise self._missing("template column", base, "--template")
+                    error = self._missing("template column", base, "--template")
+                    if not base.isidentifier():  # {"a": 1} in the text: braces meant literally
+                        error = JobInputError(
+                            f"{error}; for a literal brace in the template, double it ({{{{ or }}}})"
+                        )
+                    raise error
                 fields_.append(base)
             self.template_fields = tuple(dict.fromkeys(fields_))
         elif o.prompt_column is not None:

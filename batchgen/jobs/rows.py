@@ -315,7 +315,8 @@ class RowParser:
         if col not in rec:
             return None, f"field '{col}' is missing; add the prompt text under '{col}' or drop the row"
         if value is None or (isinstance(value, str) and not value.strip()):
-            return None, f"field '{col}' is null or empty; put the prompt text there or drop the row"
+            state = "null" if value is None else "empty" if not value else "only whitespace"
+            return None, f"field '{col}' is {state}; put the prompt text there or drop the row"
         if not isinstance(value, str):
             return None, (
                 f"field '{col}' must be a string, got {type(value).__name__}; quote the prompt in JSONL, "

@@ -41,8 +41,8 @@ def bad_lines() -> list[str]:
 
 BAD = {
     1: "row 1 (line 2): malformed JSON",
-    2: "row 2 (line 3): field 'prompt' is null or empty",
-    3: "row 3 (line 4): field 'prompt' is null or empty",
+    2: "row 2 (line 3): field 'prompt' is null",
+    3: "row 3 (line 4): field 'prompt' is empty",
     5: "row 5 (line 6): the prompt is",
     6: "row 6 (line 7): invalid sampling value in field 'temperature'",
     7: "row 7 (line 8): invalid sampling value in field 'top_p'",

@@ -254,6 +254,9 @@ def test_engine_flags_that_change_nothing_warn_once(tmp_path):
     assert "warning:" not in r.stderr, r.stderr
     r = invoke(str(src), "--model", NO_MODEL, "--device", "cpu")
     assert "warning:" not in r.stderr, r.stderr
+    # An invalid value is the command's error alone, not also "ignored" (found by a new user).
+    r = invoke(str(src), "--model", NO_MODEL, "--swap-space", "-1", "--device", "cpu")
+    assert r.exit_code == 2 and "swap_space must be >= 0" in r.stderr and "warning:" not in r.stderr, r.stderr
 
 
 def test_inert_options_for_bench_policy_lists():

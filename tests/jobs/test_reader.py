@@ -187,10 +187,10 @@ def test_every_bad_sampling_value_of_a_row_is_named_at_once(tmp_path):
     assert "invalid sampling value in field 'min_tokens'" in pair.error  # the field the rule is about
 
 
-@pytest.mark.parametrize("value", [None, "", "   "])
-def test_null_or_empty_prompt_is_an_error_row(tmp_path, value):
+@pytest.mark.parametrize("value, state", [(None, "null"), ("", "empty"), ("   ", "only whitespace")])
+def test_null_or_empty_prompt_is_an_error_row(tmp_path, value, state):
     (r,) = read(write_jsonl(tmp_path / "a.jsonl", [{"prompt": value}]))
-    assert "field 'prompt' is null or empty" in r.error and r.error.startswith("row 0 (line 1)")
+    assert f"field 'prompt' is {state};" in r.error and r.error.startswith("row 0 (line 1)")
 
 
 def test_missing_or_non_text_prompt_is_named_as_such(tmp_path):
@@ -225,8 +225,14 @@ def test_template_fills_columns_and_checks_them(tmp_path):
     rows = read(p, template="Summarize in one sentence.\n\n{document}")
     assert rows[0].prompt == "Summarize in one sentence.\n\nCats sleep."
     assert "field 'document' (used by --template) is null" in rows[1].error
-    with pytest.raises(JobInputError, match="template column 'body' not found"):
+    with pytest.raises(JobInputError, match="template column 'body' not found") as missing:
         JobReader(str(p), ReaderOptions(template="{body}"))
+    assert "literal brace" not in str(missing.value)
+    # JSON in the template's text: the braces were meant literally (found by a new user).
+    with pytest.raises(
+        JobInputError, match=r"for a literal brace in the template, double it \(\{\{ or \}\}\)"
+    ):
+        JobReader(str(p), ReaderOptions(template='Return {"a": 1} for {document}'))
     with pytest.raises(JobInputError, match=r"placeholders must name columns, e.g. \{document\}; got \{\}$"):
         JobReader(str(p), ReaderOptions(template="{}"))
     with pytest.raises(JobInputError, match=r"must name columns, e.g. \{document\}; got \{0\}$"):
@@ -432,7 +438,7 @@ def test_mixed_prompt_and_messages_rows(tmp_path):
         tmp_path / "a.jsonl", [{"prompt": "plain"}, {"messages": msgs}, {"prompt": None, "messages": None}]
     )
     a, b, c = read(p)
-    assert a.prompt == "plain" and b.prompt == msgs and "field 'prompt' is null or empty" in c.error
+    assert a.prompt == "plain" and b.prompt == msgs and "field 'prompt' is null" in c.error
 
 
 def test_row_without_id_gets_its_index_only_when_the_input_has_no_ids(tmp_path):

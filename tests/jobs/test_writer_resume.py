@@ -817,7 +817,7 @@ def test_summary_json_gives_scripts_the_error_rows_of_a_partly_failed_job(tmp_pa
     got = json.loads(summary.read_text())
     assert got["complete"] and not got["interrupted"] and got["exit_code"] == 0
     assert (got["rows"], got["rows_done"], got["error_rows"], got["rows_ok_this_run"]) == (4, 4, 1, 3)
-    assert got["first_error"].startswith("row 1 (line 2): field 'prompt' is null or empty")
+    assert got["first_error"].startswith("row 1 (line 2): field 'prompt' is empty")
     assert got["output"] == str(tmp_path / "j.out.parquet")
     # The rerun of the finished job reports the same error rows.
     result = CliRunner().invoke(app, args)

@@ -166,7 +166,7 @@ def bench_command(
 
     console = Console()
     if not console.is_terminal:  # logs and CI: wide enough that the table does not wrap
-        console = Console(width=200)
+        console = Console(width=200)  # log lines and notes print whole (soft_wrap): grep finds them
     try:
         settings = BenchSettings(
             workload=WorkloadSpec(
@@ -200,7 +200,9 @@ def bench_command(
         raise typer.BadParameter(str(exc)) from exc
     _check_outputs(output, plot)
     try:
-        report = run_bench(settings, log=lambda msg: console.print(msg, markup=False, highlight=False))
+        report = run_bench(
+            settings, log=lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True)
+        )
     except BenchInputError as exc:
         raise typer.BadParameter(str(exc)) from exc
     except KeyboardInterrupt:

@@ -177,9 +177,9 @@ def render(report: dict[str, Any], console: Any = None) -> None:
         )
     for c in configs:
         if c["status"] != "ok":
-            console.print(f"[yellow]{c['name']} {c['status']}[/]: {c['reason']}")
+            console.print(f"[yellow]{c['name']} {c['status']}[/]: {c['reason']}", soft_wrap=True)
         for note in c["notes"]:
-            console.print(f"note: {note}")
+            console.print(f"note: {note}", soft_wrap=True, markup=False, highlight=False)
 
 
 def _vs_vllm_cell(config: dict[str, Any]) -> str:

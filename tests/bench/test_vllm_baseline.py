@@ -399,3 +399,23 @@ def test_real_vllm_generates_every_token(default_model_dir: Path) -> None:
     assert m["output_tokens"] == 13 and 0 < m["wall_s"] < 600
     assert run.extra["vllm_version"].split(".")[0].isdigit()
     assert run.resources["peak_rss_mb"] > 100  # vLLM's processes hold the model
+
+
+def test_notes_print_whole_in_a_log(tmp_path: Path) -> None:
+    """Found by a new user: in a log (not a terminal) a note over the console's width broke in two, so
+    grep found half of it."""
+    w = workload([(3, 2)])
+    run = _finished("continuous/fcfs", "continuous", 0.25, w)
+    note = "speculative ngram k=4 n=2-4, " + "gate running batch <= 42 " * 12 + "END"
+    run.notes.append(note)
+    report = build_report(
+        settings=BenchSettings(),
+        workload=w,
+        results=[run],
+        ceiling=None,
+        model_info={"model": "m", "dtype": "bfloat16", "device": "cpu"},
+        flops={},
+    )
+    out = io.StringIO()
+    render(report, Console(file=out, width=80))
+    assert f"note: {note}" in out.getvalue().splitlines()

@@ -121,12 +121,33 @@ def _row_request(row: dict[str, Any], encode: PromptEncoder, output_len: int) ->
     return list(ids), max_tokens if max_tokens is not None else output_len
 
 
+# Sampling fields a job row may carry that a bench does not use: it runs every request greedy to
+# exactly its output length (`ignore_eos`), as vLLM's throughput benchmarks do.
+UNUSED_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop", "stop_token_ids",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
+)  # fmt: skip
+
+
+def unused_sampling_fields(row: dict[str, Any]) -> set[str]:
+    """The `UNUSED_SAMPLING_FIELDS` a row sets (top level, `sampling_params` or an OpenAI `body`)."""
+    places = [row, row.get("sampling_params"), row.get("body")]
+    return {
+        name
+        for place in places
+        if isinstance(place, dict)
+        for name in UNUSED_SAMPLING_FIELDS
+        if place.get(name) is not None
+    }
+
+
 def read_workload_rows(
     spec: WorkloadSpec, encode: PromptEncoder
-) -> tuple[list[list[int]], list[int], list[str]]:
+) -> tuple[list[list[int]], list[int], list[str], set[str]]:
     """The first `spec.num_prompts` usable rows (0 = all) of the job file `spec.dist[5:]`: their
-    prompt token ids, their output lengths and a note per unusable row skipped ("line 3: not JSON
-    (...)"); `workloads.build_workload` makes the workload of them.
+    prompt token ids, their output lengths, a note per unusable row skipped ("line 3: not JSON
+    (...)") and the sampling fields the rows set that the bench does not use
+    (`unused_sampling_fields`); `workloads.build_workload` makes the workload of them.
 
     Prompts are tokenized by `encode` (rows with `prompt_token_ids` are taken as they are); a row
     without `max_tokens` runs `spec.output_len` tokens.
@@ -140,6 +161,7 @@ def read_workload_rows(
     prompts: list[list[int]] = []
     outs: list[int] = []
     skipped: list[str] = []
+    unused: set[str] = set()
     for number, row, reason in iter_job_records(path):
         if spec.num_prompts and len(prompts) == spec.num_prompts:
             break
@@ -153,10 +175,11 @@ def read_workload_rows(
             continue
         prompts.append(ids)
         outs.append(out)
+        unused |= unused_sampling_fields(row)
     if not prompts:
         found = f"all {len(skipped)} rows are unusable (first: {skipped[0]})" if skipped else "it has no rows"
         raise BenchInputError(
             f"--dist {spec.dist}: no usable row in {path}: {found}; "
             "give rows with a prompt, messages or prompt_token_ids"
         )
-    return prompts, outs, skipped
+    return prompts, outs, skipped, unused

@@ -232,8 +232,8 @@ class Workload:
 
     def warnings(self) -> list[str]:
         """What the workload changed from what was asked, one log line each: requests shortened to
-        fit `max_model_len` (their count and the limit) and unusable job-file rows skipped (their
-        count and the first one's row and reason)."""
+        fit `max_model_len` (their count and the limit), unusable job-file rows skipped (their
+        count and the first one's row and reason) and the rows' sampling fields left unused."""
         p = self.params
         lines = []
         if clipped := p.get("num_clipped"):
@@ -246,6 +246,11 @@ class Workload:
             lines.append(
                 f"warning: skipped {skipped} unusable rows of {p['path']} (first: {p['first_skipped']}); "
                 "fix them to bench them"
+            )
+        if unused := p.get("unused_sampling_fields"):
+            lines.append(
+                f"note: the rows' {', '.join(unused)} are not used: a bench runs every request greedy to "
+                "exactly its max_tokens (ignore_eos), so configurations compare on the same tokens"
             )
         return lines
 
@@ -324,7 +329,7 @@ def file_workload(spec: WorkloadSpec, encode: PromptEncoder, max_model_len: int)
     Raises:
         BenchInputError: the file is absent or unreadable, or has no usable row (naming the first bad one).
     """
-    prompts, outs, skipped = read_workload_rows(spec, encode)
+    prompts, outs, skipped, unused = read_workload_rows(spec, encode)
     path = Path(spec.dist[5:])
     inputs, outputs, clipped = clip_lengths(
         np.asarray([len(p) for p in prompts], dtype=np.float64),
@@ -345,6 +350,7 @@ def file_workload(spec: WorkloadSpec, encode: PromptEncoder, max_model_len: int)
         "num_clipped": clipped,
         "num_skipped": len(skipped),
         "first_skipped": skipped[0] if skipped else None,
+        "unused_sampling_fields": sorted(unused),
     } | arrival_params(spec)
     return Workload(f"file:{path.name}", requests, params)
 

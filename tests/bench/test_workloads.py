@@ -278,6 +278,33 @@ def test_file_workload(tmp_path: Path) -> None:
         read_job_rows(path)  # strict, for scripts that read a data set
 
 
+def test_file_workload_names_the_sampling_fields_it_does_not_use(tmp_path: Path) -> None:
+    """Found by a new user: `temperature: -1` in a row ran without a word (a bench runs greedy to
+    exact lengths). The fields are named once; rows without them get no note."""
+    path = tmp_path / "job.jsonl"
+    rows = [
+        {"prompt": "a", "temperature": -1, "max_tokens": 2},
+        {"prompt": "b", "sampling_params": {"top_p": 0.5, "seed": 3}},
+        {"custom_id": "c", "body": {"messages": [{"role": "user", "content": "c"}], "n": 2}},
+        {"prompt": "d"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = WorkloadSpec(dist=f"file:{path}", num_prompts=0, output_len=4)
+    w = build_workload(spec, vocab_size=0, max_model_len=64, encode=encode_chars)
+    assert len(w.requests) == 4 and w.params["unused_sampling_fields"] == [
+        "n",
+        "seed",
+        "temperature",
+        "top_p",
+    ]
+    (note,) = w.warnings()
+    assert note.startswith(
+        "note: the rows' n, seed, temperature, top_p are not used: a bench runs every request greedy"
+    )
+    path.write_text(json.dumps({"prompt": "d", "max_tokens": 3}) + "\n")
+    assert build_workload(spec, vocab_size=0, max_model_len=64, encode=encode_chars).warnings() == []
+
+
 def test_file_workload_skips_unusable_rows(tmp_path: Path) -> None:
     """As `batchgen run` turns bad rows into error rows, the bench skips them: one warning, a count."""
     path = tmp_path / "job.jsonl"

@@ -13,9 +13,9 @@ source hash and the environment switches that emulate lesser machines (`ONEDNN_M
 second start on the same machine looks every choice up in it. A file that does not parse, or that
 holds another key, is rebuilt, never trusted.
 
-Timings taken while other processes kept a core busy are not the kernels' own: on a 2-core machine
-beside one busy process, every candidate of a 0.1 ms linear timed at about 8 ms (a thread waiting out
-a scheduler slice at each barrier), and the table picked at random. Such a table records the load
+Timings taken while other processes kept a core busy are not the kernels' own: beside one busy
+process on a 2-core machine every candidate timed at a scheduler slice (a thread waiting it out at
+each barrier) and the table picked at random (docs/benchmarks.md). Such a table records the load
 (`others_load`, in cores); it is used while the machine stays busy, and measured again at the first
 start that finds the machine quiet.
 """

@@ -37,8 +37,8 @@ _VOCAB = 49152
 
 
 # On a GPU, test engines size their KV cache as if the card had this much memory. A tiny test model's
-# block is 16 KiB, so 90% of an H200 is about 8 million blocks, and the block manager builds a Python
-# object for each (about 2 s a million): every test engine would spend seconds starting.
+# block is 16 KiB, so 90% of an H200 is millions of blocks, and the block manager builds a Python
+# object for each: every test engine would spend seconds starting (docs/benchmarks.md).
 TEST_GPU_MEMORY = 2 * 2**30
 
 

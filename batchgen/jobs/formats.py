@@ -68,6 +68,8 @@ def detect_format(source: str) -> str:
         raise JobInputError(f"{source} is empty (no JSON lines): there is nothing to run; check the file")
     if is_jsonl:
         hint = f"; it looks like one JSON array{ARRAY_HINT}" if first.startswith(b"[") else ""
+        if _not_utf8(source):
+            hint = "; it is not UTF-8 text (UTF-16 or another encoding?): re-save the file as UTF-8"
         raise JobInputError(f"{source} has no valid JSON object line in its first {SNIFF_LINES} lines{hint}")
     if source.lower().endswith(".parquet"):
         raise JobInputError(
@@ -78,6 +80,20 @@ def detect_format(source: str) -> str:
 
 
 ARRAY_HINT = ": write one object per line (JSON lines), e.g. `jq -c '.[]' in.json > in.jsonl`"
+
+
+def _not_utf8(path: str) -> bool:
+    """Whether the file's first 64 KiB read as another encoding: a UTF-16 or UTF-32 byte-order mark,
+    NUL bytes (UTF-16 text), or bytes that are not UTF-8 (a cut multi-byte character at the end aside)."""
+    with open(path, "rb") as f:
+        head = f.read(65536)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in head:
+        return True
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start < len(head) - 3
+    return False
 
 
 def _first_line(path: str) -> bytes:

@@ -414,8 +414,14 @@ def test_bad_sources(tmp_path):
         with pytest.raises(JobInputError, match=r"is empty \(no JSON lines\): there is nothing to run"):
             JobReader(str(tmp_path / name))
     (tmp_path / "bad.jsonl").write_text("not json\n")
-    with pytest.raises(JobInputError, match="has no valid JSON object line in its first"):
+    with pytest.raises(JobInputError, match="has no valid JSON object line in its first") as plain:
         JobReader(str(tmp_path / "bad.jsonl"))
+    assert "UTF-8" not in str(plain.value)
+    # Text saved as UTF-16 where no line parses: the message names the encoding (a file where some
+    # lines parse runs, and its other lines get per-row "not valid UTF-8" errors).
+    (tmp_path / "u16.jsonl").write_bytes("prompt: café\nprompt: tea\n".encode("utf-16"))
+    with pytest.raises(JobInputError, match="it is not UTF-8 text .*re-save the file as UTF-8"):
+        JobReader(str(tmp_path / "u16.jsonl"))
     (tmp_path / "d").mkdir()
     with pytest.raises(JobInputError, match="not a dataset"):
         JobReader(str(tmp_path / "d"))

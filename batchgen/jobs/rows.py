@@ -132,7 +132,8 @@ class RowParser:
         prompt_columns = (prompt_column, messages_column, *template_fields)
         self._prompt_columns = frozenset(c for c in prompt_columns if c is not None)
         self._data_columns = self._prompt_columns | {c for c in (id_column, *options.keep_columns) if c}
-        self._sampling = RowSampling(options.defaults).resolve
+        self._sampling = self._noting_greedy_choices(RowSampling(options.defaults).resolve)
+        self._greedy_choices_noted = False
         # A kept input column named like an output column of log probabilities makes the job's
         # log-probability fields data too: the output cannot hold both.
         self._logprobs_are_data = any(c in options.keep_columns for c in LOGPROB_COLUMNS)
@@ -200,6 +201,23 @@ class RowParser:
                     f"note: column '{name}' is not a sampling field, so it is kept as data and changes "
                     f"nothing; did you mean '{close[0]}'?"
                 )
+
+    def _noting_greedy_choices(self, resolve):
+        """`resolve` (a row's sampling values -> params, hash, error), adding one notice the first
+        time a row asks for n > 1 completions under greedy sampling: they are all the same text."""
+
+        def sampling(values):
+            params, params_hash, err = resolve(values)
+            if err is None and not self._greedy_choices_noted and params.n > 1 and params.temperature == 0:
+                self._greedy_choices_noted = True
+                self.notices.append(
+                    f"note: rows ask for n={params.n} completions with greedy sampling (temperature 0, the "
+                    "default), so their completions are the same text; set temperature above 0 (a row's "
+                    "'temperature' or --temperature) for different ones"
+                )
+            return params, params_hash, err
+
+        return sampling
 
     def _note_duplicate_id(self, rid: str, row_index: int, line_number: int | None) -> None:
         """A warning, once per id and process, for a plain row whose id an earlier row of this pass

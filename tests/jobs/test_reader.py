@@ -735,3 +735,16 @@ def test_an_unreachable_hub_fails_at_once_with_the_offline_hint(tmp_path, monkey
         JobInputError, match=r"HF_HUB_OFFLINE is set: only a copy in the local Hugging Face cache"
     ):
         JobReader("hf://someone/some-dataset:train")
+
+
+def test_n_completions_under_greedy_sampling_get_one_note(tmp_path):
+    """n > 1 with the greedy default gives n copies of one text (a new user's find): one note, not one
+    per row; rows that sample, or ask for one completion, get none."""
+    rows = [{"prompt": "a", "n": 2}, {"prompt": "b", "n": 3}, {"prompt": "c", "n": 2, "temperature": 0.8}]
+    greedy = ReaderOptions(defaults={"temperature": 0.0})  # batchgen run's default
+    reader = JobReader(str(write_jsonl(tmp_path / "a.jsonl", rows)), greedy)
+    assert [r.sampling_params.n for r in reader] == [2, 3, 2]
+    (note,) = reader.parser.notices
+    assert note.startswith("note: rows ask for n=2 completions with greedy sampling (temperature 0")
+    sampled = JobReader(str(write_jsonl(tmp_path / "b.jsonl", [rows[2], {"prompt": "d"}])), greedy)
+    assert len(list(sampled)) == 2 and sampled.parser.notices == []

@@ -33,22 +33,16 @@ def run_and_exit(
 
 
 def check_summary_json(path: str | None) -> None:
-    """Refuse, before any work, a `--summary-json` path that cannot be written: a folder, or a file in
-    a folder that does not exist or is not writable (the summary is written atomically, through a
-    temporary file beside it). Exits 2 with the path and the fix."""
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        problem = "is a folder; give a file path such as summary.json"
-    elif not os.path.isdir(folder):
-        problem = f"is in {folder}, which does not exist; create it or choose another path"
-    elif not os.access(folder, os.W_OK):
-        problem = f"is in {folder}, which is not writable; choose another path"
-    else:
-        return
-    typer.echo(f"error: --summary-json {path} {problem}", err=True)
-    raise typer.Exit(2)
+    """Refuse, before any work, a `--summary-json` path that cannot be written
+    (`cli_types.output_file_problem`). Exits 2 with the path and the fix."""
+    from pathlib import Path
+
+    from batchgen.cli_types import output_file_problem
+
+    problem = None if path is None else output_file_problem(Path(path))
+    if problem is not None:
+        typer.echo(f"error: --summary-json {path} {problem}", err=True)
+        raise typer.Exit(2)
 
 
 def write_summary_json(path: str, data: dict) -> bool:

@@ -14,7 +14,9 @@ drift apart in names, help or defaults::
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import fields
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -286,3 +288,28 @@ def _runs_on_cpu(device: str) -> bool:
     import torch  # --device auto: what it resolves to (only asked when the flag was given)
 
     return not torch.cuda.is_available()
+
+
+def output_file_problem(path: Path) -> str | None:
+    """Why `path` cannot be written, or None: its folder is missing or not writable, `path` is a
+    folder or a read-only file, or opening it for writing fails (a file that did not exist is created
+    and removed again; permission bits alone miss read-only file systems, /proc and the like). The
+    text follows the path in a message and ends with the fix."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        return "is a folder; give a file path"
+    if not parent.is_dir():
+        return f"cannot be written: the folder {parent} does not exist; create it or give another path"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be written: the folder {parent} is not writable; give another path"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "exists and is not writable; give another path"
+    existed = path.exists()
+    try:
+        with path.open("a"):  # "a": an existing file keeps its contents
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror or exc}); give another path"
+    return None

@@ -13,7 +13,6 @@ With vLLM's own build side by side (its own virtual environment, see docs/vllm.m
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -32,33 +31,14 @@ def _split(text: str) -> list[str]:
 
 
 def check_output_file(option: str, path: Path) -> None:
-    """Check, before the bench runs, that `path` can be written: its folder exists and is writable,
-    `path` is not a folder, and opening it for writing works (a file that did not exist is created
-    and removed again; permission bits alone miss read-only file systems, /proc and the like).
+    """Check, before the bench runs, that `path` can be written (`cli_types.output_file_problem`).
 
     Raises:
         typer.BadParameter: naming `option` (e.g. "--output"), the path and the fix (exit 2).
     """
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        problem = "is a folder; give a file path"
-    elif not parent.is_dir():
-        problem = f"cannot be written: the folder {parent} does not exist; create it or give another path"
-    elif not os.access(parent, os.W_OK | os.X_OK):
-        problem = f"cannot be written: the folder {parent} is not writable; give another path"
-    elif path.exists() and not os.access(path, os.W_OK):
-        problem = "exists and is not writable; give another path"
-    else:
-        existed = path.exists()
-        try:
-            with path.open("a"):  # "a": an existing file keeps its contents until the bench ends
-                pass
-            if not existed:
-                path.unlink()
-            return
-        except OSError as exc:
-            problem = f"cannot be written ({exc.strerror or exc}); give another path"
-    raise typer.BadParameter(f"{option} {path} {problem}")
+    problem = opt.output_file_problem(path)
+    if problem is not None:
+        raise typer.BadParameter(f"{option} {path} {problem}")
 
 
 def bench_command(

@@ -59,7 +59,6 @@ def tune_command(
     """Choose the kernels for a model on this machine and print the measured table (cached: a
     second call, like a second `batchgen run`, measures nothing)."""
     from batchgen.engine.llm_engine import LLMEngine
-    from batchgen.kernels.machine_load import BUSY_CORES
 
     config = EngineConfig(
         model=model,
@@ -86,9 +85,8 @@ def tune_command(
         return
     print_table(rows, seconds, choice.summary())
     typer.echo(f"cache: {choice.table.path}")
-    busy = choice.table.others_load
-    if busy is not None and busy >= BUSY_CORES:
+    if choice.table.measured_busy:
         typer.echo(
-            f"measured while other processes used {busy:.1f} cores: these times are not the kernels' own; "
-            "the next start on a quiet machine measures again"
+            f"measured while other processes used {choice.table.others_load:.1f} cores: these times are "
+            "not the kernels' own; the next start on a quiet machine measures again"
         )

@@ -160,21 +160,25 @@ class TuningTable:
             logger.warning("kernel tuning cache %s does not match this machine; measuring again", path)
             return table
         busy_then = data.get("others_load")
-        if isinstance(busy_then, (int, float)) and busy_then >= BUSY_CORES:
+        table.others_load = float(busy_then) if isinstance(busy_then, (int, float)) else None
+        if table.measured_busy:
             now = load_now() if load_now is not None else other_load(0.1)
             if now is not None and now < BUSY_CORES:
                 logger.warning(
                     "kernel tuning cache %s was measured while other processes used %.1f cores, so its "
                     "timings were not the kernels' own; measuring again on the quiet machine",
                     path,
-                    busy_then,
+                    table.others_load,
                 )
-                return table
-        if isinstance(busy_then, (int, float)):
-            table.others_load = float(busy_then)
+                return cls(key=key, path=path)
         table.entries = {k: v for k, v in data["entries"].items() if _valid_entry(v)}
         table.dirty = len(table.entries) != len(data["entries"])
         return table
+
+    @property
+    def measured_busy(self) -> bool:
+        """Whether entries were measured beside `BUSY_CORES` or more of other processes' work."""
+        return self.others_load is not None and self.others_load >= BUSY_CORES
 
     def note_load(self, others: float | None) -> None:
         """Record that entries measured since the table was loaded ran beside `others` cores of other

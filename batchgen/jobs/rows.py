@@ -132,7 +132,7 @@ class RowParser:
         prompt_columns = (prompt_column, messages_column, *template_fields)
         self._prompt_columns = frozenset(c for c in prompt_columns if c is not None)
         self._data_columns = self._prompt_columns | {c for c in (id_column, *options.keep_columns) if c}
-        self._sampling = self._noting_greedy_choices(RowSampling(options.defaults).resolve)
+        self._resolve_sampling = RowSampling(options.defaults).resolve
         self._greedy_choices_noted = False
         # A kept input column named like an output column of log probabilities makes the job's
         # log-probability fields data too: the output cannot hold both.
@@ -202,22 +202,19 @@ class RowParser:
                     f"nothing; did you mean '{close[0]}'?"
                 )
 
-    def _noting_greedy_choices(self, resolve):
-        """`resolve` (a row's sampling values -> params, hash, error), adding one notice the first
-        time a row asks for n > 1 completions under greedy sampling: they are all the same text."""
-
-        def sampling(values):
-            params, params_hash, err = resolve(values)
-            if err is None and not self._greedy_choices_noted and params.n > 1 and params.temperature == 0:
-                self._greedy_choices_noted = True
-                self.notices.append(
-                    f"note: rows ask for n={params.n} completions with greedy sampling (temperature 0, the "
-                    "default), so their completions are the same text; set temperature above 0 (a row's "
-                    "'temperature' or --temperature) for different ones"
-                )
-            return params, params_hash, err
-
-        return sampling
+    def _sampling(self, values: dict) -> tuple[SamplingParams | None, int, str | None]:
+        """A row's sampling values -> (params, hash of params, error) (`RowSampling.resolve`), adding
+        one notice the first time a row asks for n > 1 completions under greedy sampling: they are
+        all the same text."""
+        params, params_hash, err = self._resolve_sampling(values)
+        if err is None and not self._greedy_choices_noted and params.n > 1 and params.temperature == 0:
+            self._greedy_choices_noted = True
+            self.notices.append(
+                f"note: rows ask for n={params.n} completions with greedy sampling (temperature 0, the "
+                "default), so their completions are the same text; set temperature above 0 (a row's "
+                "'temperature' or --temperature) for different ones"
+            )
+        return params, params_hash, err
 
     def _note_duplicate_id(self, rid: str, row_index: int, line_number: int | None) -> None:
         """A warning, once per id and process, for a plain row whose id an earlier row of this pass

@@ -65,6 +65,15 @@ def test_the_wheel_keeps_kernels_inside_batchgen(tmp_path: Path) -> None:
     assert any(name.startswith("batchgen/kernels/triton/") for name in names)
 
 
+def _run_in_checkout(probe: str) -> subprocess.CompletedProcess:
+    """`python -c probe` from the checkout's root (so kernels/ is first on sys.path); it must succeed."""
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
 def test_a_checkout_on_sys_path_does_not_hide_hugging_faces_kernels() -> None:
     """transformers (5.25 on) imports Hugging Face's `kernels`; run from the checkout's root (pytest,
     `python -m`, a Ray worker) the folder kernels/ comes first on sys.path and must hand the name on."""
@@ -80,10 +89,7 @@ def test_a_checkout_on_sys_path_does_not_hide_hugging_faces_kernels() -> None:
         "import batchgen.kernels.registry\n"
         "print(kernels.__file__)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = _run_in_checkout(probe)
     location = result.stdout.strip()
     if location != "absent":
         assert not Path(location).is_relative_to(ROOT / "kernels")
@@ -126,8 +132,5 @@ def test_a_checkout_on_sys_path_without_hugging_faces_kernels_still_imports_tran
         "import transformers.activations\n"
         "import batchgen.kernels.registry\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = _run_in_checkout(probe)
     assert "pip install kernels" in result.stdout

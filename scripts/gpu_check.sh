@@ -9,7 +9,7 @@
 # it on a machine with the model:  python scripts/gpu_check_files.py DIR
 # batchgen is installed (editable, no dependencies: the machine's torch and Triton stay) when it is not
 # importable. Logs and JSON go to $OUT when it is set, else to the current directory. Each stage has
-# its own time limit (about 8 minutes in all) and a failing stage does not stop the next one; the exit
+# its own time limit (about 10 minutes in all) and a failing stage does not stop the next one; the exit
 # status is non-zero if any stage failed.
 
 set -u
@@ -72,6 +72,13 @@ if [ -n "$FILES_DIR" ]; then
         '$PY' -m batchgen bench --model '$BENCH_MODEL' --dist longtail --num-prompts 128 --seed 7 --static-batch-size 32 \
             --mode continuous,static --baselines hf-static --no-ceiling --no-enable-prefix-caching \
             --output '$OUT_DIR/engine_bench.json'"
+    # The measured choice of prefill attention (Triton or SDPA per chunk length): its table, then the
+    # same continuous run with Triton for every chunk (--kernels native measures nothing) to compare.
+    run_stage "kernel table and Triton-only A/B" 120 kernel_choice.log bash -c "
+        '$PY' -m batchgen tune --model '$BENCH_MODEL' --device cuda &&
+        '$PY' -m batchgen bench --model '$BENCH_MODEL' --dist longtail --num-prompts 128 --seed 7 \
+            --mode continuous --kernels native --no-ceiling --no-enable-prefix-caching \
+            --output '$OUT_DIR/engine_bench_triton_only.json'"
 else
     SUMMARY+=("SKIP  engine bench: no TOKENIZER_DIR given")
 fi

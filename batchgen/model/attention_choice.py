@@ -1,4 +1,4 @@
-"""The measured choice of prefill attention on the CPU: batchgen's C kernels or torch's SDPA.
+"""The measured choice of prefill attention: batchgen's kernels or torch's SDPA, per chunk length.
 
 The C kernels read the paged cache in place and serve many chunks in one call:
 `paged_prefill_attention.c` on AVX-512 (or plain vector) arithmetic everywhere, and
@@ -8,6 +8,12 @@ the machine, so `tune_prefill_attention` times them on the model's head shapes a
 for a chunk of that many tokens with no cached prefix and for one that continues a cached prefix,
 and the "cpu" backend runs each chunk with the fastest (`CPUAttentionBackend.prefill_by_bucket`,
 `prefill_after_prefix_by_bucket`).
+
+On CUDA the same question stands between the Triton chunked-prefill kernel and torch's SDPA (its
+flash-attention kernels) for a chunk with no cached prefix, where SDPA can run on the chunk's own K/V:
+`tune_triton_prefill_attention`, read by `TritonAttentionBackend.prefill_by_bucket`. On an H200 SDPA
+ran a 2,048-token causal prompt at about 1.8 times the Triton kernel's rate (docs/benchmarks.md,
+"First run on a GPU"), while short chunks pay SDPA's one call a chunk.
 """
 
 from __future__ import annotations
@@ -135,6 +141,93 @@ def _prefill_case(
         "seq_lens": torch.full((_CHUNKS,), context, dtype=torch.int32),
         "starts": torch.arange(0, _CHUNKS * rows + 1, rows, dtype=torch.int32),
     }
+
+
+def tune_triton_prefill_attention(
+    table: TuningTable,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_rows: int,
+    device: torch.device,
+    block_size: int = 16,
+) -> list[str]:
+    """The faster attention for a prefill chunk with no cached prefix on the Triton backend, at each
+    row bucket up to `max_rows`: "triton" (the chunked-prefill kernel over the paged cache, all of a
+    step's chunks in one launch) or "sdpa" (torch's SDPA on the chunk's own K/V, one call a chunk);
+    from `table` or measured on `device` (added to `table`).
+
+    Each timed call attends `_CHUNKS` chunks of `[rows, num_heads, head_dim]` queries over their own
+    `[rows, num_kv_heads, head_dim]` K/V, which for the Triton kernel lie in a paged cache of
+    `block_size`-token blocks in shuffled order. Both are checked against SDPA in float32; one that
+    differs or raises is dropped. Calls end with `torch.cuda.synchronize()` on CUDA, so the timer
+    sees the kernels, not their launches. Times are per chunk.
+
+    Raises:
+        ImportError: Triton is not installed (the backend that reads the choice needs it anyway).
+    """
+    from batchgen.kernels.triton import paged_prefill_attention  # needs Triton: only on this path
+
+    generator = torch.Generator().manual_seed(0)
+    scale = head_dim**-0.5
+    heads = (num_heads, num_kv_heads, head_dim, dtype, block_size)
+
+    def synced(call):
+        if device.type != "cuda":  # Triton's interpreter (tests) runs on the host: nothing to wait for
+            return call
+
+        def call_and_wait():
+            out = call()
+            torch.cuda.synchronize(device)
+            return out
+
+        return call_and_wait
+
+    @functools.lru_cache(maxsize=1)
+    def data(rows: int) -> dict[str, torch.Tensor]:
+        case = {name: t.to(device) for name, t in _prefill_case(rows, rows, *heads, generator).items()}
+        # The chunks' own K/V, as the step computed them before storing them in the cache.
+        k = [gather_context(case["k_cache"], table_row, rows) for table_row in case["tables"]]
+        v = [gather_context(case["v_cache"], table_row, rows) for table_row in case["tables"]]
+        return {**case, "k": torch.cat(k), "v": torch.cat(v)}
+
+    def triton(rows: int):
+        d = data(rows)
+        out = torch.empty_like(d["q"])
+        args = (d["q"], d["k_cache"], d["v_cache"], d["tables"], d["starts"], d["seq_lens"], rows, scale)
+        return synced(lambda: paged_prefill_attention(*args, out=out))
+
+    def own_kv_sdpa(d: dict[str, torch.Tensor], rows: int, dtype: torch.dtype) -> torch.Tensor:
+        q, k, v = d["q"].to(dtype), d["k"].to(dtype), d["v"].to(dtype)
+        out = torch.empty_like(q)
+        for first in range(0, q.shape[0], rows):
+            chunk = slice(first, first + rows)
+            out[chunk] = causal_attention(q[chunk], k[chunk], v[chunk], scale)
+        return out
+
+    def sdpa(rows: int):
+        return synced(lambda: own_kv_sdpa(data(rows), rows, dtype))
+
+    def reference(rows: int) -> torch.Tensor:
+        return own_kv_sdpa(data(rows), rows, torch.float32)
+
+    shape = f"{num_heads}x{num_kv_heads}x{head_dim}/{block_size}:{str(dtype).removeprefix('torch.')}"
+    buckets = buckets_up_to(max_rows)
+    chosen = choose(
+        table,
+        "triton_prefill_attention",
+        shape,
+        buckets,
+        {"triton": triton, "sdpa": sdpa},
+        reference,
+        _RTOL.get(dtype, 2e-2),
+        work=lambda rows: 2.0 * num_heads * head_dim * rows * (rows + 1),
+        calls_per_run=_CHUNKS,
+        prune=False,  # the lead changes hands with the chunk length
+    )
+    data.cache_clear()
+    return [chosen[rows] for rows in buckets]
 
 
 # Context tokens of each sequence in the timed decode steps: about a long-tail job's median.

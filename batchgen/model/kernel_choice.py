@@ -4,7 +4,9 @@
   fastest on this machine (`kernels.registry.choose` over `kernels.cpu.linear.linear_candidates`),
   prefill chunks get the faster of the C attention kernel and torch's SDPA (`attention_choice`),
   and the one-call C decoder stack runs the steps up to the row count where it was measured faster
-  than the per-layer path (`stack_choice`).
+  than the per-layer path (`stack_choice`). On CUDA the linears are torch's, and the Triton backend's
+  prefill chunks without a cached prefix get the faster of its kernel and torch's SDPA
+  (`attention_choice.tune_triton_prefill_attention`).
 - "reference": plain torch (`F.linear`, the torch attention backend): the oracle, and a fallback.
 - "native": batchgen's own kernels wherever they apply, unmeasured (the bf16 C linear on a CPU with
   AVX512-BF16, else oneDNN-prepacked weights; the decoder stack for every step).
@@ -44,7 +46,11 @@ from batchgen.kernels.registry import (
     machine_key,
 )
 from batchgen.model.attention.cpu_backend import CPUAttentionBackend
-from batchgen.model.attention_choice import tune_decode_attention, tune_prefill_attention
+from batchgen.model.attention_choice import (
+    tune_decode_attention,
+    tune_prefill_attention,
+    tune_triton_prefill_attention,
+)
 from batchgen.model.linear_choice import plan_layouts, shape_name, table_shape, tune_linear
 from batchgen.model.stack_choice import cached_stack_rows, tune_decoder_stack
 
@@ -55,10 +61,21 @@ logger = logging.getLogger(__name__)
 _CHOOSER_SOURCES = ("kernel_choice.py", "linear_choice.py", "stack_choice.py", "attention_choice.py")
 
 
-def tuning_key(dtype: torch.dtype, num_threads: int | None = None) -> dict[str, str]:
-    """The kernel tuning table's key: `machine_key` (CPU, threads, torch, dtype, kernel sources) and
-    the source hash of the modules that measure the choices."""
-    return {**machine_key(dtype, num_threads), "choosers": _chooser_source_hash()}
+def tuning_key(
+    dtype: torch.dtype, num_threads: int | None = None, device: torch.device | None = None
+) -> dict[str, str]:
+    """The kernel tuning table's key: `machine_key` (CPU, threads, torch, dtype, kernel sources), the
+    source hash of the modules that measure the choices, and for a CUDA `device` the GPU's name and
+    compute capability and the CUDA and Triton versions."""
+    key = {**machine_key(dtype, num_threads), "choosers": _chooser_source_hash()}
+    if device is not None and device.type == "cuda":
+        import triton  # the CUDA path's choices are between Triton kernels and torch's
+
+        key["gpu"] = torch.cuda.get_device_name(device)
+        key["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        key["cuda"] = str(torch.version.cuda)
+        key["triton"] = triton.__version__
+    return key
 
 
 @functools.cache
@@ -86,15 +103,18 @@ class KernelChoice:
     # FLOP/s of the model's layer linears at the largest row bucket, each at its chosen candidate's
     # time in the table (`table_linear_rate`): the registry's own figure for the machine's matmul rate.
     largest_bucket_flops_per_s: float | None = None
-    device_type: str = "cpu"  # nothing is measured off the CPU: torch's linears, the backend's attention
+    device_type: str = "cpu"  # on CUDA: torch's linears, and only `prefill_attention` is measured
 
     def summary(self) -> str:
         """A few words for the start line, e.g. "auto: linear onednn 80%, torch 20%" (shares of the
         (shape, row bucket) pairs)."""
         if self.device_type != "cpu":
-            return (
-                f"{self.device_type}: torch linears; attention from the attention backend (not measured here)"
-            )
+            if self.prefill_attention:
+                return (
+                    f"{self.device_type}: torch linears; first prefill chunks {_by_rows(self.prefill_attention)}"
+                    " (after a cached prefix: triton)"
+                )
+            return f"{self.device_type}: torch linears; attention from the attention backend (not measured)"
         if self.mode == "native":
             return "native: batchgen's own kernels where they apply" + (
                 "; decoder stack" if self.stack_max_rows is not None else ""
@@ -152,8 +172,10 @@ def apply_kernels(
     max_rows: int,
     max_logit_rows: int,
     one_layout: bool = False,
+    block_size: int = 16,
 ) -> KernelChoice:
-    """Put the chosen linear implementations into `model` (weights loaded) and set its decoder stack.
+    """Put the chosen linear implementations into `model` (weights loaded) and set its decoder stack;
+    on CUDA, set the Triton backend's measured prefill attention (`_choose_triton_attention`).
 
     Args:
         model: a `LlamaForCausalLM` with its weights loaded, on `device`.
@@ -161,6 +183,7 @@ def apply_kernels(
         max_rows: the most rows a step can have (`max_num_batched_tokens`): the largest bucket timed.
         max_logit_rows: the most rows the LM head sees in a step (`max_num_seqs`).
         one_layout: hold one weight layout per linear (`plan_layouts`), at some speed.
+        block_size: tokens per KV-cache block, as the engine's cache holds them.
 
     Raises:
         ValueError: an unknown `mode`.
@@ -168,6 +191,8 @@ def apply_kernels(
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}; got {mode!r}")
     dtype = next(model.parameters()).dtype
+    if device.type == "cuda" and mode == "auto":
+        return _choose_triton_attention(model, dtype, device, max_rows, block_size)
     if mode == "reference" or not can_prepack(dtype, device):
         return KernelChoice(mode if device.type == "cpu" else "reference", device_type=device.type)
     if mode == "native":
@@ -306,6 +331,32 @@ def _choose_attention(
             table, attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_decodes
         )
         choice.decode_attention = backend.decode_by_bucket
+
+
+def _choose_triton_attention(
+    model: nn.Module, dtype: torch.dtype, device: torch.device, max_rows: int, block_size: int
+) -> KernelChoice:
+    """Measure and set the Triton backend's prefill attention for chunks without a cached prefix, per
+    chunk-length bucket up to `max_rows` (`tune_triton_prefill_attention`, cached like the CPU's
+    table under a key that names the GPU). A model on another backend keeps it, unmeasured."""
+    choice = KernelChoice("auto", device_type=device.type)
+    layers = model.model.layers
+    backend = layers[0].self_attn.backend if layers else None
+    if getattr(backend, "name", None) != "triton":
+        return choice
+    start, load_before = time.perf_counter(), LoadSample()
+    table = TuningTable.load(tuning_key(dtype, device=device))
+    attn = layers[0].self_attn
+    heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_rows)
+    backend.prefill_by_bucket = tune_triton_prefill_attention(table, *heads, device, block_size)
+    choice.table, choice.prefill_attention = table, backend.prefill_by_bucket
+    table.note_load(LoadSample().other_cores_since(load_before))
+    table.save()
+    if device.type == "cuda":
+        # The timed cases' memory goes back before the KV cache (already sized) is allocated.
+        torch.cuda.empty_cache()
+    choice.seconds = time.perf_counter() - start
+    return choice
 
 
 def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:

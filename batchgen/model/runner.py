@@ -102,7 +102,13 @@ class ModelRunner:
         model.model.rotary = RotaryEmbedding(config, head_dim, max_positions).to(device)
         model.load_weights(weights)
         self.kernel_choice: KernelChoice = apply_kernels(
-            model, kernels, device, max_step_rows, max_logit_rows, one_layout=one_weight_layout
+            model,
+            kernels,
+            device,
+            max_step_rows,
+            max_logit_rows,
+            one_layout=one_weight_layout,
+            block_size=block_size,
         )
         self.model = model.eval()
         shape = (num_blocks, block_size, kv_heads, head_dim)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -304,14 +305,62 @@ def test_the_table_key_covers_the_modules_that_measure_the_choices(tmp_path, mon
     assert registry.files_hash(copy, paths) != key["choosers"]
 
 
-def test_off_the_cpu_nothing_is_measured_and_the_summary_says_so() -> None:
-    """On CUDA the linears stay torch's and attention is the backend's (Triton): the start line must not
-    call that "reference: plain torch" (seen on an H200 bench, which ran the Triton kernels)."""
-    model = nn.Sequential(nn.Linear(8, 8))
+def test_a_gpu_table_is_keyed_by_the_gpu_cuda_and_triton(monkeypatch) -> None:
+    """A table measured on one GPU, CUDA or Triton build is not another's."""
+    triton = pytest.importorskip("triton", reason="the CUDA path's key names Triton's version")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    cpu_key = kernel_choice.tuning_key(torch.bfloat16, num_threads=2)
+    gpu_key = kernel_choice.tuning_key(torch.bfloat16, num_threads=2, device=torch.device("cuda"))
+    assert gpu_key == {
+        **cpu_key,
+        "gpu": "NVIDIA H200",
+        "gpu_capability": "9.0",
+        "cuda": "13.0",
+        "triton": triton.__version__,
+    }
+    assert kernel_choice.tuning_key(torch.bfloat16, 2, torch.device("cpu")) == cpu_key
+
+
+def _model_on_backend(name: str) -> SimpleNamespace:
+    """What `apply_kernels` reads of a model off the CPU: its first layer's attention heads and backend."""
+    attention = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=64, backend=SimpleNamespace(name=name))
+    layer = SimpleNamespace(self_attn=attention)
+    return SimpleNamespace(model=SimpleNamespace(layers=[layer]), parameters=lambda: iter([torch.zeros(1)]))
+
+
+def test_off_the_cpu_the_linears_are_not_measured_and_the_summary_says_so() -> None:
+    """On CUDA the linears stay torch's and attention is the backend's: the start line must not call
+    that "reference: plain torch" (seen on an H200 bench, which ran the Triton kernels)."""
+    model = _model_on_backend("torch")
     choice = kernel_choice.apply_kernels(model, "auto", torch.device("cuda"), max_rows=8, max_logit_rows=8)
-    assert choice.table is None and not choice.linears
-    assert choice.summary() == "cuda: torch linears; attention from the attention backend (not measured here)"
-    assert isinstance(model[0], nn.Linear)
+    assert choice.table is None and not choice.linears and not choice.prefill_attention
+    assert choice.summary() == "cuda: torch linears; attention from the attention backend (not measured)"
+
+
+def test_on_cuda_the_triton_backend_gets_its_measured_prefill_attention(tmp_path, monkeypatch) -> None:
+    """The chooser is handed the model's heads, the step's rows and the cache's block size, and its
+    answer goes to the backend and the start line. (The measurement itself: tests/kernels/triton.)"""
+    calls = []
+
+    def tune(table, num_heads, num_kv_heads, head_dim, dtype, max_rows, device, block_size):
+        calls.append((num_heads, num_kv_heads, head_dim, dtype, max_rows, device.type, block_size))
+        return ["triton", "triton", "sdpa", "sdpa"]
+
+    monkeypatch.setattr(kernel_choice, "tune_triton_prefill_attention", tune)
+    monkeypatch.setattr(kernel_choice, "tuning_key", lambda dtype, device=None: {"gpu": "test"})
+    monkeypatch.setattr(registry, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    model = _model_on_backend("triton")
+    choice = kernel_choice.apply_kernels(
+        model, "auto", torch.device("cuda"), max_rows=8, max_logit_rows=8, block_size=32
+    )
+    assert calls == [(4, 2, 64, torch.float32, 8, "cuda", 32)]
+    assert model.model.layers[0].self_attn.backend.prefill_by_bucket == ["triton", "triton", "sdpa", "sdpa"]
+    assert choice.summary() == (
+        "cuda: torch linears; first prefill chunks triton 1-2, sdpa 4-8 rows (after a cached prefix: triton)"
+    )
 
 
 def test_a_table_timed_beside_a_busy_process_is_timed_again_on_a_quiet_start(tiny_model_dir, monkeypatch):

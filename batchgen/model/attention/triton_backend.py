@@ -3,21 +3,30 @@
 Same contract as `TorchAttentionBackend`: store the step's K/V into the paged cache, then attend. The
 decodes (the first `meta.num_decodes` sequences, one query token each) go through the decode kernel,
 split over the context when the batch is small; the prefill chunks after them go through the
-chunked-prefill kernel, which reads all of each chunk's context from the cache.
+chunked-prefill kernel, which reads all of each chunk's context from the cache, except chunks with
+no cached prefix at lengths where torch's SDPA was measured faster (`prefill_by_bucket`, set by
+`batchgen.model.attention_choice.tune_triton_prefill_attention`): those attend to their own K/V
+through SDPA, one call a chunk.
 """
 
 from __future__ import annotations
 
 import torch
 
+from batchgen.kernels.registry import bucket_index
 from batchgen.kernels.triton import paged_decode_attention, paged_prefill_attention, store_kv_cache
 from batchgen.model.attention.base import AttentionBackend, AttentionMetadata
+from batchgen.model.attention.sdpa import causal_attention
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention through Triton kernels; see `AttentionBackend` for the contract."""
 
     name = "triton"
+
+    # Per row bucket (`kernels.registry.ROW_BUCKETS`) of a prefill chunk with no cached prefix:
+    # "triton" or "sdpa", as measured on the device; None: the Triton kernel for every chunk.
+    prefill_by_bucket: list[str] | None = None
 
     def forward(
         self,
@@ -45,16 +54,42 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out[:nd],
             )
         if nd < meta.num_seqs:
-            # Each decode has one query token, so the prefill chunks start at row nd.
-            paged_prefill_attention(
-                query[nd:],
-                k_cache,
-                v_cache,
-                meta.block_tables[nd:],
-                meta.query_start_loc[nd:] - nd,
-                meta.seq_lens[nd:],
-                max(meta.query_lens_cpu[nd:]),
-                scale,
-                out=out[nd:],
-            )
+            segments = meta.scratch.get("triton_prefill_segments")
+            if segments is None:  # the same for every layer of the step
+                segments = meta.scratch["triton_prefill_segments"] = self._prefill_segments(meta)
+            for kind, rows, seqs in segments:
+                if kind == "sdpa":  # one chunk, no cached prefix: its own K/V are its whole context
+                    out[rows] = causal_attention(query[rows], key[rows], value[rows], scale)
+                    continue
+                paged_prefill_attention(
+                    query[rows],
+                    k_cache,
+                    v_cache,
+                    meta.block_tables[seqs],
+                    meta.query_start_loc[seqs.start : seqs.stop + 1] - rows.start,
+                    meta.seq_lens[seqs],
+                    max(meta.query_lens_cpu[seqs]),
+                    scale,
+                    out=out[rows],
+                )
         return out
+
+    def _prefill_segments(self, meta: AttentionMetadata) -> list[tuple[str, slice, slice]]:
+        """The step's prefill chunks as runs for one call each: (kind, "triton" or "sdpa"; their rows
+        in the step; their sequence indices). A "triton" run takes consecutive chunks in one launch;
+        an "sdpa" run is one chunk."""
+        by_bucket = self.prefill_by_bucket
+        segments: list[tuple[str, slice, slice]] = []
+        row = meta.num_decodes  # each decode has one query token, so the prefill chunks start here
+        for i in range(meta.num_decodes, meta.num_seqs):
+            qlen = meta.query_lens_cpu[i]
+            kind = "triton"
+            if by_bucket is not None and qlen == meta.seq_lens_cpu[i]:
+                kind = by_bucket[min(bucket_index(qlen), len(by_bucket) - 1)]
+            last = segments[-1] if segments else None
+            if last is not None and kind == last[0] == "triton":
+                segments[-1] = (kind, slice(last[1].start, row + qlen), slice(last[2].start, i + 1))
+            else:
+                segments.append((kind, slice(row, row + qlen), slice(i, i + 1)))
+            row += qlen
+        return segments

@@ -53,13 +53,14 @@ def tables_for(max_lens, gen):
     return table, sum(blocks) + 3
 
 
-def run_both(query, key, value, caches, meta, dtype, helpers):
+def run_both(query, key, value, caches, meta, dtype, helpers, backend=None):
     """Run both backends on copies of the caches; check outputs and resulting caches; keep triton's caches."""
     k_cache, v_cache = caches
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     scale = HEAD_DIM**-0.5
     expected = TorchAttentionBackend().forward(query, key, value, k_ref, v_ref, meta, scale)
-    got = TritonAttentionBackend().forward(query, key, value, k_cache, v_cache, meta, scale)
+    backend = backend or TritonAttentionBackend()
+    got = backend.forward(query, key, value, k_cache, v_cache, meta, scale)
     valid = int(meta.query_start_loc[-1])
     assert got.shape == query.shape and got.dtype == query.dtype
     helpers.assert_close(got[:valid].cpu(), expected[:valid].cpu(), dtype, "vs TorchAttentionBackend")
@@ -116,3 +117,59 @@ def test_engine_like_sequence_of_steps(device, helpers, gen):
 def test_select_backend_returns_triton(device):
     backend = select_backend("triton", device)
     assert isinstance(backend, TritonAttentionBackend) and backend.name == "triton"
+
+
+# Per row bucket (1, 2, 4, 8, 16, 32, ...): SDPA for chunks of 3-4 and 9-16 tokens, Triton otherwise.
+SDPA_AT_4_AND_16 = ["triton", "triton", "sdpa", "triton", "sdpa", "triton"]
+
+
+def test_prefill_segments_follow_the_measured_choice():
+    # Two decodes; first chunks of 4 (sdpa), 5 and 6 (triton, one launch), 12 (sdpa); a chunk of 4
+    # after a cached prefix (triton whatever its bucket says: SDPA would need the prefix's K/V).
+    seqs = [(1, 9), (1, 20), (4, 4), (5, 5), (6, 6), (12, 12), (4, 30), (40, 40)]
+    table, _ = tables_for([n for _, n in seqs], torch.Generator().manual_seed(0))
+    meta = make_step(seqs, table, torch.device("cpu"))
+    backend = TritonAttentionBackend()
+    assert backend._prefill_segments(meta) == [("triton", slice(2, 73), slice(2, 8))]  # unmeasured
+    backend.prefill_by_bucket = SDPA_AT_4_AND_16
+    assert backend._prefill_segments(meta) == [
+        ("sdpa", slice(2, 6), slice(2, 3)),
+        ("triton", slice(6, 17), slice(3, 5)),
+        ("sdpa", slice(17, 29), slice(5, 6)),
+        ("triton", slice(29, 73), slice(6, 8)),  # 40 tokens: past the list's last bucket, its choice
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_step_with_sdpa_and_triton_chunks_matches_the_reference(dtype, device, helpers, gen):
+    seqs = [(1, 9), (1, 20), (4, 4), (5, 5), (6, 6), (12, 12), (4, 30)]
+    table, num_blocks = tables_for([n for _, n in seqs], gen)
+    caches = helpers.make_cache(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, device, gen)
+    meta = make_step(seqs, table, device, padding_rows=2)
+    query, key, value = random_qkv(meta.slot_mapping.shape[0], dtype, device, gen)
+    backend = TritonAttentionBackend()
+    backend.prefill_by_bucket = SDPA_AT_4_AND_16
+    run_both(query, key, value, caches, meta, dtype, helpers, backend=backend)
+    assert "sdpa" in {kind for kind, _, _ in meta.scratch["triton_prefill_segments"]}
+
+
+def test_tuned_prefill_choice_is_measured_checked_and_cached(device, tmp_path, monkeypatch):
+    from batchgen.kernels import registry
+    from batchgen.kernels.registry import TuningTable
+    from batchgen.model import attention_choice
+
+    key = {"test": "triton prefill"}
+    table = TuningTable.load(key, tmp_path)
+    heads = (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.float32)
+    chosen = attention_choice.tune_triton_prefill_attention(table, *heads, 4, device, BLOCK_SIZE)
+    assert len(chosen) == 3 and set(chosen) <= {"triton", "sdpa"}  # buckets 1, 2, 4
+    for rows, kind in zip((1, 2, 4), chosen, strict=True):
+        entry = table.entries[f"triton_prefill_attention|4x2x64/16:float32|{rows}"]
+        assert entry["chosen"] == kind and entry["dropped"] == {}
+        assert entry["ms"]["triton"] > 0 and entry["ms"]["sdpa"] > 0  # both checked and timed
+    table.save()
+
+    # A second start looks the choice up in the saved table: nothing is timed.
+    monkeypatch.setattr(registry, "fastest_seconds", lambda calls: pytest.fail("timed again"))
+    again = TuningTable.load(key, tmp_path)
+    assert attention_choice.tune_triton_prefill_attention(again, *heads, 4, device, BLOCK_SIZE) == chosen

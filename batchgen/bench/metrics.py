@@ -12,6 +12,10 @@ Definitions (vLLM's benchmark names):
     wall time         bench start (time 0, where arrivals are measured from) -> last finish.
     tail              the moment fewer than `TAIL_REQUESTS` requests are left unfinished -> last
                       finish: the end of a job, where the batch shrinks and the machine idles.
+    tail output tokens/s   output tokens of the steps that end in the tail / tail time. Two runs'
+                      tails can hold different work (a faster run reaches "fewer than 8 left"
+                      with more of its long requests' tokens still to go), so their speeds
+                      compare by this rate, not by the tail's length.
     acceptance rate   speculative decoding: draft tokens accepted / draft tokens verified.
     mean batch size   mean over steps of the sequences in the step (running batch size).
 All times are `time.perf_counter()` seconds relative to the configuration's start.
@@ -234,13 +238,17 @@ def summarize(result: RunResult) -> dict[str, Any]:
 
 def _tail_and_speculation(result: RunResult, ok: list[RequestRecord], wall: float) -> dict[str, Any]:
     """`tail_s` (see the module docstring; the whole wall time when fewer than `TAIL_REQUESTS`
-    requests ran) and the speculative decoding counts (None without them)."""
+    requests ran), the tail's output tokens/s (None without step records) and the speculative
+    decoding counts (None without them)."""
     finishes = sorted(r.finish for r in ok)
     tail_start = finishes[-TAIL_REQUESTS] if len(finishes) >= TAIL_REQUESTS else 0.0
     drafts = _sum_or_none([s.num_draft_tokens for s in result.steps])
     accepted = _sum_or_none([s.num_accepted_tokens for s in result.steps])
+    tail_s = wall - tail_start if finishes else None
+    tail_tokens = sum(s.num_generation_tokens for s in result.steps if s.t > tail_start)
     return {
-        "tail_s": wall - tail_start if finishes else None,
+        "tail_s": tail_s,
+        "tail_output_tokens_per_s": tail_tokens / tail_s if tail_s and result.steps else None,
         "spec_decode_num_draft_tokens": drafts,
         "spec_decode_num_accepted_tokens": accepted,
         "spec_decode_acceptance_rate": accepted / drafts if drafts and accepted is not None else None,

@@ -43,6 +43,7 @@ RATIO_KEYS = (
     "tpot_mean_s",
     "wall_s",
     "tail_s",
+    "tail_output_tokens_per_s",
     "roofline_s",
 )
 

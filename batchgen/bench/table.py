@@ -20,6 +20,8 @@ _ROWS: list[tuple[str, str, str, float, bool]] = [
     ("wall time (s)", "wall_s", "{:.1f}", 1, True),
     # From the moment fewer than 8 requests are left to the end (`metrics.TAIL_REQUESTS`).
     ("tail: < 8 requests left (s)", "tail_s", "{:.1f}", 1, True),
+    # The tail's speed: two runs' tails can hold different work, so compare this, not their length.
+    ("tail: output tokens/s", "tail_output_tokens_per_s", "{:.1f}", 1, True),
     (
         "drafts accepted / verified",
         ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens"),

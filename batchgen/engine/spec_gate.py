@@ -183,12 +183,10 @@ def measure_points(runner: Any, k: int, max_batch: int) -> list[tuple]:
 
 
 def gate_cache_key(runner: Any, k: int, max_batch: int, dtype: torch.dtype) -> dict[str, str]:
-    """What the gate depends on: the kernels' machine key, the GPU if any, the model's shape, the
+    """What the gate depends on: the kernels' machine key (the GPU's too), the model's shape, the
     attention backend and kernel mode, K and the largest batch measured."""
     config = runner.config
-    key = tuning_key(dtype)
-    if runner.device.type == "cuda":
-        key["gpu"] = torch.cuda.get_device_name(runner.device)
+    key = tuning_key(dtype, device=runner.device)  # on CUDA it names the GPU, CUDA and Triton too
     shape = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "vocab_size")  # fmt: skip
     key["model"] = ",".join(str(getattr(config, name, None)) for name in shape)

@@ -161,17 +161,15 @@ def calibration_key(
 ) -> dict[str, str]:
     """What a calibration's times depend on: the machine (as the kernel table's key), the model's
     files, the engine options that change a step's time, and the calibration's own lengths."""
+    import torch
+
     from batchgen.config import resolve_device
     from batchgen.model.kernel_choice import tuning_key
     from batchgen.model.loading.fingerprint import model_fingerprint
 
-    key = tuning_key(dtype, threads)
-    key["calibration"] = str(CALIBRATION_VERSION)
     device = resolve_device(config.device)
-    if device == "cuda":
-        import torch
-
-        device += ":" + torch.cuda.get_device_name()
+    key = tuning_key(dtype, threads, torch.device(device))  # on CUDA: the GPU, CUDA and Triton too
+    key["calibration"] = str(CALIBRATION_VERSION)
     key["device"] = device
     key["model"] = model_fingerprint(config.model) or str(config.model)
     for name in ("max_num_batched_tokens", "block_size", "attention_backend", "kernels", "one_weight_layout"):

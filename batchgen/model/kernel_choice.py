@@ -56,9 +56,16 @@ from batchgen.model.stack_choice import cached_stack_rows, tune_decoder_stack
 
 logger = logging.getLogger(__name__)
 
-# The modules that measure the choices (what a candidate is timed on, how it is checked): a change to
-# one of them makes a cached table stale as surely as a change to a kernel does.
-_CHOOSER_SOURCES = ("kernel_choice.py", "linear_choice.py", "stack_choice.py", "attention_choice.py")
+# The modules that measure the choices (what a candidate is timed on, how it is checked), and torch's
+# SDPA candidate (`attention/sdpa.py`): a change to one of them makes a cached table stale as surely as
+# a change to a kernel does.
+_CHOOSER_SOURCES = (
+    "kernel_choice.py",
+    "linear_choice.py",
+    "stack_choice.py",
+    "attention_choice.py",
+    "attention/sdpa.py",
+)
 
 
 def tuning_key(

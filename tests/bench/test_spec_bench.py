@@ -50,6 +50,9 @@ def test_bench_runs_with_and_without_speculation(tiny_model_dir, tmp_path: Path)
         assert 0 < m["tail_s"] < m["wall_s"]
     ratio = configs["continuous/fcfs+ngram"]["ratios"]["tail_s"]
     assert ratio == pytest.approx(spec["tail_s"] / plain["tail_s"])
+    assert "tail: output tokens/s" in result.output
+    for m in (plain, spec):  # the two long requests' tokens, and maybe a few from the step before
+        assert 0 < m["tail_output_tokens_per_s"] * m["tail_s"] <= m["output_tokens"]
     assert (
         "speculative ngram k=4 n=2-4, gate running batch <= 4 (set)"
         in configs["continuous/fcfs+ngram"]["notes"][0]
@@ -63,13 +66,18 @@ def test_bench_runs_with_and_without_speculation(tiny_model_dir, tmp_path: Path)
 
 
 def test_tail_starts_when_fewer_than_eight_requests_are_left() -> None:
-    def result(finishes: list[float]) -> RunResult:
+    def result(finishes: list[float], steps: list[StepRecord] | None = None) -> RunResult:
         records = [RequestRecord(str(i), 4, 2, 0.0, 0.0, 0.1, f, None, 0.0) for i, f in enumerate(finishes)]
-        return RunResult("c", "continuous", "fcfs", requests=records, steps=[StepRecord(1.0, 1, 1, 1)])
+        steps = steps if steps is not None else [StepRecord(1.0, 1, 1, 1)]
+        return RunResult("c", "continuous", "fcfs", requests=records, steps=steps)
 
     assert TAIL_REQUESTS == 8
     # Ten requests finishing at 1..10 s: after the third (3 s) seven are left; the tail is 7 s.
     assert summarize(result([float(t) for t in range(10, 0, -1)]))["tail_s"] == pytest.approx(7.0)
+    # Its speed: the output tokens of the steps ending after 3 s (5 + 9 + 2), over those 7 s.
+    steps = [StepRecord(t, 4, 4, n) for t, n in ((1.0, 50), (3.0, 40), (3.5, 5), (6.0, 9), (10.0, 2))]
+    tail = summarize(result([float(t) for t in range(10, 0, -1)], steps))
+    assert tail["tail_output_tokens_per_s"] == pytest.approx(16 / 7.0)
     # Exactly eight: fewer than eight are left once the first finishes.
     assert summarize(result([2.0, 4.0, 5, 6, 7, 8, 9, 9.5]))["tail_s"] == pytest.approx(7.5)
     # Fewer than eight from the start: the whole run is tail.

@@ -297,6 +297,7 @@ def test_the_table_key_covers_the_modules_that_measure_the_choices(tmp_path, mon
     copy = tmp_path / "model"
     copy.mkdir()
     for name in kernel_choice._CHOOSER_SOURCES:
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
         (copy / name).write_bytes((ROOT / "batchgen" / "model" / name).read_bytes())
     paths = [copy / name for name in kernel_choice._CHOOSER_SOURCES]
     assert registry.files_hash(copy, paths) == key["choosers"]

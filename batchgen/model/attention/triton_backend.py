@@ -57,7 +57,7 @@ class TritonAttentionBackend(AttentionBackend):
             segments = meta.scratch.get("triton_prefill_segments")
             if segments is None:  # the same for every layer of the step
                 segments = meta.scratch["triton_prefill_segments"] = self._prefill_segments(meta)
-            for kind, rows, seqs in segments:
+            for kind, rows, seqs, query_starts in segments:
                 if kind == "sdpa":  # one chunk, no cached prefix: its own K/V are its whole context
                     out[rows] = causal_attention(query[rows], key[rows], value[rows], scale)
                     continue
@@ -66,7 +66,7 @@ class TritonAttentionBackend(AttentionBackend):
                     k_cache,
                     v_cache,
                     meta.block_tables[seqs],
-                    meta.query_start_loc[seqs.start : seqs.stop + 1] - rows.start,
+                    query_starts,
                     meta.seq_lens[seqs],
                     max(meta.query_lens_cpu[seqs]),
                     scale,
@@ -74,22 +74,34 @@ class TritonAttentionBackend(AttentionBackend):
                 )
         return out
 
-    def _prefill_segments(self, meta: AttentionMetadata) -> list[tuple[str, slice, slice]]:
+    def _prefill_segments(
+        self, meta: AttentionMetadata
+    ) -> list[tuple[str, slice, slice, torch.Tensor | None]]:
         """The step's prefill chunks as runs for one call each: (kind, "triton" or "sdpa"; their rows
-        in the step; their sequence indices). A "triton" run takes consecutive chunks in one launch;
-        an "sdpa" run is one chunk."""
+        in the step; their sequence indices; for "triton" their int32 query starts counted from the
+        run's first row). A "triton" run takes consecutive chunks in one launch; an "sdpa" run is one
+        chunk."""
         by_bucket = self.prefill_by_bucket
-        segments: list[tuple[str, slice, slice]] = []
+        runs: list[tuple[str, slice, slice]] = []
         row = meta.num_decodes  # each decode has one query token, so the prefill chunks start here
         for i in range(meta.num_decodes, meta.num_seqs):
             qlen = meta.query_lens_cpu[i]
             kind = "triton"
             if by_bucket is not None and qlen == meta.seq_lens_cpu[i]:
                 kind = by_bucket[min(bucket_index(qlen), len(by_bucket) - 1)]
-            last = segments[-1] if segments else None
-            if last is not None and kind == last[0] == "triton":
-                segments[-1] = (kind, slice(last[1].start, row + qlen), slice(last[2].start, i + 1))
+            if runs and kind == runs[-1][0] == "triton":
+                _, rows, seqs = runs[-1]
+                runs[-1] = (kind, slice(rows.start, row + qlen), slice(seqs.start, i + 1))
             else:
-                segments.append((kind, slice(row, row + qlen), slice(i, i + 1)))
+                runs.append((kind, slice(row, row + qlen), slice(i, i + 1)))
             row += qlen
-        return segments
+        # Built once a step, not once a layer.
+        return [
+            (
+                kind,
+                rows,
+                seqs,
+                None if kind == "sdpa" else meta.query_start_loc[seqs.start : seqs.stop + 1] - rows.start,
+            )
+            for kind, rows, seqs in runs
+        ]

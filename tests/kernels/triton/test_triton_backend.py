@@ -119,38 +119,57 @@ def test_select_backend_returns_triton(device):
     assert isinstance(backend, TritonAttentionBackend) and backend.name == "triton"
 
 
-# Per row bucket (1, 2, 4, 8, 16, 32, ...): SDPA for chunks of 3-4 and 9-16 tokens, Triton otherwise.
-SDPA_AT_4_AND_16 = ["triton", "triton", "sdpa", "triton", "sdpa", "triton"]
+# Per row bucket (1, 2, 4, 8, 16, 32): SDPA for first chunks of 3-4, 9-16 and more than 16 tokens.
+SDPA_AT_4_16_AND_LONGER = ["triton", "triton", "sdpa", "triton", "sdpa", "sdpa"]
+
+
+def segments(backend, meta):
+    """`_prefill_segments` with each run's query starts as a list (None for an SDPA chunk)."""
+    return [
+        (kind, rows, seqs, None if starts is None else starts.tolist())
+        for kind, rows, seqs, starts in backend._prefill_segments(meta)
+    ]
 
 
 def test_prefill_segments_follow_the_measured_choice():
     # Two decodes; first chunks of 4 (sdpa), 5 and 6 (triton, one launch), 12 (sdpa); a chunk of 4
-    # after a cached prefix (triton whatever its bucket says: SDPA would need the prefix's K/V).
+    # after a cached prefix (triton whatever its bucket says: SDPA would need the prefix's K/V); a
+    # first chunk of 40 (past the list's last bucket: that bucket's choice).
     seqs = [(1, 9), (1, 20), (4, 4), (5, 5), (6, 6), (12, 12), (4, 30), (40, 40)]
     table, _ = tables_for([n for _, n in seqs], torch.Generator().manual_seed(0))
     meta = make_step(seqs, table, torch.device("cpu"))
     backend = TritonAttentionBackend()
-    assert backend._prefill_segments(meta) == [("triton", slice(2, 73), slice(2, 8))]  # unmeasured
-    backend.prefill_by_bucket = SDPA_AT_4_AND_16
-    assert backend._prefill_segments(meta) == [
-        ("sdpa", slice(2, 6), slice(2, 3)),
-        ("triton", slice(6, 17), slice(3, 5)),
-        ("sdpa", slice(17, 29), slice(5, 6)),
-        ("triton", slice(29, 73), slice(6, 8)),  # 40 tokens: past the list's last bucket, its choice
+    unmeasured = [("triton", slice(2, 73), slice(2, 8), [0, 4, 9, 15, 27, 31, 71])]
+    assert segments(backend, meta) == unmeasured
+    backend.prefill_by_bucket = SDPA_AT_4_16_AND_LONGER
+    assert segments(backend, meta) == [
+        ("sdpa", slice(2, 6), slice(2, 3), None),
+        ("triton", slice(6, 17), slice(3, 5), [0, 5, 11]),
+        ("sdpa", slice(17, 29), slice(5, 6), None),
+        ("triton", slice(29, 33), slice(6, 7), [0, 4]),
+        ("sdpa", slice(33, 73), slice(7, 8), None),
     ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_step_with_sdpa_and_triton_chunks_matches_the_reference(dtype, device, helpers, gen):
-    seqs = [(1, 9), (1, 20), (4, 4), (5, 5), (6, 6), (12, 12), (4, 30)]
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(1, 9), (1, 20), (4, 4), (5, 5), (6, 6), (12, 12), (4, 30)],  # decodes, then mixed chunks
+        [(5, 5), (4, 20), (12, 12)],  # prefill only, an SDPA chunk last before the padding rows
+    ],
+    ids=["with decodes", "prefill only"],
+)
+def test_step_with_sdpa_and_triton_chunks_matches_the_reference(seqs, dtype, device, helpers, gen):
     table, num_blocks = tables_for([n for _, n in seqs], gen)
     caches = helpers.make_cache(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, device, gen)
     meta = make_step(seqs, table, device, padding_rows=2)
     query, key, value = random_qkv(meta.slot_mapping.shape[0], dtype, device, gen)
     backend = TritonAttentionBackend()
-    backend.prefill_by_bucket = SDPA_AT_4_AND_16
+    backend.prefill_by_bucket = SDPA_AT_4_16_AND_LONGER
     run_both(query, key, value, caches, meta, dtype, helpers, backend=backend)
-    assert "sdpa" in {kind for kind, _, _ in meta.scratch["triton_prefill_segments"]}
+    kinds = [kind for kind, *_ in meta.scratch["triton_prefill_segments"]]
+    assert "sdpa" in kinds and "triton" in kinds
 
 
 def test_tuned_prefill_choice_is_measured_checked_and_cached(device, tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ ran a 2,048-token causal prompt at about 1.8 times the Triton kernel's rate (doc
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -173,17 +174,6 @@ def tune_triton_prefill_attention(
     scale = head_dim**-0.5
     heads = (num_heads, num_kv_heads, head_dim, dtype, block_size)
 
-    def synced(call):
-        if device.type != "cuda":  # Triton's interpreter (tests) runs on the host: nothing to wait for
-            return call
-
-        def call_and_wait():
-            out = call()
-            torch.cuda.synchronize(device)
-            return out
-
-        return call_and_wait
-
     @functools.lru_cache(maxsize=1)
     def data(rows: int) -> dict[str, torch.Tensor]:
         case = {name: t.to(device) for name, t in _prefill_case(rows, rows, *heads, generator).items()}
@@ -196,21 +186,13 @@ def tune_triton_prefill_attention(
         d = data(rows)
         out = torch.empty_like(d["q"])
         args = (d["q"], d["k_cache"], d["v_cache"], d["tables"], d["starts"], d["seq_lens"], rows, scale)
-        return synced(lambda: paged_prefill_attention(*args, out=out))
-
-    def own_kv_sdpa(d: dict[str, torch.Tensor], rows: int, dtype: torch.dtype) -> torch.Tensor:
-        q, k, v = d["q"].to(dtype), d["k"].to(dtype), d["v"].to(dtype)
-        out = torch.empty_like(q)
-        for first in range(0, q.shape[0], rows):
-            chunk = slice(first, first + rows)
-            out[chunk] = causal_attention(q[chunk], k[chunk], v[chunk], scale)
-        return out
+        return _synced(lambda: paged_prefill_attention(*args, out=out), device)
 
     def sdpa(rows: int):
-        return synced(lambda: own_kv_sdpa(data(rows), rows, dtype))
+        return _synced(lambda: _own_kv_sdpa(data(rows), rows, dtype, scale), device)
 
     def reference(rows: int) -> torch.Tensor:
-        return own_kv_sdpa(data(rows), rows, torch.float32)
+        return _own_kv_sdpa(data(rows), rows, torch.float32, scale)
 
     shape = f"{num_heads}x{num_kv_heads}x{head_dim}/{block_size}:{str(dtype).removeprefix('torch.')}"
     buckets = buckets_up_to(max_rows)
@@ -228,6 +210,31 @@ def tune_triton_prefill_attention(
     )
     data.cache_clear()
     return [chosen[rows] for rows in buckets]
+
+
+def _synced(call: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], torch.Tensor]:
+    """`call`, then on CUDA a wait for the device, so that a timer sees the kernels, not their launch.
+    (Triton's interpreter, in tests, runs on the host: nothing to wait for.)"""
+    if device.type != "cuda":
+        return call
+
+    def call_and_wait() -> torch.Tensor:
+        out = call()
+        torch.cuda.synchronize(device)
+        return out
+
+    return call_and_wait
+
+
+def _own_kv_sdpa(case: dict[str, torch.Tensor], rows: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The causal attention of `case`'s chunks of `rows` queries, each over its own K/V (`case["k"]`,
+    `case["v"]`, no cached prefix), one SDPA call a chunk in `dtype`."""
+    q, k, v = case["q"].to(dtype), case["k"].to(dtype), case["v"].to(dtype)
+    out = torch.empty_like(q)
+    for first in range(0, q.shape[0], rows):
+        chunk = slice(first, first + rows)
+        out[chunk] = causal_attention(q[chunk], k[chunk], v[chunk], scale)
+    return out
 
 
 # Context tokens of each sequence in the timed decode steps: about a long-tail job's median.

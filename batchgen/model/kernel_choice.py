@@ -28,14 +28,12 @@ from batchgen.config import KERNEL_MODES
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu.linear import (
     WEIGHT_LAYOUTS,
-    Bf16Linear,
     TunedLinear,
     can_prepack,
     linear_candidates,
     prepack_linears,
     release_freed_heap,
 )
-from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
 from batchgen.kernels.machine_load import LoadSample
 from batchgen.kernels.registry import (
     ROW_BUCKETS,
@@ -52,7 +50,7 @@ from batchgen.model.attention_choice import (
     tune_triton_prefill_attention,
 )
 from batchgen.model.linear_choice import plan_layouts, shape_name, table_shape, tune_linear
-from batchgen.model.stack_choice import cached_stack_rows, tune_decoder_stack
+from batchgen.model.stack_choice import build_decoder_stack, cached_stack_rows, tune_decoder_stack
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +170,45 @@ def _named_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
             yield name, module
 
 
+def _choose_linears(
+    model: nn.Module,
+    table: TuningTable,
+    max_rows: int,
+    max_logit_rows: int,
+    one_layout: bool,
+    stack_possible: bool,
+    choice: KernelChoice,
+) -> list[str]:
+    """Measure (or look up) each linear shape's implementation per row bucket, put them into `model`
+    (a `TunedLinear` where buckets differ) and record them in `choice.linears`; with `stack_possible`
+    every layer linear also holds batchgen's bf16 layout for the decoder stack's measurement.
+    Returns `shape_name` of every layer linear (the LM head aside), repeats included."""
+    by_shape: dict[str, list[str]] = {}
+    layer_shapes: list[str] = []  # one entry per layer linear, for `table_linear_rate`
+    for name, linear in list(_named_linears(model)):
+        is_head = name.endswith("lm_head")
+        if not is_head:
+            layer_shapes.append(shape_name(linear))
+        rows = max_logit_rows if is_head else max_rows
+        key = f"{shape_name(linear)}@{rows}"
+        if key not in by_shape:
+            by_shape[key] = plan_layouts(tune_linear(table, linear, rows), one_layout)
+        by_bucket = by_shape[key]
+        choice.linears[key] = by_bucket
+        builders = linear_candidates(linear.weight, linear.bias)
+        kinds = list(dict.fromkeys(by_bucket))
+        packed = {k for k in kinds if WEIGHT_LAYOUTS.get(k) == "packed_bf16"}
+        if stack_possible and not is_head and "bf16_c" in builders and not packed:
+            kinds.append("bf16_c")
+        impls = {kind: builders[kind]() for kind in kinds}
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(
+            parent, child, TunedLinear(impls, by_bucket) if len(impls) > 1 else next(iter(impls.values()))
+        )
+    return layer_shapes
+
+
 def apply_kernels(
     model: nn.Module,
     mode: str,
@@ -213,29 +250,7 @@ def apply_kernels(
     # even where the per-layer path does not use it, and dropped again where the stack loses.
     stack_possible = dtype == torch.bfloat16 and not one_layout and _fused_cpu_backend(model)
     stack_possible = stack_possible and cached_stack_rows(model, table, max_logit_rows) != 0
-    by_shape: dict[str, list[str]] = {}
-    layer_shapes: list[str] = []  # one entry per layer linear, for `table_linear_rate`
-    for name, linear in list(_named_linears(model)):
-        is_head = name.endswith("lm_head")
-        if not is_head:
-            layer_shapes.append(shape_name(linear))
-        rows = max_logit_rows if is_head else max_rows
-        key = f"{shape_name(linear)}@{rows}"
-        if key not in by_shape:
-            by_shape[key] = plan_layouts(tune_linear(table, linear, rows), one_layout)
-        by_bucket = by_shape[key]
-        choice.linears[key] = by_bucket
-        builders = linear_candidates(linear.weight, linear.bias)
-        kinds = list(dict.fromkeys(by_bucket))
-        packed = {k for k in kinds if WEIGHT_LAYOUTS.get(k) == "packed_bf16"}
-        if stack_possible and not is_head and "bf16_c" in builders and not packed:
-            kinds.append("bf16_c")
-        impls = {kind: builders[kind]() for kind in kinds}
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(
-            parent, child, TunedLinear(impls, by_bucket) if len(impls) > 1 else next(iter(impls.values()))
-        )
+    layer_shapes = _choose_linears(model, table, max_rows, max_logit_rows, one_layout, stack_possible, choice)
     choice.largest_bucket_flops_per_s = table_linear_rate(layer_shapes, table, dtype, max_rows)
     _choose_attention(model, table, dtype, max_rows, max_logit_rows, choice)
     stack = build_decoder_stack(model, max_rows=0)
@@ -364,51 +379,3 @@ def _choose_triton_attention(
         torch.cuda.empty_cache()
     choice.seconds = time.perf_counter() - start
     return choice
-
-
-def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:
-    """The packed bf16 weight of batchgen's own kernel in `linear` (a `Bf16Linear`, or a
-    `TunedLinear` holding one), where it has one and no bias (the stack adds none)."""
-    if isinstance(linear, TunedLinear):
-        packed = [m for m in linear.impls.values() if isinstance(m, Bf16Linear)]  # AmxLinear is one too
-        linear = packed[0] if packed else None
-    if not isinstance(linear, Bf16Linear) or linear.bias is not None:
-        return None
-    return linear.packed_weight
-
-
-def build_decoder_stack(model: nn.Module, max_rows: int) -> DecoderStack | None:
-    """The C decoder stack for `model`, or None where it does not apply: a bf16 model on the "cpu"
-    attention backend whose layer linears all hold batchgen's bf16 kernel, without biases or
-    Qwen3's q/k norms, with one attention scale. `max_rows`: the stack's row limit (0: none)."""
-    layers = model.model.layers
-    if not layers or not getattr(layers[0].self_attn.backend, "fused_cpu_ops", False):
-        return None
-    first = layers[0].self_attn
-    config = model.config
-    dims = StackDims(
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_q_heads=first.num_heads,
-        num_kv_heads=first.num_kv_heads,
-        head_dim=first.head_dim,
-        eps=float(config.rms_norm_eps),
-        scale=float(first.scale),
-    )
-    if not DecoderStack.applies(dims):
-        return None
-    stack_layers = []
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        weights = [_bf16_weight(p) for p in projections]
-        if any(w is None for w in weights):
-            return None
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if attn.qk_norm or attn.scale != first.scale:
-            return None
-        if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in norms):
-            return None
-        qkv, o, gate_up, down = weights
-        stack_layers.append(StackLayer(norms[0], qkv, o, norms[1], gate_up, down))
-    return DecoderStack(dims, stack_layers, max_rows=max_rows)

@@ -1,8 +1,9 @@
 """The measured choice between the one-call C decoder stack and the per-layer path, by step rows.
 
-The stack (`kernels/cpu/stack.py`) runs every decoder layer of a step in one C call with batchgen's
-bf16 linear kernel, or its AMX one (both are candidates where AMX is there); the per-layer path runs each layer's ops from Python with the linears the
-registry chose per row bucket (oneDNN's, say, where it is faster). The stack saves the Python
+The stack (`kernels/cpu/stack.py`, built from the model's layers by `build_decoder_stack`) runs every
+decoder layer of a step in one C call with batchgen's bf16 linear kernel, or its AMX one (both are
+candidates where AMX is there); the per-layer path runs each layer's ops from Python with the linears
+the registry chose per row bucket (oneDNN's, say, where it is faster). The stack saves the Python
 and dispatch cost of some ten calls a layer, which is most of a small decode step; its linears
 lose to a matrix-unit kernel as rows grow. Where the crossing lies depends on the machine, so
 `tune_decoder_stack` times a synthetic decode step of the real model both ways at each row bucket.
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from batchgen.kernels.cpu.linear import AmxLinear, Bf16Linear, TunedLinear, fused_swiglu
-from batchgen.kernels.cpu.stack import DecoderStack
+from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
 from batchgen.kernels.registry import TuningTable, buckets_up_to, choose, entry_key, matches
 from batchgen.model.attention.base import AttentionMetadata
 
@@ -180,3 +181,51 @@ def cached_stack_rows(model: nn.Module, table: TuningTable, max_rows: int) -> in
     if any(entry is None for entry in entries):
         return None
     return _stack_rows([entry["chosen"] for entry in entries], buckets)
+
+
+def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:
+    """The packed bf16 weight of batchgen's own kernel in `linear` (a `Bf16Linear`, or a
+    `TunedLinear` holding one), where it has one and no bias (the stack adds none)."""
+    if isinstance(linear, TunedLinear):
+        packed = [m for m in linear.impls.values() if isinstance(m, Bf16Linear)]  # AmxLinear is one too
+        linear = packed[0] if packed else None
+    if not isinstance(linear, Bf16Linear) or linear.bias is not None:
+        return None
+    return linear.packed_weight
+
+
+def build_decoder_stack(model: nn.Module, max_rows: int) -> DecoderStack | None:
+    """The C decoder stack for `model`, or None where it does not apply: a bf16 model on the "cpu"
+    attention backend whose layer linears all hold batchgen's bf16 kernel, without biases or
+    Qwen3's q/k norms, with one attention scale. `max_rows`: the stack's row limit (0: none)."""
+    layers = model.model.layers
+    if not layers or not getattr(layers[0].self_attn.backend, "fused_cpu_ops", False):
+        return None
+    first = layers[0].self_attn
+    config = model.config
+    dims = StackDims(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_q_heads=first.num_heads,
+        num_kv_heads=first.num_kv_heads,
+        head_dim=first.head_dim,
+        eps=float(config.rms_norm_eps),
+        scale=float(first.scale),
+    )
+    if not DecoderStack.applies(dims):
+        return None
+    stack_layers = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        weights = [_bf16_weight(p) for p in projections]
+        if any(w is None for w in weights):
+            return None
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if attn.qk_norm or attn.scale != first.scale:
+            return None
+        if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in norms):
+            return None
+        qkv, o, gate_up, down = weights
+        stack_layers.append(StackLayer(norms[0], qkv, o, norms[1], gate_up, down))
+    return DecoderStack(dims, stack_layers, max_rows=max_rows)

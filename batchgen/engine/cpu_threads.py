@@ -9,10 +9,10 @@ measured: docs/benchmarks.md). Running as many threads as there are cores nobody
 the loss to about the share of the cores taken.
 
 `CpuThreads` measures the other processes' load (`batchgen.kernels.machine_load`: /proc/stat, all
-CPU time on the machine less this process's own) at engine start and again every `recheck_s` seconds between steps, and
-sets `torch.set_num_threads` to the cores left free (at least one). A user's `--num-threads` is
-kept as given (with a warning when the machine is busy). On a system without /proc/stat (not
-Linux), nothing is measured and torch's default stays.
+CPU time on the machine less this process's own) at engine start and again every `recheck_s`
+seconds between steps, and sets `torch.set_num_threads` to the cores left free (at least one). A
+user's `--num-threads` is kept as given (with a warning when the machine is busy). On a system
+without /proc/stat (not Linux), nothing is measured and torch's default stays.
 """
 
 from __future__ import annotations

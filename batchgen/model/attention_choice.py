@@ -105,14 +105,19 @@ def tune_prefill_attention(
 
 def _sdpa_chunks(case: dict[str, torch.Tensor], rows: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """The causal attention of `case`'s chunks of `rows` queries through torch's SDPA in `dtype`, one
-    call a chunk on its context gathered from the paged cache, as the torch backend does."""
+    call a chunk: on the chunk's own K/V where `case` holds them ("k", "v": fresh chunks, as a step
+    computed them), else on its context gathered from the paged cache, as the torch backend does."""
     q = case["q"].to(dtype)
     out = torch.empty_like(q)
-    context = int(case["seq_lens"][0])
+    own_kv = "k" in case
+    context = rows if own_kv else int(case["seq_lens"][0])
     for chunk, first in enumerate(range(0, q.shape[0], rows)):
-        k = gather_context(case["k_cache"], case["tables"][chunk], context).to(dtype)
-        v = gather_context(case["v_cache"], case["tables"][chunk], context).to(dtype)
-        out[first : first + rows] = causal_attention(q[first : first + rows], k, v, scale)
+        if own_kv:
+            k, v = case["k"][first : first + rows], case["v"][first : first + rows]
+        else:
+            k = gather_context(case["k_cache"], case["tables"][chunk], context)
+            v = gather_context(case["v_cache"], case["tables"][chunk], context)
+        out[first : first + rows] = causal_attention(q[first : first + rows], k.to(dtype), v.to(dtype), scale)
     return out
 
 
@@ -189,10 +194,10 @@ def tune_triton_prefill_attention(
         return _synced(lambda: paged_prefill_attention(*args, out=out), device)
 
     def sdpa(rows: int):
-        return _synced(lambda: _own_kv_sdpa(data(rows), rows, dtype, scale), device)
+        return _synced(lambda: _sdpa_chunks(data(rows), rows, dtype, scale), device)
 
     def reference(rows: int) -> torch.Tensor:
-        return _own_kv_sdpa(data(rows), rows, torch.float32, scale)
+        return _sdpa_chunks(data(rows), rows, torch.float32, scale)
 
     shape = f"{num_heads}x{num_kv_heads}x{head_dim}/{block_size}:{str(dtype).removeprefix('torch.')}"
     buckets = buckets_up_to(max_rows)
@@ -224,17 +229,6 @@ def _synced(call: Callable[[], torch.Tensor], device: torch.device) -> Callable[
         return out
 
     return call_and_wait
-
-
-def _own_kv_sdpa(case: dict[str, torch.Tensor], rows: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """The causal attention of `case`'s chunks of `rows` queries, each over its own K/V (`case["k"]`,
-    `case["v"]`, no cached prefix), one SDPA call a chunk in `dtype`."""
-    q, k, v = case["q"].to(dtype), case["k"].to(dtype), case["v"].to(dtype)
-    out = torch.empty_like(q)
-    for first in range(0, q.shape[0], rows):
-        chunk = slice(first, first + rows)
-        out[chunk] = causal_attention(q[chunk], k[chunk], v[chunk], scale)
-    return out
 
 
 # Context tokens of each sequence in the timed decode steps: about a long-tail job's median.

@@ -147,8 +147,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
     embeddings), "qwen3" (q/k norm, head_dim 32, tied) or "mistral" (one KV head). Every model has
     hidden size 64, 2 layers, intermediate size 128, max_position_embeddings 2048, float32 weights
     (seeded with `torch.manual_seed(0)`), the default model's tokenizer (vocab 49152, from
-    `tokenizer_dir`), and a
-    generation config whose eos ids are [2 (<|im_end|>), 0 (<|endoftext|>)].
+    `tokenizer_dir`), and a generation config whose eos ids are [2 (<|im_end|>), 0 (<|endoftext|>)].
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 

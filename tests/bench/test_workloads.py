@@ -167,16 +167,17 @@ def test_timestamp_keeps_seven_fractional_digits() -> None:
 
 def test_load_trace_with_crlf_and_no_final_newline(tmp_path: Path) -> None:
     path = tmp_path / "trace.csv"
+    # Made-up rows in the trace's format (the shared data's own rows stay in ../shared/data).
     path.write_bytes(
         b"TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
-        b"2023-11-16 18:15:46.6805900,374,44\r\n"
-        b"2023-11-16 18:15:46.6805901,396,109\r\n"
-        b"2023-11-16 18:15:50.9951690,5,1"
+        b"2024-01-02 03:04:05.1000000,120,30\r\n"
+        b"2024-01-02 03:04:05.1000001,250,80\r\n"
+        b"2024-01-02 03:04:09.4145790,5,1"
     )
     trace = load_azure_trace(path)
     assert len(trace) == 3
-    assert trace.context_tokens.tolist() == [374, 396, 5]
-    assert trace.generated_tokens.tolist() == [44, 109, 1]
+    assert trace.context_tokens.tolist() == [120, 250, 5]
+    assert trace.generated_tokens.tolist() == [30, 80, 1]
     assert trace.times[0] == 0.0
     assert trace.times[1] == pytest.approx(1 / TICKS_PER_SECOND, abs=1e-12)
     assert trace.times[2] == pytest.approx(4.314579, abs=1e-9)

@@ -31,6 +31,10 @@ _BLOCK_SIZE = 16
 # float32 sums): they differ by the order of a few sums at most.
 _RTOL = 2e-2
 
+# The "cpu" attention backend's measured choices (`CPUAttentionBackend`); the stack calls the C
+# kernels whatever they say.
+_ATTENTION_CHOICES = ("decode_by_bucket", "prefill_by_bucket", "prefill_after_prefix_by_bucket")
+
 
 def _decode_step(rows: int, num_layers: int, num_kv_heads: int, head_dim: int, vocab: int, generator):
     """Inputs of a decode step of `rows` sequences at `_CONTEXT` tokens each, and its caches."""
@@ -133,11 +137,19 @@ def tune_decoder_stack(
 @contextlib.contextmanager
 def _layers_on(model: nn.Module, linear: str) -> Iterator[None]:
     """Within the block, every tuned linear of the decoder layers runs `linear` ("bf16_c" or "amx_c")
-    on its packed weight at every row count: the per-layer path on the stack's own kernels."""
+    on its packed weight at every row count, and attention runs the C kernels the stack calls: the
+    per-layer path on the stack's own kernels. (The attention choice measured before may be torch's
+    at some batch sizes, on a machine with more threads than free cores for one; torch rounds
+    otherwise in bf16, which once dropped a correct stack.)"""
     kernel = AmxLinear if linear == "amx_c" else Bf16Linear
     layer_linears = [m for m in model.model.layers.modules() if isinstance(m, TunedLinear)]
     saved = [(m._by_rows, m._swiglu_by_rows) for m in layer_linears]
+    backend = getattr(getattr(model.model.layers[0], "self_attn", None), "backend", None)
+    attention_fields = [f for f in _ATTENTION_CHOICES if hasattr(backend, f)]
+    saved_attention = {f: getattr(backend, f) for f in attention_fields}
     try:
+        for f in attention_fields:
+            setattr(backend, f, None)  # None: the C kernel at every batch and chunk length
         for m in layer_linears:
             packed = next(i for i in m.impls.values() if isinstance(i, Bf16Linear))
             impl = kernel(packed.packed_weight, packed.bias)
@@ -148,6 +160,8 @@ def _layers_on(model: nn.Module, linear: str) -> Iterator[None]:
     finally:
         for m, (by_rows, swiglu_by_rows) in zip(layer_linears, saved, strict=True):
             m._by_rows, m._swiglu_by_rows = by_rows, swiglu_by_rows
+        for f, value in saved_attention.items():
+            setattr(backend, f, value)
 
 
 # The stack's candidates in the tuning table -> the linear kernel each runs.

@@ -129,3 +129,32 @@ def test_a_block_id_outside_the_cache_is_a_clear_error(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="block ids must lie in"):
         with torch.inference_mode():
             runner.model(input_ids, positions, runner.kv_caches, meta, logits_indices)
+
+
+def test_the_stacks_check_runs_the_layers_on_its_c_attention_whatever_was_measured(tiny_model_dir) -> None:
+    """`tune_decoder_stack` compares the stack with the per-layer path on the stack's own kernels. The
+    stack always calls the C attention kernels, while the measured choice may be torch's at some
+    batch sizes (with more threads than free cores); torch rounds otherwise in bf16, which dropped a
+    correct stack. Within `_layers_on` the layers run the C kernels; after it, the measured choice."""
+    from batchgen.model.stack_choice import _layers_on
+
+    runner = tiny_bf16_llm(tiny_model_dir).llm_engine.runner
+    backend = runner.model.model.layers[0].self_attn.backend
+    measured = (["torch"] * 12, ["sdpa"] * 12, ["sdpa"] * 12)
+    backend.decode_by_bucket, backend.prefill_by_bucket, backend.prefill_after_prefix_by_bucket = measured
+    for seqs in (
+        step_inputs([(0, 0, 3), (4, 0, 17), (8, 0, 40)]),  # first chunks (sdpa by the measured choice)
+        step_inputs([(0, 3, 1), (4, 17, 1), (8, 40, 1)]),  # decodes (torch by the measured choice)
+    ):
+        before = [t.clone() for pair in runner.kv_caches for t in pair]
+        with _layers_on(runner.model, "bf16_c"):
+            assert backend.decode_by_bucket is None and backend.prefill_by_bucket is None
+            layers = run_step(runner, seqs, use_stack=False)
+        for t, saved in zip((t for pair in runner.kv_caches for t in pair), before, strict=True):
+            t.copy_(saved)
+        assert torch.equal(run_step(runner, seqs, use_stack=True), layers)
+    assert (
+        backend.decode_by_bucket,
+        backend.prefill_by_bucket,
+        backend.prefill_after_prefix_by_bucket,
+    ) == measured

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from batchgen.stop_signals import STOP_SIGNALS
+from batchgen.stop_signals import STOP_SIGNALS, handled_stop_signals
 
 if TYPE_CHECKING:
     from batchgen.distributed.pool import ReplicaOptions
@@ -118,7 +118,7 @@ def _run_reporting_errors(options: JobOptions, scale_out: ReplicaOptions | None)
         last_signal[0] = signum
         raise KeyboardInterrupt
 
-    for s in STOP_SIGNALS:  # SIGINT keeps Python's KeyboardInterrupt, and its exit code 130
+    for s in handled_stop_signals():  # SIGINT keeps Python's KeyboardInterrupt, and its exit code 130
         if s != signal.SIGINT:
             signal.signal(s, stop_on_sigterm)
     try:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from batchgen.model.loading.loader import (
     ModelNotFoundError,
     resolve_model,
 )
+from batchgen.stop_signals import STOP_SIGNALS
 
 # Triton decides at decoration time whether a kernel is compiled or interpreted: without a GPU, every
 # test that imports `kernels` (directly or through the triton backend) must see the interpreter.
@@ -53,6 +55,20 @@ def _small_gpu_for_test_engines(monkeypatch: pytest.MonkeyPatch) -> None:
             return max(TEST_GPU_MEMORY - used, 0), TEST_GPU_MEMORY
 
         monkeypatch.setattr(torch.cuda, "mem_get_info", small)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _stop_signals_not_ignored() -> Iterator[None]:
+    """The suite stops runs with SIGINT, SIGTERM and SIGHUP (in this process and in the commands it
+    starts), and a run keeps a signal its process was started with ignored (`nohup`, a script's
+    background job). So a suite started that way would see none of its signals land: for the
+    session, an inherited ignore is replaced by the default (Python's KeyboardInterrupt for SIGINT)."""
+    ignored = [s for s in STOP_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
+    for s in ignored:
+        signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+    yield
+    for s in ignored:
+        signal.signal(s, signal.SIG_IGN)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from batchgen.stop_signals import STOP_SIGNALS
+from batchgen.stop_signals import STOP_SIGNALS, handled_stop_signals
 
 
 class Interrupt:
@@ -17,7 +17,8 @@ class Interrupt:
     committed), a second goes to the handler that was there before (the CLI's, which records the
     signal for the exit code; Python's KeyboardInterrupt for SIGINT), else raises KeyboardInterrupt.
     SIGTERM is what `timeout`, `docker stop`, systemd and Slurm send, and SIGHUP what a closed
-    terminal sends, so both are handled as Ctrl-C is. Inside `shielded()` (a commit) signals are
+    terminal sends, so both are handled as Ctrl-C is; one the process was started with ignored
+    (`nohup`'s SIGHUP) stays ignored. Inside `shielded()` (a commit) signals are
     only recorded, so a burst of Ctrl-C cannot stop a commit half-way and lose its rows."""
 
     SIGNALS = STOP_SIGNALS
@@ -39,7 +40,9 @@ class Interrupt:
 
     def __enter__(self) -> Interrupt:
         if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            # A signal ignored since the process started (`nohup`: SIGHUP) stays ignored.
+            handled = [s for s in handled_stop_signals() if s in self.SIGNALS]
+            self._previous = {s: signal.signal(s, self._handle) for s in handled}
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:

@@ -125,3 +125,29 @@ def test_sigint_sigterm_and_sighup_commit_and_resume(setup, tmp_path, sig):
     codes = interrupt_and_resume(setup, out, sig, kills=2, seed=11)
     assert codes and codes[0] == 128 + sig
     assert rows_of(out) == setup[2]
+
+
+def _ignore_sighup_and_sigint() -> None:  # in the child, before exec: what `nohup cmd &` in a script does
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.slow
+def test_a_run_started_under_nohup_in_the_background_ignores_sighup_and_sigint(setup, tmp_path):
+    """`nohup batchgen run ... &` from a script: closing the terminal (SIGHUP) and the script's
+    Ctrl-C (SIGINT, ignored for background jobs) must not stop the job."""
+    src, model, expected = setup
+    out = tmp_path / "nohup.parquet"
+    proc = subprocess.Popen(
+        command(src, out, model), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_ignore_sighup_and_sigint,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and committed_parts(out) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before its first commit was seen"
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr
+    assert rows_of(out) == expected

@@ -8,13 +8,14 @@ SIGTERM / SIGHUP (committed rows kept; the same command resumes).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import shlex
 import sys
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, get_args
 
 import typer
 
@@ -57,7 +58,8 @@ def run_command(
     output: Annotated[
         str | None,
         typer.Option(
-            help="Output file (default <input stem>.out.parquet; .out.jsonl for OpenAI batch input)"
+            help="Output file (default: the input's path with its .parquet/.jsonl/.json/.ndjson suffix "
+            "replaced by .out.parquet; .out.jsonl for OpenAI batch input)"
         ),
     ] = None,
     overwrite: Annotated[
@@ -268,7 +270,9 @@ _job_action: ContextVar[Callable[[JobOptions, str | None], None] | None] = Conte
 def plan_command(**values: Any) -> None:
     """Plan a job without running it: rows, error rows, prompt tokens, output budget, prefix-cache
     savings and KV-cache memory from the job file and the model's tokenizer, and the estimated wall
-    time from a few steps timed on this machine (the model is loaded for them on a CPU; cached)."""
+    time from a few steps timed on this machine (the model is loaded for them on a CPU; cached).
+    Takes a `run` command line as it is: the options that only change how a run reports, commits or
+    where it runs (Ray) are accepted, and not listed here."""
     from batchgen.jobs.wall_time import WallTimeOptions
 
     as_json = values.pop("json_output")
@@ -343,8 +347,37 @@ _plan_options = [
         ],
     ),
 ]
+# `run`'s options that change nothing a plan says: how a run reports, commits and where it runs.
+# `plan` accepts them (a run's command line plans as it is, with `run` changed to `plan`) but its
+# --help does not list them.
+_RUN_ONLY_OPTIONS = (
+    "no_dashboard",
+    "commit_every",
+    "commit_interval",
+    "progress_interval",
+    "metrics_port",
+    "metrics_host",
+    "metrics_file",
+    "replicas",
+    "ray_address",
+    "gpus_per_replica",
+    "cpus_per_replica",
+)
+
+
+def _hidden(parameter: inspect.Parameter) -> inspect.Parameter:
+    """`parameter` (an `Annotated[type, typer.Option(...)]`) with its option left out of --help."""
+    base, info, *rest = get_args(parameter.annotation)
+    info = copy.copy(info)
+    info.hidden = True
+    return parameter.replace(annotation=Annotated[(base, info, *rest)])
+
+
 plan_command.__signature__ = _run_signature.replace(  # type: ignore[attr-defined]
-    parameters=[*_run_signature.parameters.values(), *_plan_options]
+    parameters=[
+        *(_hidden(p) if p.name in _RUN_ONLY_OPTIONS else p for p in _run_signature.parameters.values()),
+        *_plan_options,
+    ]
 )
 plan_command.__annotations__ = {p.name: p.annotation for p in plan_command.__signature__.parameters.values()}
 app.command("plan")(plan_command)

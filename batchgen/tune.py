@@ -51,7 +51,15 @@ def tune_command(
     max_num_seqs: opt.MaxNumSeqs = EngineConfig.max_num_seqs,
     max_num_batched_tokens: opt.MaxNumBatchedTokens = EngineConfig.max_num_batched_tokens,
     max_model_len: opt.MaxModelLen = EngineConfig.max_model_len,
-    kv_cache_memory: opt.KvCacheMemory = "64MiB",
+    kv_cache_memory: Annotated[
+        int | None,
+        typer.Option(
+            parser=opt.memory_size,
+            metavar="SIZE",
+            help="KV cache of the engine started to measure (bytes or 2GiB, 512MiB); small, as the "
+            "table does not depend on it",
+        ),
+    ] = "64MiB",
     attention_backend: opt.AttentionBackend = EngineConfig.attention_backend,
     device: opt.Device = EngineConfig.device,
     num_threads: opt.NumThreads = EngineConfig.num_threads,
@@ -59,20 +67,27 @@ def tune_command(
     """Choose the kernels for a model on this machine and print the measured table (cached: a
     second call, like a second `batchgen run`, measures nothing)."""
     from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.jobs.options import flag_hint
+    from batchgen.model.loading.architectures import ModelNotFoundError
 
-    config = EngineConfig(
-        model=model,
-        dtype=dtype,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        kv_cache_memory=kv_cache_memory,
-        attention_backend=attention_backend,
-        device=device,
-        num_threads=num_threads,
-        kernels="auto",
-    )
-    engine = LLMEngine(config)
+    try:
+        engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                kv_cache_memory=kv_cache_memory,
+                attention_backend=attention_backend,
+                device=device,
+                num_threads=num_threads,
+                kernels="auto",
+            )
+        )
+    except (ModelNotFoundError, ValueError) as e:  # `run` and `bench` answer the same options so
+        typer.echo(f"error: {e}{flag_hint(str(e))}", err=True)
+        raise typer.Exit(2) from None
     choice = engine.runner.kernel_choice
     seconds = choice.seconds
     if choice.table is None:

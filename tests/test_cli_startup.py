@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,22 @@ def test_help_runs_through_the_console_entry_point() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "run" in proc.stdout and "bench" in proc.stdout
+
+
+def test_plan_help_lists_only_the_options_that_change_a_plan() -> None:
+    def help_of(command: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "batchgen", command, "--help"],
+            capture_output=True, text=True, cwd=REPO, timeout=60, env={**os.environ, "COLUMNS": "200"},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    plan, run = help_of("plan"), help_of("run")
+    for option in ("--metrics-port", "--commit-every", "--no-dashboard", "--replicas", "--ray-address"):
+        assert option in run and option not in plan, option
+    for option in ("--max-tokens", "--kv-cache-memory", "--limit", "--json", "--calibrate"):
+        assert option in plan, option
 
 
 def test_an_import_error_in_the_bench_fails_loudly() -> None:

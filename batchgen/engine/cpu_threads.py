@@ -35,11 +35,21 @@ class CpuThreads:
         recheck_s: seconds between measurements during the run (between steps; a measurement is
             two reads of /proc/stat, microseconds).
         sample_s: length of the first measurement at start (seconds).
+
+    Raises:
+        ValueError: `requested` is more than the CPUs this process may run on. The threads of every
+            parallel region wait for each other at its end, so threads beyond the CPUs spend each
+            region waiting for a CPU: a 1,000-thread run on 2 cores seemed to hang at start.
     """
 
     def __init__(self, requested: int | None, recheck_s: float = 20.0, sample_s: float = 0.1) -> None:
         self.requested = requested
         self.cores = usable_cores()
+        if requested is not None and requested > self.cores:
+            raise ValueError(
+                f"num_threads is {requested}, more than the {self.cores} CPUs this process may run on; "
+                f"give at most {self.cores}, or leave it unset to use the CPUs other processes leave free"
+            )
         self.recheck_s = recheck_s
         self.threads = requested or torch.get_num_threads()
         self._default = torch.get_num_threads()

@@ -43,10 +43,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Before the kernels are measured: they are timed at the thread count the run will use. (It
+        # refuses more threads than CPUs, so before torch is given them.)
+        self.cpu_threads = CpuThreads(config.num_threads) if config.device != "cuda" else None
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        # Before the kernels are measured: they are timed at the thread count the run will use.
-        self.cpu_threads = CpuThreads(config.num_threads) if config.device != "cuda" else None
         # Before any model work: "cuda" without CUDA is a ValueError naming `device`, not torch's assert.
         self.device = torch.device(resolve_device(config.device))
         files = loader.resolve_model(config.model)

@@ -25,7 +25,7 @@ class JobOptions(SamplingDefaults):
     Attributes:
         input: job file, dataset directory, or "hf://NAME[:CONFIG]:SPLIT".
         limit: run only the first `limit` rows of the input (None: all).
-        output: output path; None: "<input stem>.out.parquet" (".out.jsonl" for OpenAI batch input).
+        output: output path; None: `default_output_path` ("<input stem>.out.parquet").
         engine: EngineConfig keyword arguments (model, dtype, max_num_seqs, ...), without `policy`.
         policy: "fcfs", "max-throughput" or "priority" (window order and engine scheduling).
         window: look-ahead window size in rows.
@@ -63,6 +63,11 @@ class JobOptions(SamplingDefaults):
     progress_interval: float = 5.0
     resume_command: str | None = None
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
+
+    def output_path(self, input_format: str) -> str:
+        """`output` as given (an empty one too: `check_output_path` refuses it), else the default
+        beside the input (`default_output_path`)."""
+        return self.output if self.output is not None else default_output_path(self.input, input_format)
 
 
 @dataclass
@@ -118,7 +123,9 @@ class JobSummary:
 
 
 def default_output_path(source: str, input_format: str) -> str:
-    """ "<input stem>.out.parquet" beside the input ("<stem>.out.jsonl" for OpenAI batch input)."""
+    """The input's path without its job-file suffix (.parquet, .jsonl, .json, .ndjson; another is
+    kept) plus ".out.parquet" (".out.jsonl" for OpenAI batch input): jobs/a.jsonl ->
+    jobs/a.out.parquet, notes.txt -> notes.txt.out.parquet."""
     suffix = ".out.jsonl" if input_format == "openai" else ".out.parquet"
     if source.startswith("hf://"):
         return source[len("hf://") :].replace("/", "_").replace(":", "_") + suffix
@@ -140,6 +147,11 @@ def check_output_path(output: str, source: str) -> None:
     Raises:
         JobInputError: naming the output path and the fix.
     """
+    if not output.strip():
+        raise JobInputError(
+            f"--output is empty; give a file path, or leave --output out for the default "
+            f"({default_output_path(source, 'parquet')})"
+        )
     if not output.lower().endswith(JOB_FILE_SUFFIXES):
         raise JobInputError(
             f"--output {output}: the name must end in .parquet, or in .jsonl, .ndjson or .json for JSON "

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from batchgen.jobs.block_lru import BlockLru
-from batchgen.jobs.options import JobOptions, check_output_path, default_output_path, flag_hint, output_format
+from batchgen.jobs.options import JobOptions, check_output_path, flag_hint, output_format
 from batchgen.jobs.plan_inputs import CommittedOutputs, TokenizerEngine, committed_rows
 from batchgen.jobs.reader import JobInputError
 from batchgen.jobs.requests import prepare_row
@@ -143,7 +143,7 @@ def _open_job(options: JobOptions, engine: Any, torch_free: bool) -> tuple[Any, 
     # The device is checked where torch is: TokenizerEngine's sizes (in a child with torch_free).
     config = check_run_options(options, check_device=engine is not None)
     reader = job_reader(options)
-    output = options.output or default_output_path(options.input, reader.format)
+    output = options.output_path(reader.format)
     check_output_path(output, options.input)  # run's own checks: plan refuses what run would
     check_output_location(output)
     if options.strict:

@@ -139,6 +139,10 @@ def check_output_location(output_path: str) -> None:
         JobInputError: naming the path and the fix.
     """
     out_dir = os.path.dirname(os.path.abspath(output_path))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise JobInputError(
+            f"--output {output_path}: {out_dir} is a file, not a directory; pass another --output"
+        )
     if not os.path.isdir(out_dir):
         raise JobInputError(f"output directory {out_dir} does not exist; create it or pass another --output")
     if os.path.isdir(output_path):

@@ -28,7 +28,6 @@ from batchgen.jobs.options import (
     JobSummary,
     check_job_options,
     check_output_path,
-    default_output_path,
     flag_hint,
     output_format,
 )
@@ -198,7 +197,7 @@ def run_job(
     start = time.perf_counter()
     config = check_run_options(options, check_device=loop is None)
     reader = job_reader(options)
-    output = options.output or default_output_path(options.input, reader.format)
+    output = options.output_path(reader.format)
     check_output_path(output, options.input)
     fmt = output_format(output, reader.format)
     header = job_header(options, reader, fmt)

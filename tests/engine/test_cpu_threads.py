@@ -101,3 +101,19 @@ def test_free_cores(monkeypatch, load, free):
     torch.set_num_threads(4)
     FakeMachine(monkeypatch, cores=4, others=0.0)
     assert CpuThreads(None).free_cores(load) == free
+
+
+def test_more_threads_than_cpus_are_refused_before_torch_gets_them(monkeypatch):
+    """A 1,000-thread run on 2 cores seemed to hang at start (every parallel region waits for
+    threads that have no CPU): refused, naming the CPUs, before `torch.set_num_threads`."""
+    torch.set_num_threads(1)
+    FakeMachine(monkeypatch, cores=2, others=0.0)
+    assert CpuThreads(2).threads == 2
+    with pytest.raises(ValueError, match="num_threads is 3, more than the 2 CPUs this process may run on"):
+        CpuThreads(3)
+    from batchgen.config import EngineConfig
+    from batchgen.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="num_threads is 1000"):
+        LLMEngine(EngineConfig(model="/nonexistent", num_threads=1000))  # before the model is looked up
+    assert torch.get_num_threads() == 1

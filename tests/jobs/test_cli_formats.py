@@ -96,6 +96,7 @@ def test_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path):
     ("args", "message"),
     [
         (["--output", "out.csv"], "must end in .parquet"),
+        (["--output", ""], "--output is empty; give a file path, or leave --output out for the default"),
         (["--prompt-column", "prompt", "--messages-column", "messages"], "give one of them"),
         (["--template", "{prompt}", "--prompt-column", "prompt"], "--template and --prompt-column"),
         (["--commit-every", "0"], "--commit-every must be >= 1"),
@@ -111,6 +112,13 @@ def test_conflicting_or_meaningless_job_options_exit_2(tmp_path, args, message):
     r = invoke(str(src), "--model", NO_MODEL, *args)
     assert r.exit_code == 2 and message in r.stderr, r.output
     assert not list(tmp_path.glob("j.out*"))
+
+
+def test_an_output_under_a_file_names_the_file_not_a_missing_directory(tmp_path):
+    src = tmp_path / "j.jsonl"
+    src.write_text(json.dumps({"prompt": "p"}) + "\n")
+    r = invoke(str(src), "--model", NO_MODEL, "--output", str(src / "x.parquet"))
+    assert r.exit_code == 2 and f"{src} is a file, not a directory" in r.stderr, r.output
 
 
 def test_damaged_parquet_input_is_named(tmp_path):

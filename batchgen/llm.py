@@ -87,10 +87,13 @@ class LLM:
         Raises:
             ValueError: the number of sampling params or priorities does not match the number of
                 prompts, or a sampling field is out of range.
-            TypeError: `sampling_params` is neither a `SamplingParams` nor a list of them.
+            TypeError: `sampling_params` is neither a `SamplingParams` nor a list of them, or
+                `prompts` is bytes.
             Whatever interrupts the loop (KeyboardInterrupt, an engine error) after this call's
             requests are aborted, so the engine is left empty for the next call.
         """
+        if isinstance(prompts, bytes | bytearray):  # iterable, but of ints: never what was meant
+            raise TypeError("prompts must be text, not bytes: decode them first (prompts.decode())")
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], dict) and "role" in prompts[0]
         ):
@@ -100,6 +103,12 @@ class LLM:
             params = [sampling_params or SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, list | tuple):
             params = list(sampling_params)
+            wrong = next((i for i, p in enumerate(params) if not isinstance(p, SamplingParams)), None)
+            if wrong is not None:
+                raise TypeError(
+                    f"sampling_params[{wrong}] is {type(params[wrong]).__name__}, not SamplingParams: a list "
+                    "needs one SamplingParams for every prompt"
+                )
             if len(params) != len(prompts):
                 raise ValueError(
                     f"the lengths of prompts ({len(prompts)}) and sampling_params ({len(params)}) must be "

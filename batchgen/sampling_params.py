@@ -4,6 +4,7 @@ SamplingDefaults, a job's sampling flags, which every row's own columns override
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -79,6 +80,14 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
+        # NumPy's scalars (values read from a pandas or Arrow column) as Python's: they pass the type
+        # checks below and serialize as JSON.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, int):
+                setattr(self, f.name, int(value))
+            elif isinstance(value, numbers.Real) and not isinstance(value, int | float):
+                setattr(self, f.name, float(value))
         self.validate()
 
     def validate(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from batchgen import LLM, SamplingParams
@@ -69,6 +70,34 @@ def test_fields_changed_after_construction_are_used_and_checked(tiny_llm):
 def test_generate_refuses_sampling_params_of_another_type(tiny_llm):
     with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
         tiny_llm.generate("Hello", {"max_tokens": 3})
+
+
+def test_a_list_of_sampling_params_holds_only_sampling_params(tiny_llm):
+    # `None` there once ran its prompt on SamplingParams() (temperature 1, 16 tokens) without a word
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] is NoneType, not SamplingParams"):
+        tiny_llm.generate(["a", "b"], [SamplingParams(max_tokens=2), None])
+
+
+def test_bytes_are_refused_as_prompts_not_read_byte_by_byte(tiny_llm):
+    with pytest.raises(TypeError, match=r"not bytes: decode them first"):
+        tiny_llm.generate(b"hello", SamplingParams(max_tokens=2))
+
+
+def test_token_id_lists_and_images_are_error_rows_that_say_what_to_pass(tiny_llm):
+    ids, image = tiny_llm.generate(
+        [[5, 6, 7], {"prompt": "hi", "multi_modal_data": {"image": "x"}}], SamplingParams(max_tokens=2)
+    )
+    assert ids.outputs[0].finish_reason == "error" and "{'prompt_token_ids': [...]}" in ids.error
+    assert image.outputs[0].finish_reason == "error" and "multi_modal_data is not supported" in image.error
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    """Values read from a pandas or Arrow column are NumPy scalars."""
+    params = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.5), seed=np.uint64(3))
+    assert (params.max_tokens, params.temperature, params.seed) == (5, 0.5, 3)
+    assert type(params.max_tokens) is int and type(params.temperature) is float and type(params.seed) is int
+    with pytest.raises(TypeError, match="max_tokens must be an integer"):
+        SamplingParams(max_tokens=True)
 
 
 def test_generate_needs_one_sampling_params_per_prompt(tiny_llm):

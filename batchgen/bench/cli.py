@@ -131,7 +131,8 @@ def bench_command(
     writes a JSON report and a PNG timeline. Exits 2 for bad options or inputs (unwritable
     --output / --plot, a missing job file or trace, --device cuda without CUDA: all found before any
     model work; a job file without a usable row: found before any timed run), 1 when a batchgen
-    configuration failed or the report or plot could not be written at the end after all.
+    configuration failed, no configuration was measured at all (a skipped vLLM run alone), or the
+    report or plot could not be written at the end after all.
     """
     from rich.console import Console
 
@@ -190,8 +191,14 @@ def bench_command(
         raise typer.Exit(130) from None
     render(report, console)
     written = _write_outputs(report, output, plot, console)
+    configurations = report["configurations"]
+    if not any(c["status"] == "ok" for c in configurations):
+        # A skipped baseline leaves the others' figures standing; with nothing else run, a script
+        # must not read the report of nothing as a success.
+        console.print("error: no configuration was measured (every one skipped or failed)")
+        raise typer.Exit(code=1)
     if not written or any(
-        c["status"] == "failed" and c["kind"] in ("continuous", "static") for c in report["configurations"]
+        c["status"] == "failed" and c["kind"] in ("continuous", "static") for c in configurations
     ):
         raise typer.Exit(code=1)
 

@@ -93,6 +93,11 @@ class BenchSettings:
             )
         if self.vllm_python and "vllm" not in self.baselines:
             raise ValueError("--vllm-python applies to --baselines vllm only; add vllm to --baselines")
+        if "static" in self.modes and self.static_batch_size > self.engine.max_num_seqs:
+            raise ValueError(
+                f"--static-batch-size {self.static_batch_size} is more than --max-num-seqs "
+                f"{self.engine.max_num_seqs}, the most requests a step runs; lower one or raise the other"
+            )
 
 
 @dataclass(frozen=True)

@@ -233,7 +233,8 @@ class Workload:
     def warnings(self) -> list[str]:
         """What the workload changed from what was asked, one log line each: requests shortened to
         fit `max_model_len` (their count and the limit), unusable job-file rows skipped (their
-        count and the first one's row and reason) and the rows' sampling fields left unused."""
+        count and the first one's row and reason), fewer usable rows than --num-prompts asked, and
+        the rows' sampling fields left unused."""
         p = self.params
         lines = []
         if clipped := p.get("num_clipped"):
@@ -246,6 +247,11 @@ class Workload:
             lines.append(
                 f"warning: skipped {skipped} unusable rows of {p['path']} (first: {p['first_skipped']}); "
                 "fix them to bench them"
+            )
+        if p.get("dist") == "file" and 0 < p["num_prompts"] < (p.get("num_prompts_asked") or 0):
+            lines.append(
+                f"note: {p['path']} has {p['num_prompts']} usable rows, fewer than --num-prompts "
+                f"{p['num_prompts_asked']}: the workload is all {p['num_prompts']} (0 takes every row)"
             )
         if unused := p.get("unused_sampling_fields"):
             lines.append(
@@ -345,6 +351,7 @@ def file_workload(spec: WorkloadSpec, encode: PromptEncoder, max_model_len: int)
         "dist": "file",
         "path": str(path),
         "num_prompts": len(requests),
+        "num_prompts_asked": spec.num_prompts,
         "default_output_len": spec.output_len,
         "max_model_len": max_model_len,
         "num_clipped": clipped,

@@ -46,6 +46,8 @@ def _has_ids(prompt) -> bool:
 
 def _encode(tokenizer, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, dict):
+        if prompt.get("multi_modal_data") is not None:
+            raise ValueError("multi_modal_data is not supported: batchgen runs text-only models")
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple) or not all(
@@ -67,6 +69,11 @@ def _encode(tokenizer, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, list | tuple):
         if not prompt:
             raise ValueError("the message list is empty: give at least one message")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise TypeError(
+                "a list of integers is read as a chat message list; for token ids pass "
+                "{'prompt_token_ids': [...]} (vLLM's TokensPrompt)"
+            )
         messages = []
         for i, message in enumerate(prompt):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:

@@ -276,6 +276,11 @@ def test_bad_options_are_usage_errors() -> None:
         (["--kv-cache-memory", "lots"], "is not a memory size"),
         (["--repeat", "0"], "repeat must be >= 1"),
         (["--mode", "static", "--policy", "max-throughput"], "applies to --mode continuous only"),
+        # a static batch above max_num_seqs ran max_num_seqs requests under the larger batch's label
+        (
+            ["--mode", "static", "--static-batch-size", "8", "--max-num-seqs", "2"],
+            "is more than --max-num-seqs 2",
+        ),
     ):
         result = invoke_bench(args)
         # The message, not only the exit code: typer also exits 2 for a flag that does not exist.

@@ -359,6 +359,15 @@ def test_bench_with_missing_vllm_still_reports(tiny_model_dir, tmp_path: Path) -
     assert report["vllm_base"] is None
 
 
+def test_a_bench_of_a_skipped_vllm_run_alone_exits_1(tiny_model_dir, tmp_path: Path) -> None:
+    """With no batchgen configuration beside it, a skipped baseline is a report of nothing."""
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    args = tiny_run_args(tiny_model_dir("llama"), tmp_path, "--num-prompts", "2", "--scale", "0.05")
+    result = invoke_bench([*args, "--mode", "", "--baselines", "vllm", "--vllm-python", str(missing)])
+    assert result.exit_code == 1, result.output
+    assert "no configuration was measured" in result.output and "Traceback" not in result.output
+
+
 def test_bench_vllm_without_interpreter_is_a_usage_error(tmp_path: Path) -> None:
     result = invoke_bench(["--baselines", "vllm", "--output", str(tmp_path / "r.json")])
     assert result.exit_code == 2

@@ -306,6 +306,20 @@ def test_file_workload_names_the_sampling_fields_it_does_not_use(tmp_path: Path)
     assert build_workload(spec, vocab_size=0, max_model_len=64, encode=encode_chars).warnings() == []
 
 
+def test_file_workload_with_fewer_rows_than_asked_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "job.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "max_tokens": 2}) + "\n" for p in "abc"))
+    for asked, notes in ((8, 1), (3, 0), (0, 0)):
+        spec = WorkloadSpec(dist=f"file:{path}", num_prompts=asked)
+        w = build_workload(spec, vocab_size=0, max_model_len=64, encode=encode_chars)
+        assert len(w.requests) == 3 and len(w.warnings()) == notes, asked
+    assert w.warnings() == [] and build_workload(
+        WorkloadSpec(dist=f"file:{path}", num_prompts=8), vocab_size=0, max_model_len=64, encode=encode_chars
+    ).warnings() == [
+        f"note: {path} has 3 usable rows, fewer than --num-prompts 8: the workload is all 3 (0 takes every row)"
+    ]
+
+
 def test_file_workload_skips_unusable_rows(tmp_path: Path) -> None:
     """As `batchgen run` turns bad rows into error rows, the bench skips them: one warning, a count."""
     path = tmp_path / "job.jsonl"
@@ -383,7 +397,8 @@ def test_every_clipping_distribution_warns_with_the_count_and_the_limit(kw: dict
 def test_file_workload_clipping_warns(tmp_path: Path) -> None:
     path = tmp_path / "job.jsonl"
     path.write_text('{"prompt_token_ids": [1, 2, 3], "max_tokens": 100}\n{"prompt": "ab", "max_tokens": 3}\n')
-    w = build_workload(WorkloadSpec(dist=f"file:{path}"), vocab_size=0, max_model_len=16, encode=encode_chars)
+    spec = WorkloadSpec(dist=f"file:{path}", num_prompts=0)
+    w = build_workload(spec, vocab_size=0, max_model_len=16, encode=encode_chars)
     assert [(r.prompt_len, r.output_len) for r in w.requests] == [(3, 13), (2, 3)]
     assert w.warnings() == [
         "warning: 1 requests were shortened to fit max_model_len 16 (prompt + output tokens: prompts cut "

@@ -18,6 +18,7 @@ _LATER_FIELDS = {
     "repetition_penalty": 1.0,
     "logprobs": None,
     "n": 1,
+    "include_stop_str_in_output": False,
 }
 # Most top log probabilities a generated token may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
@@ -40,6 +41,9 @@ class SamplingParams:
         ignore_eos: keep generating past EOS (benchmarks).
         stop: strings that end generation; the output text is cut before the match.
         stop_token_ids: token ids that end generation (besides the model's EOS ids).
+        include_stop_str_in_output: keep what stopped the request in its text: the stop string
+            (else the text ends before it), or the stop token's text (else, as in vLLM, a request
+            that a stop token or EOS ended has that token in `token_ids` but not in `text`).
         skip_special_tokens: drop special tokens when detokenizing.
         priority: used by the "priority" policy; lower value is served first (as in vLLM).
         presence_penalty: subtracted from the logit of every token already generated, in [-2, 2]
@@ -78,6 +82,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     n: int = 1
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # NumPy's scalars (values read from a pandas or Arrow column) as Python's: they pass the type
@@ -137,7 +142,7 @@ class SamplingParams:
             for t in self.stop_token_ids:
                 if integer("stop_token_ids[]", t) < 0:
                     raise ValueError(f"stop_token_ids must be token ids (>= 0), got {t}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         integer("priority", self.priority)
@@ -171,7 +176,7 @@ class SamplingParams:
     def to_dict(self) -> dict:
         """The public fields as a plain dict (for hashing job rows and for reports).
 
-        The penalties, logprobs and n came later: at their neutral values they are left out, so a job row's hash
+        The penalties, logprobs, n and include_stop_str_in_output came later: at their neutral values they are left out, so a job row's hash
         (its identity on resume) is what it was before they existed."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         for name, neutral in _LATER_FIELDS.items():

@@ -70,15 +70,20 @@ def _cut_at_stop_string(request: Request, new_len: int) -> bool:
             best = (pos, stop)
     if best is None:
         return False
-    request.output_text = text[: best[0]]
+    keep = len(best[1]) if request.sampling_params.include_stop_str_in_output else 0
+    request.output_text = text[: best[0] + keep]
     request.stop_reason = best[1]
     return True
 
 
 def final_text(tokenizer, request: Request) -> str:
-    """The request's output text: cut at its stop string, else a one-shot decode of its tokens."""
+    """The request's output text: cut at its stop string, else a one-shot decode of its tokens,
+    less the token that stopped it (EOS or a stop token id) unless `include_stop_str_in_output`,
+    as vLLM's detokenizer leaves it out."""
+    params = request.sampling_params
     if request.stop_reason is not None and isinstance(request.stop_reason, str):
         return request.output_text
-    return tokenizer.decode(
-        request.output_token_ids, skip_special_tokens=request.sampling_params.skip_special_tokens
-    )
+    ids = request.output_token_ids
+    if request.finish_reason == "stop" and not params.include_stop_str_in_output:
+        ids = ids[:-1]  # "stop" without a stop string: its last token is EOS or a stop token id
+    return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)

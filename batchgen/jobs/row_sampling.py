@@ -30,7 +30,9 @@ SAMPLING_COLUMNS = (
     "repetition_penalty",
     "logprobs",
     "skip_special_tokens",
+    "include_stop_str_in_output",
 )
+_BOOL_FIELDS = frozenset({"skip_special_tokens", "include_stop_str_in_output"})
 _INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority", "logprobs", "n"})
 # Generation parameters of vLLM's SamplingParams and OpenAI's API that `batchgen run` does not
 # apply, with the value that asks for nothing. A row of a plain job that sets one to anything else is
@@ -43,7 +45,6 @@ UNAPPLIED_COLUMNS = {
     "prompt_logprobs": None,
     "logit_bias": None,
     "use_beam_search": False,
-    "include_stop_str_in_output": False,
     "response_format": {"type": "text"},
     "guided_json": None,
     "guided_regex": None,
@@ -139,11 +140,12 @@ def _whole(value: Any) -> bool:
 
 def _coerce(name: str, value: Any) -> Any:
     """A row's value as the SamplingParams field takes it: whole floats as ints for integer fields,
-    0 / 1 as false / true for `skip_special_tokens` (JSON writers' booleans), and `LOGPROBS_OFF` as
+    0 / 1 as false / true for `skip_special_tokens` and `include_stop_str_in_output` (JSON writers'
+    booleans), and `LOGPROBS_OFF` as
     None (no log probabilities)."""
     if name in _INT_FIELDS and _whole(value):
         return int(value)
-    if name == "skip_special_tokens" and value in (0, 1) and not isinstance(value, bool):
+    if name in _BOOL_FIELDS and value in (0, 1) and not isinstance(value, bool):
         return bool(value)
     if name == "logprobs" and value == LOGPROBS_OFF:
         return None

@@ -289,6 +289,36 @@ def test_stop_string_end_to_end(tiny_llm: LLM) -> None:
     assert result.token_ids == tokens[: completes_at + 1]  # generation ends at the completing token
     decoded = tokenizer.decode(result.token_ids)
     assert result.text == decoded[: decoded.find(stop)] == decoded[:pos]
+    kept = tiny_llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+        ),
+    )[0].outputs[0]
+    assert kept.token_ids == result.token_ids and kept.text == decoded[:pos] + stop
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked_for_as_in_vllm(tiny_llm: LLM, tokenizer) -> None:
+    """vLLM's detokenizer leaves the token that stopped a request (a stop token id, or EOS with
+    skip_special_tokens=False) out of `text`; it stays in `token_ids`."""
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = tiny_llm.generate(prompt, free)[0].outputs[0].token_ids
+    stop_at = next(
+        i for i in range(1, 8) if tokenizer.decode(tokens[i : i + 1]).strip() and tokens[i] not in tokens[:i]
+    )
+    for include in (False, True):
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            stop_token_ids=[tokens[stop_at]],
+            include_stop_str_in_output=include,
+        )
+        out = tiny_llm.generate(prompt, params)[0].outputs[0]
+        assert out.token_ids == tokens[: stop_at + 1] and out.finish_reason == "stop"
+        assert out.text == tokenizer.decode(out.token_ids if include else out.token_ids[:-1]), include
+    length = tiny_llm.generate(prompt, free)[0].outputs[0]  # ended by max_tokens: every token's text
+    assert length.finish_reason == "length" and length.text == tokenizer.decode(length.token_ids)
 
 
 # ---- EOS ----

@@ -604,17 +604,15 @@ def test_misplaced_chat_fields_name_the_fix(tmp_path):
 
 
 def test_vllm_and_openai_fields_batchgen_does_not_apply_fail_the_row(tmp_path):
-    """Beam search, structured output or keeping the stop string would each give another output
-    than the row asks for: error rows; their neutral values run."""
+    """Beam search or structured output would each give another output than the row asks for:
+    error rows; their neutral values run."""
     rows = [
         {"prompt": "a", "use_beam_search": True},
-        {"prompt": "b", "include_stop_str_in_output": True},
         {"prompt": "d", "response_format": {"type": "json_object"}},
         {"prompt": "e", "guided_choice": ["yes", "no"]},
         {
             "prompt": "f",
             "use_beam_search": False,
-            "include_stop_str_in_output": False,
             "response_format": {"type": "text"},
             "guided_json": None,
         },
@@ -626,7 +624,6 @@ def test_vllm_and_openai_fields_batchgen_does_not_apply_fail_the_row(tmp_path):
         bad,
         [
             ("use_beam_search", "true"),
-            ("include_stop_str_in_output", "true"),
             ("response_format", '{"type": "json_object"}'),
             ("guided_choice", '["yes", "no"]'),
         ],
@@ -634,6 +631,25 @@ def test_vllm_and_openai_fields_batchgen_does_not_apply_fail_the_row(tmp_path):
     ):
         assert f"field '{name}' is {shown}, but batchgen does not apply {name}" in row.error, row.error
     assert "set it to null or false," in bad[0].error  # the neutral value, as JSON
+
+
+def test_include_stop_str_in_output_applies_per_row(tmp_path):
+    rows = [
+        {"prompt": "a", "include_stop_str_in_output": True},
+        {"prompt": "b", "include_stop_str_in_output": 0},
+    ]
+    a, b = read(write_jsonl(tmp_path / "a.jsonl", rows))
+    assert a.error is None and b.error is None
+    assert (a.sampling_params.include_stop_str_in_output, b.sampling_params.include_stop_str_in_output) == (
+        True,
+        False,
+    )
+    assert a.sampling_params.to_dict() != b.sampling_params.to_dict() == read_one_default(tmp_path)
+
+
+def read_one_default(tmp_path) -> dict:
+    (row,) = read(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "b"}]))
+    return row.sampling_params.to_dict()
 
 
 def test_skip_special_tokens_applies_per_row(tmp_path):

@@ -92,33 +92,8 @@ class LLM:
             Whatever interrupts the loop (KeyboardInterrupt, an engine error) after this call's
             requests are aborted, so the engine is left empty for the next call.
         """
-        if isinstance(prompts, bytes | bytearray):  # iterable, but of ints: never what was meant
-            raise TypeError("prompts must be text, not bytes: decode them first (prompts.decode())")
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], dict) and "role" in prompts[0]
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        elif isinstance(sampling_params, list | tuple):
-            params = list(sampling_params)
-            wrong = next((i for i, p in enumerate(params) if not isinstance(p, SamplingParams)), None)
-            if wrong is not None:
-                raise TypeError(
-                    f"sampling_params[{wrong}] is {type(params[wrong]).__name__}, not SamplingParams: a list "
-                    "needs one SamplingParams for every prompt"
-                )
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"the lengths of prompts ({len(prompts)}) and sampling_params ({len(params)}) must be "
-                    "the same: give one SamplingParams for all, or one per prompt"
-                )
-        else:
-            raise TypeError(
-                "sampling_params must be a SamplingParams or a list of them (one per prompt), got "
-                f"{type(sampling_params).__name__}; write SamplingParams(max_tokens=...)"
-            )
+        prompts = _prompt_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
         if priority is not None:
             priority = list(priority)
             if len(priority) != len(prompts):
@@ -151,3 +126,49 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+
+def _prompt_list(prompts) -> list:
+    """`generate`'s prompts as a list: one prompt (a string, a dict, a chat message list) becomes a
+    list of one.
+
+    Raises:
+        TypeError: bytes, which iterate as ints, never what was meant.
+    """
+    if isinstance(prompts, bytes | bytearray):
+        raise TypeError("prompts must be text, not bytes: decode them first (prompts.decode())")
+    if isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], dict) and "role" in prompts[0]
+    ):
+        return [prompts]
+    return list(prompts)
+
+
+def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt: the one given for all (default `SamplingParams()`), or the
+    list given, checked.
+
+    Raises:
+        TypeError: neither a `SamplingParams` nor a list of them.
+        ValueError: a list whose length is not `count`.
+    """
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * count
+    if not isinstance(sampling_params, list | tuple):
+        raise TypeError(
+            "sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+            f"{type(sampling_params).__name__}; write SamplingParams(max_tokens=...)"
+        )
+    params = list(sampling_params)
+    wrong = next((i for i, p in enumerate(params) if not isinstance(p, SamplingParams)), None)
+    if wrong is not None:
+        raise TypeError(
+            f"sampling_params[{wrong}] is {type(params[wrong]).__name__}, not SamplingParams: a list "
+            "needs one SamplingParams for every prompt"
+        )
+    if len(params) != count:
+        raise ValueError(
+            f"the lengths of prompts ({count}) and sampling_params ({len(params)}) must be the same: "
+            "give one SamplingParams for all, or one per prompt"
+        )
+    return params

@@ -176,8 +176,9 @@ class SamplingParams:
     def to_dict(self) -> dict:
         """The public fields as a plain dict (for hashing job rows and for reports).
 
-        The penalties, logprobs, n and include_stop_str_in_output came later: at their neutral values they are left out, so a job row's hash
-        (its identity on resume) is what it was before they existed."""
+        The penalties, logprobs, n and include_stop_str_in_output came later: at their neutral
+        values they are left out, so a job row's hash (its identity on resume) is what it was
+        before they existed."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         for name, neutral in _LATER_FIELDS.items():
             if out[name] == neutral:

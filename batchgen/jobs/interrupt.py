@@ -18,8 +18,8 @@ class Interrupt:
     signal for the exit code; Python's KeyboardInterrupt for SIGINT), else raises KeyboardInterrupt.
     SIGTERM is what `timeout`, `docker stop`, systemd and Slurm send, and SIGHUP what a closed
     terminal sends, so both are handled as Ctrl-C is; one the process was started with ignored
-    (`nohup`'s SIGHUP) stays ignored. Inside `shielded()` (a commit) signals are
-    only recorded, so a burst of Ctrl-C cannot stop a commit half-way and lose its rows."""
+    (`nohup`'s SIGHUP) stays ignored. Inside `shielded()` (a commit) signals are only recorded, so
+    a burst of Ctrl-C cannot stop a commit half-way and lose its rows."""
 
     SIGNALS = STOP_SIGNALS
 

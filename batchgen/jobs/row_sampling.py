@@ -141,8 +141,7 @@ def _whole(value: Any) -> bool:
 def _coerce(name: str, value: Any) -> Any:
     """A row's value as the SamplingParams field takes it: whole floats as ints for integer fields,
     0 / 1 as false / true for `skip_special_tokens` and `include_stop_str_in_output` (JSON writers'
-    booleans), and `LOGPROBS_OFF` as
-    None (no log probabilities)."""
+    booleans), and `LOGPROBS_OFF` as None (no log probabilities)."""
     if name in _INT_FIELDS and _whole(value):
         return int(value)
     if name in _BOOL_FIELDS and value in (0, 1) and not isinstance(value, bool):

@@ -2,7 +2,9 @@
 
 The sources are compiled together with the system C compiler (`$CC`, else `cc`) and
 `-O3 -march=native -fopenmp` into `cpu_kernels/` of batchgen's cache (`batchgen.cache.cache_root`). No
-torch headers are involved, so a build takes about two seconds. Where there is no compiler, or
+torch headers are involved, so a build takes about two seconds. `BATCHGEN_MAX_CPU_ISA=AVX2` (oneDNN's
+level names; `ONEDNN_MAX_CPU_ISA` when it is unset) emulates a lesser CPU: the kernels are compiled for
+that level instead of `native`, and no kernel above it is offered. Where there is no compiler, or
 `BATCHGEN_CPU_KERNELS=0` is set, `load_library()` returns None and every caller keeps its torch path.
 
 The library holds the paged decode and prefill attention (wrapped by `batchgen.kernels.cpu.attention`), one-call
@@ -47,6 +49,53 @@ FLAG_SETS = [
     [],
 ]
 
+# The instruction-set cap that emulates a lesser CPU: `BATCHGEN_MAX_CPU_ISA`, else oneDNN's own
+# `ONEDNN_MAX_CPU_ISA` (or `DNNL_MAX_CPU_ISA`), so one variable caps torch's matmuls and these kernels
+# alike. oneDNN's names; below AVX-512 the kernels are compiled for that level instead of the machine.
+ISA_CAP_VARIABLES = ("BATCHGEN_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+# What replaces `-march=native` under a cap (gcc and clang names): x86-64-v3 is AVX2 + FMA + F16C, a
+# Zen 3 or Haswell; the AVX-512 levels keep the machine's own ISA less what the cap leaves out.
+_MARCH_UNDER_CAP = {
+    "SSE41": ["-march=x86-64-v2"],
+    "AVX": ["-march=x86-64-v2", "-mavx"],
+    "AVX2": ["-march=x86-64-v3"],
+    "AVX2_VNNI": ["-march=x86-64-v3", "-mavxvnni"],
+    "AVX2_VNNI_2": ["-march=x86-64-v3", "-mavxvnni"],
+    "AVX512_CORE": ["-march=native", "-mno-avx512bf16", "-mno-avx512vnni", "-mno-amx-tile"],
+    "AVX512_CORE_VNNI": ["-march=native", "-mno-avx512bf16", "-mno-amx-tile"],
+    "AVX512_CORE_BF16": ["-march=native", "-mno-amx-tile"],
+    "AVX512_CORE_FP16": ["-march=native", "-mno-amx-tile"],
+}
+
+
+def isa_cap() -> str | None:
+    """The instruction-set cap in force (upper case, oneDNN's names such as "AVX2"), or None.
+
+    Raises:
+        ValueError: `BATCHGEN_MAX_CPU_ISA` names no level this module knows; the message lists them.
+    """
+    for variable in ISA_CAP_VARIABLES:
+        if value := os.environ.get(variable):
+            cap = value.upper()
+            known = (*_MARCH_UNDER_CAP, *_ISAS_WITH_AVX512_BF16)
+            if variable == "BATCHGEN_MAX_CPU_ISA" and cap not in known:
+                raise ValueError(f"BATCHGEN_MAX_CPU_ISA={value!r} is not one of {', '.join(known)}")
+            return cap
+    return None
+
+
+def flag_sets() -> list[list[str]]:
+    """`FLAG_SETS` with `-march=native` replaced as the ISA cap (`isa_cap`) asks, for the build."""
+    march = _MARCH_UNDER_CAP.get(isa_cap() or "", ["-march=native"])
+    sets = []
+    for flags in FLAG_SETS:
+        if "-march=native" in flags:
+            flags = [f for f in flags if f != "-march=native"] + march
+            if march[0] != "-march=native":  # a 512-bit preference means nothing below AVX-512
+                flags = [f for f in flags if f != "-mprefer-vector-width=512"]
+        sets.append(flags)
+    return sets
+
 
 def _compiler() -> list[str] | None:
     """The C compiler command: `$CC` split as a shell would ("ccache gcc" works), else cc, gcc or clang."""
@@ -74,7 +123,7 @@ def _machine_key(compiler: list[str]) -> str:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    digest.update(f"{compiler} {version} {BASE_FLAGS} {FLAG_SETS}".encode())
+    digest.update(f"{compiler} {version} {BASE_FLAGS} {flag_sets()}".encode())
     digest.update(platform.machine().encode())
     try:  # -march=native output differs between CPU models: a shared home must not mix them
         flags = next(
@@ -102,7 +151,8 @@ def _build(compiler: list[str], target: Path) -> dict:
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     error = first_error = ""
-    for flags in FLAG_SETS:
+    sets = flag_sets()
+    for flags in sets:
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as workdir:
             out = Path(workdir) / "lib.so"
             command = [*compiler, *BASE_FLAGS, *flags, *map(str, SOURCES), "-o", str(out), "-lm"]
@@ -112,11 +162,11 @@ def _build(compiler: list[str], target: Path) -> dict:
                 first_error = first_error or error
                 continue
             data = out.read_bytes()
-        if flags != FLAG_SETS[0]:  # a lesser build runs much slower: say why the first one failed
+        if flags != sets[0]:  # a lesser build runs much slower: say why the first one failed
             logger.warning(
                 "CPU kernels built with %s only (%s failed: %s)",
                 " ".join(flags) or "no extra flags",
-                " ".join(FLAG_SETS[0]),
+                " ".join(sets[0]),
                 first_error[:500],
             )
         record = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "flags": flags}
@@ -179,17 +229,18 @@ _ISAS_WITH_AMX = tuple(isa for isa in _ISAS_WITH_AVX512_BF16 if "AMX" in isa) + 
 
 
 def isa_cap_allows(feature: str) -> bool:
-    """Whether `ONEDNN_MAX_CPU_ISA` (or `DNNL_MAX_CPU_ISA`), when set, leaves `feature`
-    ("avx512_bf16" or "amx") to this process: the kernels that use it are then offered.
+    """Whether the instruction-set cap (`isa_cap`: `BATCHGEN_MAX_CPU_ISA`, else `ONEDNN_MAX_CPU_ISA`),
+    when set, leaves `feature` ("avx512_bf16" or "amx") to this process: the kernels that use it are
+    then offered.
 
     Raises:
-        ValueError: an unknown `feature`.
+        ValueError: an unknown `feature`, or an unknown `BATCHGEN_MAX_CPU_ISA`.
     """
     allowed = {"avx512_bf16": _ISAS_WITH_AVX512_BF16, "amx": _ISAS_WITH_AMX}.get(feature)
     if allowed is None:
         raise ValueError(f'feature must be "avx512_bf16" or "amx"; got {feature!r}')
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-    return not cap or cap.upper() in allowed
+    cap = isa_cap()
+    return not cap or cap in allowed
 
 
 def disabled_by_environment() -> bool:

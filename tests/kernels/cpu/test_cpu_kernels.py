@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import subprocess
 import tempfile
 import time
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from batchgen import LLM, cache
 from batchgen.kernels.cpu import attention as cpu_attention
+from batchgen.kernels.cpu import linear as cpu_linear
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu import ops as cpu_ops
 from batchgen.kernels.cpu.linear import AmxLinear
@@ -253,12 +255,38 @@ def test_the_kernels_compile_with_the_first_flag_set_where_the_compiler_takes_it
         pytest.skip("no C compiler")
     probe = tmp_path / "probe.c"
     probe.write_text("int probe(void) { return 1; }\n")
-    flags = [*cpu_kernels.BASE_FLAGS, *cpu_kernels.FLAG_SETS[0]]
+    first = cpu_kernels.flag_sets()[0]
+    flags = [*cpu_kernels.BASE_FLAGS, *first]
     if subprocess.run([*compiler, *flags, str(probe), "-o", str(tmp_path / "probe.so")]).returncode != 0:
-        pytest.skip(f"{compiler[0]} does not take {' '.join(cpu_kernels.FLAG_SETS[0])}")
+        pytest.skip(f"{compiler[0]} does not take {' '.join(first)}")
     assert cpu_kernels.load_library() is not None
     (record,) = (fresh_library / "batchgen" / "cpu_kernels").glob("batchgen_cpu-*.json")
-    assert json.loads(record.read_text())["flags"] == cpu_kernels.FLAG_SETS[0]
+    assert json.loads(record.read_text())["flags"] == first
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the ISA cap names x86 levels")
+def test_the_avx2_cap_builds_for_avx2_and_offers_no_avx512_kernel(fresh_library, monkeypatch):
+    """`BATCHGEN_MAX_CPU_ISA=AVX2` emulates an AVX2-only CPU (a Zen 3) for batchgen's own kernels:
+    they are compiled for x86-64-v3 instead of the machine, into a build of their own, and no
+    AVX512-BF16 or AMX kernel is offered, whatever this machine has."""
+    for variable in cpu_kernels.ISA_CAP_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    native_flags = cpu_kernels.flag_sets()[0]
+    monkeypatch.setenv("BATCHGEN_MAX_CPU_ISA", "avx2")
+    capped = cpu_kernels.flag_sets()[0]
+    assert "-march=x86-64-v3" in capped and "-march=native" not in capped
+    assert "-mprefer-vector-width=512" not in capped and capped != native_flags
+    assert cpu_kernels.load_library() is not None
+    (record,) = (fresh_library / "batchgen" / "cpu_kernels").glob("batchgen_cpu-*.json")
+    assert json.loads(record.read_text())["flags"] == capped
+    assert not cpu_kernels.isa_cap_allows("avx512_bf16") and not cpu_kernels.isa_cap_allows("amx")
+    assert not cpu_linear.bf16_kernel_available() and not cpu_linear.amx_kernel_available()
+
+
+def test_an_unknown_isa_cap_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("BATCHGEN_MAX_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match=r"BATCHGEN_MAX_CPU_ISA='avx9000' is not one of SSE41, .*AVX2"):
+        cpu_kernels.flag_sets()
 
 
 def test_a_new_build_prunes_builds_unused_for_a_month(fresh_library):

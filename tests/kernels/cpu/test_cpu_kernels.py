@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from batchgen import LLM, cache
 from batchgen.kernels.cpu import attention as cpu_attention
-from batchgen.kernels.cpu import linear as cpu_linear
 from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.cpu import linear as cpu_linear
 from batchgen.kernels.cpu import ops as cpu_ops
 from batchgen.kernels.cpu.linear import AmxLinear
 from batchgen.model.attention import TorchAttentionBackend, select_backend, store_kv_cache_torch

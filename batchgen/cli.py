@@ -273,7 +273,7 @@ def plan_command(**values: Any) -> None:
     time from a few steps timed on this machine (the model is loaded for them on a CPU; cached).
     Takes a `run` command line as it is: the options that only change how a run reports, commits or
     where it runs (Ray) are accepted, and not listed here."""
-    from batchgen.jobs.wall_time import WallTimeOptions
+    from batchgen.plan.wall_time import WallTimeOptions
 
     as_json = values.pop("json_output")
     wall_time = WallTimeOptions(
@@ -283,8 +283,8 @@ def plan_command(**values: Any) -> None:
     )
 
     def plan(options: JobOptions, summary_json: str | None) -> None:
-        from batchgen.jobs.formats import JobInputError
-        from batchgen.jobs.plan import format_plan, plan_job
+        from batchgen.jobs.errors import JobInputError
+        from batchgen.plan.job_plan import format_plan, plan_job
 
         try:
             result = plan_job(options, progress=True, wall_time=wall_time, torch_free=True)

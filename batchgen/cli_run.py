@@ -107,7 +107,7 @@ def _run_with_stop_handlers(
 def _run_reporting_errors(options: JobOptions, scale_out: ReplicaOptions | None) -> JobSummary:
     """The job, here or on Ray replicas; a failure ends the command with its message and exit code
     (2 bad input, 1 the output could not be written, 128 + the signal that stopped it)."""
-    from batchgen.jobs.formats import JobInputError
+    from batchgen.jobs.errors import JobInputError
     from batchgen.jobs.runner import run_job
 
     last_signal = [signal.SIGINT]

@@ -57,7 +57,7 @@ class MetricsOptions:
 
 def _input_error(message: str) -> Exception:
     """A JobInputError (imported on use: batchgen.jobs imports this module for MetricsOptions)."""
-    from batchgen.jobs.formats import JobInputError
+    from batchgen.jobs.errors import JobInputError
 
     return JobInputError(message)
 

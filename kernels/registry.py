@@ -48,7 +48,13 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 PRUNE_RATIO = 3.0
 TABLE_VERSION = 2  # 2: linear times taken over weights that stream from memory (`calls_per_run`)
 # Environment switches that change which code oneDNN, torch or batchgen's kernels run.
-_ENV_KEYS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "BATCHGEN_CPU_KERNELS", "ATEN_CPU_CAPABILITY")
+_ENV_KEYS = (
+    "BATCHGEN_MAX_CPU_ISA",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "BATCHGEN_CPU_KERNELS",
+    "ATEN_CPU_CAPABILITY",
+)
 
 
 def entry_key(op: str, shape: str, rows: int) -> str:

@@ -31,12 +31,12 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from batchgen.bench.plot import plot  # noqa: E402
-from batchgen.bench.report import write_json  # noqa: E402
+from batchgen.bench.report.json_report import write_json  # noqa: E402
+from batchgen.bench.report.plot import plot  # noqa: E402
+from batchgen.bench.report.table import render  # noqa: E402
 from batchgen.bench.runner import run_bench  # noqa: E402
 from batchgen.bench.settings import BenchSettings  # noqa: E402
 from batchgen.bench.spec import WorkloadSpec  # noqa: E402
-from batchgen.bench.table import render  # noqa: E402
 from batchgen.config import EngineConfig, GiB  # noqa: E402
 
 GB = 1e9

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from batchgen import LLM, SamplingParams
-from batchgen.bench.job_workload import read_job_rows
+from batchgen.bench.workload.job import read_job_rows
 
 XSUM = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "xsum" / "test.jsonl"
 INSTRUCTION = "Summarize the following article in one sentence.\n\n"

@@ -6,7 +6,7 @@ default model's 30 layers of qkv 576->960, o 576->576, gate/up 576->3072, down 1
 layer with its own random weights, so the weights stream from memory as in a real step. The
 candidates are `kernels.cpu.linear.linear_candidates` (torch `F.linear`, oneDNN prepacked, and
 batchgen's bf16 C kernel where the CPU has AVX512-BF16); "chosen" is what the kernel registry picks
-for each shape and row bucket (`batchgen.model.kernel_choice`, from the cached table or measured
+for each shape and row bucket (`batchgen.model.kernel_choice.choice`, from the cached table or measured
 now). Each round times the step once on every path in turn, so a slow spell of a shared machine
 hits them alike; prints the best milliseconds of each path, its GFLOP/s, and chosen / fastest:
 
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchgen.kernels.cpu.linear import TunedLinear, linear_candidates  # noqa: E402
 from batchgen.kernels.registry import ROW_BUCKETS, TuningTable  # noqa: E402
-from batchgen.model.kernel_choice import tuning_key  # noqa: E402
-from batchgen.model.linear_choice import plan_layouts, tune_linear  # noqa: E402
+from batchgen.model.kernel_choice.choice import tuning_key  # noqa: E402
+from batchgen.model.kernel_choice.linear import plan_layouts, tune_linear  # noqa: E402
 
 DEFAULT_ROWS = [1, 2, 3, 4, 8, 16, 24, 32, 64, 100, 128, 256, 512, 1024, 2048]
 

@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from batchgen.bench.baselines.static import bench_sampling_params, warmup_engine, warmup_prompt  # noqa: E402
 from batchgen.bench.model_facts import bench_workload  # noqa: E402
 from batchgen.bench.spec import WorkloadSpec  # noqa: E402
-from batchgen.bench.static import bench_sampling_params, warmup_engine, warmup_prompt  # noqa: E402
 from batchgen.config import EngineConfig  # noqa: E402
 from batchgen.engine.llm_engine import LLMEngine  # noqa: E402
 from batchgen.kernels.cpu import library as cpu_kernels  # noqa: E402

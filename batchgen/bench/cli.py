@@ -141,9 +141,9 @@ def bench_command(
     # The engine options carry the method that speculates; each configuration turns it on or off.
     engine["speculative_method"] = next((m for m in methods if m is not None), None)
 
+    from batchgen.bench.report.table import render
     from batchgen.bench.runner import run_bench
     from batchgen.bench.settings import BenchSettings
-    from batchgen.bench.table import render
 
     console = Console()
     if not console.is_terminal:  # logs and CI: wide enough that the table does not wrap
@@ -216,7 +216,7 @@ def _check_outputs(output: Path | None, plot: Path | None) -> None:
     Raises:
         typer.BadParameter: naming the option, the path and the fix (exit 2).
     """
-    from batchgen.bench.plot import check_plot_format, require_matplotlib
+    from batchgen.bench.report.plot import check_plot_format, require_matplotlib
 
     for option, path in (("--output", output), ("--plot", plot)):
         if path is not None:
@@ -232,8 +232,8 @@ def _check_outputs(output: Path | None, plot: Path | None) -> None:
 def _write_outputs(report: dict, output: Path | None, plot: Path | None, console: Any) -> bool:
     """Write the JSON report and the plot asked for; False when one could not be written after all
     (writable when checked, not now: the disk filled, the folder went), each failure printed."""
-    from batchgen.bench.plot import plot as plot_report
-    from batchgen.bench.report import write_json
+    from batchgen.bench.report.json_report import write_json
+    from batchgen.bench.report.plot import plot as plot_report
 
     written = True
     if output is not None:

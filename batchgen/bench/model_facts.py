@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from batchgen.bench.hf_baselines import resolve_hf_dir
-from batchgen.bench.metrics import release_memory
+from batchgen.bench.baselines.hf import resolve_hf_dir
+from batchgen.bench.report.metrics import release_memory
 from batchgen.bench.spec import WorkloadSpec
-from batchgen.bench.workloads import Workload, build_workload
+from batchgen.bench.workload.distributions import Workload, build_workload
 from batchgen.config import EngineConfig, resolve_device
 
 EngineFactory = Callable[[EngineConfig], Any]

@@ -24,31 +24,31 @@ from typing import Any
 
 import torch
 
-from batchgen.bench.ceiling import ModelShape, compute_ceiling, workload_flops
-from batchgen.bench.continuous import run_continuous
-from batchgen.bench.hf_baselines import (
+from batchgen.bench.baselines.continuous import run_continuous
+from batchgen.bench.baselines.hf import (
     hf_cb_unavailable,
     load_hf_model,
     resolve_hf_dir,
     run_hf_cb,
     run_hf_static,
 )
-from batchgen.bench.metrics import ResourceMonitor, RunResult, release_memory, summarize
-from batchgen.bench.model_facts import EngineFactory, ModelFacts, bench_workload, model_facts, pad_id
-from batchgen.bench.rates import RateSamples
-from batchgen.bench.report import build_report
-from batchgen.bench.roofline import prefill_flops
-from batchgen.bench.settings import MODES, BenchSettings, ConfigPlan, engine_config_for, plan_configs
-from batchgen.bench.spec import BenchInputError
-from batchgen.bench.static import run_static
-from batchgen.bench.vllm_baseline import (
+from batchgen.bench.baselines.static import run_static
+from batchgen.bench.baselines.vllm import (
     VllmRunError,
     VllmUnavailable,
     child_request,
     offline_reason,
     run_vllm,
 )
-from batchgen.bench.workloads import Workload
+from batchgen.bench.model_facts import EngineFactory, ModelFacts, bench_workload, model_facts, pad_id
+from batchgen.bench.report.ceiling import ModelShape, compute_ceiling, workload_flops
+from batchgen.bench.report.json_report import build_report
+from batchgen.bench.report.metrics import ResourceMonitor, RunResult, release_memory, summarize
+from batchgen.bench.report.rates import RateSamples
+from batchgen.bench.report.roofline import prefill_flops
+from batchgen.bench.settings import MODES, BenchSettings, ConfigPlan, engine_config_for, plan_configs
+from batchgen.bench.spec import BenchInputError
+from batchgen.bench.workload.distributions import Workload
 from batchgen.config import FCFS, MAX_THROUGHPUT, EngineConfig
 
 

@@ -1,6 +1,6 @@
 """What a bench workload is made of, as the user asked for it: `WorkloadSpec` and its checks.
 
-The distributions themselves are described in `batchgen.bench.workloads`.
+The distributions themselves are described in `batchgen.bench.workload.distributions`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchgen.bench.traces import TRACE_FILES, default_data_dir
+from batchgen.bench.workload.traces import TRACE_FILES, default_data_dir
 
 DISTS = ("longtail", "uniform", "fixed", "azure-conv", "azure-code", "file:PATH")
 

@@ -25,8 +25,8 @@ from batchgen.config import EngineConfig
 from batchgen.distributed.pool import ReplicaOptions, ReplicaPool
 from batchgen.distributed.replica import Shard, ShardResult
 from batchgen.engine.stats import EngineTotals
+from batchgen.jobs.input.rows import JobRow
 from batchgen.jobs.options import JobOptions, JobSummary
-from batchgen.jobs.rows import JobRow
 
 # A shard is at least this many rows (fewer only at the end), so each replica's engine batches well.
 MIN_SHARD_ROWS = 16

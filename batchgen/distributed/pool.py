@@ -21,7 +21,7 @@ from typing import Any
 
 from batchgen.config import EngineConfig
 from batchgen.distributed.replica import Replica, ReplicaInfo, Shard, ShardResult
-from batchgen.jobs.formats import JobInputError
+from batchgen.jobs.errors import JobInputError
 from batchgen.jobs.options import JobOptions
 
 # The object store of a Ray instance started for one run: shards and their output rows only (the

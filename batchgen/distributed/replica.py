@@ -19,8 +19,8 @@ from typing import Any
 
 from batchgen.config import EngineConfig
 from batchgen.engine.stats import EngineTotals
+from batchgen.jobs.input.rows import JobRow
 from batchgen.jobs.options import JobOptions, JobSummary
-from batchgen.jobs.rows import JobRow
 from batchgen.metrics import MetricsRecord
 
 

@@ -34,7 +34,7 @@ import torch
 from batchgen.cache import cache_root, write_atomically
 from batchgen.engine.spec_decode import NgramProposer
 from batchgen.kernels.registry import fastest_seconds
-from batchgen.model.kernel_choice import tuning_key
+from batchgen.model.kernel_choice.choice import tuning_key
 from batchgen.model.step import StepInput
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ class StepStats:
         num_finished: requests that finished in the step.
         num_context_tokens: KV-cache positions the step's attention reads: the sum over its sequences
             of each one's context length after the step (cached prefix included). Sets the step's
-            KV-cache traffic in the bench's roofline (`batchgen.bench.roofline`).
+            KV-cache traffic in the bench's roofline (`batchgen.bench.report.roofline`).
         num_attended_keys: keys attended to, summed over the step's tokens (causal: a token at
             position p attends to p + 1 keys). Sets the step's attention FLOPs.
         num_drafts / num_draft_tokens / num_accepted_tokens: speculative decoding in the step:

@@ -13,8 +13,8 @@ from typing import Any
 from batchgen.config import EngineConfig
 from batchgen.engine.protocol import Engine
 from batchgen.jobs.options import JobOptions, JobSummary
+from batchgen.jobs.output.token_bytes import TokenBytes
 from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
-from batchgen.jobs.token_bytes import TokenBytes
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.metrics import JobMetrics, NullMetrics
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.config import FCFS, EngineConfig
-from batchgen.jobs.formats import JOB_FILE_SUFFIXES, JSONL_SUFFIXES, JobInputError
-from batchgen.jobs.schema import LOGPROB_COLUMNS, RESERVED_COLUMNS
+from batchgen.jobs.errors import JobInputError
+from batchgen.jobs.input.formats import JOB_FILE_SUFFIXES, JSONL_SUFFIXES
+from batchgen.jobs.output.schema import LOGPROB_COLUMNS, RESERVED_COLUMNS
 from batchgen.metrics import MetricsOptions
 from batchgen.sampling_params import SamplingDefaults
 

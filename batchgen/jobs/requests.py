@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.engine.protocol import Engine
+from batchgen.jobs.input.rows import JobRow
 from batchgen.jobs.options import JobOptions, flag_hint
-from batchgen.jobs.rows import JobRow
-from batchgen.jobs.token_bytes import TokenBytes, token_text
+from batchgen.jobs.output.token_bytes import TokenBytes, token_text
 from batchgen.jobs.truncate import truncate_chat, truncate_ids
 
 
@@ -111,7 +111,7 @@ def output_result(p: Prepared, out: Any, token_bytes: TokenBytes | None = None) 
 
     A request with n > 1 completions (a row's or an OpenAI batch line's `n`, or `--n`) keeps the
     first in `output` and the others in `more_choices`; `completion_tokens` counts them all, as
-    OpenAI's usage does. The final output lists them all in `choices` (`batchgen.jobs.final_output`)."""
+    OpenAI's usage does. The final output lists them all in `choices` (`batchgen.jobs.output.final_output`)."""
     completions = out.outputs
     c = completions[0]
     metrics = out.metrics

@@ -18,9 +18,8 @@ import pyarrow as pa
 
 from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.protocol import Engine
-from batchgen.jobs.final_output import count_output_errors, finalize_output
-from batchgen.jobs.formats import JobInputError
-from batchgen.jobs.header import make_header
+from batchgen.jobs.errors import JobInputError
+from batchgen.jobs.input.reader import JobReader, ReaderOptions
 from batchgen.jobs.interrupt import Interrupt
 from batchgen.jobs.loop import engine_loop
 from batchgen.jobs.options import (
@@ -31,9 +30,10 @@ from batchgen.jobs.options import (
     flag_hint,
     output_format,
 )
-from batchgen.jobs.reader import JobReader, ReaderOptions
-from batchgen.jobs.resume import prepare_output, remove_earlier_output
-from batchgen.jobs.writer import PartWriter
+from batchgen.jobs.output.final_output import count_output_errors, finalize_output
+from batchgen.jobs.output.header import make_header
+from batchgen.jobs.output.resume import prepare_output, remove_earlier_output
+from batchgen.jobs.output.writer import PartWriter
 from batchgen.metrics import JobMetrics, NullMetrics
 from batchgen.model.loading.fingerprint import model_fingerprint
 from batchgen.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from batchgen.model.attention import AttentionMetadata, select_backend
-from batchgen.model.kernel_choice import KernelChoice, apply_kernels
+from batchgen.model.kernel_choice.choice import KernelChoice, apply_kernels
 from batchgen.model.layers import RotaryEmbedding, attention_heads
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.sampler import SampleLogprobs, Sampler, SamplingBatch, sample_logprobs
@@ -61,7 +61,7 @@ class ModelRunner:
         max_positions: rotary table length (>= max_model_len).
         attention_backend: "auto", "torch", "cpu" or "triton" ("auto" is "torch" under
             `kernels="reference"`).
-        kernels: "auto", "reference" or "native" (`batchgen.model.kernel_choice`);
+        kernels: "auto", "reference" or "native" (`batchgen.model.kernel_choice.choice`);
             `one_weight_layout` holds one weight copy per linear under "auto".
         max_step_rows / max_logit_rows: the most rows of a step (`max_num_batched_tokens`) and of
             its logits (`max_num_seqs`): the row buckets kernels are chosen for.

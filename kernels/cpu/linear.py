@@ -13,7 +13,7 @@ one measured fastest for each step's row count.
 
 Which is fastest depends on the machine and on the row count (few rows are memory-bound, many are
 compute-bound), so none is chosen by rule: `linear_candidates` lists what applies to a weight and
-`kernels.registry.choose` times them (`batchgen.model.kernel_choice` wires it into the model).
+`kernels.registry.choose` times them (`batchgen.model.kernel_choice.choice` wires it into the model).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ compares the two on a whole workload.
 
 It applies to bf16 models on the "cpu" attention backend whose linear layers hold batchgen's packed
 bf16 weights (run by its AVX512-BF16 kernel, or its AMX kernel where measured faster) without biases and without Qwen3's per-head q/k norms, for the row counts
-where that kernel was measured fastest (`batchgen.model.stack_choice.build_decoder_stack`).
+where that kernel was measured fastest (`batchgen.model.kernel_choice.stack.build_decoder_stack`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class StackLayer:
 class DecoderStack:
     """Runs every decoder layer of a bf16 Llama-family model for one step in C.
 
-    The model side builds it (`batchgen.model.stack_choice.build_decoder_stack`) from the layers' packed
+    The model side builds it (`batchgen.model.kernel_choice.stack.build_decoder_stack`) from the layers' packed
     weights. The per-layer table of weight and cache addresses is built on first use and rebuilt
     when the KV caches move.
     """

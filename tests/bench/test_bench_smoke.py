@@ -292,7 +292,7 @@ def test_resource_monitor_nesting_times_only_the_inner_window() -> None:
 
     import torch
 
-    from batchgen.bench.metrics import ResourceMonitor
+    from batchgen.bench.report.metrics import ResourceMonitor
 
     with ResourceMonitor(interval=0.01) as monitor:
         block = torch.ones(
@@ -330,7 +330,7 @@ def test_repeat_interleaves_runs_and_reports_the_median(tiny_model_dir, tmp_path
 
 
 def test_median_run_prefers_failures_and_picks_the_lower_middle() -> None:
-    from batchgen.bench.metrics import RequestRecord, RunResult
+    from batchgen.bench.report.metrics import RequestRecord, RunResult
     from batchgen.bench.runner import median_run
 
     def run(wall: float) -> RunResult:
@@ -503,7 +503,7 @@ def test_a_report_that_cannot_be_written_at_the_end_is_an_error_not_a_traceback(
     tiny_model_dir, tmp_path: Path, monkeypatch
 ) -> None:
     """Writable when checked, not when the bench ends (a full disk, say): exit 1, the reason named."""
-    from batchgen.bench import report
+    from batchgen.bench.report import json_report as report
 
     def fail(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.bench.ceiling import ModelShape, forward_flops, workload_flops
-from batchgen.bench.metrics import StepRecord
-from batchgen.bench.roofline import (
+from batchgen.bench.report.ceiling import ModelShape, forward_flops, workload_flops
+from batchgen.bench.report.metrics import StepRecord
+from batchgen.bench.report.roofline import (
     kv_bytes_per_token,
     measure_memory_bandwidth,
     prefill_flops,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.bench.metrics import TAIL_REQUESTS, RequestRecord, RunResult, StepRecord, summarize
+from batchgen.bench.report.metrics import TAIL_REQUESTS, RequestRecord, RunResult, StepRecord, summarize
 from tests.bench.test_bench_smoke import invoke_bench, tiny_run_args
 
 PROMPTS = [

@@ -20,12 +20,9 @@ import psutil
 import pytest
 from rich.console import Console
 
-from batchgen.bench import vllm_baseline, vllm_child
-from batchgen.bench.metrics import RequestRecord, RunResult, summarize
-from batchgen.bench.report import build_report
-from batchgen.bench.settings import BenchSettings
-from batchgen.bench.table import render
-from batchgen.bench.vllm_baseline import (
+from batchgen.bench.baselines import vllm as vllm_baseline
+from batchgen.bench.baselines import vllm_child
+from batchgen.bench.baselines.vllm import (
     VLLM_CHILD,
     VllmRunError,
     VllmUnavailable,
@@ -36,7 +33,11 @@ from batchgen.bench.vllm_baseline import (
     run_vllm,
     threads_bind,
 )
-from batchgen.bench.workloads import BenchRequest, Workload
+from batchgen.bench.report.json_report import build_report
+from batchgen.bench.report.metrics import RequestRecord, RunResult, summarize
+from batchgen.bench.report.table import render
+from batchgen.bench.settings import BenchSettings
+from batchgen.bench.workload.distributions import BenchRequest, Workload
 from tests.bench.test_bench_smoke import invoke_bench, tiny_run_args
 
 # What the fake does, chosen per test through FAKE_VLLM_MODE in its environment.

@@ -9,21 +9,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from batchgen.bench.job_workload import read_job_rows
 from batchgen.bench.spec import BenchInputError, WorkloadSpec
-from batchgen.bench.traces import (
+from batchgen.bench.workload.distributions import (
+    allowed_token_ids,
+    arrival_times,
+    build_workload,
+    sample_lengths,
+)
+from batchgen.bench.workload.job import read_job_rows
+from batchgen.bench.workload.traces import (
     LONGTAIL_INPUT,
     LONGTAIL_OUTPUT,
     TICKS_PER_SECOND,
     fit_lognormal,
     load_azure_trace,
     parse_trace_timestamp,
-)
-from batchgen.bench.workloads import (
-    allowed_token_ids,
-    arrival_times,
-    build_workload,
-    sample_lengths,
 )
 
 DATA_DIR = Path(__file__).parents[2] / ".." / "shared" / "data"

@@ -13,9 +13,9 @@ from batchgen.config import EngineConfig
 from batchgen.distributed.driver import replica_loop
 from batchgen.distributed.pool import ReplicaOptions
 from batchgen.distributed.replica import Replica, ReplicaInfo, Shard
-from batchgen.jobs.formats import JobInputError
+from batchgen.jobs.errors import JobInputError
+from batchgen.jobs.output.writer import PartWriter
 from batchgen.jobs.runner import JobOptions, run_job
-from batchgen.jobs.writer import PartWriter
 from tests.jobs.fake_engine import FakeEngine, fake_factory
 from tests.jobs.real_engine import quiet
 

@@ -13,7 +13,7 @@ import pytest
 from batchgen.distributed.driver import MIN_SHARD_ROWS, shard_size
 from batchgen.distributed.pool import ReplicaOptions, import_ray
 from batchgen.distributed.replica import Shard
-from batchgen.jobs.formats import JobInputError
+from batchgen.jobs.errors import JobInputError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from batchgen import LLM, SamplingParams
-from batchgen.bench.job_workload import read_job_rows
+from batchgen.bench.workload.job import read_job_rows
 from batchgen.kernels.cpu import attention as cpu_attention
 
 XSUM = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "xsum" / "test.jsonl"

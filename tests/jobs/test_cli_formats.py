@@ -440,8 +440,8 @@ def test_error_rows_are_summarised_and_a_job_of_only_errors_exits_3(tmp_path, ti
 
 
 def test_error_rows_are_counted_in_every_output_format(tmp_path):
-    from batchgen.jobs.final_output import count_output_errors
-    from batchgen.jobs.json_lines import openai_record, to_json
+    from batchgen.jobs.output.final_output import count_output_errors
+    from batchgen.jobs.output.json_lines import openai_record, to_json
 
     base = {"row_hash": 7, "endpoint": "chat", "created": 0, "output": "hi", "prompt_tokens": 3}
     rows = [
@@ -476,7 +476,7 @@ def test_output_suffixes_are_matched_in_any_case():
     assert (
         output_format("OUT.JSONL", "jsonl") == "jsonl" and output_format("OUT.PARQUET", "jsonl") == "parquet"
     )
-    from batchgen.jobs.formats import JobInputError
+    from batchgen.jobs.errors import JobInputError
 
     with pytest.raises(JobInputError, match=r"\.jsonl, \.ndjson or \.json"):
         check_output_path("out.csv", "in.jsonl")

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from batchgen.cli import app
-from batchgen.jobs.reader import JobReader, ReaderOptions
+from batchgen.jobs.input.reader import JobReader, ReaderOptions
 from batchgen.sampling_params import SamplingParams
 
 PROMPTS = ["List three fruits.", "What is the capital of Peru?", "Say hi.", "Count to five."]
@@ -313,11 +313,11 @@ def test_parts_without_logprob_columns_are_read_as_nulls(tmp_path):
     them: its rows get nulls."""
     import pyarrow as pa
 
-    from batchgen.jobs.final_output import finalize_output
-    from batchgen.jobs.header import make_header
-    from batchgen.jobs.resume import prepare_output
-    from batchgen.jobs.schema import OUTPUT_SCHEMA
-    from batchgen.jobs.writer import PartWriter
+    from batchgen.jobs.output.final_output import finalize_output
+    from batchgen.jobs.output.header import make_header
+    from batchgen.jobs.output.resume import prepare_output
+    from batchgen.jobs.output.schema import OUTPUT_SCHEMA
+    from batchgen.jobs.output.writer import PartWriter
 
     header = make_header({"path": "/x", "size": 1}, "tiny", {"sampling": {"logprobs": 1}})
     out = str(tmp_path / "o.parquet")
@@ -354,7 +354,7 @@ def test_parts_without_logprob_columns_are_read_as_nulls(tmp_path):
                     "row_hash": [5], "endpoint": pa.nulls(1, pa.string()), "created": [1]})  # fmt: skip
     old_part = os.path.join(state.parts_dir, "part-000001.parquet")
     pq.write_table(old, old_part)
-    from batchgen.jobs.manifest import PartEntry
+    from batchgen.jobs.output.manifest import PartEntry
 
     entry = PartEntry("part-000001.parquet", 1, 0, 0)
     state.manifest.append(entry)
@@ -408,9 +408,9 @@ def test_tokens_inside_a_character_have_their_bytes(tmp_path, default_model_dir)
     tokens' bytes join into the text."""
     from transformers import AutoTokenizer
 
-    from batchgen.jobs.json_lines import chat_logprobs, completion_logprobs
+    from batchgen.jobs.output.json_lines import chat_logprobs, completion_logprobs
+    from batchgen.jobs.output.token_bytes import TokenBytes
     from batchgen.jobs.requests import token_logprobs
-    from batchgen.jobs.token_bytes import TokenBytes
     from batchgen.outputs import Logprob
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
@@ -433,7 +433,7 @@ def test_tokens_inside_a_character_have_their_bytes(tmp_path, default_model_dir)
 
 
 def test_logprob_column_names_agree():
-    from batchgen.jobs.schema import LOGPROB_COLUMNS, LOGPROB_SCHEMA
+    from batchgen.jobs.output.schema import LOGPROB_COLUMNS, LOGPROB_SCHEMA
 
     assert tuple(LOGPROB_SCHEMA.names) == LOGPROB_COLUMNS == ("cumulative_logprob", "logprobs")
 
@@ -442,7 +442,7 @@ def test_text_offsets_follow_the_text_around_broken_characters():
     """Offsets count the characters of the text as it reads: half an emoji followed by its other half
     is one character; a character's first bytes followed by something else are the one U+FFFD the
     text shows for them."""
-    from batchgen.jobs.json_lines import completion_logprobs
+    from batchgen.jobs.output.json_lines import completion_logprobs
 
     def entry(data: bytes) -> dict:
         return {"token": "t", "bytes": data, "logprob": -1.0, "top_logprobs": []}
@@ -457,7 +457,7 @@ def test_text_offsets_follow_the_text_around_broken_characters():
 def test_entries_committed_without_bytes_fall_back_to_their_text():
     """Parts committed by a batchgen that did not store `bytes` read them as null; the OpenAI output
     then uses the token's text (a resumed job finishes instead of failing at the final write)."""
-    from batchgen.jobs.json_lines import chat_logprobs, completion_logprobs
+    from batchgen.jobs.output.json_lines import chat_logprobs, completion_logprobs
 
     old = [
         {
@@ -475,9 +475,9 @@ def test_entries_committed_without_bytes_fall_back_to_their_text():
 def test_many_buffered_logprob_entries_make_a_commit_due(tmp_path, monkeypatch):
     """Rows with long log-probability lists are committed by their entry count, not only every
     `commit_rows` rows, so the buffer's Python objects stay bounded."""
-    from batchgen.jobs import writer as writer_module
-    from batchgen.jobs.header import make_header
-    from batchgen.jobs.resume import prepare_output
+    from batchgen.jobs.output import writer as writer_module
+    from batchgen.jobs.output.header import make_header
+    from batchgen.jobs.output.resume import prepare_output
 
     monkeypatch.setattr(writer_module, "MAX_BUFFERED_LOGPROBS", 10)
     state = prepare_output(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.jobs.formats import JobInputError
+from batchgen.jobs.errors import JobInputError
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.metrics import MetricsOptions
 from tests.jobs.fake_engine import fake_factory

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.jobs.reader import JobReader, ReaderOptions
+from batchgen.jobs.input.reader import JobReader, ReaderOptions
 from batchgen.jobs.runner import JobOptions, run_job
 from batchgen.sampling_params import SamplingParams
 from tests.jobs.real_engine import crashing_factory, quiet

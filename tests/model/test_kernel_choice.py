@@ -24,7 +24,8 @@ from batchgen.kernels import registry
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu import linear as cpu_linear
 from batchgen.kernels.cpu.linear import WEIGHT_LAYOUTS, PlainLinear, TunedLinear
-from batchgen.model import kernel_choice, linear_choice
+from batchgen.model.kernel_choice import choice as kernel_choice
+from batchgen.model.kernel_choice import linear as linear_choice
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40, 90)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -301,7 +302,7 @@ def test_the_table_key_covers_the_modules_that_measure_the_choices(tmp_path, mon
         (copy / name).write_bytes((ROOT / "batchgen" / "model" / name).read_bytes())
     paths = [copy / name for name in kernel_choice._CHOOSER_SOURCES]
     assert registry.files_hash(copy, paths) == key["choosers"]
-    stack_choice = copy / "stack_choice.py"
+    stack_choice = copy / "kernel_choice" / "stack.py"
     stack_choice.write_text(stack_choice.read_text() + "\n# changed\n")
     assert registry.files_hash(copy, paths) != key["choosers"]
 

@@ -41,7 +41,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
 
     # Per row bucket (`kernels.registry.ROW_BUCKETS`) of a prefill chunk without a cached prefix,
     # and of one after a cached prefix: "c" (the C kernel), "amx" (the C kernel on AMX tiles) or
-    # "sdpa" (torch's SDPA), measured by `batchgen.model.attention_choice`; None: the C kernel for
+    # "sdpa" (torch's SDPA), measured by `batchgen.model.kernel_choice.attention`; None: the C kernel for
     # every such chunk.
     prefill_by_bucket: list[str] | None = None
     prefill_after_prefix_by_bucket: list[str] | None = None
@@ -106,7 +106,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
         return segments
 
     # Per row bucket of a step's decodes: "c" (the C kernel) or "torch" (gather + SDPA), measured
-    # by `batchgen.model.attention_choice`; None: the C kernel at every batch.
+    # by `batchgen.model.kernel_choice.attention`; None: the C kernel at every batch.
     decode_by_bucket: list[str] | None = None
 
     def _decode(self, query, k_cache, v_cache, meta, scale):

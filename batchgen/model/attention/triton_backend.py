@@ -5,7 +5,7 @@ decodes (the first `meta.num_decodes` sequences, one query token each) go throug
 split over the context when the batch is small; the prefill chunks after them go through the
 chunked-prefill kernel, which reads all of each chunk's context from the cache, except chunks with
 no cached prefix at lengths where torch's SDPA was measured faster (`prefill_by_bucket`, set by
-`batchgen.model.attention_choice.tune_triton_prefill_attention`): those attend to their own K/V
+`batchgen.model.kernel_choice.attention.tune_triton_prefill_attention`): those attend to their own K/V
 through SDPA, one call a chunk.
 """
 

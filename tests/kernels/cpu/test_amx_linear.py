@@ -164,7 +164,7 @@ def test_the_layers_on_the_stacks_kernels_run_its_swiglu_too() -> None:
     differs from bf16_c's, which dropped the bf16_c stack at 1 row)."""
     from types import SimpleNamespace
 
-    from batchgen.model.stack_choice import _layers_on
+    from batchgen.model.kernel_choice.stack import _layers_on
 
     mlp = MLP(64, 48, c_ops=True).to(torch.bfloat16)
     weight = mlp.gate_up_proj.weight.detach()

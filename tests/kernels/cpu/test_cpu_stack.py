@@ -136,7 +136,7 @@ def test_the_stacks_check_runs_the_layers_on_its_c_attention_whatever_was_measur
     stack always calls the C attention kernels, while the measured choice may be torch's at some
     batch sizes (with more threads than free cores); torch rounds otherwise in bf16, which dropped a
     correct stack. Within `_layers_on` the layers run the C kernels; after it, the measured choice."""
-    from batchgen.model.stack_choice import _layers_on
+    from batchgen.model.kernel_choice.stack import _layers_on
 
     runner = tiny_bf16_llm(tiny_model_dir).llm_engine.runner
     backend = runner.model.model.layers[0].self_attn.backend

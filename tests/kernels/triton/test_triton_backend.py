@@ -175,7 +175,7 @@ def test_step_with_sdpa_and_triton_chunks_matches_the_reference(seqs, dtype, dev
 def test_tuned_prefill_choice_is_measured_checked_and_cached(device, tmp_path, monkeypatch):
     from batchgen.kernels import registry
     from batchgen.kernels.registry import TuningTable
-    from batchgen.model import attention_choice
+    from batchgen.model.kernel_choice import attention as attention_choice
 
     key = {"test": "triton prefill"}
     table = TuningTable.load(key, tmp_path)

@@ -1,0 +1,1 @@
+"""The configurations a bench compares: continuous and static batching, transformers, vLLM."""

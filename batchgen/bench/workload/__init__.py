@@ -1,0 +1,1 @@
+"""Bench workloads: request lengths and prompts from distributions, Azure traces or a job file."""

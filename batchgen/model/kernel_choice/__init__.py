@@ -1,0 +1,1 @@
+"""The measured choice of kernels on the loaded model: linears, attention and the decoder stack, per shape bucket."""

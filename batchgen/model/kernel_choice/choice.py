@@ -1,0 +1,381 @@
+"""Which kernels the loaded model runs: `--kernels auto|reference|native`.
+
+- "auto" (default): every linear shape of the model gets, per row bucket, the implementation measured
+  fastest on this machine (`kernels.registry.choose` over `kernels.cpu.linear.linear_candidates`),
+  prefill chunks get the faster of the C attention kernel and torch's SDPA (`attention_choice`),
+  and the one-call C decoder stack runs the steps up to the row count where it was measured faster
+  than the per-layer path (`stack_choice`). On CUDA the linears are torch's, and the Triton backend's
+  prefill chunks without a cached prefix get the faster of its kernel and torch's SDPA
+  (`attention_choice.tune_triton_prefill_attention`).
+- "reference": plain torch (`F.linear`, the torch attention backend): the oracle, and a fallback.
+- "native": batchgen's own kernels wherever they apply, unmeasured (the bf16 C linear on a CPU with
+  AVX512-BF16, else oneDNN-prepacked weights; the decoder stack for every step).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from batchgen.config import KERNEL_MODES
+from batchgen.kernels.cpu import attention as cpu_attention
+from batchgen.kernels.cpu.linear import (
+    WEIGHT_LAYOUTS,
+    TunedLinear,
+    can_prepack,
+    linear_candidates,
+    prepack_linears,
+    release_freed_heap,
+)
+from batchgen.kernels.machine_load import LoadSample
+from batchgen.kernels.registry import (
+    ROW_BUCKETS,
+    TuningTable,
+    buckets_up_to,
+    entry_key,
+    files_hash,
+    machine_key,
+)
+from batchgen.model.attention.cpu_backend import CPUAttentionBackend
+from batchgen.model.kernel_choice.attention import (
+    tune_decode_attention,
+    tune_prefill_attention,
+    tune_triton_prefill_attention,
+)
+from batchgen.model.kernel_choice.linear import plan_layouts, shape_name, table_shape, tune_linear
+from batchgen.model.kernel_choice.stack import build_decoder_stack, cached_stack_rows, tune_decoder_stack
+
+logger = logging.getLogger(__name__)
+
+# The modules that measure the choices (what a candidate is timed on, how it is checked), and torch's
+# SDPA candidate (`attention/sdpa.py`): a change to one of them makes a cached table stale as surely as
+# a change to a kernel does.
+_CHOOSER_SOURCES = (
+    "kernel_choice/choice.py",
+    "kernel_choice/linear.py",
+    "kernel_choice/stack.py",
+    "kernel_choice/attention.py",
+    "attention/sdpa.py",
+)
+
+
+def tuning_key(
+    dtype: torch.dtype, num_threads: int | None = None, device: torch.device | None = None
+) -> dict[str, str]:
+    """The kernel tuning table's key: `machine_key` (CPU, threads, torch, dtype, kernel sources), the
+    source hash of the modules that measure the choices, and for a CUDA `device` the GPU's name and
+    compute capability and the CUDA and Triton versions."""
+    key = {**machine_key(dtype, num_threads), "choosers": _chooser_source_hash()}
+    if device is not None and device.type == "cuda":
+        import triton  # the CUDA path's choices are between Triton kernels and torch's
+
+        key["gpu"] = torch.cuda.get_device_name(device)
+        key["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        key["cuda"] = str(torch.version.cuda)
+        key["triton"] = triton.__version__
+    return key
+
+
+@functools.cache
+def _chooser_source_hash() -> str:
+    model = Path(__file__).parent.parent  # batchgen/model: the names above are relative to it
+    return files_hash(model, [model / name for name in _CHOOSER_SOURCES])
+
+
+@dataclass
+class KernelChoice:
+    """What `apply_kernels` chose: per linear shape the implementation at each row bucket, the rows
+    up to which the decoder stack runs (None: not at all; 0: every step), and the tuning table
+    (None unless "auto")."""
+
+    mode: str
+    linears: dict[str, list[str]] = field(default_factory=dict)
+    stack_max_rows: int | None = None
+    stack_linears: list[str] = field(default_factory=list)  # per row bucket: "bf16_c" or "amx_c"
+    table: TuningTable | None = None
+    prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c", "amx" or "sdpa"
+    prefill_after_prefix_attention: list[str] = field(default_factory=list)  # the same, after a prefix
+    decode_attention: list[str] = field(default_factory=list)  # per decode-batch bucket: "c" or "torch"
+    seconds: float = 0.0  # spent choosing: measuring, or looking up a cached table, and packing
+    extra_weight_bytes: int = 0  # weight copies held for a second layout (`plan_layouts`)
+    # FLOP/s of the model's layer linears at the largest row bucket, each at its chosen candidate's
+    # time in the table (`table_linear_rate`): the registry's own figure for the machine's matmul rate.
+    largest_bucket_flops_per_s: float | None = None
+    device_type: str = "cpu"  # on CUDA: torch's linears, and only `prefill_attention` is measured
+
+    def summary(self) -> str:
+        """A few words for the start line, e.g. "auto: linear onednn 80%, torch 20%" (shares of the
+        (shape, row bucket) pairs)."""
+        if self.device_type != "cpu":
+            if self.prefill_attention:
+                return (
+                    f"{self.device_type}: torch linears; first prefill chunks {_by_rows(self.prefill_attention)}"
+                    " (after a cached prefix: triton)"
+                )
+            return f"{self.device_type}: torch linears; attention from the attention backend (not measured)"
+        if self.mode == "native":
+            return "native: batchgen's own kernels where they apply" + (
+                "; decoder stack" if self.stack_max_rows is not None else ""
+            )
+        if self.mode == "reference" or not self.linears:
+            return f"{self.mode}: plain torch"
+        uses: dict[str, int] = {}
+        for by_bucket in self.linears.values():
+            for name in by_bucket:
+                uses[name] = uses.get(name, 0) + 1
+        total = sum(uses.values())
+        parts = [f"{name} {100 * n / total:.0f}%" for name, n in sorted(uses.items(), key=lambda x: -x[1])]
+        stack = ""
+        if self.stack_max_rows is not None:
+            stack = f"; decoder stack up to {self.stack_max_rows or 'any'} rows"
+            if "amx_c" in self.stack_linears:
+                stack += f" (AMX linears from {ROW_BUCKETS[self.stack_linears.index('amx_c')]} rows)"
+        extra = self.extra_weight_bytes / 2**20
+        memory = f"; second weight layouts {extra:.0f} MiB" if extra else ""
+        attention = ""
+        if self.prefill_attention:
+            attention = f"; prefill attention {_by_rows(self.prefill_attention)}"
+        if self.prefill_after_prefix_attention:
+            attention += f" (after a cached prefix {_by_rows(self.prefill_after_prefix_attention)})"
+        if "torch" in self.decode_attention:
+            first = ROW_BUCKETS[self.decode_attention.index("torch")]
+            attention += f"; decode attention torch from {first} sequences"
+        return f"{self.mode}: linear " + ", ".join(parts) + stack + attention + memory
+
+
+def _by_rows(kinds: list[str]) -> str:
+    """A per-bucket choice in a few words: "c to 64 rows, amx from 128"."""
+    runs: list[tuple[str, int, int]] = []  # kind, first bucket, last bucket
+    for kind, rows in zip(kinds, ROW_BUCKETS, strict=False):
+        if runs and runs[-1][0] == kind:
+            runs[-1] = (kind, runs[-1][1], rows)
+        else:
+            runs.append((kind, rows, rows))
+    if len(runs) == 1:
+        return runs[0][0]
+    words = [f"{kind} {first}-{last}" if first != last else f"{kind} {first}" for kind, first, last in runs]
+    return ", ".join(words) + " rows"
+
+
+def _named_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            yield name, module
+
+
+def _choose_linears(
+    model: nn.Module,
+    table: TuningTable,
+    max_rows: int,
+    max_logit_rows: int,
+    one_layout: bool,
+    stack_possible: bool,
+    choice: KernelChoice,
+) -> list[str]:
+    """Measure (or look up) each linear shape's implementation per row bucket, put them into `model`
+    (a `TunedLinear` where buckets differ) and record them in `choice.linears`; with `stack_possible`
+    every layer linear also holds batchgen's bf16 layout for the decoder stack's measurement.
+    Returns `shape_name` of every layer linear (the LM head aside), repeats included."""
+    by_shape: dict[str, list[str]] = {}
+    layer_shapes: list[str] = []  # one entry per layer linear, for `table_linear_rate`
+    for name, linear in list(_named_linears(model)):
+        is_head = name.endswith("lm_head")
+        if not is_head:
+            layer_shapes.append(shape_name(linear))
+        rows = max_logit_rows if is_head else max_rows
+        key = f"{shape_name(linear)}@{rows}"
+        if key not in by_shape:
+            by_shape[key] = plan_layouts(tune_linear(table, linear, rows), one_layout)
+        by_bucket = by_shape[key]
+        choice.linears[key] = by_bucket
+        builders = linear_candidates(linear.weight, linear.bias)
+        kinds = list(dict.fromkeys(by_bucket))
+        packed = {k for k in kinds if WEIGHT_LAYOUTS.get(k) == "packed_bf16"}
+        if stack_possible and not is_head and "bf16_c" in builders and not packed:
+            kinds.append("bf16_c")
+        impls = {kind: builders[kind]() for kind in kinds}
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(
+            parent, child, TunedLinear(impls, by_bucket) if len(impls) > 1 else next(iter(impls.values()))
+        )
+    return layer_shapes
+
+
+def apply_kernels(
+    model: nn.Module,
+    mode: str,
+    device: torch.device,
+    max_rows: int,
+    max_logit_rows: int,
+    one_layout: bool = False,
+    block_size: int = 16,
+) -> KernelChoice:
+    """Put the chosen linear implementations into `model` (weights loaded) and set its decoder stack;
+    on CUDA, set the Triton backend's measured prefill attention (`_choose_triton_attention`).
+
+    Args:
+        model: a `LlamaForCausalLM` with its weights loaded, on `device`.
+        mode: one of `KERNEL_MODES`.
+        max_rows: the most rows a step can have (`max_num_batched_tokens`): the largest bucket timed.
+        max_logit_rows: the most rows the LM head sees in a step (`max_num_seqs`).
+        one_layout: hold one weight layout per linear (`plan_layouts`), at some speed.
+        block_size: tokens per KV-cache block, as the engine's cache holds them.
+
+    Raises:
+        ValueError: an unknown `mode`.
+    """
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}; got {mode!r}")
+    dtype = next(model.parameters()).dtype
+    if device.type == "cuda" and mode == "auto":
+        return _choose_triton_attention(model, dtype, device, max_rows, block_size)
+    if mode == "reference" or not can_prepack(dtype, device):
+        return KernelChoice(mode if device.type == "cpu" else "reference", device_type=device.type)
+    if mode == "native":
+        prepack_linears(model)
+        model.decoder_stack = build_decoder_stack(model, max_rows=0)
+        return KernelChoice("native", stack_max_rows=0 if model.decoder_stack is not None else None)
+    start, load_before = time.perf_counter(), LoadSample()
+    table = TuningTable.load(tuning_key(dtype))
+    choice = KernelChoice("auto", table=table)
+    # The decoder stack needs every layer linear in batchgen's bf16 layout: held for its measurement
+    # even where the per-layer path does not use it, and dropped again where the stack loses.
+    stack_possible = dtype == torch.bfloat16 and not one_layout and _fused_cpu_backend(model)
+    stack_possible = stack_possible and cached_stack_rows(model, table, max_logit_rows) != 0
+    layer_shapes = _choose_linears(model, table, max_rows, max_logit_rows, one_layout, stack_possible, choice)
+    choice.largest_bucket_flops_per_s = table_linear_rate(layer_shapes, table, dtype, max_rows)
+    _choose_attention(model, table, dtype, max_rows, max_logit_rows, choice)
+    stack = build_decoder_stack(model, max_rows=0)
+    stack_rows, stack_linears = (
+        tune_decoder_stack(model, stack, table, max_logit_rows) if stack is not None else (0, [])
+    )
+    if stack_rows:
+        stack.max_rows = stack_rows
+        stack.linear_by_bucket = stack_linears
+        choice.stack_linears = stack_linears
+    model.decoder_stack = stack if stack_rows else None
+    choice.stack_max_rows = stack_rows or None
+    choice.extra_weight_bytes = _drop_unused_layouts(
+        model, keep_stack_layout=bool(stack_rows), element_size=torch.empty((), dtype=dtype).element_size()
+    )
+    table.note_load(LoadSample().other_cores_since(load_before))
+    table.save()
+    release_freed_heap()  # the plain weights, and the layouts, that no implementation kept
+    choice.seconds = time.perf_counter() - start
+    return choice
+
+
+def table_linear_rate(
+    layer_shapes: list[str], table: TuningTable, dtype: torch.dtype, max_rows: int
+) -> float | None:
+    """FLOP/s of a model's layer linears at the largest row bucket up to `max_rows`: their FLOPs
+    summed over the chosen candidates' times in `table`, one call per linear as a step makes them.
+
+    Args:
+        layer_shapes: `shape_name` of every layer linear (the LM head aside), repeats included.
+
+    Returns:
+        FLOP/s, or None where an entry is missing or has no time. Reads `table` after
+        `tune_linear` filled it; measures nothing.
+    """
+    rows = buckets_up_to(max_rows)[-1]
+    flops = seconds = 0.0
+    for shape in layer_shapes:
+        entry = table.entries.get(entry_key("linear", table_shape(shape, dtype), rows))
+        ms = entry["ms"].get(entry["chosen"]) if entry else None
+        if not ms or not entry.get("work"):
+            return None
+        flops += entry["work"]
+        seconds += ms * 1e-3
+    return flops / seconds if seconds else None
+
+
+def _fused_cpu_backend(model: nn.Module) -> bool:
+    layers = model.model.layers
+    return bool(layers) and getattr(layers[0].self_attn.backend, "fused_cpu_ops", False)
+
+
+def _drop_unused_layouts(model: nn.Module, keep_stack_layout: bool, element_size: int) -> int:
+    """Remove the implementations no row bucket runs (the bf16 layout held for the stack's
+    measurement, unless the stack runs); a layer left with one is replaced by it. Returns the bytes
+    of the second weight layouts still held."""
+    extra = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, TunedLinear):
+            continue
+        keep = set(module.by_bucket)
+        if keep_stack_layout and not any(WEIGHT_LAYOUTS.get(k) == "packed_bf16" for k in keep):
+            keep.add("bf16_c")
+        for kind in [k for k in module.impls if k not in keep]:
+            del module.impls[kind]
+        weight_bytes = module.in_features * module.out_features * element_size
+        layouts = {WEIGHT_LAYOUTS.get(kind, kind) for kind in module.impls}
+        extra += (len(layouts) - 1) * weight_bytes
+        if len(module.impls) == 1:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, next(iter(module.impls.values())))
+    return extra
+
+
+def _choose_attention(
+    model: nn.Module,
+    table: TuningTable,
+    dtype: torch.dtype,
+    max_rows: int,
+    max_decodes: int,
+    choice: KernelChoice,
+) -> None:
+    """Measure and set the "cpu" backend's prefill attention per chunk-length bucket and its decode
+    attention per decode-batch bucket (`attention_choice`)."""
+    layers = model.model.layers
+    backend = layers[0].self_attn.backend if layers else None
+    if not isinstance(backend, CPUAttentionBackend):
+        return
+    attn = layers[0].self_attn
+    if not cpu_attention.supports_prefill(dtype, attn.head_dim, attn.num_heads, attn.num_kv_heads):
+        return
+    heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_rows)
+    backend.prefill_by_bucket = tune_prefill_attention(table, *heads)
+    backend.prefill_after_prefix_by_bucket = tune_prefill_attention(table, *heads, prefix=True)
+    choice.prefill_attention = backend.prefill_by_bucket
+    choice.prefill_after_prefix_attention = backend.prefill_after_prefix_by_bucket
+    if cpu_attention.supports(dtype, attn.head_dim, attn.num_heads, attn.num_kv_heads):
+        backend.decode_by_bucket = tune_decode_attention(
+            table, attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_decodes
+        )
+        choice.decode_attention = backend.decode_by_bucket
+
+
+def _choose_triton_attention(
+    model: nn.Module, dtype: torch.dtype, device: torch.device, max_rows: int, block_size: int
+) -> KernelChoice:
+    """Measure and set the Triton backend's prefill attention for chunks without a cached prefix, per
+    chunk-length bucket up to `max_rows` (`tune_triton_prefill_attention`, cached like the CPU's
+    table under a key that names the GPU). A model on another backend keeps it, unmeasured."""
+    choice = KernelChoice("auto", device_type=device.type)
+    layers = model.model.layers
+    backend = layers[0].self_attn.backend if layers else None
+    if getattr(backend, "name", None) != "triton":
+        return choice
+    start, load_before = time.perf_counter(), LoadSample()
+    table = TuningTable.load(tuning_key(dtype, device=device))
+    attn = layers[0].self_attn
+    heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim, dtype, max_rows)
+    backend.prefill_by_bucket = tune_triton_prefill_attention(table, *heads, device, block_size)
+    choice.table, choice.prefill_attention = table, backend.prefill_by_bucket
+    table.note_load(LoadSample().other_cores_since(load_before))
+    table.save()
+    if device.type == "cuda":
+        # The timed cases' memory goes back before the KV cache (already sized) is allocated.
+        torch.cuda.empty_cache()
+    choice.seconds = time.perf_counter() - start
+    return choice

@@ -1,0 +1,353 @@
+"""`batchgen plan`: what a job will cost before it runs, from its file and the model's tokenizer, and
+its wall time from a few steps measured on this machine.
+
+The rows go through the same reader, sampling columns and error rules as `batchgen run`
+(`prepare_row`, the engine's stop-token check), so the error rows and the prompt-token counts are
+the ones `run` writes. The token counts load no weights: the KV-cache size comes from the same
+sizing rules as the engine's (`batchgen.engine.sizing`). The wall time (`batchgen.plan.wall_time`)
+simulates the job's schedule at step costs measured by a calibration run of a few steps (the model
+is loaded for it, once per machine and job shape: the result is cached; `--no-calibrate` skips it).
+Memory stays bounded: a sequence keeps three integers (prompt, cached prompt, output budget), and
+the prefix-cache estimate keeps at most the cache's blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from array import array
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from batchgen.jobs.errors import JobInputError
+from batchgen.jobs.options import JobOptions, check_output_path, flag_hint, output_format
+from batchgen.jobs.output.resume import check_output_location
+from batchgen.jobs.requests import prepare_row
+from batchgen.plan.block_lru import BlockLru
+from batchgen.plan.inputs import CommittedOutputs, TokenizerEngine, committed_rows
+from batchgen.plan.wall_time import Sequences, WallTimeEstimate, WallTimeOptions, expected_outputs
+
+FIRST_ERRORS = 5
+
+
+@dataclass
+class JobPlan:
+    """What `plan` prints (`--json`: this as a dict). Token figures are over the rows that will run."""
+
+    input: str
+    model: str
+    rows: int = 0
+    rows_resumed: int = 0  # committed by an earlier run: not planned
+    rows_valid: int = 0
+    rows_error: int = 0
+    rows_too_long: int = 0
+    first_errors: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    prompt_tokens_p50: int = 0
+    prompt_tokens_p99: int = 0
+    prompt_tokens_max: int = 0
+    max_output_tokens: int = 0  # the output budget: each row's max_tokens (times n), capped by room
+    prefix_caching: bool = True
+    prefix_cache_tokens: int = 0  # prompt tokens the prefix cache would serve (full shared blocks)
+    max_model_len: int = 0
+    block_size: int = 0
+    kv_cache_tokens: int = 0  # what the KV cache holds
+    kv_bytes_per_token: int = 0
+    largest_row_tokens: int = 0  # prompt + output budget of the largest row
+    largest_row_kv_bytes: int = 0
+    max_num_seqs: int = 0
+    typical_row_tokens: int = 0  # p50 prompt + mean output budget
+    seqs_that_fit: int = 0  # typical rows the KV cache holds at once (at most max_num_seqs run)
+    expected_output_tokens: int = 0  # the output expected: see expected_output_basis
+    expected_output_basis: str = ""
+    wall_time: WallTimeEstimate | None = None
+    wall_time_note: str | None = None  # why there is no wall time estimate
+    note: str | None = None  # about the rows an earlier run committed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class _PrefixEstimate:
+    """Prompt tokens a prefix cache of `capacity` blocks would serve, with rows in file order:
+    full blocks are chained hashes (parent hash, the block's ids) in an LRU of that many blocks."""
+
+    def __init__(self, block_size: int, capacity: int) -> None:
+        self.block_size = block_size
+        self.blocks = BlockLru(capacity)
+        self.hit_tokens = 0
+
+    def add(self, ids: list[int]) -> int:
+        """Look a prompt's full blocks up, then cache them; returns its prompt tokens served."""
+        parent = 0
+        hits = 0
+        bs = self.block_size
+        # As the engine, the last prompt token is always computed: only blocks before it can hit.
+        for start in range(0, len(ids) - 1 - (len(ids) - 1) % bs, bs):
+            parent = hash((parent, tuple(ids[start : start + bs])))
+            hits += bs * self.blocks.touch(parent)
+        self.hit_tokens += hits
+        return hits
+
+
+class _Tally:
+    """What the plan keeps of the rows it reads: per row its prompt and output budget, per sequence
+    (n of a row) what the schedule simulation needs, and the output an earlier run's rows used."""
+
+    def __init__(self, plan: JobPlan, prefix: _PrefixEstimate | None, block_size: int) -> None:
+        self.plan = plan
+        self.prefix = prefix
+        self.block_size = block_size
+        self.prompts, self.budgets = array("q"), array("q")  # per row; budgets times n
+        self.seq_prompts, self.seq_cached, self.seq_budgets = array("q"), array("q"), array("q")
+        self.committed_budget = self.committed_completion = 0
+
+    def error(self, message: str) -> None:
+        self.plan.rows_error += 1
+        if len(self.plan.first_errors) < FIRST_ERRORS:
+            self.plan.first_errors.append(message)
+
+    def row(self, token_ids: list[int], budget: int, n: int) -> None:
+        """A valid row: `budget` output tokens a sequence, `n` sequences."""
+        prompt = len(token_ids)
+        self.prompts.append(prompt)
+        self.budgets.append(n * budget)
+        hits = self.prefix.add(token_ids) if self.prefix is not None else 0
+        # Siblings (n > 1) are admitted once the first one's prompt blocks are cached.
+        sibling_hits = (prompt - 1) // self.block_size * self.block_size if self.prefix is not None else 0
+        for i in range(n):
+            self.seq_prompts.append(prompt)
+            self.seq_cached.append(hits if i == 0 else sibling_hits)
+            self.seq_budgets.append(budget)
+
+    def committed(self, outputs: CommittedOutputs | None, row_index: int, sp: Any, max_len: int) -> None:
+        """A row an earlier run committed: its output against its budget, when it ran."""
+        found = outputs.lookup(row_index) if outputs is not None else None
+        if found is not None:
+            prompt, completion = found
+            room = max(max_len - prompt, 1)
+            self.committed_budget += sp.n * (room if sp.max_tokens is None else min(sp.max_tokens, room))
+            self.committed_completion += completion
+
+
+def _open_job(options: JobOptions, engine: Any, torch_free: bool) -> tuple[Any, ...]:
+    """(engine config, reader, tokenizer engine, committed rows, their outputs, a note on them)."""
+    from batchgen.jobs.runner import check_run_options, job_header, job_reader, validate_job
+
+    # The device is checked where torch is: TokenizerEngine's sizes (in a child with torch_free).
+    config = check_run_options(options, check_device=engine is not None)
+    reader = job_reader(options)
+    output = options.output_path(reader.format)
+    check_output_path(output, options.input)  # run's own checks: plan refuses what run would
+    check_output_location(output)
+    if options.strict:
+        validate_job(reader)
+    fmt = output_format(output, reader.format)
+    committed, outputs, note = (
+        (None, None, None) if options.overwrite else committed_rows(output, job_header(options, reader, fmt))
+    )
+    if engine is None:
+        from batchgen.model.loading.architectures import ModelNotFoundError
+
+        try:
+            engine = TokenizerEngine(config, torch_free=torch_free)
+        except (ModelNotFoundError, ValueError) as e:
+            raise JobInputError(
+                f"cannot plan for model {config.model or '(default)'}: {e}{flag_hint(str(e))}"
+            ) from e
+    return config, reader, engine, committed, outputs, note
+
+
+def _read_rows(tally: _Tally, options: JobOptions, reader: Any, engine: Any, committed: Any, outputs) -> None:
+    """Every row as `run` would take it: committed, error row, or a valid row with its tokens."""
+    plan = tally.plan
+    tokenizer = engine.tokenizer
+    chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    max_len = engine.max_model_len
+    for row in reader:
+        plan.rows = row.row_index + 1
+        if committed is not None and committed.is_committed(row.row_index, row.row_hash, row.where):
+            plan.rows_resumed += 1
+            tally.committed(outputs, row.row_index, row.sampling_params, max_len)
+            continue
+        if row.error is not None:
+            tally.error(row.error)
+            continue
+        prepared, message = prepare_row(row, engine, options, chat, bos, max_len)
+        if message is not None:
+            plan.rows_too_long += prepared is not None
+            tally.error(message)
+            continue
+        sp = row.sampling_params
+        unknown = [t for t in sp.stop_token_ids or () if t >= engine.vocab_limit]
+        if unknown:  # the engine's own check (LLMEngine._add_one), worded as run's error row
+            tally.error(
+                f"{row.where}: stop_token_ids holds ids outside the vocabulary [0, {engine.vocab_limit}): "
+                f"{unknown[:5]}; fix or remove them"
+            )
+            continue
+        room = max_len - prepared.prompt_tokens
+        tally.row(prepared.token_ids, room if sp.max_tokens is None else min(sp.max_tokens, room), sp.n)
+
+
+def _fill_sizes(plan: JobPlan, tally: _Tally, engine: Any, max_num_seqs: int) -> None:
+    """Token statistics and the KV cache's fit, from the rows read."""
+    plan.rows_valid = len(tally.prompts)
+    plan.max_model_len = engine.max_model_len
+    plan.block_size = engine.block_size
+    plan.kv_cache_tokens = engine.num_blocks * engine.block_size
+    plan.kv_bytes_per_token = engine.bytes_per_block // engine.block_size
+    plan.max_num_seqs = max_num_seqs
+    if tally.prefix is not None:
+        plan.prefix_cache_tokens = tally.prefix.hit_tokens
+    if not tally.prompts:
+        return
+    p, b = np.array(tally.prompts, dtype=np.int64), np.array(tally.budgets, dtype=np.int64)
+    plan.prompt_tokens = int(p.sum())
+    plan.prompt_tokens_p50 = int(np.percentile(p, 50, method="nearest"))
+    plan.prompt_tokens_p99 = int(np.percentile(p, 99, method="nearest"))
+    plan.prompt_tokens_max = int(p.max())
+    plan.max_output_tokens = int(b.sum())
+    plan.largest_row_tokens = int((p + b).max())
+    plan.largest_row_kv_bytes = _blocks(plan.largest_row_tokens, engine.block_size) * engine.bytes_per_block
+    plan.typical_row_tokens = plan.prompt_tokens_p50 + math.ceil(float(b.mean()))
+    per_row = _blocks(plan.typical_row_tokens, engine.block_size)
+    plan.seqs_that_fit = min(engine.num_blocks // max(per_row, 1), max_num_seqs)
+
+
+def _sequences(plan: JobPlan, tally: _Tally, given: int | None) -> Sequences:
+    """The sequences to run, with their expected outputs (also summed into `plan`)."""
+    seqs = Sequences(
+        *(np.array(a, dtype=np.int64) for a in (tally.seq_prompts, tally.seq_cached, tally.seq_budgets))
+    )
+    fraction = tally.committed_completion / tally.committed_budget if tally.committed_budget else None
+    seqs.expected, seqs.basis = expected_outputs(seqs.budgets, given, fraction)
+    plan.expected_output_basis = seqs.basis
+    plan.expected_output_tokens = int(seqs.expected.sum())
+    return seqs
+
+
+def plan_job(
+    options: JobOptions,
+    engine: Any = None,
+    progress: bool = False,
+    wall_time: WallTimeOptions | None = None,
+    torch_free: bool = False,
+) -> JobPlan:
+    """Read the job (streaming) and tokenize every row as `run` would; nothing is written.
+
+    Args:
+        options: the job, as `batchgen run` takes it.
+        engine: anything with TokenizerEngine's attributes (default: a TokenizerEngine).
+        progress: a progress bar on stderr while rows are tokenized (only on a terminal).
+        wall_time: estimate the wall time too (`batchgen.plan.wall_time`: may load the model for a
+            calibration of a few steps); None: no estimate.
+        torch_free: keep torch out of this process (`TokenizerEngine`), for one that ends after
+            the plan, as the CLI's does: a plan's memory is then mostly the job's, not torch's.
+
+    Raises:
+        JobInputError: the input, its schema, the options or the model cannot be used, or the
+            calibration's engine cannot be built.
+    """
+    from batchgen.model.loading.architectures import ModelNotFoundError
+    from batchgen.plan.estimate import ScheduleLimits
+    from batchgen.plan.wall_time import estimate_wall_time
+
+    config, reader, engine, committed, outputs, note = _open_job(options, engine, torch_free)
+    # From here: run reads and tokenizes the same rows (its start-up is the calibration's startup_s).
+    start = time.perf_counter()
+    plan = JobPlan(reader.source, engine.model_name or str(config.model or "default"), note=note)
+    plan.prefix_caching = config.enable_prefix_caching
+    prefix = _PrefixEstimate(engine.block_size, engine.num_blocks) if config.enable_prefix_caching else None
+    tally = _Tally(plan, prefix, engine.block_size)
+    rows: Any = reader
+    if progress:
+        from tqdm import tqdm
+
+        rows = tqdm(
+            reader, total=reader.count_rows(), unit=" rows", desc="tokenizing", disable=None, leave=False
+        )
+    _read_rows(tally, options, rows, engine, committed, outputs)
+    read_s = time.perf_counter() - start
+    _fill_sizes(plan, tally, engine, config.max_num_seqs)
+    seqs = _sequences(plan, tally, wall_time and wall_time.expected_output_tokens)
+    if wall_time is None:
+        return plan
+    limits = ScheduleLimits(
+        config.max_num_seqs,
+        engine.max_num_batched_tokens,
+        engine.num_blocks,
+        engine.block_size,
+        config.enable_chunked_prefill,
+    )
+    try:
+        plan.wall_time, plan.wall_time_note = estimate_wall_time(
+            seqs, limits, config, engine.dtype, read_s, wall_time, engine.device, engine.measure
+        )
+    except (ModelNotFoundError, ValueError) as e:
+        raise JobInputError(f"cannot calibrate model {config.model or '(default)'}: {e}") from e
+    return plan
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def duration(seconds: float) -> str:
+    """`seconds` as 45s, 3m05s or 2h07m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s // 60 % 60:02d}m"
+
+
+def _wall_time_lines(plan: JobPlan) -> list[str]:
+    w = plan.wall_time
+    if w is None:
+        return [f"estimated wall time: none ({plan.wall_time_note})"] if plan.wall_time_note else []
+    return [
+        f"estimated wall time: {duration(w.low_s)} to {duration(w.high_s)} (model load and set-up "
+        f"{w.startup_s:.1f} s, reading and tokenizing the job {w.tokenize_s:.1f} s included; {w.low_steps} to "
+        f"{w.high_steps} steps, up to {w.peak_seqs} rows at once)",
+        f"  assuming {w.assumption}",
+        f"  step times: {w.rates}",
+    ]
+
+
+def format_plan(plan: JobPlan) -> str:
+    """The plan as the lines `batchgen plan` prints."""
+    resumed = f"{plan.rows_resumed} committed by an earlier run; of the rest " if plan.rows_resumed else ""
+    saved = 100 * plan.prefix_cache_tokens / plan.prompt_tokens if plan.prompt_tokens else 0.0
+    lines = [
+        f"job: {plan.input} (model {plan.model})",
+        f"rows: {plan.rows} ({resumed}{plan.rows_valid} valid, {plan.rows_error} error rows, "
+        f"{plan.rows_too_long} of them too long for max_model_len {plan.max_model_len})",
+        f"prompt tokens: {plan.prompt_tokens} (p50 {plan.prompt_tokens_p50}, p99 {plan.prompt_tokens_p99}, "
+        f"max {plan.prompt_tokens_max})",
+        f"output budget: {plan.max_output_tokens} tokens (each row's max_tokens, capped by max_model_len); "
+        f"expected about {plan.expected_output_tokens}: {plan.expected_output_basis}",
+        f"prefix cache: about {plan.prefix_cache_tokens} prompt tokens ({saved:.0f}%) served from shared "
+        f"prefixes of {plan.block_size}-token blocks"
+        if plan.prefix_caching
+        else "prefix cache: off (--no-enable-prefix-caching)",
+        f"KV cache: {plan.kv_cache_tokens} tokens at {plan.kv_bytes_per_token} bytes a token; the largest row "
+        f"needs {plan.largest_row_tokens} tokens ({_mib(plan.largest_row_kv_bytes)}); "
+        f"{plan.seqs_that_fit} typical rows ({plan.typical_row_tokens} tokens) fit at once, "
+        f"max_num_seqs {plan.max_num_seqs}",
+    ]
+    lines += _wall_time_lines(plan)
+    if plan.note:
+        lines.append(f"note: {plan.note}")
+    if plan.first_errors:
+        lines.append(f"first error rows ({len(plan.first_errors)} of {plan.rows_error}):")
+        lines += [f"  {e}" for e in plan.first_errors]
+    return "\n".join(lines)

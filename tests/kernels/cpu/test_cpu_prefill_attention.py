@@ -347,8 +347,9 @@ def test_without_drafts_a_rows_result_does_not_depend_on_its_chunking(kernel):
         query, k_cache, v_cache, tables, lens, torch.tensor([0, 80], dtype=torch.int32), 0.125, kernel=kernel
     )
     assert torch.equal(torch.cat([attend(slice(0, 76), False), attend(slice(76, 80), False)]), whole)
+    # The short walk is another kernel: it may round otherwise (it does on AVX-512, not on an AVX2
+    # build), so it is held to bf16's tolerance, not to equality either way.
     walked = attend(slice(76, 80), True)
-    assert not torch.equal(walked, whole[76:])  # the other kernel: rounded differently
     torch.testing.assert_close(walked.float(), whole[76:].float(), rtol=2**-7, atol=1e-2)
 
 

@@ -82,6 +82,9 @@ def test_tail_starts_when_fewer_than_eight_requests_are_left() -> None:
     assert summarize(result([2.0, 4.0, 5, 6, 7, 8, 9, 9.5]))["tail_s"] == pytest.approx(7.5)
     # Fewer than eight from the start: the whole run is tail.
     assert summarize(result([1.0, 3.0]))["tail_s"] == pytest.approx(3.0)
+    # A static batch's last eight finish together: no moment had fewer left, so no tail (shown "-").
+    static = summarize(result([1.0, 1.0] + [5.0] * 8, steps))
+    assert static["tail_s"] is None and static["tail_output_tokens_per_s"] is None
     m = summarize(result([1.0, 3.0]))
     assert m["spec_decode_num_draft_tokens"] is None and m["spec_decode_acceptance_rate"] is None
 

@@ -238,13 +238,15 @@ def summarize(result: RunResult) -> dict[str, Any]:
 
 def _tail_and_speculation(result: RunResult, ok: list[RequestRecord], wall: float) -> dict[str, Any]:
     """`tail_s` (see the module docstring; the whole wall time when fewer than `TAIL_REQUESTS`
-    requests ran), the tail's output tokens/s (None without step records) and the speculative
-    decoding counts (None without them)."""
+    requests ran; None where the last `TAIL_REQUESTS` finished together, as a static batch's do:
+    no moment had fewer left), the tail's output tokens/s (None without step records or a tail)
+    and the speculative decoding counts (None without them)."""
     finishes = sorted(r.finish for r in ok)
     tail_start = finishes[-TAIL_REQUESTS] if len(finishes) >= TAIL_REQUESTS else 0.0
     drafts = _sum_or_none([s.num_draft_tokens for s in result.steps])
     accepted = _sum_or_none([s.num_accepted_tokens for s in result.steps])
-    tail_s = wall - tail_start if finishes else None
+    no_tail = not finishes or (len(finishes) >= TAIL_REQUESTS and tail_start >= finishes[-1])
+    tail_s = None if no_tail else wall - tail_start
     tail_tokens = sum(s.num_generation_tokens for s in result.steps if s.t > tail_start)
     return {
         "tail_s": tail_s,

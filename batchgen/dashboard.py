@@ -267,14 +267,22 @@ class Dashboard:
         # Generation: from engine ready to the last commit. The rest of the wall time is loading
         # (a GGUF conversion on first use) and set-up, which would otherwise hide the engine's rate.
         running = min((self._stopped or time.perf_counter()) - self._start, wall)
-        # The finished rows' tokens, as on the line above: an interrupted run drops unfinished rows.
-        gen = summary.completion_tokens
+        # Every token the engine generated: an interrupted run's unfinished rows are not committed
+        # (a resume generates them again), but the engine did generate them.
+        gen = max(summary.generated_tokens, summary.completion_tokens)
         rows = summary.rows_ok + summary.rows_error
         state = "interrupted" if summary.interrupted else "done"
+        tokens = f"tokens: {summary.prompt_tokens} prompt, {summary.completion_tokens} generated"
+        if gen > summary.completion_tokens:
+            tokens = (
+                f"tokens: {gen} generated, {summary.completion_tokens} of them in committed rows "
+                f"({summary.prompt_tokens} prompt tokens); the {gen - summary.completion_tokens} of rows "
+                "left unfinished are not committed and are generated again on resume"
+            )
         lines = [
             f"{state}: {summary.rows_done}/{summary.rows_total} rows "
             f"({summary.rows_ok} ok, {summary.rows_error} error this run; {summary.rows_resumed} from earlier runs)",
-            f"tokens: {summary.prompt_tokens} prompt, {summary.completion_tokens} generated",
+            tokens,
             f"wall time: {format_duration(wall)} (generation {format_duration(running)}, model load and "
             f"set-up {format_duration(wall - running)})",
             f"throughput: {gen / running if running > 0 else 0.0:.1f} generated tok/s and "

@@ -241,6 +241,7 @@ def replica_loop(
         if line and not getattr(dashboard, "live_mode", False):
             dashboard.log(line)
     finished = shards.exhausted and not inflight
+    summary.generated_tokens += progress.totals().generation_tokens
     return shards.rows_read, finished
 
 

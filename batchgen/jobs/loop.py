@@ -94,6 +94,7 @@ class _EngineLoop:
             self.dashboard.update(summary.rows_done, summary.rows_error, engine.last_step, engine.totals)
             metrics.on_rows(self.writer.committed_rows, summary.rows_error)
         finished = self.exhausted and not self.window and not self.pending
+        summary.generated_tokens += engine.totals.generation_tokens
         if not finished:
             for rid in self.pending:
                 engine.abort_request(rid)

@@ -74,7 +74,9 @@ class JobOptions(SamplingDefaults):
 @dataclass
 class JobSummary:
     """How a run ended. Row counts cover the whole job (rows committed by earlier runs included);
-    `prompt_tokens` / `completion_tokens` count the tokens of rows that ran, not of error rows."""
+    `prompt_tokens` / `completion_tokens` count the tokens of rows that ran, not of error rows;
+    `generated_tokens` every token the engine generated in this run, those of rows an interrupt left
+    unfinished (not committed: a resume generates them again) included."""
 
     output_path: str
     rows_total: int
@@ -83,6 +85,7 @@ class JobSummary:
     rows_resumed: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    generated_tokens: int = 0
     wall_s: float = 0.0
     interrupted: bool = False
     stop_signal: int | None = None  # the signal that interrupted the run (SIGINT or SIGTERM)
@@ -112,6 +115,7 @@ class JobSummary:
             "first_error": self.first_error,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "generated_tokens": max(self.generated_tokens, self.completion_tokens),
             "wall_s": round(self.wall_s, 3),
             "exit_code": exit_code,
         }

@@ -106,14 +106,35 @@ def test_plain_lines_without_a_terminal():
         and "output: out.parquet" in summary
         and "wall time: 2.0s (generation 0.5s, model load and set-up 1.5s)" in summary
     )
-    # Throughput counts the finished rows' tokens (the line above it), not the tokens of rows an
-    # interrupt dropped: the steps fed above generated far more than 7. It is given over the
-    # generation time (what the engine did) and over the whole run (what the user waited).
+    # A finished run: its rows' tokens, over the generation time (what the engine did) and over the
+    # whole run (what the user waited).
     assert "tokens: 9 prompt, 7 generated" in summary
     assert (
         "throughput: 14.0 generated tok/s and 100.00 rows/s while generating; 3.5 tok/s over the whole run"
         in summary
     )
+
+
+def test_an_interrupted_runs_summary_counts_the_tokens_of_unfinished_rows_and_says_they_are_redone():
+    """An interrupt leaves rows unfinished: the engine generated their tokens (the rate counts them),
+    but only committed rows' tokens are kept, and the summary says the rest is generated again."""
+    console = Console(file=io.StringIO(), width=200)
+    d = Dashboard(50, live=False, console=console, stream=io.StringIO(), interval=0.0)
+    d.start()
+    d._stopped = d._start + 2.0
+    summary = JobSummary(
+        "out.parquet", 50, rows_ok=3, prompt_tokens=30, completion_tokens=40, generated_tokens=400,
+        wall_s=4.0, interrupted=True,
+    )  # fmt: skip
+    d.print_summary(summary)
+    text = console.file.getvalue()
+    assert "interrupted: 3/50 rows" in text
+    assert (
+        "tokens: 400 generated, 40 of them in committed rows (30 prompt tokens); the 360 of rows left "
+        "unfinished are not committed and are generated again on resume" in text
+    )
+    assert "throughput: 200.0 generated tok/s" in text
+    assert summary.to_dict(130)["generated_tokens"] == 400 and summary.to_dict(130)["completion_tokens"] == 40
 
 
 def test_a_narrow_terminal_shows_every_field_whole():

@@ -37,6 +37,7 @@ import torch
 
 from batchgen.cache import cache_root, write_atomically
 from batchgen.kernels.machine_load import BUSY_CORES, other_load
+from batchgen.progress import PROGRESS
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # A candidate this many times slower than the fastest at two buckets in a row is not timed at the
 # larger ones (its time there is recorded as None): tuning stays seconds, not minutes.
 PRUNE_RATIO = 3.0
+# A timed call at least this long (seconds) is measured over 3 rounds instead of 5 (`fastest_seconds`).
+LONG_CALL_S = 0.02
 TABLE_VERSION = 2  # 2: linear times taken over weights that stream from memory (`calls_per_run`)
 # Environment switches that change which code oneDNN, torch or batchgen's kernels run.
 _ENV_KEYS = (
@@ -139,6 +142,7 @@ class TuningTable:
     entries: dict[str, dict] = field(default_factory=dict)
     dirty: bool = False
     others_load: float | None = None
+    announced: bool = field(default=False, compare=False)  # `choose` said it measures (not saved)
 
     @classmethod
     def load(
@@ -229,17 +233,24 @@ def fastest_seconds(
     min_rounds: int = 5,
     max_rounds: int = 30,
     min_total_s: float = 0.05,
+    long_call_s: float | None = None,
+    long_call_rounds: int = 3,
 ) -> dict[str, float]:
     """Each call's fastest wall time in seconds over interleaved rounds (A, B, A, B, ...).
 
     The minimum, not the mean or median: another process taking the core (a scheduler quantum is
     milliseconds) can only add time, so the fastest run is the kernel's own cost, and interleaving
     puts a slow phase of the machine on every candidate alike. At least `min_rounds` rounds, more
-    until `min_total_s` is spent or `max_rounds` are done. The calls must be warm (run once before).
+    until `min_total_s` is spent or `max_rounds` are done; with `long_call_s`, `long_call_rounds`
+    rounds are enough when every call of the first round took at least that long (a call of tens
+    of milliseconds spans several scheduler quanta, so its minimum settles in fewer rounds, and the
+    rounds it saves are most of a first start's kernel choice). The calls must be warm (run once).
     """
     best = dict.fromkeys(calls, float("inf"))
     spent, rounds = 0.0, 0
     while rounds < min_rounds or (spent < min_total_s and rounds < max_rounds):
+        if rounds == 1 and long_call_s is not None and min(best.values(), default=0.0) >= long_call_s:
+            min_rounds = min(min_rounds, long_call_rounds)
         for name, call in calls.items():
             start = time.perf_counter()
             call()
@@ -269,7 +280,7 @@ def choose(
     rtol: float,
     work: Callable[[int], float] | None = None,
     unit: str = "flop",
-    calls_per_run: int = 1,
+    calls_per_run: int | Callable[[int], int] = 1,
     prune: bool = True,
 ) -> dict[int, str]:
     """The fastest correct candidate of `op` at each row bucket, measured (or looked up in `table`).
@@ -284,8 +295,9 @@ def choose(
             by more than `rtol` (relative to the reference's largest magnitude) is dropped.
         work: `rows` -> flops (or bytes) of one op, kept for the printed rates.
         calls_per_run: how many ops one call runs (e.g. on distinct weights, so that they stream
-            from memory as in a model step instead of staying in a core's cache); the recorded
-            times are per op.
+            from memory as in a model step instead of staying in a core's cache), or `rows` -> that
+            count; the recorded times are per op. Calls of `LONG_CALL_S` or more are timed over
+            fewer rounds (`fastest_seconds`).
         prune: stop timing a candidate after two buckets in a row at `PRUNE_RATIO` times the
             fastest: right where a candidate only falls further behind as rows grow (a vector
             kernel against a matrix-unit one), wrong where the lead changes hands.
@@ -306,6 +318,15 @@ def choose(
         if entry is not None and entry["chosen"] in candidates:
             chosen[rows] = entry["chosen"]
             continue
+        if not table.announced:
+            table.announced = True
+            where = f" in {table.path}" if table.path else ""
+            logger.info(
+                "measuring this machine's kernels on the model's shapes (once for a machine, model "
+                "shape and thread count: later starts read the table%s)",
+                where,
+                extra=PROGRESS,
+            )
         expected = reference(rows)
         ready: dict[str, Callable[[], torch.Tensor]] = {}
         for name, setup in candidates.items():
@@ -319,7 +340,9 @@ def choose(
             except Exception as exc:  # noqa: BLE001  a broken candidate must never stop the run
                 dropped[name] = f"{type(exc).__name__}: {exc}"
                 logger.warning("kernel %s for %s %s dropped at %d rows: %s", name, op, shape, rows, exc)
-        measured = {name: 1e3 * s / calls_per_run for name, s in fastest_seconds(ready).items()}
+        per_call = calls_per_run(rows) if callable(calls_per_run) else calls_per_run
+        seconds = fastest_seconds(ready, long_call_s=LONG_CALL_S)
+        measured = {name: 1e3 * s / per_call for name, s in seconds.items()}
         times: dict[str, float | None] = {name: measured.get(name) for name in candidates}
         timed = {n: t for n, t in times.items() if t is not None}
         if not timed:

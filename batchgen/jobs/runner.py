@@ -16,6 +16,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchgen import progress
 from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.protocol import Engine
 from batchgen.jobs.errors import JobInputError
@@ -222,7 +223,8 @@ def run_job(
             metrics = JobMetrics.open(options.metrics)
             if not nothing_left:
                 dashboard.log(_loading_line(options))
-            engine = None if nothing_left else (engine_factory or default_engine_factory)(config)
+            factory = engine_factory or default_engine_factory
+            engine = None if nothing_left else _start_engine(factory, config, dashboard)
         except BaseException:
             state.discard_if_unused()
             raise
@@ -253,13 +255,17 @@ def run_job(
 
 
 def _loading_line(options: JobOptions) -> str:
-    """Said before the model loads: a first start on a new machine used to sit silent for a minute."""
+    """Said before the model loads; a GGUF conversion or a kernel measurement says so when it
+    happens (`batchgen.progress` notes, shown by `_start_engine`)."""
     label = _model_label(options)
-    return (
-        f"[batchgen] loading {'the default model' if label == 'default' else label}; a first start on "
-        "this machine also measures its kernels, which can take a minute (later starts read them from "
-        "the cache)"
-    )
+    return f"[batchgen] loading {'the default model' if label == 'default' else label}"
+
+
+def _start_engine(factory: Callable[[EngineConfig], Engine], config: EngineConfig, dashboard: Any) -> Engine:
+    """`factory(config)`, with the progress notes of its start (a one-time GGUF conversion, kernel
+    measuring) shown on the dashboard as they happen."""
+    with progress.shown(lambda note: dashboard.log(f"[batchgen] {note}")):
+        return factory(config)
 
 
 def _default_dashboard(options: JobOptions, total: int | None) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 
 from batchgen.cache import file_digest, fsync_path
 from batchgen.model.loading.architectures import ModelNotFoundError, UnsupportedModelError, check_architecture
+from batchgen.progress import PROGRESS
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ def cached_gguf(gguf: Path, cache_dir: Path) -> Path:
         fcntl.flock(owner, fcntl.LOCK_EX)
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide a shared $BATCHGEN_CACHE from other users
         start = time.perf_counter()
-        logger.info("Dequantizing %s into %s (once; later runs reuse it)", gguf, final)
+        logger.info(
+            "converting %s into %s (once: later starts reuse it)", gguf.name, final.parent, extra=PROGRESS
+        )
         convert_gguf(gguf, tmp)
         os.remove(tmp / _OWNER_LOCK)  # not part of the model; the open descriptor keeps the lock
         _sync_tree(tmp)  # on disk before the rename makes it the cache: a crash cannot truncate it

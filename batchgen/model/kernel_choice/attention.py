@@ -34,8 +34,15 @@ _RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 # Chunks per timed call: the C kernel serves a step's chunks in one call and SDPA takes one call
 # each, so the fixed cost of a C call (its checks, the thread pool's wake-up) is shared as in a
-# step that holds several prompts.
+# step that holds several prompts. A step holds at most max_num_batched_tokens rows, so long chunks
+# come fewer to a step: `_chunks`.
 _CHUNKS = 4
+_CHUNK_ROWS = 256  # a timed call holds _CHUNKS chunks up to _CHUNK_ROWS / _CHUNKS rows, then fewer
+
+
+def _chunks(rows: int) -> int:
+    """Chunks of `rows` rows in one timed call: `_CHUNKS` for short ones, down to 1 from `_CHUNK_ROWS`."""
+    return max(1, min(_CHUNKS, _CHUNK_ROWS // rows))
 
 
 def tune_prefill_attention(
@@ -53,7 +60,7 @@ def tune_prefill_attention(
     one of as many tokens already in the cache (a prompt continued by chunked prefill): from `table`
     or measured (added to `table`).
 
-    Each timed call computes the attention of `_CHUNKS` such chunks, each `[rows, num_heads,
+    Each timed call computes the attention of `_chunks(rows)` such chunks, each `[rows, num_heads,
     head_dim]` queries over their context's K/V (`[rows or 2 * rows, num_kv_heads, head_dim]`): the C
     kernel in one call, reading the K/V from a paged cache of `block_size`-token blocks in shuffled
     order as in a running engine; SDPA one call a chunk, on the chunk's own K/V or (with a prefix)
@@ -97,7 +104,7 @@ def tune_prefill_attention(
         _RTOL.get(dtype, 2e-2),
         # Q K^T and P V over the chunk's causal triangle (and the prefix), 2 flops a multiply-add.
         work=lambda rows: 2.0 * num_heads * head_dim * rows * (rows + 1 + (2 * rows if prefix else 0)),
-        calls_per_run=_CHUNKS,
+        calls_per_run=_chunks,
         prune=False,  # SDPA loses short chunks by its per-call cost and may win long ones
     )
     return [chosen[rows] for rows in buckets]
@@ -131,12 +138,13 @@ def _prefill_case(
     block_size: int,
     generator: torch.Generator,
 ) -> dict[str, torch.Tensor]:
-    """`_CHUNKS` chunks of `rows` queries, each the last `rows` tokens of a `context`-token sequence
-    whose K/V lie in a paged cache of shuffled `block_size`-token blocks."""
+    """`_chunks(rows)` chunks of `rows` queries, each the last `rows` tokens of a `context`-token
+    sequence whose K/V lie in a paged cache of shuffled `block_size`-token blocks."""
     per_seq = -(-context // block_size)
-    q = torch.randn(_CHUNKS * rows, num_heads, head_dim, generator=generator).to(dtype)
-    tables = torch.randperm(_CHUNKS * per_seq, generator=generator).view(_CHUNKS, per_seq)
-    shape = (_CHUNKS * per_seq, block_size, num_kv_heads, head_dim)
+    chunks = _chunks(rows)
+    q = torch.randn(chunks * rows, num_heads, head_dim, generator=generator).to(dtype)
+    tables = torch.randperm(chunks * per_seq, generator=generator).view(chunks, per_seq)
+    shape = (chunks * per_seq, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=generator).to(dtype)
     v_cache = torch.randn(shape, generator=generator).to(dtype)
     return {
@@ -144,8 +152,8 @@ def _prefill_case(
         "k_cache": k_cache,
         "v_cache": v_cache,
         "tables": tables.to(torch.int32),
-        "seq_lens": torch.full((_CHUNKS,), context, dtype=torch.int32),
-        "starts": torch.arange(0, _CHUNKS * rows + 1, rows, dtype=torch.int32),
+        "seq_lens": torch.full((chunks,), context, dtype=torch.int32),
+        "starts": torch.arange(0, chunks * rows + 1, rows, dtype=torch.int32),
     }
 
 
@@ -164,7 +172,7 @@ def tune_triton_prefill_attention(
     step's chunks in one launch) or "sdpa" (torch's SDPA on the chunk's own K/V, one call a chunk);
     from `table` or measured on `device` (added to `table`).
 
-    Each timed call attends `_CHUNKS` chunks of `[rows, num_heads, head_dim]` queries over their own
+    Each timed call attends `_chunks(rows)` chunks of `[rows, num_heads, head_dim]` queries over their own
     `[rows, num_kv_heads, head_dim]` K/V, which for the Triton kernel lie in a paged cache of
     `block_size`-token blocks in shuffled order. Both are checked against SDPA in float32; one that
     differs or raises is dropped. Calls end with `torch.cuda.synchronize()` on CUDA, so the timer
@@ -210,7 +218,7 @@ def tune_triton_prefill_attention(
         reference,
         _RTOL.get(dtype, 2e-2),
         work=lambda rows: 2.0 * num_heads * head_dim * rows * (rows + 1),
-        calls_per_run=_CHUNKS,
+        calls_per_run=_chunks,
         prune=False,  # the lead changes hands with the chunk length
     )
     data.cache_clear()

@@ -14,8 +14,9 @@ from batchgen.kernels.registry import TuningTable, buckets_up_to, choose, entry_
 _LINEAR_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 # A second weight layout (and its memory) is kept only for buckets where it is this much faster.
 SECOND_LAYOUT_GAIN = 1.10
-# The weight bytes one linear timing call runs over (`_timing_copies`).
+# The weight bytes one linear timing call runs over at up to `_STREAMED_ROWS` rows (`_timing_copies`).
 _STREAMED_BYTES = 64 * 2**20
+_STREAMED_ROWS = 16
 
 
 def shape_name(linear: nn.Linear) -> str:
@@ -34,7 +35,10 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
     Measured on random inputs, each call running the candidate over `_timing_copies` weights of
     the shape (the layer's own first, checked against the float32 reference): a model step runs
     dozens of layers, so their weights come from memory, not from a core's cache, and one weight
-    timed over and over would favour the kernels that gain most from a warm cache.
+    timed over and over would favour the kernels that gain most from a warm cache. That matters
+    while rows are few; with more, each weight is reused across the rows and the call is
+    compute-bound, so fewer copies keep a timed call's work about constant instead of growing with
+    the rows (most of a first start's measuring was the largest buckets over 32 weight copies).
     """
     builders = linear_candidates(linear.weight, linear.bias)
     buckets = buckets_up_to(max_rows)
@@ -43,7 +47,7 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
     weight = linear.weight.detach()
     dtype = weight.dtype
     generator = torch.Generator().manual_seed(0)
-    copies = _timing_copies(weight)
+    most_copies = _timing_copies(weight, 1)
     scale = weight.float().std().item() or 0.02
     others: list[torch.Tensor] = []  # made on first timing: a cached table needs none
     inputs: dict[int, torch.Tensor] = {}
@@ -64,13 +68,13 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
             if not others:
                 others.extend(
                     (torch.randn(weight.shape, generator=generator) * scale).to(dtype)
-                    for _ in range(copies - 1)
+                    for _ in range(most_copies - 1)
                 )
             if name not in built:
                 built[name] = [builders[name]()] + [
                     linear_candidates(other, linear.bias)[name]() for other in others
                 ]
-            modules, data = built[name], x(rows)
+            modules, data = built[name][: _timing_copies(weight, rows)], x(rows)
             first, rest = modules[0], modules[1:]
 
             def call() -> torch.Tensor:
@@ -92,16 +96,19 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
         reference,
         _LINEAR_RTOL.get(dtype, 2e-2),
         work=lambda rows: 2.0 * rows * linear.in_features * linear.out_features,
-        calls_per_run=copies,
+        calls_per_run=lambda rows: _timing_copies(weight, rows),
     )
     return [table.entries[entry_key("linear", shape, rows)]["ms"] for rows in buckets]
 
 
-def _timing_copies(weight: torch.Tensor) -> int:
-    """How many weights of `weight`'s shape one timing call runs: enough to hold
-    `_STREAMED_BYTES` (more than a core's L2 cache on current x86 server CPUs, 1-2 MiB), at most 32."""
+def _timing_copies(weight: torch.Tensor, rows: int) -> int:
+    """How many weights of `weight`'s shape one timing call at `rows` rows runs: up to
+    `_STREAMED_ROWS` rows enough to hold `_STREAMED_BYTES` (more than a core's L2 cache on current
+    x86 server CPUs, 1-2 MiB), at most 32; beyond, that many divided by rows / `_STREAMED_ROWS`,
+    at least 1."""
     weight_bytes = weight.numel() * weight.element_size()
-    return max(1, min(32, -(-_STREAMED_BYTES // weight_bytes)))
+    streamed = max(1, min(32, -(-_STREAMED_BYTES // weight_bytes)))
+    return max(1, streamed * _STREAMED_ROWS // max(rows, _STREAMED_ROWS))
 
 
 def plan_layouts(times: list[dict[str, float | None]], one_layout: bool = False) -> list[str]:

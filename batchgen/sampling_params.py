@@ -230,6 +230,7 @@ class SamplingDefaults:
     ignore_eos: bool = field(default=False, metadata=_ADDED_LATER)
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=_ADDED_LATER)
     n: int = field(default=1, metadata=_ADDED_LATER)
+    prompt_logprobs: int | None = field(default=None, metadata=_ADDED_LATER)
 
     def sampling_defaults(self) -> dict[str, Any]:
         """The defaults as SamplingParams keyword arguments. The fields added after the first ones

@@ -112,6 +112,7 @@ def run_command(
     frequency_penalty: opt.FrequencyPenalty = SamplingDefaults.frequency_penalty,
     repetition_penalty: opt.RepetitionPenalty = SamplingDefaults.repetition_penalty,
     logprobs: opt.Logprobs = SamplingDefaults.logprobs,
+    prompt_logprobs: opt.PromptLogprobs = SamplingDefaults.prompt_logprobs,
     # --- scheduling ---
     policy: Annotated[str, typer.Option(help=opt.choices(POLICY_NAMES))] = "fcfs",
     window: Annotated[

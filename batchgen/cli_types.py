@@ -178,6 +178,15 @@ Logprobs = Annotated[
         metavar="K",
     ),
 ]
+PromptLogprobs = Annotated[
+    int | None,
+    typer.Option(
+        help="Write each prompt token's log probability, rank and its K most likely alternatives "
+        "(0-20, vLLM's prompt_logprobs; null for the first token) in a 'prompt_logprobs' column "
+        "(OpenAI batch output: vLLM's prompt_logprobs); such rows take no prefix-cache hits",
+        metavar="K",
+    ),
+]
 
 
 def sampling_options(values: dict[str, Any]) -> dict[str, Any]:

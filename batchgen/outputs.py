@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass
 class Logprob:
-    """A token's log probability (natural log) at one output position, as vLLM's `Logprob`.
+    """A token's log probability (natural log) at one position, as vLLM's `Logprob`.
 
     Attributes:
         logprob: log-softmax of the model's raw logits at the token (<= 0).
@@ -66,7 +66,16 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A finished (or rejected) request, as `LLM.generate` and `LLMEngine.step` return it."""
+    """A finished (or rejected) request, as `LLM.generate` and `LLMEngine.step` return it.
+
+    Attributes:
+        prompt_logprobs: with `SamplingParams.prompt_logprobs` set (vLLM's meaning), one entry per
+            prompt token: None for the first (nothing predicts it), then for token i a dict
+            token id -> `Logprob` holding token i itself (its log probability given tokens 0..i-1
+            and its rank) and the `prompt_logprobs` most likely tokens at that position, from
+            the log-softmax in float32 of the model's raw logits at position i - 1. None when not
+            asked (and for a rejected request). With n > 1 the prompt is scored once.
+    """
 
     request_id: str
     prompt: str | None
@@ -77,3 +86,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     num_preemptions: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

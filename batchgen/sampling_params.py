@@ -19,6 +19,7 @@ _LATER_FIELDS = {
     "logprobs": None,
     "n": 1,
     "include_stop_str_in_output": False,
+    "prompt_logprobs": None,
 }
 # Most top log probabilities a generated token may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
@@ -58,6 +59,10 @@ class SamplingParams:
             probabilities come back for every generated token, besides the sampled token's own
             (vLLM's meaning; the log-softmax of the model's raw logits, before penalties,
             temperature and filters, as vLLM's default "raw_logprobs").
+        prompt_logprobs: None, or the number (0 to `MAX_LOGPROBS`) of most likely tokens whose log
+            probabilities come back for every prompt position after the first, besides the prompt
+            token's own (vLLM's meaning; `RequestOutput.prompt_logprobs`). Such a request takes no
+            prefix-cache hits over positions whose log probabilities it has not received yet.
 
     Raises:
         ValueError / TypeError: naming the field and the allowed range, at construction, and again
@@ -83,6 +88,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # NumPy's scalars (values read from a pandas or Arrow column) as Python's: they pass the type
@@ -155,6 +161,13 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, {MAX_N}] (completions per prompt), got {self.n}")
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if (
+            self.prompt_logprobs is not None
+            and not 0 <= integer("prompt_logprobs", self.prompt_logprobs) <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
 
     @property
     def penalized(self) -> bool:
@@ -176,9 +189,9 @@ class SamplingParams:
     def to_dict(self) -> dict:
         """The public fields as a plain dict (for hashing job rows and for reports).
 
-        The penalties, logprobs, n and include_stop_str_in_output came later: at their neutral
-        values they are left out, so a job row's hash (its identity on resume) is what it was
-        before they existed."""
+        The penalties, logprobs, n, include_stop_str_in_output and prompt_logprobs came later: at
+        their neutral values they are left out, so a job row's hash (its identity on resume) is
+        what it was before they existed."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         for name, neutral in _LATER_FIELDS.items():
             if out[name] == neutral:
@@ -217,6 +230,7 @@ class SamplingDefaults:
     ignore_eos: bool = field(default=False, metadata=_ADDED_LATER)
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=_ADDED_LATER)
     n: int = field(default=1, metadata=_ADDED_LATER)
+    prompt_logprobs: int | None = field(default=None, metadata=_ADDED_LATER)
 
     def sampling_defaults(self) -> dict[str, Any]:
         """The defaults as SamplingParams keyword arguments. The fields added after the first ones

@@ -28,6 +28,10 @@ from batchgen import LLM, SamplingParams
         ({"ignore_eos": "yes"}, TypeError, "ignore_eos must be True or False"),
         ({"skip_special_tokens": None}, TypeError, "skip_special_tokens must be True or False"),
         ({"priority": 1.0}, TypeError, "priority must be an integer"),
+        ({"prompt_logprobs": 21}, ValueError, r"prompt_logprobs must be None or in \[0, 20\], got 21"),
+        ({"prompt_logprobs": -1}, ValueError, r"prompt_logprobs must be None or in \[0, 20\]"),
+        ({"prompt_logprobs": True}, TypeError, "prompt_logprobs must be an integer"),
+        ({"prompt_logprobs": 2.0}, TypeError, "prompt_logprobs must be an integer"),
     ],
 )
 def test_invalid_fields_are_named(kwargs, error, message):
@@ -105,3 +109,12 @@ def test_generate_needs_one_sampling_params_per_prompt(tiny_llm):
         ValueError, match=r"lengths of prompts \(2\) and sampling_params \(1\) must be the same"
     ):
         tiny_llm.generate(["a", "b"], [SamplingParams(max_tokens=2)])
+
+
+def test_prompt_logprobs_join_a_rows_identity_only_when_set(tiny_llm):
+    """None leaves `to_dict` (a job row's hash) as it was before the field existed; and an output
+    has `prompt_logprobs`, None unless asked, as vLLM's."""
+    assert "prompt_logprobs" not in SamplingParams().to_dict()
+    assert SamplingParams(prompt_logprobs=0).to_dict()["prompt_logprobs"] == 0
+    (out,) = tiny_llm.generate("Hello there", SamplingParams(max_tokens=2))
+    assert out.prompt_logprobs is None

@@ -114,14 +114,15 @@ class BlockManager:
         """Block ids holding the longest cached prefix of `request`'s tokens.
 
         At most `(num_tokens - 1) // block_size` blocks: the last token is always computed, since
-        its logits are needed.
+        its logits are needed; and none past `request.max_cached_prefix` (a request asking for
+        prompt log probabilities needs the logits of the positions it has not scored yet).
         """
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
         parent: int | None = None
         bs = self.block_size
-        for i in range((request.num_tokens - 1) // bs):
+        for i in range(min(request.num_tokens - 1, request.max_cached_prefix) // bs):
             tokens = tuple(request.token_ids[i * bs : (i + 1) * bs])
             block_hash = self.hash_fn(parent, tokens)
             block_id = self.cached.get(block_hash)

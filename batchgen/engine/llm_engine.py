@@ -11,6 +11,7 @@ from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cpu_threads import CpuThreads
 from batchgen.engine.detokenizer import final_text
+from batchgen.engine.logprobs import TokenTexts, output_logprobs, prompt_logprobs, scored_rows
 from batchgen.engine.parallel_sampling import SampleGroups, child_params
 from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
@@ -23,7 +24,7 @@ from batchgen.model.loading import loader
 from batchgen.model.runner import ModelRunner
 from batchgen.model.sampler import RowPenalty
 from batchgen.model.step import StepInput, StepOutput
-from batchgen.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class LLMEngine:
         self.model_files = files
         self.model_config = files.config
         self.tokenizer = loader.load_tokenizer(files)
-        self._token_texts: dict[int, str] = {}  # token id -> its text alone, for log probabilities
+        self.token_texts = TokenTexts(self.tokenizer)  # token id -> its text alone, for log probabilities
         self.vocab_limit = vocabulary_limit(self.tokenizer, int(files.config.vocab_size))
         self.eos_token_ids = loader.eos_token_ids(files, self.tokenizer)
         self.dtype = resolve_dtype(config.dtype, files.config, self.device)
@@ -218,6 +219,7 @@ class LLMEngine:
             prompt=text,
             generator=generator,
             output_logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -314,28 +316,10 @@ class LLMEngine:
                     if item.samples and p.penalized
                     else None,
                     logprobs=p.logprobs if item.samples else None,
+                    scored=scored_rows(r, item.start, item.num_new_tokens - len(drafts)),
                 )
             )
         return inputs
-
-    def _logprobs(self, r: Request) -> tuple[list[dict[int, Logprob]] | None, float | None]:
-        """(per output token: token id -> `Logprob` of the top tokens and the sampled one, the sum
-        of the sampled tokens' log probabilities), or (None, None) when the request asked for none."""
-        if r.output_logprobs is None:
-            return None, None
-        decoded = self._token_texts  # shared by all requests: at most one entry per vocabulary token
-
-        def text(token_id: int) -> str:
-            if token_id not in decoded:
-                decoded[token_id] = self.tokenizer.decode([token_id])
-            return decoded[token_id]
-
-        positions = []
-        for lp in r.output_logprobs:
-            entry = {t: Logprob(v, rank, text(t)) for rank, (t, v) in enumerate(lp.top, start=1)}
-            entry.setdefault(lp.token_id, Logprob(lp.logprob, lp.rank, text(lp.token_id)))
-            positions.append(entry)
-        return positions, sum(lp.logprob for lp in r.output_logprobs)
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(
@@ -349,7 +333,7 @@ class LLMEngine:
                     r.output_token_ids,
                     r.finish_reason,
                     r.stop_reason,
-                    *self._logprobs(r),
+                    *output_logprobs(r, self.token_texts),
                 )
             ],
             finished=True,
@@ -357,6 +341,7 @@ class LLMEngine:
             num_cached_tokens=r.num_cached_tokens,
             error=r.error,
             num_preemptions=r.num_preemptions,
+            prompt_logprobs=prompt_logprobs(r, self.token_texts),
         )
 
     def _record(

@@ -26,11 +26,14 @@ def _child_id(parent_id: str, index: int) -> str:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th child's parameters: n = 1, and seed + i (wrapped into the 64-bit range) when seeded."""
+    """The i-th child's parameters: n = 1, and seed + i (wrapped into the 64-bit range) when seeded.
+    Only child 0 scores the prompt (`prompt_logprobs`): the others reuse its prompt blocks from the
+    prefix cache, and the merged output carries child 0's prompt log probabilities."""
     seed = params.seed
     if seed is not None:
         seed = seed + index if seed < 0 else (seed + index) % _SEED_SPAN
-    return replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 class SampleGroups:
@@ -117,4 +120,5 @@ def _merge(parent_id: str, children: list[RequestOutput]) -> RequestOutput:
         num_cached_tokens=first.num_cached_tokens,
         error=next((c.error for c in children if c.error), None),
         num_preemptions=sum(c.num_preemptions for c in children),
+        prompt_logprobs=first.prompt_logprobs,
     )

@@ -44,6 +44,10 @@ class Request:
         generator: the request's own sampling generator when it has a `seed`.
         output_logprobs: one `SampleLogprobs` per output token when `sampling_params.logprobs`
             is set, else None.
+        prompt_logprobs: with `sampling_params.prompt_logprobs` set, one `SampleLogprobs` per prompt
+            token from the second on, in order, as far as the prompt's logits have been computed
+            (the i-th entry scores token i + 1); else None. Positions already scored are never
+            asked again after a preemption by recompute.
         wait_for: the sibling (n > 1) whose prompt this request reuses from the prefix cache: not
             admitted while that sibling is running and has not computed its prompt yet.
     """
@@ -74,6 +78,7 @@ class Request:
     seq_no: int = 0
     generator: torch.Generator | None = None
     output_logprobs: list | None = None
+    prompt_logprobs: list | None = None
     wait_for: Request | None = None
     output_text: str = ""
     _detok_prefix_offset: int = 0
@@ -93,6 +98,19 @@ class Request:
             and w.status == RequestStatus.RUNNING
             and w.num_computed_tokens < w.num_prompt_tokens
         )
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt log probabilities are asked and some are still to come."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def max_cached_prefix(self) -> int:
+        """Leading tokens the prefix cache may serve: all, except while prompt log probabilities
+        are still to come; then only the positions whose logits were already scored (a cache hit
+        skips its positions' logits). vLLM takes no hits at all for such a request; this also lets
+        one preempted after its prompt was scored take them again."""
+        return len(self.prompt_logprobs) if self.scores_prompt else self.num_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -261,7 +261,8 @@ class Scheduler:
             out: the step, as `schedule()` returned it; `num_accepted_tokens` and
                 `num_output_tokens` are set here.
             sampled: per scheduled request that `samples`, in `out.scheduled` order, its
-                `1 + len(spec_token_ids)` tokens (with their log probabilities and errors).
+                `1 + len(spec_token_ids)` tokens (with their log probabilities and errors); per
+                scheduled request, its scored prompt positions' log probabilities, if any.
             scheduled_at / now: `perf_counter` seconds at the step's start (a request's wait ends
                 then) and after its forward pass (first-token and finish times); None: now.
 
@@ -275,10 +276,13 @@ class Scheduler:
         finished: list[Request] = []
         errors = sampled.errors or [None] * len(sampled.token_ids)
         tokens = iter(zip(sampled.token_ids, sampled.logprobs, errors, strict=True))
-        for item in out.scheduled:
+        scored = sampled.scored or [None] * len(out.scheduled)
+        for item, prompt_logprobs in zip(out.scheduled, scored, strict=True):
             r = item.request
             if r.first_scheduled_time is None:  # the wait ends when the step that serves it begins
                 r.first_scheduled_time = scheduled_at
+            if prompt_logprobs:
+                r.prompt_logprobs.extend(prompt_logprobs)
             if not item.samples:
                 r.num_computed_tokens = item.start + item.num_new_tokens
                 self.block_manager.cache_full_blocks(r)

@@ -12,7 +12,7 @@ from typing import Any
 from batchgen.config import FCFS, EngineConfig
 from batchgen.jobs.errors import JobInputError
 from batchgen.jobs.input.formats import JOB_FILE_SUFFIXES, JSONL_SUFFIXES
-from batchgen.jobs.output.schema import LOGPROB_COLUMNS, RESERVED_COLUMNS
+from batchgen.jobs.output.schema import LOGPROB_COLUMNS, PROMPT_LOGPROBS_FIELD, RESERVED_COLUMNS
 from batchgen.metrics import MetricsOptions
 from batchgen.sampling_params import SamplingDefaults
 
@@ -33,7 +33,9 @@ class JobOptions(SamplingDefaults):
         max_tokens, temperature, ... n: the sampling defaults (`SamplingDefaults`' fields, taken as
             keywords); row columns override. With `logprobs` (0-20) the output gets columns
             `logprobs` (per generated token: its id, text, log probability and the `logprobs` most
-            likely alternatives) and `cumulative_logprob`; with `n` > 1 (or a row's `n`), a
+            likely alternatives) and `cumulative_logprob`; with `prompt_logprobs` (0-20) a
+            `prompt_logprobs` column (per prompt token after the first: its log probability,
+            rank and the most likely alternatives); with `n` > 1 (or a row's `n`), a
             `choices` column holding each row's n completions.
         truncate_prompt: None (an over-long prompt is an error row), "left" or "right" (tokens cut there).
         commit_rows / commit_seconds: commit a part at least this often (rows, seconds).
@@ -188,6 +190,11 @@ def check_job_options(options: JobOptions) -> None:
         raise JobInputError(
             f"--keep-columns {', '.join(kept_logprobs)} and --logprobs: with --logprobs the output has "
             f"columns {' and '.join(LOGPROB_COLUMNS)}; keep other columns, or rename that input column"
+        )
+    if PROMPT_LOGPROBS_FIELD.name in options.keep_columns and options.prompt_logprobs is not None:
+        raise JobInputError(
+            "--keep-columns prompt_logprobs and --prompt-logprobs: with --prompt-logprobs the output has "
+            "a column prompt_logprobs; keep other columns, or rename that input column"
         )
     twice = sorted({c for c in options.keep_columns if options.keep_columns.count(c) > 1})
     if twice:

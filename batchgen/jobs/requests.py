@@ -127,10 +127,15 @@ def output_result(p: Prepared, out: Any, token_bytes: TokenBytes | None = None) 
         values["finish_reason"] = "error"
         values["error"] = f"{p.row.where}: {message}{flag_hint(message)}"
         return result_row(p.row, **values)
-    top = p.row.sampling_params.logprobs
+    params = p.row.sampling_params
+    top = params.logprobs
     token_bytes = token_bytes or TokenBytes(None)
     values["output"] = c.text
     values.update(_logprob_values(c, top, token_bytes))
+    if out.prompt_logprobs is not None:
+        values["prompt_logprobs"] = prompt_token_logprobs(
+            out.prompt_token_ids, out.prompt_logprobs, params.prompt_logprobs or 0, token_bytes
+        )
     if len(completions) > 1:
         values["more_choices"] = [
             {
@@ -169,14 +174,40 @@ def token_logprobs(
         token_bytes: the tokenizer's token id -> bytes.
     """
 
-    def entry(token_id: int, lp: Any) -> dict[str, Any]:
-        data = token_bytes(token_id, lp.decoded_token)
-        return {"token_id": token_id, "token": token_text(data), "bytes": data, "logprob": lp.logprob}
+    return [
+        _position_entry(token_id, position, top, token_bytes)
+        for token_id, position in zip(token_ids, positions, strict=True)
+    ]
 
-    entries = []
-    for token_id, position in zip(token_ids, positions, strict=True):
-        alternatives = sorted((lp.rank, t, lp) for t, lp in position.items() if lp.rank <= top)
-        chosen = entry(token_id, position[token_id])
-        chosen["top_logprobs"] = [entry(t, lp) for _, t, lp in alternatives]
-        entries.append(chosen)
+
+def prompt_token_logprobs(
+    token_ids: list[int], positions: list[dict[int, Any] | None], top: int, token_bytes: TokenBytes
+) -> list[dict[str, Any] | None]:
+    """The `prompt_logprobs` output value of a row: per prompt token, None for the first (nothing
+    predicts it), then the `token_logprobs` entry of the prompt token with its `rank` added.
+
+    Args:
+        token_ids: the prompt's token ids (as the engine ran them).
+        positions: `RequestOutput.prompt_logprobs` (None, then one dict token id -> `Logprob`).
+        top: the request's `SamplingParams.prompt_logprobs`.
+        token_bytes: the tokenizer's token id -> bytes.
+    """
+    entries: list[dict[str, Any] | None] = [None] if token_ids else []
+    for token_id, position in zip(token_ids[1:], positions[1:], strict=True):
+        entry = _position_entry(token_id, position, top, token_bytes)
+        entries.append({**entry, "rank": position[token_id].rank})
     return entries
+
+
+def _position_entry(token_id: int, position: dict[int, Any], top: int, token_bytes: TokenBytes) -> dict:
+    """One position's entry: the chosen token's {token_id, token, bytes, logprob} and, in
+    `top_logprobs`, the `top` most likely tokens' (rank order)."""
+
+    def entry(t: int, lp: Any) -> dict[str, Any]:
+        data = token_bytes(t, lp.decoded_token)
+        return {"token_id": t, "token": token_text(data), "bytes": data, "logprob": lp.logprob}
+
+    alternatives = sorted((lp.rank, t, lp) for t, lp in position.items() if lp.rank <= top)
+    chosen = entry(token_id, position[token_id])
+    chosen["top_logprobs"] = [entry(t, lp) for _, t, lp in alternatives]
+    return chosen

@@ -160,6 +160,21 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             logits `[B', vocab_size]` in the model dtype (the sampler widens them when it needs to).
         """
+        return self.lm_head(self.final_hidden(input_ids, positions, kv_caches, meta, logits_indices))
+
+    @torch.inference_mode()
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one flat step up to the LM head (arguments as `forward`'s, `rows` its
+        `logits_indices`); returns the final-norm hidden states of `rows`, `[len(rows),
+        hidden_size]` in the model dtype, which `lm_head` turns into logits (a caller scoring many
+        rows applies it a slice at a time)."""
         hidden = self.model.embed_tokens(input_ids)  # a new tensor: the layers add into it in place
         cos_sin = self.model.rotary.cos_sin(positions, hidden.dtype)
         row_chunk = prefill_row_chunk(self.config, hidden.dtype, hidden.device)
@@ -169,10 +184,10 @@ class LlamaForCausalLM(nn.Module):
             delta = None
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 hidden, delta = layer(hidden, delta, cos_sin, kv_cache, meta, row_chunk)
-        # The last residual add, final norm and LM head only for the rows that are sampled: most
-        # prefill rows are not.
-        rows_delta = None if delta is None else delta[logits_indices]
-        return self.lm_head(self.model.norm.add_forward(hidden[logits_indices], rows_delta))
+        # The last residual add and final norm only for the rows asked: most prefill rows need no
+        # logits.
+        rows_delta = None if delta is None else delta[rows]
+        return self.model.norm.add_forward(hidden[rows], rows_delta)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the model (fusing q/k/v and gate/up).

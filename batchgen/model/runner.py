@@ -1,4 +1,4 @@
-"""ModelRunner: a scheduler decision in, sampled token ids out.
+"""ModelRunner: a scheduler decision in, sampled token ids (and scored prompt rows) out.
 
 Owns the model, the paged KV cache (and its CPU swap space) and the sampler. It flattens a step into
 one token batch with no padding: `input_ids[T]`, `positions[T]`, `slot_mapping[T]`,
@@ -206,7 +206,8 @@ class ModelRunner:
     def execute(self, seqs: list[StepInput]) -> StepOutput:
         """Run one step; returns the tokens sampled for the sequences with `sample` set, in order:
         `num_sampled` tokens each (a sequence with draft tokens gets one per position, each sampled
-        with the sequence's settings).
+        with the sequence's settings); and, for each sequence with `scored` rows, their targets'
+        log probabilities (`StepOutput.scored`), at no cost to the steps where none asks.
 
         Sequences must come decodes first (`StepInput.is_decode`), then prefill chunks.
 
@@ -217,10 +218,19 @@ class ModelRunner:
         if any(s.num_draft_tokens and (s.penalty or s.banned_token_ids) for s in seqs):
             raise ValueError("draft tokens cannot be verified with penalties or banned token ids")
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        scored_rows = scored_row_indices(seqs)
+        scored = None
+        if scored_rows is None:  # the usual step: logits of the sampled rows only
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        else:
+            rows = torch.cat([logits_indices, torch.from_numpy(scored_rows).to(self.device)])
+            hidden = self.model.final_hidden(input_ids, positions, self.kv_caches, meta, rows)
+            # The sampled rows' logits as in a step without scoring (one LM head call of their own).
+            logits = self.model.lm_head(hidden[: len(logits_indices)])
+            scored = self._score(hidden[len(logits_indices) :], seqs)
         sampled = [s for s in seqs for _ in range(s.num_sampled)]
         if not sampled:
-            return StepOutput([], [])
+            return StepOutput([], [], scored=scored)
         # Log probabilities come from the raw logits, which the sampler changes in place: copied
         # first (indexing with a list copies), for the rows that asked only.
         asked = [i for i, s in enumerate(sampled) if s.logprobs is not None]
@@ -258,4 +268,45 @@ class ModelRunner:
             found = sample_logprobs(raw, [token_ids[i] for i in asked], [sampled[i].logprobs for i in asked])
             for i, lp in zip(asked, found, strict=True):
                 logprobs[i] = lp
-        return StepOutput(token_ids, logprobs, errors)
+        return StepOutput(token_ids, logprobs, errors, scored)
+
+    def _score(self, hidden: torch.Tensor, seqs: list[StepInput]) -> list[list[SampleLogprobs] | None]:
+        """The `SampleLogprobs` of each sequence's `ScoredRows` targets, from `hidden` `[R, hidden]`
+        (the final-norm hidden states of every scored row, in `scored_row_indices` order).
+
+        The LM head and the float32 log-softmax run `SCORE_SLICE_ROWS` rows at a time, so a long
+        prefill chunk never holds more than a slice of `[rows, vocab]` logits."""
+        targets = [t for s in seqs if s.scored is not None for t in s.scored.targets]
+        tops = [s.scored.top for s in seqs if s.scored is not None for _ in s.scored.targets]
+        found: list[SampleLogprobs] = []
+        for lo in range(0, len(targets), SCORE_SLICE_ROWS):
+            hi = lo + SCORE_SLICE_ROWS
+            found += sample_logprobs(self.model.lm_head(hidden[lo:hi]), targets[lo:hi], tops[lo:hi])
+        out: list[list[SampleLogprobs] | None] = []
+        at = 0
+        for s in seqs:
+            if s.scored is None:
+                out.append(None)
+                continue
+            out.append(found[at : at + len(s.scored.targets)])
+            at += len(s.scored.targets)
+        return out
+
+
+# Scored rows (prompt log probabilities) whose logits exist at once: 256 rows of a 128k vocabulary
+# are 128 MiB of float32 log-probabilities.
+SCORE_SLICE_ROWS = 256
+
+
+def scored_row_indices(seqs: list[StepInput]) -> np.ndarray | None:
+    """Flat batch rows (int64) of the sequences' `ScoredRows`, in sequence order, or None when no
+    sequence scores any (then the step computes the sampled rows' logits only, as always)."""
+    if all(s.scored is None for s in seqs):
+        return None
+    rows, start = [], 0
+    for s in seqs:
+        if s.scored is not None:
+            first = start + s.scored.first
+            rows.append(np.arange(first, first + len(s.scored.targets), dtype=np.int64))
+        start += len(s.token_ids)
+    return np.concatenate(rows)

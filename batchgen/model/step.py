@@ -1,5 +1,6 @@
 """The step contract between the engine and the model runner: what one sequence brings to a step
-(`StepInput`), what the step sampled (`StepOutput`), and which sequences are decodes (`is_decode`).
+(`StepInput`, with `ScoredRows` where it asks for prompt log probabilities), what the step sampled
+(`StepOutput`), and which sequences are decodes (`is_decode`).
 
 No request objects cross this line: the runner sees token ids, positions and block tables only.
 """
@@ -24,6 +25,23 @@ def is_decode(num_new_tokens: int, samples: bool) -> bool:
 
 
 @dataclass
+class ScoredRows:
+    """Rows of a sequence's share of a step whose logits are scored against known next tokens
+    (prompt log probabilities): rows `first` to `first + len(targets) - 1` of its `token_ids`.
+
+    Attributes:
+        first: index into the step's `token_ids` of the first scored row.
+        targets: per scored row, the token that follows it (the one whose log probability and
+            rank come back).
+        top: how many most likely tokens to return at each scored row (0 to 20).
+    """
+
+    first: int
+    targets: list[int]
+    top: int
+
+
+@dataclass
 class StepInput:
     """One sequence's share of a step, as the runner needs it (no request objects below the engine).
 
@@ -39,6 +57,8 @@ class StepInput:
         temperature / top_k / top_p / min_p / generator / banned_token_ids: sampling settings.
         penalty: the sequence's penalties and tokens (`RowPenalty`), None when it has none.
         logprobs: how many top log probabilities to return with the sampled token (None: none).
+        scored: rows whose logits are scored (prompt log probabilities); None for the usual
+            sequence, whose logits are computed at its sampled positions only.
     """
 
     token_ids: list[int]
@@ -54,6 +74,7 @@ class StepInput:
     banned_token_ids: list[int] | None = None
     penalty: RowPenalty | None = None
     logprobs: int | None = None
+    scored: ScoredRows | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -70,8 +91,10 @@ class StepOutput:
     """What a step sampled: for each sequence with `sample` set, in order, its `num_sampled` token
     ids (one, or one per draft token plus one), flat; for each token its `SampleLogprobs` (None where
     the sequence asked for none) and, in `errors`, why it is not valid (NaN logits), else None;
-    `errors` None = no error in the step."""
+    `errors` None = no error in the step. `scored`: per input sequence, in order, the
+    `SampleLogprobs` of its `ScoredRows` targets (None where it has none); None = none in the step."""
 
     token_ids: list[int]
     logprobs: list[SampleLogprobs | None]
     errors: list[str | None] | None = None
+    scored: list[list[SampleLogprobs] | None] | None = None

@@ -83,8 +83,9 @@ class _PrefixEstimate:
         self.blocks = BlockLru(capacity)
         self.hit_tokens = 0
 
-    def add(self, ids: list[int]) -> int:
-        """Look a prompt's full blocks up, then cache them; returns its prompt tokens served."""
+    def add(self, ids: list[int], served: bool = True) -> int:
+        """Look a prompt's full blocks up, then cache them; returns its prompt tokens served (none
+        when not `served`: a row asking for prompt log probabilities takes no hits, as the engine)."""
         parent = 0
         hits = 0
         bs = self.block_size
@@ -92,6 +93,7 @@ class _PrefixEstimate:
         for start in range(0, len(ids) - 1 - (len(ids) - 1) % bs, bs):
             parent = hash((parent, tuple(ids[start : start + bs])))
             hits += bs * self.blocks.touch(parent)
+        hits = hits if served else 0
         self.hit_tokens += hits
         return hits
 
@@ -113,12 +115,13 @@ class _Tally:
         if len(self.plan.first_errors) < FIRST_ERRORS:
             self.plan.first_errors.append(message)
 
-    def row(self, token_ids: list[int], budget: int, n: int) -> None:
-        """A valid row: `budget` output tokens a sequence, `n` sequences."""
+    def row(self, token_ids: list[int], budget: int, n: int, scores_prompt: bool = False) -> None:
+        """A valid row: `budget` output tokens a sequence, `n` sequences; `scores_prompt`: it asks
+        for prompt log probabilities (its first sequence takes no prefix-cache hits)."""
         prompt = len(token_ids)
         self.prompts.append(prompt)
         self.budgets.append(n * budget)
-        hits = self.prefix.add(token_ids) if self.prefix is not None else 0
+        hits = self.prefix.add(token_ids, served=not scores_prompt) if self.prefix is not None else 0
         # Siblings (n > 1) are admitted once the first one's prompt blocks are cached.
         sibling_hits = (prompt - 1) // self.block_size * self.block_size if self.prefix is not None else 0
         for i in range(n):
@@ -194,7 +197,8 @@ def _read_rows(tally: _Tally, options: JobOptions, reader: Any, engine: Any, com
             )
             continue
         room = max_len - prepared.prompt_tokens
-        tally.row(prepared.token_ids, room if sp.max_tokens is None else min(sp.max_tokens, room), sp.n)
+        budget = room if sp.max_tokens is None else min(sp.max_tokens, room)
+        tally.row(prepared.token_ids, budget, sp.n, scores_prompt=sp.prompt_logprobs is not None)
 
 
 def _fill_sizes(plan: JobPlan, tally: _Tally, engine: Any, max_num_seqs: int) -> None:

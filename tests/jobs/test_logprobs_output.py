@@ -199,7 +199,7 @@ def read(path: Path, **options) -> list:
         ({"logprobs": "true"}, "field 'logprobs' is \"true\"; it must be true, false, or a whole number"),
         ({"logprobs": 2.5}, "field 'logprobs' is 2.5; it must be"),
         ({"logprobs": 1e30}, "field 'logprobs' is 1e+30; it must be"),
-        ({"prompt_logprobs": 0}, "batchgen computes log probabilities of generated tokens only"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be None or in [0, 20], got -1"),
     ],
 )
 def test_bad_logprob_fields_fail_their_row_and_name_the_fix(tmp_path, fields, error):
@@ -251,7 +251,7 @@ def test_openai_chat_takes_a_boolean_and_completions_a_number(tmp_path):
     a, b, c, d, e, f = read(src)
     assert "field 'body.logprobs' is 3, but the chat API takes true or false there" in a.error
     assert [r.sampling_params.logprobs for r in (b, c, d)] == [3, 3, 0]
-    assert "field 'body.prompt_logprobs' is not supported by batchgen" in e.error
+    assert e.error is None and e.sampling_params.prompt_logprobs == 1  # vLLM's extra field
     assert f.error is None and f.sampling_params.logprobs is None  # 0 is false
 
 

@@ -184,6 +184,9 @@ def test_prefix_estimate_counts_shared_full_blocks_within_the_cache():
     est.add([7, 7, 7, 7, 1])  # another first block: no hit
     est.add(list(range(6)))  # first block hits; [4, 5] is not full
     assert est.hit_tokens == 8 + 4
+    # A row asking for prompt log probabilities takes no hit, as in the engine, but caches its blocks.
+    assert est.add(list(range(9)), served=False) == 0 and est.hit_tokens == 8 + 4
+    assert est.add(list(range(9))) == 8
     small = _PrefixEstimate(block_size=4, capacity=1)  # one block: the second prompt evicted the first
     small.add([1, 2, 3, 4, 0])
     small.add([5, 6, 7, 8, 0])

@@ -13,7 +13,6 @@ from batchgen.jobs.input.formats import LONE_SURROGATE, check_messages, is_utf8,
 from batchgen.jobs.input.row_sampling import (
     LOGPROB_FIELDS,
     SAMPLING_COLUMNS,
-    UNAPPLIED_REASONS,
     requested_logprobs,
     stable_hash,
 )
@@ -135,13 +134,12 @@ def _body_prompt(body: dict, endpoint: str | None) -> tuple[str | list[dict] | N
 
 def _unsupported_field_error(body: dict) -> str | None:
     """The error for the first body field batchgen does not apply that asks for something, or None."""
-    unsupported = sorted(k for k, v in body.items() if k not in OPENAI_BODY_FIELDS and not _unset(k, v))
+    unsupported = sorted(k for k, v in body.items() if k not in OPENAI_BODY_FIELDS and not _unset(v))
     if not unsupported:
         return None
     name = unsupported[0]
-    reason = UNAPPLIED_REASONS.get(name, "it would change the output")
     return (
-        f"field 'body.{name}' is not supported by batchgen ({reason}); "
+        f"field 'body.{name}' is not supported by batchgen (it would change the output); "
         f"remove it (supported: {', '.join(sorted(OPENAI_BODY_FIELDS))})"
     )
 
@@ -163,9 +161,8 @@ def _sampling_values(body: dict, endpoint: str | None) -> tuple[dict[str, Any], 
     return values, err
 
 
-def _unset(name: str, value: Any) -> bool:
-    """Whether an OpenAI body field asks for nothing: null, false, empty, or 0 (but `prompt_logprobs`
-    0 asks for the prompt tokens' log probabilities in vLLM's API)."""
+def _unset(value: Any) -> bool:
+    """Whether an OpenAI body field asks for nothing: null, false, empty, or 0."""
     if value is None or value is False or (isinstance(value, list | dict) and not value):
         return True
-    return value == 0 and value is not True and name != "prompt_logprobs"
+    return value == 0 and value is not True

@@ -31,18 +31,19 @@ SAMPLING_COLUMNS = (
     "logprobs",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "prompt_logprobs",
 )
 _BOOL_FIELDS = frozenset({"skip_special_tokens", "include_stop_str_in_output"})
-_INT_FIELDS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "priority", "logprobs", "n"})
+_INT_FIELDS = frozenset(
+    {"max_tokens", "top_k", "seed", "min_tokens", "priority", "logprobs", "n", "prompt_logprobs"}
+)
 # Generation parameters of vLLM's SamplingParams and OpenAI's API that `batchgen run` does not
 # apply, with the value that asks for nothing. A row of a plain job that sets one to anything else is
 # an error row: ignoring it would silently give another output than the row asks for. Names that are
 # as likely to be data (`n`, `tools`) are left out here; OpenAI batch bodies check every field
-# (`batchgen.jobs.input.openai_rows.OPENAI_BODY_FIELDS`). `prompt_logprobs` 0 asks for the prompt tokens' log probabilities (vLLM),
-# so only null is neutral there.
+# (`batchgen.jobs.input.openai_rows.OPENAI_BODY_FIELDS`).
 UNAPPLIED_COLUMNS = {
     "best_of": 1,
-    "prompt_logprobs": None,
     "logit_bias": None,
     "use_beam_search": False,
     "response_format": {"type": "text"},
@@ -50,10 +51,6 @@ UNAPPLIED_COLUMNS = {
     "guided_regex": None,
     "guided_choice": None,
     "guided_grammar": None,
-}
-# Why each unapplied field is refused, where it is not that the output would change.
-UNAPPLIED_REASONS = {
-    "prompt_logprobs": "batchgen computes log probabilities of generated tokens only (set logprobs for those)"
 }
 # The two fields that ask for generated tokens' log probabilities, in their two dialects:
 # vLLM and OpenAI's completions API take `logprobs: K`; OpenAI's chat API takes `logprobs: true`
@@ -141,12 +138,13 @@ def _whole(value: Any) -> bool:
 def _coerce(name: str, value: Any) -> Any:
     """A row's value as the SamplingParams field takes it: whole floats as ints for integer fields,
     0 / 1 as false / true for `skip_special_tokens` and `include_stop_str_in_output` (JSON writers'
-    booleans), and `LOGPROBS_OFF` as None (no log probabilities)."""
+    booleans), `LOGPROBS_OFF` as None (no log probabilities), and a `prompt_logprobs` of false as
+    None (none for this row, whatever `--prompt-logprobs` says; null takes the flag's)."""
     if name in _INT_FIELDS and _whole(value):
         return int(value)
     if name in _BOOL_FIELDS and value in (0, 1) and not isinstance(value, bool):
         return bool(value)
-    if name == "logprobs" and value == LOGPROBS_OFF:
+    if (name == "logprobs" and value == LOGPROBS_OFF) or (name == "prompt_logprobs" and value is False):
         return None
     return value
 
@@ -169,9 +167,7 @@ def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset())
         if name == "logit_bias" and isinstance(value, dict) and all(v == 0 for v in value.values()):
             continue
         shown = _shown(value)
-        reason = UNAPPLIED_REASONS.get(
-            name, f"batchgen does not apply {name} (the output would not be what the row asks for)"
-        )
+        reason = f"batchgen does not apply {name} (the output would not be what the row asks for)"
         return (
             f"field '{name}' is {shown}, but {reason}; remove the column, set it to null"
             + (f" or {to_json(neutral)}" if neutral is not None else "")

@@ -273,6 +273,11 @@ class RowParser:
             # vLLM's n: completions per row (the output's `choices`); a template field, kept or id
             # column of that name is data.
             values["n"] = None if "n" in self._data_columns else rec.get("n")
+            # A template field, kept or id column named prompt_logprobs is data (as before batchgen
+            # wrote them), and the job writes no column of that name.
+            values["prompt_logprobs"] = (
+                None if "prompt_logprobs" in self._data_columns else rec.get("prompt_logprobs")
+            )
         if err is None:
             params, params_hash, err = self._sampling(values)
             if err is not None and err.startswith("invalid sampling value in field 'n'"):

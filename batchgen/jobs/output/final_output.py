@@ -30,11 +30,24 @@ from batchgen.jobs.output.resume import (
 from batchgen.jobs.output.schema import (
     CHOICES_COLUMN,
     INTERNAL_SCHEMA,
-    LOGPROB_SCHEMA,
     OUTPUT_SCHEMA,
+    PROMPT_LOGPROBS_FIELD,
+    OptionalColumns,
     choices_type,
     logprob_fields,
+    prompt_logprob_fields,
 )
+
+
+def _some_row_holds(paths: list[str], column: str) -> bool:
+    """Whether some committed part has a non-null `column` value (parts of older versions may lack
+    the column)."""
+    for path in paths:
+        if column in pq.read_schema(path).names:
+            values = pq.read_table(path, columns=[column])[column]
+            if values.null_count < len(values):
+                return True
+    return False
 
 
 def has_logprobs(paths: list[str], header: dict[str, Any]) -> bool:
@@ -42,12 +55,15 @@ def has_logprobs(paths: list[str], header: dict[str, Any]) -> bool:
     probabilities (`--logprobs`, in the run header) or some committed row holds them."""
     if header.get("options", {}).get("sampling", {}).get("logprobs") is not None:
         return True
-    for path in paths:
-        if "cumulative_logprob" in pq.read_schema(path).names:  # parts of older versions lack it
-            column = pq.read_table(path, columns=["cumulative_logprob"])["cumulative_logprob"]
-            if column.null_count < len(column):
-                return True
-    return False
+    return _some_row_holds(paths, "cumulative_logprob")
+
+
+def has_prompt_logprobs(paths: list[str], header: dict[str, Any]) -> bool:
+    """Whether the final output gets the `prompt_logprobs` column: the command asked for them
+    (`--prompt-logprobs`, in the run header) or some committed row holds them."""
+    if header.get("options", {}).get("sampling", {}).get("prompt_logprobs") is not None:
+        return True
+    return _some_row_holds(paths, PROMPT_LOGPROBS_FIELD.name)
 
 
 def has_choices(paths: list[str], header: dict[str, Any]) -> bool:
@@ -55,12 +71,7 @@ def has_choices(paths: list[str], header: dict[str, Any]) -> bool:
     for n > 1 (`--n`, in the run header) or some committed row holds more than one completion."""
     if (header.get("options", {}).get("sampling", {}).get("n") or 1) > 1:
         return True
-    for path in paths:
-        if "more_choices" in pq.read_schema(path).names:
-            column = pq.read_table(path, columns=["more_choices"])["more_choices"]
-            if column.null_count < len(column):
-                return True
-    return False
+    return _some_row_holds(paths, "more_choices")
 
 
 def _choices_array(t: pa.Table, logprobs: bool) -> pa.Array:
@@ -87,13 +98,12 @@ def _choices_array(t: pa.Table, logprobs: bool) -> pa.Array:
 
 
 def _unified_schema(
-    paths: list[str], keep_columns: tuple[str, ...], logprobs: bool = False, choices: bool = False
+    paths: list[str], keep_columns: tuple[str, ...], columns: OptionalColumns = OptionalColumns()
 ) -> pa.Schema:
-    """Output schema of the final file: OUTPUT_SCHEMA, LOGPROB_SCHEMA when `logprobs`, `choices`
-    when `choices`, then the kept columns with types unified across parts (a column whose parts
-    disagree beyond null/int/float promotion becomes string)."""
-    fields = list(OUTPUT_SCHEMA) + (list(LOGPROB_SCHEMA) if logprobs else [])
-    fields += [pa.field(CHOICES_COLUMN, choices_type(logprobs))] if choices else []
+    """Output schema of the final file: OUTPUT_SCHEMA, the optional `columns`, then the kept
+    columns with types unified across parts (a column whose parts disagree beyond null/int/float
+    promotion becomes string)."""
+    fields = list(OUTPUT_SCHEMA) + columns.fields()
     if not keep_columns:
         return pa.schema(fields)
     schemas = [pq.read_schema(p) for p in paths]
@@ -122,11 +132,10 @@ def iter_ordered_chunks(
     total_rows: int,
     keep_columns: tuple[str, ...] = (),
     chunk_rows: int = 20000,
-    logprobs: bool = False,
-    choices: bool = False,
+    columns: OptionalColumns = OptionalColumns(),
 ):
-    """Yield (schema, table) chunks holding row indices [lo, lo + chunk_rows) in order; with
-    `logprobs` the schema has the LOGPROB_SCHEMA columns, with `choices` the `choices` column.
+    """Yield (schema, table) chunks holding row indices [lo, lo + chunk_rows) in order, with the
+    optional `columns` (`choices` built from each row's completions).
 
     Each chunk reads only the parts whose row range overlaps it, so memory is bounded by the chunk.
 
@@ -134,7 +143,7 @@ def iter_ordered_chunks(
         RuntimeError: a row index is missing or present twice (an invariant violation).
     """
     paths = {e.part: os.path.join(state.parts_dir, e.part) for e in state.entries}
-    schema = _unified_schema(list(paths.values()), keep_columns, logprobs, choices)
+    schema = _unified_schema(list(paths.values()), keep_columns, columns)
     target = pa.schema([*schema, *INTERNAL_SCHEMA])
     # Parts written before a column existed (log probabilities, more_choices) get it as nulls; each
     # part's footer is read once here, not once per chunk its rows fall in.
@@ -147,20 +156,20 @@ def iter_ordered_chunks(
                 present = columns_of[e.part]
                 t = pq.read_table(paths[e.part], columns=[n for n in target.names if n in present])
                 t = t.filter(pc.and_(pc.greater_equal(t["row_index"], lo), pc.less(t["row_index"], hi)))
-                columns = [
+                arrays = [
                     _cast_column(t[f.name], f.type) if f.name in present else pa.nulls(t.num_rows, f.type)
                     for f in target
                 ]
-                tables.append(pa.Table.from_arrays(columns, schema=target))
+                tables.append(pa.Table.from_arrays(arrays, schema=target))
         t = pa.concat_tables(tables).sort_by("row_index") if tables else target.empty_table()
         if not np.array_equal(t["row_index"].to_numpy(), np.arange(lo, hi)):
             raise RuntimeError(
                 f"rows {lo}..{hi - 1}: {t.num_rows} committed rows instead of {hi - lo}; the parts directory "
                 "is inconsistent, rerun with --overwrite"
             )
-        if choices:  # built from the row's output columns and more_choices, never stored in parts
+        if columns.choices:  # built from the row's output columns and more_choices, never stored in parts
             t = t.set_column(
-                t.schema.get_field_index(CHOICES_COLUMN), CHOICES_COLUMN, _choices_array(t, logprobs)
+                t.schema.get_field_index(CHOICES_COLUMN), CHOICES_COLUMN, _choices_array(t, columns.logprobs)
             )
         yield schema, t
 
@@ -187,14 +196,17 @@ def finalize_output(
     out = state.output_path
     tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp")
     paths = [os.path.join(state.parts_dir, e.part) for e in state.entries]
-    logprobs = bool(logprob_fields(keep_columns)) and has_logprobs(paths, header)
-    choices = output_format != "openai" and has_choices(paths, header)
+    columns = OptionalColumns(
+        logprobs=bool(logprob_fields(keep_columns)) and has_logprobs(paths, header),
+        prompt_logprobs=bool(prompt_logprob_fields(keep_columns)) and has_prompt_logprobs(paths, header),
+        choices=output_format != "openai" and has_choices(paths, header),
+    )
     try:
         with open(tmp, "wb") as f:
             if output_format == "parquet":
-                _write_parquet(f, state, total_rows, header, keep_columns, chunk_rows, logprobs, choices)
+                _write_parquet(f, state, total_rows, header, keep_columns, chunk_rows, columns)
             else:
-                chunks = iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows, logprobs, choices)
+                chunks = iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows, columns)
                 for schema, t in chunks:
                     names = schema.names
                     for row in t.to_pylist():
@@ -225,15 +237,14 @@ def _write_parquet(
     header: dict[str, Any],
     keep_columns: tuple[str, ...],
     chunk_rows: int,
-    logprobs: bool,
-    choices: bool = False,
+    columns: OptionalColumns,
 ) -> None:
     """The final Parquet output into the open file `f`, the run header and row count in the schema
-    metadata; with `logprobs`, the LOGPROB_SCHEMA columns; with `choices`, the `choices` column."""
+    metadata, with the optional `columns`."""
     meta = {HEADER_METADATA_KEY: json.dumps(header).encode(), NUM_ROWS_METADATA_KEY: str(total_rows).encode()}
     writer = None
     try:
-        for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows, logprobs, choices):
+        for schema, t in iter_ordered_chunks(state, total_rows, keep_columns, chunk_rows, columns):
             if writer is None:
                 writer = pq.ParquetWriter(f, schema.with_metadata(meta))
             writer.write_table(t.select(schema.names).replace_schema_metadata(writer.schema.metadata))
@@ -241,8 +252,7 @@ def _write_parquet(
             schema = _unified_schema(
                 [os.path.join(state.parts_dir, e.part) for e in state.entries],
                 keep_columns,
-                logprobs,
-                choices,
+                columns,
             )
             writer = pq.ParquetWriter(f, schema.with_metadata(meta))
     finally:

@@ -52,7 +52,9 @@ def as_text(value: Any) -> str | None:
 def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
     """One OpenAI batch output line for a finished row (chat.completion or text_completion body,
     with usage; error rows get status 400 and an `error` object). Ids derive from the row hash, so
-    a resumed run writes the same lines."""
+    a resumed run writes the same lines. A row with prompt log probabilities gets them where vLLM's
+    OpenAI server puts them: in each choice (completions) or in the body (chat), as
+    `vllm_prompt_logprobs`."""
     suffix = f"{row['row_hash'] & 0xFFFFFFFFFFFFFFFF:016x}"
     request_id = f"req_{suffix}"
     record: dict[str, Any] = {"id": f"batch_req_{suffix}", "custom_id": row["id"]}
@@ -69,6 +71,8 @@ def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
     }
     first = {"output": row["output"], "finish_reason": row["finish_reason"], "logprobs": row.get("logprobs")}
     completions = [first, *(row.get("more_choices") or ())]
+    prompt_logprobs = row.get("prompt_logprobs")
+    scored = {} if prompt_logprobs is None else {"prompt_logprobs": vllm_prompt_logprobs(prompt_logprobs)}
     if row["endpoint"] == "completion":
         choices = [
             {
@@ -76,6 +80,7 @@ def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
                 "text": c["output"],
                 "logprobs": None if c.get("logprobs") is None else completion_logprobs(c["logprobs"]),
                 "finish_reason": c["finish_reason"],
+                **scored,
             }
             for i, c in enumerate(completions)
         ]
@@ -92,9 +97,31 @@ def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
         ]
         body = {"id": f"chatcmpl-{suffix}", "object": "chat.completion"}
     body.update({"created": row["created"], "model": model, "choices": choices, "usage": usage})
+    if row["endpoint"] != "completion":
+        body.update(scored)
     record["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     record["error"] = None
     return record
+
+
+def vllm_prompt_logprobs(positions: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
+    """vLLM's OpenAI-server `prompt_logprobs` from an output row's `prompt_logprobs` value
+    (`batchgen.jobs.requests.prompt_token_logprobs`): per prompt token, null for the first, else
+    {token id (text): {logprob, rank, decoded_token}} for the prompt token and the most likely ones."""
+    out: list[dict[str, Any] | None] = []
+    for p in positions:
+        if p is None:
+            out.append(None)
+            continue
+        entry = {
+            str(p["token_id"]): {"logprob": p["logprob"], "rank": p["rank"], "decoded_token": p["token"]}
+        }
+        for rank, a in enumerate(p["top_logprobs"], start=1):
+            entry.setdefault(
+                str(a["token_id"]), {"logprob": a["logprob"], "rank": rank, "decoded_token": a["token"]}
+            )
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(positions: list[dict[str, Any]]) -> dict[str, Any]:

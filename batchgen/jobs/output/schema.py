@@ -1,13 +1,16 @@
 """The columns of a job's output: the final file's, the parts' own, and the names kept columns may not take.
 
 `OUTPUT_SCHEMA` is what every output row has; `LOGPROB_SCHEMA` is added when a row asked for log
-probabilities and `CHOICES_COLUMN` when a row asked for n > 1 completions; `INTERNAL_SCHEMA` is kept
+probabilities, `PROMPT_LOGPROBS_FIELD` when a row asked for its prompt's and `CHOICES_COLUMN` when a
+row asked for n > 1 completions; `INTERNAL_SCHEMA` is kept
 in the committed parts only (resume identity and what OpenAI batch output lines need). The parts
 (`batchgen.jobs.output.writer`) and the final file (`batchgen.jobs.output.final_output`) are built from these;
 the options check (`batchgen.jobs.options`) refuses `--keep-columns` names in `RESERVED_COLUMNS`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pyarrow as pa
 
@@ -36,6 +39,19 @@ LOGPROBS_TYPE = pa.list_(pa.struct([*_TOKEN_LOGPROB, ("top_logprobs", pa.list_(p
 LOGPROB_SCHEMA = pa.schema([("cumulative_logprob", pa.float64()), ("logprobs", LOGPROBS_TYPE)])
 # A job that keeps an input column of one of these names as data writes no log probabilities.
 LOGPROB_COLUMNS = tuple(LOGPROB_SCHEMA.names)
+# The prompt tokens' log probabilities (`--prompt-logprobs`, a row's `prompt_logprobs`): per prompt
+# token, null for the first, then the token's entry as in `logprobs` plus its `rank` (1 = the most
+# likely token there), with the K most likely tokens in `top_logprobs`
+# (`batchgen.jobs.requests.prompt_token_logprobs` builds a value). In every part, and in the final
+# output when some row asked; a job that keeps an input column of this name writes none.
+PROMPT_LOGPROBS_FIELD = pa.field(
+    "prompt_logprobs",
+    pa.list_(
+        pa.struct(
+            [*_TOKEN_LOGPROB, ("rank", pa.int32()), ("top_logprobs", pa.list_(pa.struct(_TOKEN_LOGPROB)))]
+        )
+    ),
+)
 # Kept in parts only: resume identity and what OpenAI output lines need, among which the
 # completions after the first of a line with n > 1 (`batchgen.jobs.requests.output_result`).
 MORE_CHOICES_TYPE = pa.list_(
@@ -70,9 +86,31 @@ def logprob_fields(keep_columns: tuple[str, ...]) -> list[pa.Field]:
     return [] if set(keep_columns) & set(LOGPROB_COLUMNS) else list(LOGPROB_SCHEMA)
 
 
+def prompt_logprob_fields(keep_columns: tuple[str, ...]) -> list[pa.Field]:
+    """[PROMPT_LOGPROBS_FIELD] for a job's parts, or none when a kept input column has its name
+    (the rows' `prompt_logprobs` is then data, `batchgen.jobs.input.rows.RowParser`)."""
+    return [] if PROMPT_LOGPROBS_FIELD.name in keep_columns else [PROMPT_LOGPROBS_FIELD]
+
+
 def choices_type(logprobs: bool) -> pa.DataType:
     """The `choices` column: per row, its completions in sample order (the first is the one in
     `output`), each {output, finish_reason, completion_tokens} and, with `logprobs`, its
     {cumulative_logprob, logprobs}; null for an error row."""
     fields = [("output", pa.string()), ("finish_reason", pa.string()), ("completion_tokens", pa.int64())]
     return pa.list_(pa.struct(fields + (list(LOGPROB_SCHEMA) if logprobs else [])))
+
+
+@dataclass(frozen=True)
+class OptionalColumns:
+    """Which optional columns a final output has, after OUTPUT_SCHEMA's and in this order:
+    LOGPROB_SCHEMA's (`logprobs`), PROMPT_LOGPROBS_FIELD (`prompt_logprobs`), `choices` (`choices`)."""
+
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+    choices: bool = False
+
+    def fields(self) -> list[pa.Field]:
+        fields = list(LOGPROB_SCHEMA) if self.logprobs else []
+        fields += [PROMPT_LOGPROBS_FIELD] if self.prompt_logprobs else []
+        fields += [pa.field(CHOICES_COLUMN, choices_type(self.logprobs))] if self.choices else []
+        return fields

@@ -27,6 +27,7 @@ from batchgen.jobs.output.schema import (
     INTERNAL_SCHEMA,
     OUTPUT_SCHEMA,
     logprob_fields,
+    prompt_logprob_fields,
 )
 
 # Log-probability entries (a generated token or one of its alternatives) buffered before a commit
@@ -71,7 +72,7 @@ class PartWriter:
         self.keep_columns = keep_columns
         self.commit_rows = commit_rows
         self.commit_seconds = commit_seconds
-        self._logprob_fields = logprob_fields(keep_columns)
+        self._logprob_fields = logprob_fields(keep_columns) + prompt_logprob_fields(keep_columns)
         self._names = OUTPUT_SCHEMA.names + INTERNAL_SCHEMA.names + [f.name for f in self._logprob_fields]
         self._buf: dict[str, list] = {}
         self._logprob_entries = 0
@@ -90,13 +91,15 @@ class PartWriter:
         return len(self._buf["row_index"])
 
     def add(self, row: dict[str, Any], keep: dict[str, Any] | None = None) -> None:
-        """Buffer one finished row: `row` has the OUTPUT_SCHEMA, INTERNAL_SCHEMA and LOGPROB_SCHEMA
-        fields (missing ones are null); `keep` maps kept column names to their values."""
+        """Buffer one finished row: `row` has the OUTPUT_SCHEMA, INTERNAL_SCHEMA, LOGPROB_SCHEMA and
+        PROMPT_LOGPROBS_FIELD fields (missing ones are null); `keep` maps kept column names to their
+        values."""
         for n in self._names:
             self._buf[n].append(row.get(n))
         if self._logprob_fields:
-            for completion in [row, *(row.get("more_choices") or ())]:
-                for position in completion.get("logprobs") or ():
+            positions = [p for c in [row, *(row.get("more_choices") or ())] for p in c.get("logprobs") or ()]
+            for position in [*positions, *(row.get("prompt_logprobs") or ())]:
+                if position is not None:  # a prompt's first token has none
                     self._logprob_entries += 1 + len(position["top_logprobs"])
         for c in self.keep_columns:
             self._buf[c].append(None if keep is None else keep.get(c))

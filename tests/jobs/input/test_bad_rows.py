@@ -264,10 +264,10 @@ def test_a_column_nearly_named_like_a_sampling_field_is_pointed_out(tmp_path):
     """`temprature` is kept as data (plain jobs keep unknown columns), so the row runs with the
     default temperature; the run says so once, naming the field it was probably meant to be."""
     src = tmp_path / "typo.jsonl"
-    # Known fields are no one's near miss: max_completion_tokens applies, prompt_logprobs fails its row.
+    # Known fields are no one's near miss: max_completion_tokens applies, best_of fails its row.
     lines = [
         {"prompt": "a", "temprature": 0.5, "max_completion_tokens": 3},
-        {"prompt": "b", "temprature": 0.7, "topic": "x", "prompt_logprobs": 2, "presence_penalty": 0},
+        {"prompt": "b", "temprature": 0.7, "topic": "x", "best_of": 2, "presence_penalty": 0},
     ]
     src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     stream = io.StringIO()
@@ -280,7 +280,7 @@ def test_a_column_nearly_named_like_a_sampling_field_is_pointed_out(tmp_path):
     ]
     rows = pq.read_table(tmp_path / "typo.out.parquet").to_pylist()
     assert rows[0]["finish_reason"] == "length" and rows[0]["completion_tokens"] == 3
-    assert rows[1]["finish_reason"] == "error" and "prompt_logprobs" in rows[1]["error"]
+    assert rows[1]["finish_reason"] == "error" and "best_of" in rows[1]["error"]
 
 
 def test_flag_hints_name_options_not_plain_words():

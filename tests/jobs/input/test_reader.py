@@ -130,7 +130,7 @@ def test_a_set_parameter_that_batchgen_does_not_apply_fails_the_row(tmp_path):
         {"prompt": "a", "best_of": 1, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": None},
         {"prompt": "b", "best_of": 3},
         {"prompt": "c", "top_logprobs": 2},
-        {"prompt": "d", "prompt_logprobs": 5},
+        {"prompt": "d", "use_beam_search": True},
         {"prompt": "e", "n": 3},  # `n` is as likely a data column as a parameter in a plain job
     ]
     a, b, c, d, e = read(write_jsonl(tmp_path / "a.jsonl", rows))
@@ -141,10 +141,7 @@ def test_a_set_parameter_that_batchgen_does_not_apply_fails_the_row(tmp_path):
         "best_of if it is data, not a parameter"
     )
     assert "field 'top_logprobs' is 2 but field 'logprobs' is not true" in c.error
-    assert (
-        "field 'prompt_logprobs' is 5, but batchgen computes log probabilities of generated tokens only"
-        in (d.error)
-    )
+    assert "field 'use_beam_search' is true, but batchgen does not apply use_beam_search" in d.error
     # NaN is named as NaN (JSON has no NaN: it would read "is null"); a logit_bias of zeros is neutral.
     pq.write_table(pa.table({"prompt": ["f", "g"], "best_of": [float("nan"), None]}), tmp_path / "n.parquet")
     f, g = read(str(tmp_path / "n.parquet"))
@@ -679,16 +676,30 @@ def test_a_row_opting_out_of_logprobs_does_not_add_to_another_fields_error(tmp_p
     )
 
 
-def test_asking_for_prompt_logprobs_is_an_error_row_that_says_why(tmp_path):
-    """`prompt_logprobs` 0 asks for the prompt tokens' log probabilities (vLLM), which batchgen does
-    not compute: an error row like any other value, with the reason; null asks nothing."""
-    rows = [{"prompt": "a", "prompt_logprobs": 0}, {"prompt": "c", "prompt_logprobs": None}]
-    a, c = read(write_jsonl(tmp_path / "a.jsonl", rows))
-    assert (
-        "field 'prompt_logprobs' is 0, but batchgen computes log probabilities of generated tokens only"
-        in (a.error)
+def test_prompt_logprobs_fields_set_sampling_params(tmp_path):
+    """A row's `prompt_logprobs` (vLLM's K, 0 asks for the prompt tokens' own) is its
+    SamplingParams'; null takes the flag's, false none whatever the flag, and a bad value is an
+    error row naming the field; an OpenAI body's `prompt_logprobs` (vLLM's extra field) too."""
+    rows = [
+        {"prompt": "a", "prompt_logprobs": 0},
+        {"prompt": "b", "prompt_logprobs": None},
+        {"prompt": "c", "prompt_logprobs": False},
+        {"prompt": "d", "prompt_logprobs": 3.0},
+        {"prompt": "e", "prompt_logprobs": 21},
+        {"prompt": "f", "prompt_logprobs": True},
+    ]
+    a, b, c, d, e, f = read(write_jsonl(tmp_path / "a.jsonl", rows), defaults={"prompt_logprobs": 2})
+    got = [r.sampling_params.prompt_logprobs for r in (a, b, c, d)]
+    assert got == [0, 2, None, 3] and all(r.error is None for r in (a, b, c, d))
+    assert e.error == (
+        "row 4 (line 5): invalid sampling value in field 'prompt_logprobs': prompt_logprobs must be None "
+        "or in [0, 20], got 21; fix the value or remove it to use the default"
     )
-    assert c.error is None
+    assert "prompt_logprobs must be an integer, got True" in f.error
+    # A template field or kept column of that name is data.
+    p = write_jsonl(tmp_path / "k.jsonl", [{"q": "x", "prompt_logprobs": "a note"}])
+    (k,) = read(p, template="{q}", keep_columns=("prompt_logprobs",))
+    assert k.error is None and k.sampling_params.prompt_logprobs is None
     lines = [
         {
             "custom_id": "x",
@@ -704,11 +715,10 @@ def test_asking_for_prompt_logprobs_is_an_error_row_that_says_why(tmp_path):
         },
     ]
     x, y = read(write_jsonl(tmp_path / "batch.jsonl", lines))
+    assert x.error is None and x.sampling_params.prompt_logprobs == 0
     assert (
-        "field 'body.prompt_logprobs' is not supported by batchgen (batchgen computes log probabilities"
-        in (x.error)
+        y.error is None and y.sampling_params.logprobs is None and y.sampling_params.prompt_logprobs is None
     )
-    assert y.error is None and y.sampling_params.logprobs is None
 
 
 def test_an_unreachable_hub_fails_at_once_with_the_offline_hint(tmp_path, monkeypatch):

@@ -33,7 +33,9 @@ def test_a_run_says_it_measures_kernels_on_its_first_start_only(tiny_model_dir, 
             "--kv-cache-memory", "64MiB", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]  # fmt: skip
     outputs = []
     for run in range(2):
-        result = CliRunner().invoke(app, ["run", str(job), "--output", str(tmp_path / f"o{run}.parquet"), *args])
+        result = CliRunner().invoke(
+            app, ["run", str(job), "--output", str(tmp_path / f"o{run}.parquet"), *args]
+        )
         assert result.exit_code == 0, result.output
         outputs.append(result.stderr)
     first, second = outputs

@@ -223,8 +223,7 @@ def run_job(
             metrics = JobMetrics.open(options.metrics)
             if not nothing_left:
                 dashboard.log(_loading_line(options))
-            factory = engine_factory or default_engine_factory
-            engine = None if nothing_left else _start_engine(factory, config, dashboard)
+            engine = None if nothing_left else _start_engine(engine_factory, config, dashboard)
         except BaseException:
             state.discard_if_unused()
             raise
@@ -261,11 +260,13 @@ def _loading_line(options: JobOptions) -> str:
     return f"[batchgen] loading {'the default model' if label == 'default' else label}"
 
 
-def _start_engine(factory: Callable[[EngineConfig], Engine], config: EngineConfig, dashboard: Any) -> Engine:
-    """`factory(config)`, with the progress notes of its start (a one-time GGUF conversion, kernel
-    measuring) shown on the dashboard as they happen."""
+def _start_engine(
+    factory: Callable[[EngineConfig], Engine] | None, config: EngineConfig, dashboard: Any
+) -> Engine:
+    """`factory(config)` (`default_engine_factory` when None), with the progress notes of its start
+    (a one-time GGUF conversion, kernel measuring) shown on the dashboard as they happen."""
     with progress.shown(lambda note: dashboard.log(f"[batchgen] {note}")):
-        return factory(config)
+        return (factory or default_engine_factory)(config)
 
 
 def _default_dashboard(options: JobOptions, total: int | None) -> Any:

@@ -451,3 +451,35 @@ def test_unreadable_gguf_is_named_with_the_fix(tmp_path):
     ):
         resolve_model(str(junk), cache_dir=cache)
     assert [p.name for p in (cache / "models").iterdir()] == [".digests"]  # the file's digest only
+
+
+@pytest.mark.slow
+def test_a_conversion_parses_the_gguf_file_once_and_writes_the_same_model(default_model_dir, tmp_path):
+    """transformers asks for the file three times (config, weights, tokenizer) and for gguf's
+    tensor-name map once a module; within a conversion each is made once (`_gguf_parsed_once`),
+    gguf's own functions are back afterwards, and the weights written equal the cached model's."""
+    import gguf
+
+    from batchgen.model.loading.loader import _default_gguf_path
+
+    made = {"reader": 0, "name_map": 0}
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def counted(kind, make):
+        def wrapper(*args, **kwargs):
+            made[kind] += 1
+            return make(*args, **kwargs)
+
+        return wrapper
+
+    wrappers = counted("reader", reader), counted("name_map", name_map)
+    gguf.GGUFReader, gguf.get_tensor_name_map = wrappers
+    try:
+        gguf_cache.convert_gguf(_default_gguf_path(), tmp_path)
+        after = gguf.GGUFReader, gguf.get_tensor_name_map
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    assert made == {"reader": 1, "name_map": 1}
+    assert after == wrappers  # what gguf held before the conversion is back
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    assert weights == (default_model_dir / "model.safetensors").read_bytes()

@@ -7,13 +7,16 @@ file's content. Hugging Face can load the same directory, so it also serves as t
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +161,33 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         UnsupportedModelError: the GGUF holds an architecture we do not implement.
         ModelNotFoundError: the file is not a readable GGUF file (truncated or damaged).
     """
+    with _gguf_parsed_once():
+        _convert(gguf, out_dir)
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within the block, gguf's reader and tensor-name map are memoized by their arguments.
+
+    transformers parses the file anew for the config, the weights and the tokenizer, and builds
+    gguf's tensor-name map once for every module of the model (hundreds of times): together most of
+    a conversion's time. Both are pure functions of their arguments over a file that does not change
+    during the conversion, and transformers imports them from `gguf` when it calls them, so the
+    memoized versions serve it; the originals are restored after.
+    """
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.cache(reader)
+    gguf.get_tensor_name_map = functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
+def _convert(gguf: Path, out_dir: Path) -> None:
+    """`convert_gguf`'s work (with gguf's parsing memoized by the caller)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer

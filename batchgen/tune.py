@@ -88,7 +88,7 @@ def tune_command(
     except (ModelNotFoundError, ValueError) as e:  # `run` and `bench` answer the same options so
         typer.echo(f"error: {e}{flag_hint(str(e))}", err=True)
         raise typer.Exit(2) from None
-    choice = engine.runner.kernel_choice
+    choice = engine.kernel_choice
     seconds = choice.seconds
     if choice.table is None:
         typer.echo(f"kernels {choice.summary()}: nothing to measure on {engine.device} in {engine.dtype}")

@@ -19,34 +19,16 @@ from batchgen.bench.report.metrics import release_memory
 from batchgen.bench.spec import WorkloadSpec
 from batchgen.bench.workload.distributions import Workload, build_workload
 from batchgen.config import EngineConfig, resolve_device
+from batchgen.engine.protocol import BenchEngine
 
-EngineFactory = Callable[[EngineConfig], Any]
+EngineFactory = Callable[[EngineConfig], BenchEngine]
 
 
-def _torch_dtype(requested: str, engine: Any | None, model_config: Any, device: str) -> torch.dtype:
-    """The dtype batchgen runs in: the engine's, else the engine's rule for `requested`."""
-    if isinstance(value := getattr(engine, "dtype", None), torch.dtype):
-        return value
+def _torch_dtype(requested: str, model_config: Any, device: str) -> torch.dtype:
+    """The dtype batchgen would run `requested` in (the engine's rule), for a bench without an engine."""
     from batchgen.engine.sizing import resolve_dtype
 
     return resolve_dtype(requested, model_config, torch.device(device))
-
-
-def _engine_option(engine: Any, name: str, default: Any) -> Any:
-    """An engine option as the engine resolved it (e.g. `max_num_batched_tokens` when None was given)."""
-    if isinstance(value := getattr(engine, name, None), int):
-        return value
-    for holder_name in ("scheduler_config", "config", "engine_config"):
-        holder = getattr(engine, holder_name, None)
-        value = getattr(holder, name, None) if holder is not None else None
-        if value is not None:
-            return value
-    scheduler = getattr(engine, "scheduler", None)
-    for holder in (scheduler, getattr(scheduler, "config", None)):
-        value = getattr(holder, name, None) if holder is not None else None
-        if isinstance(value, int):
-            return value
-    return default
 
 
 def special_ids(tokenizer: Any) -> set[int]:
@@ -95,7 +77,7 @@ def model_facts(options: EngineConfig, factory: EngineFactory, probe: EngineConf
             model_config=config,
             max_model_len=options.max_model_len or int(config.max_position_embeddings),
             hf_dir=hf_dir,
-            dtype=_torch_dtype(options.dtype, None, config, device),
+            dtype=_torch_dtype(options.dtype, config, device),
             device=device,
             kv_cache_tokens=None,
             max_num_batched_tokens=options.max_num_batched_tokens or 2048,
@@ -105,14 +87,12 @@ def model_facts(options: EngineConfig, factory: EngineFactory, probe: EngineConf
         return ModelFacts(
             tokenizer=engine.tokenizer,
             model_config=engine.model_config,
-            max_model_len=int(engine.max_model_len),
-            hf_dir=getattr(getattr(engine, "model_files", None), "path", None),
-            dtype=_torch_dtype(options.dtype, engine, engine.model_config, device),
+            max_model_len=engine.max_model_len,
+            hf_dir=engine.model_files.path,
+            dtype=engine.dtype,
             device=device,
-            kv_cache_tokens=int(engine.num_gpu_blocks) * int(engine.block_size),
-            max_num_batched_tokens=_engine_option(
-                engine, "max_num_batched_tokens", options.max_num_batched_tokens or 2048
-            ),
+            kv_cache_tokens=engine.num_gpu_blocks * engine.block_size,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
         )
     finally:
         del engine

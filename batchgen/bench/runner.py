@@ -50,9 +50,10 @@ from batchgen.bench.settings import MODES, BenchSettings, ConfigPlan, engine_con
 from batchgen.bench.spec import BenchInputError
 from batchgen.bench.workload.distributions import Workload
 from batchgen.config import FCFS, MAX_THROUGHPUT, EngineConfig
+from batchgen.engine.protocol import BenchEngine
 
 
-def default_engine_factory(config: EngineConfig) -> Any:
+def default_engine_factory(config: EngineConfig) -> BenchEngine:
     """A real `LLMEngine` (imported late so `batchgen bench --help` stays fast)."""
     from batchgen.engine.llm_engine import LLMEngine
 
@@ -241,13 +242,10 @@ def median_run(runs: list[RunResult]) -> RunResult:
     return chosen
 
 
-def _record_kernels(result: RunResult, engine: Any) -> None:
+def _record_kernels(result: RunResult, engine: BenchEngine) -> None:
     """The engine's kernel choice in `result.extra`: its summary and the memory of the second weight
     layouts it holds (MiB), which the report states next to the speed they buy."""
-    runner = getattr(engine, "runner", None)
-    choice = getattr(runner, "kernel_choice", None)
-    if choice is None:
-        return
+    choice = engine.kernel_choice
     result.extra["kernels"] = choice.summary()
     result.extra["second_layout_mib"] = round(choice.extra_weight_bytes / 2**20, 1)
     result.extra["kernel_choice_s"] = round(choice.seconds, 3)
@@ -272,7 +270,7 @@ def _run_one(
         else:
             result = run_static(engine, workload, settings.static_batch_size, pad, plan.name, monitor)
         _record_kernels(result, engine)
-        if (speculation := getattr(engine, "speculation", None)) is not None:
+        if (speculation := engine.speculation) is not None:
             result.extra["speculation"] = speculation.describe()
             result.notes.append(f"{plan.name}: {speculation.describe()}")
         return result

@@ -85,8 +85,8 @@ class LLMEngine:
             seed=config.seed,
         )
         self.num_gpu_blocks = num_blocks
-        # What the kernel choice settled on, in a few words, for the start line.
-        self.kernel_summary = self.runner.kernel_choice.summary()
+        # The measured kernels: their summary is the start line's; the bench and `tune` read the rest.
+        self.kernel_choice = self.runner.kernel_choice
         self.block_manager = BlockManager(
             num_blocks, self.block_size, config.enable_prefix_caching, num_swap_blocks
         )
@@ -118,7 +118,7 @@ class LLMEngine:
     def start_line(self) -> str:
         """What the engine settled on at start, for the job's log: the kernel choice and the
         speculative decoding gate."""
-        parts = [f"kernels {self.kernel_summary}"] if self.kernel_summary else []
+        parts = [f"kernels {summary}"] if (summary := self.kernel_choice.summary()) else []
         if self.speculation is not None:
             parts.append(self.speculation.describe())
         return "; ".join(parts)

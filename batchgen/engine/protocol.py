@@ -1,16 +1,23 @@
-"""What the jobs layer needs of an engine: `LLMEngine`, and the fake engine of the job tests.
+"""What the jobs layer and the bench need of an engine: `LLMEngine`, and the fake engine of the job tests.
 
-The contract is this Protocol and nothing else, so the jobs layer reads no engine attribute it
-does not name here.
+The contract is these Protocols and nothing else: the jobs layer reads no engine attribute that
+`Engine` does not name, the bench none that `BenchEngine` does not.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from batchgen.engine.spec_gate import SpeculationPlan
+    from batchgen.model.kernel_choice.choice import KernelChoice
+    from batchgen.model.loading.loader import ModelFiles
 
 
 class Engine(Protocol):
@@ -68,3 +75,29 @@ class Engine(Protocol):
     def num_unfinished_requests(self) -> int: ...
 
     def abort_request(self, request_id: str) -> None: ...
+
+
+class BenchEngine(Engine, Protocol):
+    """An engine `batchgen bench` measures: a job's engine, and what the bench reads back of it.
+
+    Attributes:
+        model_config: the model's Hugging Face config (`transformers.PretrainedConfig`): the shapes
+            of the compute ceiling and the roofline, `vocab_size` for random prompts.
+        model_files: where the weights came from; `model_files.path` is the Hugging Face directory
+            the transformers baselines load.
+        dtype: the dtype the model runs in (`--dtype auto` resolved).
+        block_size: tokens a KV-cache block holds.
+        num_gpu_blocks: KV-cache blocks (vLLM's name, on a CPU too).
+        max_num_batched_tokens: the token budget of a step as the engine resolved it.
+        kernel_choice: the kernels measured at start (`summary()`, `seconds`, `extra_weight_bytes`).
+        speculation: the speculative decoding proposer and gate; None without `speculative_method`.
+    """
+
+    model_config: Any
+    model_files: ModelFiles
+    dtype: torch.dtype
+    block_size: int
+    num_gpu_blocks: int
+    max_num_batched_tokens: int
+    kernel_choice: KernelChoice
+    speculation: SpeculationPlan | None

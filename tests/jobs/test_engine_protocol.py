@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import inspect
 import re
+from pathlib import Path
 
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.protocol import Engine
+from batchgen.engine.protocol import BenchEngine, Engine
 from tests.jobs.fake_engine import FakeEngine
 
 
@@ -39,3 +40,24 @@ def test_the_real_engine_provides_the_protocol() -> None:
     init = inspect.getsource(LLMEngine.__init__)
     for name in attributes:  # set on the instance by __init__
         assert re.search(rf"self\.{name}\b(: [^=]+)? = ", init), name
+
+
+def test_the_real_engine_provides_what_the_bench_reads() -> None:
+    """`BenchEngine`'s own members are set on an `LLMEngine` by `__init__` (the bench reads no other)."""
+    init = inspect.getsource(LLMEngine.__init__)
+    own = set(BenchEngine.__annotations__)
+    assert {"model_config", "dtype", "num_gpu_blocks", "kernel_choice", "speculation"} <= own
+    for name in own:
+        assert re.search(rf"self\.{name}\b(: [^=]+)? = ", init), name
+
+
+def test_the_bench_reads_the_engine_through_the_protocol() -> None:
+    """No `getattr` / `hasattr` on an engine object anywhere in batchgen/bench/."""
+    bench = Path(__file__).resolve().parents[2] / "batchgen" / "bench"
+    probes = [
+        f"{path.name}: {line.strip()}"
+        for path in sorted(bench.rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if re.search(r"\b(getattr|hasattr)\((self\.)?engine\b", line)
+    ]
+    assert not probes, probes

@@ -18,10 +18,11 @@ from batchgen.bench.baselines.static import (
 )
 from batchgen.bench.report.metrics import RequestRecord, ResourceMonitor, RunResult, StepRecord
 from batchgen.bench.workload.distributions import BenchRequest, Workload
+from batchgen.engine.protocol import Engine
 
 
 def run_continuous(
-    engine: Any,
+    engine: Engine,
     workload: Workload,
     name: str,
     policy: str,

@@ -27,6 +27,7 @@ from typing import Any
 
 from batchgen.bench.report.metrics import RequestRecord, ResourceMonitor, RunResult, StepRecord
 from batchgen.bench.workload.distributions import BenchRequest, Workload
+from batchgen.engine.protocol import Engine
 from batchgen.sampling_params import SamplingParams
 
 
@@ -41,7 +42,7 @@ def warmup_prompt(prompt_token_ids: list[int], length: int = 16) -> list[int]:
     return list(reversed(prompt_token_ids[:length]))
 
 
-def warmup_engine(engine: Any, prompt_token_ids: list[int], output_len: int = 4) -> None:
+def warmup_engine(engine: Engine, prompt_token_ids: list[int], output_len: int = 4) -> None:
     """Run one short request to completion so one-time costs (first kernels, allocator) stay untimed."""
     engine.add_request(
         "__warmup__", {"prompt_token_ids": list(prompt_token_ids)}, bench_sampling_params(output_len)
@@ -93,7 +94,7 @@ def _rel(t: float | None, t0: float) -> float | None:
 
 
 def run_static(
-    engine: Any,
+    engine: Engine,
     workload: Workload,
     batch_size: int,
     pad_token_id: int,

@@ -94,6 +94,16 @@ def bench_command(
             help="Run the first batchgen configuration once, untimed, first (one-time process costs)."
         ),
     ] = True,
+    profile: Annotated[
+        bool,
+        typer.Option(
+            help="Run each timed batchgen configuration's engine steps under cProfile; print the top "
+            "functions and write them to --profile-output (a profiled run is slower than a plain one)."
+        ),
+    ] = False,
+    profile_output: Annotated[
+        Path, typer.Option(help="--profile: the text file the functions' table is written to.")
+    ] = Path("bench-profile.txt"),
     # --- engine (vLLM spellings; shared with `batchgen run`) ---
     model: opt.Model = EngineConfig.model,
     dtype: opt.Dtype = EngineConfig.dtype,
@@ -128,8 +138,8 @@ def bench_command(
     """Benchmark continuous against static batching, Hugging Face and vLLM on one workload.
 
     Prints a table (ratios against the first configuration), the compute ceiling, and optionally
-    writes a JSON report and a PNG timeline. Exits 2 for bad options or inputs (unwritable
-    --output / --plot, a missing job file or trace, --device cuda without CUDA: all found before any
+    writes a JSON report, a PNG timeline and (`--profile`) the engine's profile. Exits 2 for bad options or inputs (unwritable
+    --output / --plot / --profile-output, a missing job file or trace, --device cuda without CUDA: all found before any
     model work; a job file without a usable row: found before any timed run), 1 when a batchgen
     configuration failed, no configuration was measured at all (a skipped vLLM run alone), or the
     report or plot could not be written at the end after all.
@@ -179,10 +189,13 @@ def bench_command(
         settings.workload.check_inputs()
     except (ValueError, TypeError) as exc:
         raise typer.BadParameter(str(exc)) from exc
-    _check_outputs(output, plot)
+    _check_outputs(output, plot, profile_output if profile else None)
+    profiles: dict | None = {} if profile else None
     try:
         report = run_bench(
-            settings, log=lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True)
+            settings,
+            log=lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True),
+            profiles=profiles,
         )
     except BenchInputError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -190,8 +203,19 @@ def bench_command(
         console.print("interrupted: no report written")
         raise typer.Exit(130) from None
     render(report, console)
-    written = _write_outputs(report, output, plot, console)
-    configurations = report["configurations"]
+    written = _write_outputs(report, output, plot, console) & _write_profile(
+        profiles, profile_output, console
+    )
+    _exit_on_failure(report["configurations"], written, console)
+
+
+def _exit_on_failure(configurations: list[dict], written: bool, console: Any) -> None:
+    """Exit 1 when no configuration was measured, a batchgen configuration failed, or an output
+    asked for could not be written (`written` False).
+
+    Raises:
+        typer.Exit: code 1 in those cases.
+    """
     if not any(c["status"] == "ok" for c in configurations):
         # A skipped baseline leaves the others' figures standing; with nothing else run, a script
         # must not read the report of nothing as a success.
@@ -209,16 +233,16 @@ def _speculative_methods(text: str) -> list[str | None]:
     return list(dict.fromkeys(None if p.lower() == "none" else p for p in items if p))
 
 
-def _check_outputs(output: Path | None, plot: Path | None) -> None:
-    """Before the bench runs: `--output` and `--plot` can be written, and `--plot` in a format
-    matplotlib (installed) writes.
+def _check_outputs(output: Path | None, plot: Path | None, profile_output: Path | None) -> None:
+    """Before the bench runs: `--output`, `--plot` and `--profile-output` (None: not asked for) can be
+    written, and `--plot` in a format matplotlib (installed) writes.
 
     Raises:
         typer.BadParameter: naming the option, the path and the fix (exit 2).
     """
     from batchgen.bench.report.plot import check_plot_format, require_matplotlib
 
-    for option, path in (("--output", output), ("--plot", plot)):
+    for option, path in (("--output", output), ("--plot", plot), ("--profile-output", profile_output)):
         if path is not None:
             check_output_file(option, path)
     if plot is not None:
@@ -253,3 +277,21 @@ def _write_outputs(report: dict, output: Path | None, plot: Path | None, console
             console.print(f"[yellow]--plot {plot} could not be written: {exc}[/]")
             written = False
     return written
+
+
+def _write_profile(profiles: dict | None, path: Path, console: Any) -> bool:
+    """Print each profiled configuration's top functions and write the longer tables to `path`;
+    False when the file could not be written (printed). Nothing to do without `--profile`."""
+    from batchgen.bench.report.profile import PRINTED_ROWS, render_profile, write_profiles
+
+    if profiles is None:
+        return True
+    for name, profiler in profiles.items():
+        console.print(render_profile(name, profiler, PRINTED_ROWS), markup=False, highlight=False)
+    try:
+        write_profiles(profiles, path)
+    except OSError as exc:
+        console.print(f"[red]error:[/] --profile-output {path} could not be written ({exc})")
+        return False
+    console.print(f"profile written to {path}")
+    return True

@@ -17,6 +17,7 @@ measured before the first run and after every run (`bench.rates`).
 
 from __future__ import annotations
 
+import cProfile
 import time
 import traceback
 from collections.abc import Callable
@@ -64,6 +65,7 @@ def run_bench(
     settings: BenchSettings,
     engine_factory: EngineFactory | None = None,
     log: Callable[[str], None] = print,
+    profiles: dict[str, cProfile.Profile] | None = None,
 ) -> dict[str, Any]:
     """Run every configuration of `settings` and return the report dict (see `bench.report`).
 
@@ -71,7 +73,9 @@ def run_bench(
     RSS includes loading) and frees it afterwards. A configuration that raises is recorded as
     failed (with the error) and the bench goes on; an unavailable baseline is recorded as skipped
     with the reason. With `repeat` > 1 the configurations run round-robin, each round starting one
-    configuration later, and each configuration's median run is reported.
+    configuration later, and each configuration's median run is reported. With `profiles` (a dict
+    to fill: `bench --profile`), each timed batchgen configuration's engine steps run under the
+    cProfile profiler `profiles[name]` (its runs together).
 
     Raises:
         BenchInputError: before any timed run, when the engine cannot start with these options
@@ -89,8 +93,10 @@ def run_bench(
     flops = workload_flops(shape, [(r.prompt_len, r.output_len) for r in workload.requests])
     rates = RateSamples(shape, facts.dtype, facts.device) if settings.measure_ceiling else None
 
-    def run(plan: ConfigPlan, label: str) -> RunResult:
-        return _run_logged(plan, label, settings, facts, workload, factory, log)
+    def run(plan: ConfigPlan, label: str, timed: bool = True) -> RunResult:
+        profiled = profiles is not None and timed and plan.kind in MODES
+        profiler = profiles.setdefault(plan.name, cProfile.Profile()) if profiled else None
+        return _run_logged(plan, label, settings, facts, workload, factory, log, profiler)
 
     if rates is not None:
         first = compute_ceiling(flops, rates.first)
@@ -100,7 +106,7 @@ def run_bench(
         )
         rates.measure()
     if settings.warmup_run and first_engine_plan is not None:  # its result is thrown away
-        run(first_engine_plan, f"{first_engine_plan.name} (warm-up, untimed)")
+        run(first_engine_plan, f"{first_engine_plan.name} (warm-up, untimed)", timed=False)
         if rates is not None:
             rates.measure()
     runs = _timed_runs(plans, settings.repeat, run, rates)
@@ -197,13 +203,15 @@ def _run_logged(
     workload: Workload,
     factory: EngineFactory,
     log: Callable[[str], None],
+    profiler: cProfile.Profile | None = None,
 ) -> RunResult:
-    """One run of one configuration; a failure is recorded in the result, not raised."""
+    """One run of one configuration (its engine steps under `profiler` when given); a failure is
+    recorded in the result, not raised."""
     log(f"running {label} ...")
     started = time.perf_counter()
     try:
         with ResourceMonitor() as monitor:
-            result = _run_one(plan, settings, facts, workload, factory, monitor)
+            result = _run_one(plan, settings, facts, workload, factory, monitor, profiler)
         if not result.skipped and plan.kind != "vllm":  # vllm's ran in other processes: it has its own
             result.resources = monitor.result()
     except Exception as exc:  # keep the other configurations' results
@@ -259,16 +267,24 @@ def _run_one(
     workload: Workload,
     factory: EngineFactory,
     monitor: ResourceMonitor,
+    profiler: cProfile.Profile | None = None,
 ) -> RunResult:
-    """Build the engine or model of one configuration and run it (inside the open `monitor`)."""
+    """Build the engine or model of one configuration and run it (inside the open `monitor`; a
+    batchgen engine's steps under `profiler` when given)."""
     pad = pad_id(facts.tokenizer)
     if plan.kind in MODES:
         engine = factory(engine_config_for(settings, plan))
         if plan.kind == "continuous":
             aging = settings.engine.aging_steps if plan.policy == MAX_THROUGHPUT else None
-            result = run_continuous(engine, workload, plan.name, plan.policy or FCFS, aging, monitor)
+            result = run_continuous(
+                engine, workload, plan.name, plan.policy or FCFS, aging, monitor, profiler
+            )
         else:
-            result = run_static(engine, workload, settings.static_batch_size, pad, plan.name, monitor)
+            result = run_static(
+                engine, workload, settings.static_batch_size, pad, plan.name, monitor, profiler
+            )
+        if profiler is not None:
+            result.notes.append(f"{plan.name}: timed under cProfile (--profile), slower than a plain run")
         _record_kernels(result, engine)
         if (speculation := engine.speculation) is not None:
             result.extra["speculation"] = speculation.describe()

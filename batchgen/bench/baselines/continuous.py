@@ -6,6 +6,7 @@ handed to the engine when its arrival time comes, and the engine is stepped unti
 
 from __future__ import annotations
 
+import cProfile
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from batchgen.bench.baselines.static import (
     warmup_prompt,
 )
 from batchgen.bench.report.metrics import RequestRecord, ResourceMonitor, RunResult, StepRecord
+from batchgen.bench.report.profile import profiled_step
 from batchgen.bench.workload.distributions import BenchRequest, Workload
 from batchgen.engine.protocol import Engine
 
@@ -28,12 +30,14 @@ def run_continuous(
     policy: str,
     aging_steps: int | None,
     monitor: ResourceMonitor | None = None,
+    profiler: cProfile.Profile | None = None,
 ) -> RunResult:
     """Continuous batching: hand each request to `engine` when its arrival time comes, step until done.
 
     `aging_steps` (max-throughput) gives the starvation bound checked in the report: a request is
     scheduled at most `aging_steps + 1` steps after it was queued. `monitor`: an open
-    `ResourceMonitor` to time the run in (see its docstring), else a new one.
+    `ResourceMonitor` to time the run in (see its docstring), else a new one. `profiler`: the
+    steps run under it (`bench --profile`).
     """
     reqs = sorted(workload.requests, key=lambda r: r.arrival_time)
     by_id = {r.request_id: r for r in reqs}
@@ -61,7 +65,7 @@ def run_continuous(
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, reqs[i].arrival_time - (time.perf_counter() - t0)))
                 continue
-            for out in engine.step():
+            for out in profiled_step(engine, profiler):
                 records.append(request_record(out, by_id[out.request_id], t0, queued))
             if engine.last_step is not None:
                 steps.append(step_record(engine.last_step, t0))

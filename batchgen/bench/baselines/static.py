@@ -22,10 +22,12 @@ padded batcher gets.
 
 from __future__ import annotations
 
+import cProfile
 import time
 from typing import Any
 
 from batchgen.bench.report.metrics import RequestRecord, ResourceMonitor, RunResult, StepRecord
+from batchgen.bench.report.profile import profiled_step
 from batchgen.bench.workload.distributions import BenchRequest, Workload
 from batchgen.engine.protocol import Engine
 from batchgen.sampling_params import SamplingParams
@@ -100,6 +102,7 @@ def run_static(
     pad_token_id: int,
     name: str = "",
     monitor: ResourceMonitor | None = None,
+    profiler: cProfile.Profile | None = None,
 ) -> RunResult:
     """Run `workload` in padded static batches of `batch_size` through `engine`.
 
@@ -110,6 +113,7 @@ def run_static(
         pad_token_id: token used for left padding.
         name: configuration label (default `static/b{batch_size}`).
         monitor: an open `ResourceMonitor` to time the run in, else a new one.
+        profiler: the steps run under it (`bench --profile`), else none is profiled.
 
     Returns:
         The `RunResult`; `extra` holds the padding overhead (`padded_prompt_tokens`,
@@ -151,7 +155,7 @@ def run_static(
             outs = []
             sampled = reported = 0
             while engine.has_unfinished_requests():
-                outs.extend(engine.step())
+                outs.extend(profiled_step(engine, profiler))
                 if engine.last_step is not None:
                     sampled += engine.last_step.num_generation_tokens
                     step_real = round(real * sampled / (olen * len(batch))) - reported

@@ -63,7 +63,7 @@ else
 fi
 
 run_stage "kernel benchmark" 80 kernel_bench.log \
-    "$PY" scripts/kernel_bench.py --budget-s 50 --out "$OUT_DIR/kernel_bench.json"
+    "$PY" benchmarks/kernels/kernel_bench.py --budget-s 50 --out "$OUT_DIR/kernel_bench.json"
 
 if [ -n "$FILES_DIR" ]; then
     BENCH_MODEL="$(mktemp -d)/random-smollm2"

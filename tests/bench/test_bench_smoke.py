@@ -215,21 +215,6 @@ def test_step_counts_and_roofline(bench_report) -> None:
             assert c["metrics"]["prefill_flops_per_s"] is None
 
 
-def test_bench_compare_script_smoke(tiny_model_dir, tmp_path: Path) -> None:
-    out = tmp_path / "compare.json"
-    cmd = [
-        sys.executable, str(REPO / "scripts" / "bench_compare.py"), "--model", str(tiny_model_dir("llama")),
-        "--num-prompts", "6", "--scale", "0.05", "--static-batch-size", "3", "--num-threads", "1",
-        "--kv-cache-gib", "0.0625", "--output", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    names = [c["name"] for c in report["configurations"]]
-    assert names == ["continuous/fcfs", "continuous/max-throughput", "static/b3", "hf-static/b3", "hf-cb"]
-    assert {t["target"].split(" ")[0] for t in report["targets"]} >= {"continuous/fcfs", "peak"}
-
-
 @pytest.mark.parametrize(
     ("text", "size"),
     [

@@ -135,26 +135,3 @@ def test_building_one_without_the_kernel_says_why(monkeypatch):
     assert not cpu_linear.bf16_linear_applies(torch.zeros(64, 96, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="needs a CPU with AVX512-BF16"):
         Bf16Linear.from_weight(torch.zeros(64, 96, dtype=torch.bfloat16))
-
-
-def test_benchmark_script_smoke(tmp_path):
-    """scripts/linear_bench.py runs every candidate and the registry's choice (one layer, two row
-    counts, a fresh tuning cache; no timings checked): bf16 where this CPU's oneDNN has it."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    dtype = "bfloat16" if can_prepack(torch.bfloat16, torch.device("cpu")) else "float32"
-    script = Path(__file__).resolve().parents[3] / "scripts" / "linear_bench.py"
-    args = ["--rows", "1", "7", "--layers", "1", "--rounds", "1", "--num-threads", "1", "--dtype", dtype]
-    env = {**os.environ, "BATCHGEN_CACHE": str(tmp_path)}
-    result = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert result.returncode == 0, result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.startswith("rows")]
-    assert len(lines) == 2 and all("torch" in line and "chosen/fastest" in line for line in lines)
-    assert ("bf16_c" in lines[0]) == (dtype == "bfloat16" and bf16_kernel_available())
-    assert "worst chosen/fastest" in result.stdout
-    assert list((tmp_path / "kernel_tuning").glob("*.json"))  # the choice was measured and cached

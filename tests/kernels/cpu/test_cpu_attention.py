@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -113,12 +109,3 @@ def test_unsupported_shapes_are_refused():
 def test_engine_uses_the_kernel_by_default_on_cpu(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu")
     assert llm.llm_engine.runner.backend.name == "cpu"
-
-
-def test_benchmark_script_smoke():
-    """scripts/cpu_attention_bench.py runs (a tiny size; no timings checked)."""
-    script = Path(__file__).resolve().parents[3] / "scripts" / "cpu_attention_bench.py"
-    args = ["--num-seqs", "4", "--median-context", "20", "--layers", "1", "--rounds", "1"]
-    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "speed-up:" in result.stdout

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -288,15 +284,6 @@ def test_unsupported_shapes_are_refused():
         )
 
 
-def test_benchmark_script_smoke():
-    """scripts/cpu_prefill_attention_bench.py runs (tiny sizes; no timings checked)."""
-    script = Path(__file__).resolve().parents[3] / "scripts" / "cpu_prefill_attention_bench.py"
-    args = ["--lengths", "5,40", "--rounds", "2", "--dtype", "float32"]
-    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "L=5:" in result.stdout and "L=40:" in result.stdout
-
-
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_engine_tokens_match_torch_backend_with_chunks_and_prefix_hits(tiny_model_dir, block_size):
     """float32 greedy tokens of the "cpu" backend equal the "torch" backend's when prompts are
@@ -351,15 +338,6 @@ def test_without_drafts_a_rows_result_does_not_depend_on_its_chunking(kernel):
     # build), so it is held to bf16's tolerance, not to equality either way.
     walked = attend(slice(76, 80), True)
     torch.testing.assert_close(walked.float(), whole[76:].float(), rtol=2**-7, atol=1e-2)
-
-
-def test_verify_attention_benchmark_script_smoke():
-    """scripts/verify_attention_bench.py runs (tiny sizes; no timings checked)."""
-    script = Path(__file__).resolve().parents[3] / "scripts" / "verify_attention_bench.py"
-    args = ["--num-seqs", "2", "--contexts", "40", "--rows", "3,20", "--rounds", "2"]
-    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "2 x 40 tokens, 3 rows:" in result.stdout and "short walk" in result.stdout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,7 +7,7 @@ where the CPU has AMX, the AMX flash kernel ("amx", `csrc/amx_prefill_attention.
 median milliseconds a call, the causal attention's GFLOP/s (4 * Hq * D * L^2 / 2 FLOPs) and each
 kernel's speed against torch's:
 
-    python scripts/cpu_prefill_attention_bench.py --lengths 300,1200,2048
+    python benchmarks/kernels/cpu_prefill_attention_bench.py --lengths 300,1200,2048
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from batchgen.kernels.cpu import attention as cpu_attention  # noqa: E402
 from batchgen.model.attention import AttentionMetadata, CPUAttentionBackend, TorchAttentionBackend  # noqa: E402

@@ -5,7 +5,7 @@ default model (or `--model`). Each round runs the step once under every slice si
 slow spell of a shared machine hits them alike; the script prints each size's min and median
 milliseconds and, for two sizes, the median of the per-round ratios:
 
-    python scripts/row_chunk_bench.py --rows 512 2048 --rounds 15 --num-threads 2
+    python benchmarks/kernels/row_chunk_bench.py --rows 512 2048 --rounds 15 --num-threads 2
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from batchgen.config import EngineConfig  # noqa: E402
 from batchgen.engine.llm_engine import LLMEngine  # noqa: E402
@@ -36,10 +36,13 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--prompt-len", type=int, default=341)
+    parser.add_argument(
+        "--kernels", default="auto", help="the engine's kernel choice: auto, native, reference"
+    )
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    engine = LLMEngine(EngineConfig(model=args.model, enable_prefix_caching=False))
+    engine = LLMEngine(EngineConfig(model=args.model, enable_prefix_caching=False, kernels=args.kernels))
     blocks = -(-args.prompt_len // engine.block_size)
     step = [
         StepInput(token_ids=[100 + i] * args.prompt_len, start=0, block_table=list(range(i * blocks, (i + 1) * blocks)), sample=True)

@@ -7,7 +7,7 @@ Shapes default to SmolLM2-135M's MLP (hidden 576, intermediate 1536), bf16, rand
 figure is the fastest quarter's boundary of `--rounds` calls (milliseconds), one output buffer
 allocated per call as the model does.
 
-Run from the repository root: `python scripts/swiglu_bench.py --num-threads 2`.
+Run from the repository root: `python benchmarks/kernels/swiglu_bench.py --num-threads 2`.
 Needs a CPU with AMX (amx_bf16, amx_tile) and a C compiler.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from batchgen.kernels.cpu.linear import AmxLinear, PrepackedLinear, amx_kernel_available  # noqa: E402
 from batchgen.kernels.cpu.ops import silu_mul_bf16  # noqa: E402

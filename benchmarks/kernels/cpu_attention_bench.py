@@ -4,7 +4,7 @@ The default shapes are the default model's (9 query heads, 3 KV heads, head_dim 
 at 64 sequences with log-normal contexts around 250 tokens and shuffled blocks. One "step" is 30
 calls (the model's 30 layers), each on its own cache as in the engine. Prints the median milliseconds a step of each path and their ratio:
 
-    python scripts/cpu_attention_bench.py --num-threads 2
+    python benchmarks/kernels/cpu_attention_bench.py --num-threads 2
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from batchgen.kernels.cpu import attention as cpu_attention  # noqa: E402
 from batchgen.model.attention import AttentionMetadata, CPUAttentionBackend, TorchAttentionBackend  # noqa: E402

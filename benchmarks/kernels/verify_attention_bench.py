@@ -9,7 +9,7 @@ prefill kernel's tiles, the AMX kernel's (where the CPU has AMX), the short-chun
 drafts, up to 8 rows on the C kernel and 6 on the AMX one) and, for scale, one decode row a
 sequence at the same context::
 
-    python scripts/verify_attention_bench.py --num-seqs 1,4,6 --contexts 300,1500 --rows 2,5,8,16
+    python benchmarks/kernels/verify_attention_bench.py --num-seqs 1,4,6 --contexts 300,1500 --rows 2,5,8,16
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cpu_prefill_attention_bench import add_shape_arguments  # noqa: E402  (this folder: sys.path[0])
 

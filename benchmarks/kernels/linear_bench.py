@@ -10,8 +10,8 @@ for each shape and row bucket (`batchgen.model.kernel_choice.choice`, from the c
 now). Each round times the step once on every path in turn, so a slow spell of a shared machine
 hits them alike; prints the best milliseconds of each path, its GFLOP/s, and chosen / fastest:
 
-    python scripts/linear_bench.py --dtype bfloat16 --num-threads 2
-    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python scripts/linear_bench.py   # as on a CPU without AMX
+    python benchmarks/kernels/linear_bench.py --dtype bfloat16 --num-threads 2
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/kernels/linear_bench.py   # as on a CPU without AMX
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from batchgen.kernels.cpu.linear import TunedLinear, linear_candidates  # noqa: E402
 from batchgen.kernels.registry import ROW_BUCKETS, TuningTable  # noqa: E402

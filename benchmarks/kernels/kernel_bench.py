@@ -11,10 +11,12 @@ Measures, with `triton.testing.do_bench` (CUDA events, L2 flushed between runs, 
      problem without a prefix, and a tile sweep.
 
 Every stage runs on its own: a failure is recorded in the JSON and the next stage runs. Stages stop
-starting new configurations once `--budget-s` seconds have passed. Prints a table and writes JSON to
+starting new configurations once `--budget-s` seconds have passed. `--quick` runs every stage at
+tiny sizes (64 MB copy, contexts of 256 and 1,024, one 256-token prefill chunk, two tiles a sweep):
+a check that it runs, in seconds, not a measurement. Prints a table and writes JSON to
 `$OUT/kernel_bench.json` when $OUT is set, else `kernel_bench.json` (or `--out`).
 
-Run from the repository root: `PYTHONPATH=. python scripts/kernel_bench.py`.
+Run from the repository root: `PYTHONPATH=. python benchmarks/kernels/kernel_bench.py`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,18 @@ PREFILL_TILE_SWEEP = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
     (128, 32, 4, 3),
     (64, 128, 4, 2),
 ]
+
+# --quick: every stage at tiny sizes (tests/benchmarks/test_kernel_benchmarks.py).
+QUICK_SIZES = {
+    "COPY_BYTES": 64 * 1024**2,
+    "TARGET": (4, 1024),
+    "PREFILL_BATCH": 1,
+    "PREFILL_CHUNK": 256,
+    "DECODE_BATCHES": (1, 4),
+    "DECODE_CONTEXTS": (256, 1024),
+    "DECODE_TILE_SWEEP": DECODE_TILE_SWEEP[:2],
+    "PREFILL_TILE_SWEEP": PREFILL_TILE_SWEEP[:2],
+}
 
 
 class Bench:
@@ -381,7 +395,10 @@ def main() -> int:
     parser.add_argument(
         "--out", default=None, help="JSON path (default $OUT/kernel_bench.json or kernel_bench.json)"
     )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: check that it runs, in seconds")
     args = parser.parse_args()
+    if args.quick:
+        globals().update(QUICK_SIZES)  # the stages read the sizes from the module
     out_path = args.out or os.path.join(os.environ.get("OUT") or ".", "kernel_bench.json")
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device; nothing to measure", file=sys.stderr)

@@ -2,8 +2,8 @@
 
 The torch decode path gathers every sequence's blocks into a padded copy before SDPA reads it, so
 each K/V byte crosses memory three times. The C kernel reads the blocks in place through the block
-table. `python scripts/cpu_attention_bench.py` times both on the default model's shapes; the
-figures are in docs/benchmarks.md ("Smaller measurements").
+table. `python benchmarks/kernels/cpu_attention_bench.py` times both on the default model's shapes
+(measured: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -119,8 +119,7 @@ def paged_prefill_attention_cpu(
     8 on "c", 6 on "amx") walk their context once in the decode kernel's loop
     (`paged_short_chunk_attention` in `csrc/paged_decode_attention.c`); without it a row's result
     does not depend on how its prompt was cut into chunks (a resumed job's greedy text stays the same).
-    2.8-3.6x torch's CPU SDPA on the default model's shapes in bf16 at 300-2,048 tokens
-    (`scripts/cpu_prefill_attention_bench.py`; see `csrc/paged_prefill_attention.c`).
+    Against torch's SDPA: `benchmarks/kernels/cpu_prefill_attention_bench.py` (measured: docs/benchmarks.md).
 
     Args:
         query: `[T, Hq, D]`, float32 or bfloat16, the chunks' rows back to back.
@@ -149,25 +148,10 @@ def paged_prefill_attention_cpu(
         raise ValueError(f'kernel must be "c" or "amx"; got {kernel!r}')
     supported = supports_prefill if kernel == "c" else supports_prefill_amx
     lib = _checked_library(query, k_cache, v_cache, block_tables, seq_lens, num_seqs, supported)
-    if query_starts.dtype != torch.int32 or query_starts.shape != (num_seqs + 1,):
-        raise ValueError(
-            f"query_starts must be int32 of shape ({num_seqs + 1},), got {query_starts.dtype} "
-            f"{tuple(query_starts.shape)}"
-        )
-    if query_starts.device.type != "cpu" or not query_starts.is_contiguous():
-        raise ValueError("query_starts must be a contiguous CPU tensor")
+    _check_chunk_arguments(query, query_starts, num_seqs, out)
     if check_bounds and num_seqs:
         check_query_starts(query_starts, seq_lens, query.shape[0])
         check_table_bounds(k_cache, block_tables, seq_lens, min_len=0)
-    if out is not None and (
-        out.shape != query.shape
-        or out.dtype != query.dtype
-        or out.device.type != "cpu"
-        or not out.is_contiguous()
-    ):
-        raise ValueError(
-            f"out must be a contiguous CPU tensor of the query's shape {tuple(query.shape)} and dtype"
-        )
     return _launch(
         lib.paged_prefill_attention if kernel == "c" else lib.paged_prefill_attention_amx,
         "prefill",
@@ -181,6 +165,33 @@ def paged_prefill_attention_cpu(
         out=out,
         extra=(int(short_chunks),),
     )
+
+
+def _check_chunk_arguments(
+    query: torch.Tensor, query_starts: torch.Tensor, num_seqs: int, out: torch.Tensor | None
+) -> None:
+    """`query_starts` is a contiguous int32 CPU tensor of `[num_seqs + 1]`; `out`, when given, a
+    contiguous CPU tensor of the query's shape and dtype.
+
+    Raises:
+        ValueError: naming the argument and what it must be.
+    """
+    if query_starts.dtype != torch.int32 or query_starts.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_starts must be int32 of shape ({num_seqs + 1},), got {query_starts.dtype} "
+            f"{tuple(query_starts.shape)}"
+        )
+    if query_starts.device.type != "cpu" or not query_starts.is_contiguous():
+        raise ValueError("query_starts must be a contiguous CPU tensor")
+    if out is not None and (
+        out.shape != query.shape
+        or out.dtype != query.dtype
+        or out.device.type != "cpu"
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous CPU tensor of the query's shape {tuple(query.shape)} and dtype"
+        )
 
 
 def _launch(

@@ -275,6 +275,13 @@ def load_library() -> ctypes.CDLL | None:
         logger.warning(
             "CPU kernels were built without OpenMP (%s): they run on one thread", " ".join(compiler)
         )
+    _declare_signatures(lib)
+    return lib
+
+
+def _declare_signatures(lib: ctypes.CDLL) -> None:
+    """Set each entry point's argument and return types (ctypes passes every argument as a C int
+    without them), in the order of the C declarations in `csrc/`."""
     # Both attention kernels: (is_bf16, query, k_cache, v_cache, block_tables, table_stride,
     # seq_lens, [prefill: query_starts,] num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
     # scale, out, num_threads[, prefill: short_chunks]) -> status.
@@ -349,4 +356,3 @@ def load_library() -> ctypes.CDLL | None:
     lib.decoder_stack_bf16.restype = i32
     lib.decoder_stack_bf16.argtypes = [ptr, i32, ptr, f32, f32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]
     lib.decoder_stack_bf16.argtypes += [i32, i32, ptr, ptr, i32, i32, i32]
-    return lib

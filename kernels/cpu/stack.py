@@ -3,8 +3,7 @@
 The Python forward of a decoder layer makes about ten kernel calls through ctypes, each with its
 tensor allocations and argument checks. `DecoderStack` hands the same kernels' whole sequence to C
 once a step: the same arithmetic in the same order, so its results equal the Python path's bit for
-bit (`tests/kernels/cpu/test_cpu_stack.py`); `python scripts/profile_engine.py [--no-decoder-stack]`
-compares the two on a whole workload.
+bit (`tests/kernels/cpu/test_cpu_stack.py`); `batchgen bench --profile` shows its share of a step.
 
 It applies to bf16 models on the "cpu" attention backend whose linear layers hold batchgen's packed
 bf16 weights (run by its AVX512-BF16 kernel, or its AMX kernel where measured faster) without biases and without Qwen3's per-head q/k norms, for the row counts
@@ -157,28 +156,9 @@ class DecoderStack:
         rows = hidden.shape[0]
         table = self._layer_table(kv_caches)
         k_cache = kv_caches[0][0]
-        cos, sin = (t.reshape(rows, self.head_dim) for t in cos_sin)
-        if (
-            cos.dtype != torch.bfloat16
-            or sin.dtype != torch.bfloat16
-            or not (cos.is_contiguous() and sin.is_contiguous())
-        ):
-            raise ValueError("the rotary tables must be contiguous bf16 [T, 1, head_dim]")
+        cos, sin, query_starts = self._checked_step(rows, cos_sin, k_cache, meta)
         slots, block_tables, seq_lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
-        if slots.dtype != torch.int64 or slots.shape != (rows,) or not slots.is_contiguous():
-            raise ValueError(f"slot_mapping must be a contiguous int64 [{rows}] tensor")
         nd, num_seqs = meta.num_decodes, meta.num_seqs
-        if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(1) != 1:
-            raise ValueError("block_tables and seq_lens must be int32 (block table rows contiguous)")
-        if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,) or not seq_lens.is_contiguous():
-            raise ValueError(f"block_tables / seq_lens do not match the step's {num_seqs} sequences")
-        if nd:
-            cpu_attention.check_table_bounds(k_cache, block_tables[:nd], seq_lens[:nd], min_len=1)
-        starts = meta.query_start_loc[nd:]
-        query_starts = (starts - starts[0]).to(torch.int32)
-        if nd < num_seqs:
-            cpu_attention.check_query_starts(query_starts, seq_lens[nd:], rows - nd)
-            cpu_attention.check_table_bounds(k_cache, block_tables[nd:], seq_lens[nd:], min_len=0)
         if self._workspace.numel() < self._workspace_per_token * rows:  # kept between steps: no page faults
             self._workspace = torch.empty(self._workspace_per_token * rows, dtype=torch.bfloat16)
         delta = torch.empty_like(hidden)
@@ -205,17 +185,43 @@ class DecoderStack:
             self._linear_at(rows) == "amx_c",
             meta.verifies_drafts,
         )
-        if status == _BAD_SLOT:
-            num_slots = k_cache.shape[0] * k_cache.shape[1]
-            bad = int(((slots < -1) | (slots >= num_slots)).nonzero()[0])
-            raise ValueError(
-                f"slot_mapping[{bad}] = {int(slots[bad])} is outside the cache's {num_slots} slots"
-            )
-        if status == _OUT_OF_MEMORY:
-            raise RuntimeError("the C decoder stack could not allocate its attention scratch memory")
-        if status:  # the builder and the checks above admit only shapes the kernels take
-            raise RuntimeError(f"the C decoder stack refused the step (status {status})")
+        _check_status(status, slots, k_cache)
         return delta
+
+    def _checked_step(
+        self, rows: int, cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, meta
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's rotary tables as bf16 `[T, head_dim]` and its prefill chunks' int32 query
+        starts (`[num_seqs - num_decodes + 1]`, from 0), after checking the metadata of `__call__`
+        against the cache.
+
+        Raises:
+            ValueError: a dtype, shape or layout the kernels do not take, or a table or length
+                outside the cache.
+        """
+        cos, sin = (t.reshape(rows, self.head_dim) for t in cos_sin)
+        if (
+            cos.dtype != torch.bfloat16
+            or sin.dtype != torch.bfloat16
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
+            raise ValueError("the rotary tables must be contiguous bf16 [T, 1, head_dim]")
+        slots, block_tables, seq_lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+        if slots.dtype != torch.int64 or slots.shape != (rows,) or not slots.is_contiguous():
+            raise ValueError(f"slot_mapping must be a contiguous int64 [{rows}] tensor")
+        nd, num_seqs = meta.num_decodes, meta.num_seqs
+        if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(1) != 1:
+            raise ValueError("block_tables and seq_lens must be int32 (block table rows contiguous)")
+        if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,) or not seq_lens.is_contiguous():
+            raise ValueError(f"block_tables / seq_lens do not match the step's {num_seqs} sequences")
+        if nd:
+            cpu_attention.check_table_bounds(k_cache, block_tables[:nd], seq_lens[:nd], min_len=1)
+        starts = meta.query_start_loc[nd:]
+        query_starts = (starts - starts[0]).to(torch.int32)
+        if nd < num_seqs:
+            cpu_attention.check_query_starts(query_starts, seq_lens[nd:], rows - nd)
+            cpu_attention.check_table_bounds(k_cache, block_tables[nd:], seq_lens[nd:], min_len=0)
+        return cos, sin, query_starts
 
     def _linear_at(self, rows: int) -> str:
         by_bucket = self.linear_by_bucket
@@ -262,3 +268,20 @@ class DecoderStack:
         self._workspace_per_token = self._lib.decoder_stack_workspace_per_token(self._dims.data_ptr())
         self._table_caches = addresses
         return self._table
+
+
+def _check_status(status: int, slots: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Raise for a failed `decoder_stack_bf16` call (`status` not 0), naming the cause.
+
+    Raises:
+        ValueError: a slot outside the cache (`slots`: the step's int64 slot mapping).
+        RuntimeError: the kernel could not allocate memory, or refused the step.
+    """
+    if status == _BAD_SLOT:
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        bad = int(((slots < -1) | (slots >= num_slots)).nonzero()[0])
+        raise ValueError(f"slot_mapping[{bad}] = {int(slots[bad])} is outside the cache's {num_slots} slots")
+    if status == _OUT_OF_MEMORY:
+        raise RuntimeError("the C decoder stack could not allocate its attention scratch memory")
+    if status:  # the builder and the checks above admit only shapes the kernels take
+        raise RuntimeError(f"the C decoder stack refused the step (status {status})")

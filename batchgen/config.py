@@ -31,7 +31,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # Speculative decoding methods (vLLM's `speculative_config["method"]` names); None = off.
 SPECULATIVE_METHODS = ("ngram",)
 # n-gram (prompt lookup) defaults when the option is not given: 4 draft tokens matched on the last 2
-# to 4 tokens (see docs/benchmarks.md, "Prompt-lookup speculative decoding").
+# to 4 tokens (measured: docs/benchmarks.md).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 4

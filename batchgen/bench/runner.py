@@ -1,18 +1,18 @@
 """Run every configuration of one bench on one workload, in one process, and collect the report.
 
 Configurations, in this order (ratios in the report are against the first one that ran):
-    continuous/<policy>  batchgen's continuous batching (`bench.continuous`), once per `--policy`,
+    continuous/<policy>  batchgen's continuous batching (`baselines.continuous`), once per `--policy`,
                          each in a fresh engine; once per `--speculative-method` item too, named
                          continuous/<policy>+ngram with speculative decoding ("none": without)
-    static/b<N>          padded static batches of N through batchgen's engine (`bench.static`)
-    hf-static/b<N>       transformers `generate` in padded static batches of N (`bench.hf_baselines`)
+    static/b<N>          padded static batches of N through batchgen's engine (`baselines.static`)
+    hf-static/b<N>       transformers `generate` in padded static batches of N (`baselines.hf`)
     hf-cb                transformers' continuous batching
-    vllm                 vLLM's `LLM.generate` in its own interpreter (`bench.vllm_baseline`)
+    vllm                 vLLM's `LLM.generate` in its own interpreter (`baselines.vllm`)
 `--mode static,continuous` puts static first (`bench.settings`). Every configuration gets a fresh
 engine or model, a short untimed warm-up, the same workload, dtype and thread count. The workload's
-compute ceiling (`ceiling.workload_flops` / `ceiling.measure_matmul_rate`) and each batchgen run's
-roofline (`roofline.roofline_seconds`, in its `extra`) use the matmul rate and memory bandwidth
-measured before the first run and after every run (`bench.rates`).
+compute ceiling (`report.ceiling`) and each batchgen run's
+roofline (`report.roofline`, in its `extra`) use the matmul rate and memory bandwidth
+measured before the first run and after every run (`report.rates`).
 """
 
 from __future__ import annotations

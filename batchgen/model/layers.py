@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
     (`cpu_ops`), the norm is one pass per row in C.
     Otherwise, in 16-bit dtypes with many rows (prefill), it is one float32-accumulating reduction and two
     16-bit multiplies. On CPU, `F.rms_norm` widens the whole input to float32 and makes seven
-    passes (measured: see docs/benchmarks.md, "Smaller measurements"). The price is one more
+    passes (measured: docs/benchmarks.md). The price is one more
     rounding (of the scale factor), which stays within the 16-bit tolerance of the reference.
     """
 

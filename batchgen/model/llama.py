@@ -86,10 +86,9 @@ def prefill_row_chunk(config, dtype: torch.dtype, device: torch.device) -> int:
     """Rows per slice for the non-attention work of a large CPU step; 0 = no slicing (GPU).
 
     The element-wise passes of a big step (norms, SiLU, products, residual adds) are memory-bound,
-    so slicing keeps their activations in cache; the matrix products, though, want many rows (a
-    512-row linear runs at well under half the rate of a 2,048-row one). Slices whose gate/up output
-    is about 12 MiB (2,048 rows of the default model) balance the two (measured with
-    `python scripts/row_chunk_bench.py --rows 512 2048`: see docs/benchmarks.md).
+    so slicing keeps their activations in cache; the matrix products, though, want many rows. Slices
+    whose gate/up output is about 12 MiB (2,048 rows of the default model) balance the two
+    (`python benchmarks/kernels/row_chunk_bench.py --rows 512 2048`; measured: docs/benchmarks.md).
     Steps above the slice (a raised `max_num_batched_tokens`) are still sliced.
     """
     if device.type != "cpu":

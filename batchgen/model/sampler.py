@@ -83,7 +83,7 @@ class Sampler:
             if banned:
                 logits[row, banned] = float("-inf")
         if batch.all_greedy:
-            # `max(dim).indices` is argmax (first maximum on ties) but faster on CPU (measured: see
+            # `max(dim).indices` is argmax (first maximum on ties) but faster on CPU (measured:
             # docs/benchmarks.md). Widening to float32 is exact,
             # so the model dtype picks the same token.
             return logits.max(dim=-1).indices

@@ -1,10 +1,9 @@
 """`batchgen plan` without torch in its own process: what needs torch runs in a short-lived child.
 
-Why: importing torch maps 220-270 MiB into a process (the more of its files sit in the page cache,
-as after a fresh install, the more), and transformers imports it whenever it is installed, even to
-load a tokenizer or a config. A plan reads and tokenizes a job and never runs the model, so most of
-its memory went to a library it did not call: a 200,000-row plan peaked at ~510 MiB on a fresh
-install, ~135 MiB without torch (docs/benchmarks.md, "plan's memory").
+Why: importing torch maps a few hundred MiB into a process, and transformers imports it whenever it
+is installed, even to load a tokenizer or a config. A plan reads and tokenizes a job and never runs
+the model, so without this most of its memory goes to a library it does not call (measured:
+docs/benchmarks.md).
 
 With `torch_free`, the plan's process hides torch from itself (`hide_torch`: a None in
 `sys.modules`, Python's own way to block an import; transformers then loads tokenizers and configs

@@ -239,8 +239,8 @@ def prepacked_linear(
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (oneDNN's check: AVX-512 bf16 or AMX on x86).
 
-    Without it, bf16 matmuls are emulated, several times slower than float32 (measured: see
-    docs/benchmarks.md, "Emulated bf16").
+    Without it, bf16 matmuls are emulated, several times slower than float32 (measured:
+    docs/benchmarks.md).
     """
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -283,9 +283,8 @@ def prepack_linears(model: nn.Module) -> int:
 def release_freed_heap() -> None:
     """Return freed heap pages to the OS (glibc's `malloc_trim`; a no-op without glibc).
 
-    The plain weights freed by packing sit in glibc's heap, which keeps them: measured on the
-    default model in float32, the engine's RSS after loading was 1,265 MiB with them and 1,054 MiB
-    after the trim (954 MiB unpacked; the packed LM head copy is the rest).
+    The plain weights freed by packing sit in glibc's heap, which keeps them resident until trimmed
+    (measured: docs/benchmarks.md).
     """
     try:  # the process's own symbols: the C library it already loaded, no library search
         process = ctypes.CDLL(None)
@@ -342,7 +341,8 @@ class TunedLinear(nn.Module):
     one weight copy per extra implementation) and a table from `kernels.registry.ROW_BUCKETS` index
     to module. Input `[M, in_features]` (or `[..., in_features]`, counted as rows), output
     `[..., out_features]`, the weight's dtype. The choice is one list index by row count: a
-    per-call bucket computation and a second module call cost about 8% of a 1-row decode step.
+    per-call bucket computation and a second module call cost a visible share of a 1-row decode
+    step (measured: docs/benchmarks.md).
     """
 
     def __init__(self, impls: dict[str, nn.Module], by_bucket: list[str]) -> None:

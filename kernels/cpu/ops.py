@@ -163,7 +163,7 @@ def store_kv(
             slice of a fused QKV output).
         k_cache / v_cache: contiguous `[num_blocks, block_size, Hkv, D]`.
         slot_mapping: int64 `[T]`, `block_id * block_size + offset` per row, or -1.
-        check_layout: check the dtypes, shapes and strides (about 15 us). A caller that has checked
+        check_layout: check the dtypes, shapes and strides (a cost on every call). A caller that has checked
             the same layout already in this step (the other layers) passes False; the slots are
             always checked, in C.
 

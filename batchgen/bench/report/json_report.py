@@ -10,7 +10,7 @@ JSON layout (`schema` "batchgen-bench/1"):
     with name, kind, policy, status ("ok", "skipped", "failed"), reason, metrics
     (`metrics.summarize` plus `ceiling_fraction`, against the matmul rate measured around that run,
     `matmul_flops_per_s`; `roofline_s` at the median matmul rate, and `roofline_fraction` against
-    the roofline at the rate measured around the run: see `bench.roofline`), ratios (metric / the base's metric, for the
+    the roofline at the rate measured around the run: see `report.roofline`), ratios (metric / the base's metric, for the
     keys in `RATIO_KEYS`), ratios_vs_vllm (metric / the vLLM baseline's, for the keys in
     `VLLM_RATIO_KEYS`, when a vLLM baseline ran: above 1 in throughput means faster than vLLM),
     extra, notes, and the per-step timeline. `vllm_base` names that vLLM configuration (None when
@@ -140,7 +140,7 @@ def _config_entry(r: RunResult, ceiling: dict[str, Any] | None) -> dict[str, Any
         m["ceiling_fraction"] = None
         m["matmul_flops_per_s"] = r.extra.get("matmul_flops_per_s")
         if ceiling is not None and m["wall_s"]:
-            # Against the rate measured around this run when there is one (see bench.rates).
+            # Against the rate measured around this run when there is one (see report.rates).
             rate = m["matmul_flops_per_s"] or ceiling["matmul"]["flops_per_s"]
             m["ceiling_fraction"] = ceiling["flops"]["total"] / rate / m["wall_s"]
         m["roofline_s"] = r.extra.get("roofline_s")

@@ -20,7 +20,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
     The rows are moved as int64 words when the block's byte size allows: CPU `index_select` on
     16-bit floats copies element by element, several times slower than the word-sized copy
-    (measured: see docs/benchmarks.md, "Smaller measurements").
+    (measured: docs/benchmarks.md).
     """
     block_ids = block_ids.long()
     flat = cache.view(cache.shape[0], -1)
@@ -46,8 +46,8 @@ class DecodeGroup:
         index: int64 `[b]` rows of the step's decodes, or None for all of them in order.
         block_ids: int64 `[b * max_blocks]`, each row's first `max_blocks` block-table entries.
         mask: additive `[b, 1, 1, max_blocks * block_size]` in the query dtype: 0 within the row's
-            context, -inf past it. (CPU SDPA ran 15-20% faster with it than with the same mask as
-            bools, which it converts on every call.)
+            context, -inf past it (SDPA converts a bool mask on every call; measured:
+            docs/benchmarks.md).
     """
 
     index: torch.Tensor | None
@@ -129,7 +129,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     Without a prefix (Q == L) one causal SDPA call. With one, SDPA needs an explicit mask and then
     computes the whole Q x L rectangle, masked half included, so the queries go in tiles of
     `PREFIX_CHUNK_QUERY_TILE` rows, each attending only to the keys up to its last row: about the
-    causal triangle plus the prefix (measured: see docs/benchmarks.md, "Smaller measurements"). The mask is additive, in the query dtype: SDPA converts a
+    causal triangle plus the prefix (measured: docs/benchmarks.md). The mask is additive, in the query dtype: SDPA converts a
     boolean one on every call.
     """
     qlen, klen = q.shape[0], k.shape[0]

@@ -12,8 +12,8 @@ and the "cpu" backend runs each chunk with the fastest (`CPUAttentionBackend.pre
 On CUDA the same question stands between the Triton chunked-prefill kernel and torch's SDPA (its
 flash-attention kernels) for a chunk with no cached prefix, where SDPA can run on the chunk's own K/V:
 `tune_triton_prefill_attention`, read by `TritonAttentionBackend.prefill_by_bucket`. On an H200 SDPA
-ran a 2,048-token causal prompt at about 1.8 times the Triton kernel's rate (docs/benchmarks.md,
-"First run on a GPU"), while short chunks pay SDPA's one call a chunk.
+runs a long causal prompt faster than the Triton kernel (measured: docs/benchmarks.md), while short
+chunks pay SDPA's one call a chunk.
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ def gguf_cache_key(gguf: Path, models: Path) -> str:
     """`<stem>-<hash>`, the hash taken over the file's bytes (and the conversion format).
 
     So a copy of the same file at another path (each virtual environment installs its own) reuses
-    one conversion, and an edited file converts again. Hashing reads the whole file (about 0.3 s
-    for the default model's 98 MB); the digest is remembered per path, size and mtime in
+    one conversion, and an edited file converts again. Hashing reads the whole file (measured:
+    docs/benchmarks.md); the digest is remembered per path, size and mtime in
     `models/.digests/`, so each file is read once.
     """
     digest = file_digest(gguf, models / ".digests", salt=GGUF_DIGEST_SALT)

@@ -47,9 +47,8 @@ int short_chunk_rows(int short_chunks, int is_bf16, int head_dim, int group, int
 
 #define Q_TILE 16   /* query positions per work item: one A tile of rows */
 #define KEY_BLOCK 64 /* keys per step of the online softmax: four S tiles, two P tiles of K */
-/* Chunks of up to this many query rows go to `paged_short_chunk_attention`: on a 2-core Xeon with
- * AMX (bf16, 9 query / 3 KV heads of 64, 1-6 sequences of 300-1,500 tokens) it took 0.55-0.96x
- * this kernel's time at 2-6 rows, 0.98-1.00x at 7 (long contexts) and up to 1.19x at 8-9. */
+/* Chunks of up to this many query rows go to `paged_short_chunk_attention`, which beats this
+ * kernel up to there on the default model's shapes (measured: docs/benchmarks.md). */
 #ifndef AMX_SHORT_CHUNK_ROWS
 #define AMX_SHORT_CHUNK_ROWS 6
 #endif

@@ -38,9 +38,9 @@ static inline __m512 round16(__m512 v) {
  * polynomial in f ln 2 (truncation error under 1.3e-7 relative, about Cephes' 2 ulp; degree 5, at
  * 2.4e-6, flipped enough bf16 roundings of SiLU to fail its one-ulp test), times 2^n by VSCALEFPS.
  * Below -125 the result is 0, set by a mask (so -inf and NaN give 0): a result below float32's
- * normal range would cost a microcode assist per instruction on Intel cores (measured: it doubled
- * the AMX prefill attention's time at 256 keys). About 12 instructions a vector against 17 for
- * Cephes' exp (cephes_expf.h) with its two-part range reduction. */
+ * normal range would cost a microcode assist per instruction on Intel cores (measured:
+ * docs/benchmarks.md). About 12 instructions a vector against 17 for Cephes' exp (cephes_expf.h)
+ * with its two-part range reduction. */
 static inline __m512 exp2_nonpositive16(__m512 t) {
   const __m512 least = _mm512_set1_ps(-125.f);
   const __mmask16 normal = _mm512_cmp_ps_mask(t, least, _CMP_GE_OQ);

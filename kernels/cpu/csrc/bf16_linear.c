@@ -1,8 +1,8 @@
 /* bf16 linear layers on CPUs with AVX512-BF16: y = x W^T + b with float32 accumulation.
  *
- * oneDNN's prepacked bf16 matmul (kernels/cpu/linear.py) ran the default model's linears at
- * 30-40 GB/s of weights on decode steps (1-16 rows), about half of what two cores stream from
- * DRAM, and gained little from more rows until about 64. Here the weight is packed once into
+ * oneDNN's prepacked bf16 matmul (kernels/cpu/linear.py) streams the weights of decode steps (1-16
+ * rows) well below the rate two cores read DRAM at, and gains little from more rows until about 64
+ * (measured: docs/benchmarks.md). Here the weight is packed once into
  * strips of 16 output columns whose K dimension is stored in pairs, [N/16][K/2][16][2], so one
  * 64-byte load holds a pair of K values for 16 columns: exactly the operand of VDPBF16PS, which
  * multiplies two bf16 pairs and adds both products to a float32 lane. A tile of up to 6 input rows
@@ -10,12 +10,7 @@
  * broadcast 32-bit load. This is the register-blocked micro-kernel of high-performance GEMM (Goto
  * and van de Geijn, "Anatomy of High-Performance Matrix Multiplication", ACM TOMS 2008), with each
  * thread taking its own share of the strips and prefetching the next strips while it computes.
- *
- * On a 2-core AMD EPYC (Zen 5), the default model's 30 layers of linears, 2 threads, oneDNN -> this
- * kernel (`python scripts/linear_bench.py`): 1 row 5.5 -> 4.6 ms, 8 rows 7.3 -> 5.7, 16 rows
- * 9.3 -> 7.3, 64 rows 22.5 -> 17.8, 2,048 rows 476 -> 459 (914 -> 948 GFLOP/s), before the
- * prefetch of the next strips (below, 1.1-1.3x more at 12-64 rows). The bench workload
- * (`scripts/profile_engine.py`, interleaved runs) went from 11.1 / 11.0 s to 10.0 / 9.8 s.
+ * Against oneDNN and torch: `python benchmarks/kernels/linear_bench.py` (measured: docs/benchmarks.md).
  *
  * Layouts: x [M] rows of K bf16, `ldx` elements apart; w_packed [N/16][K/2][16][2] bf16 (packed by
  * kernels/cpu/linear.py); bias float32 [N] or NULL; y [M] rows of N bf16, `ldy` elements apart,
@@ -40,8 +35,8 @@
 #define MAX_ACCUMULATORS 24
 #define MAX_STRIPS 4
 #define MAX_TILE_ROWS 8
-/* Weight loads are prefetched this many K pairs (64-byte lines per strip) ahead: 5% faster at
- * 1-16 rows than relying on the hardware prefetcher alone, which starts over at every strip. */
+/* Weight loads are prefetched this many K pairs (64-byte lines per strip) ahead: the hardware
+ * prefetcher alone starts over at every strip (measured: docs/benchmarks.md). */
 #define PREFETCH_PAIRS 16
 /* Below this many multiply-adds a call runs on one thread: waking the pool costs more. */
 #define PARALLEL_MIN_MACS (1 << 16)
@@ -116,12 +111,9 @@ int bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const 
    * weight is read once, streamed from memory PREFETCH_PAIRS lines ahead. More rows take tiles of
    * 6 rows x 4 strips, and a group of strips is read once per row tile: from memory by the first
    * (for the thread's first group) and from cache by the rest, which meanwhile prefetch the next
-   * group, so memory streams while they compute instead of between. On the 2-core Zen 5, the
-   * default model's linears against reading each group from memory in its first tile and
-   * prefetching nothing in the others (interleaved, bit-identical outputs): 12 rows 1.24x,
-   * 16 rows 1.23x, 32 rows 1.24x, 64 rows 1.12x, 1-8 rows within noise (0.96-1.0x). At 7-8 rows
-   * the single 8 x 3 tile was 1.09x two prefetching tiles (6 + 1-2 rows); a 12 x 2 tile for 9-12
-   * rows was 7% slower than two 6-row tiles. */
+   * group, so memory streams while they compute instead of between. The single 8 x 3 tile beats
+   * two prefetching tiles at 7-8 rows, and two 6-row tiles beat a 12 x 2 tile at 9-12 rows
+   * (measured: docs/benchmarks.md). */
   const int64_t tile_rows = m <= MAX_TILE_ROWS ? m : 6;
   const int64_t group_strips = MAX_ACCUMULATORS / tile_rows < MAX_STRIPS ? MAX_ACCUMULATORS / tile_rows : MAX_STRIPS;
   const int64_t row_tiles = (m + tile_rows - 1) / tile_rows;

@@ -1,7 +1,7 @@
 /* Element-wise bfloat16 operations of a decoder layer on the CPU, each one pass over its rows.
  *
  * A decode step multiplies only a few rows, so each torch call costs more in dispatch than in
- * arithmetic: bf16 `F.rms_norm` alone runs about eight ATen operations (150 us at 64 rows). Each
+ * arithmetic: bf16 `F.rms_norm` alone runs about eight ATen operations. Each
  * function here replaces one chain of calls with one call, and rounds to bfloat16 where torch's
  * chain rounds (every torch bf16 operation computes in float32 and rounds its result), so the
  * results are those of the Hugging Face formulas up to the order of a float32 sum.

@@ -2,8 +2,8 @@
  *
  * The model's Python forward calls about ten C kernels a layer (norms, four linears, rotary, the
  * K/V store, attention, SiLU-and-multiply), each through ctypes with its torch allocations and
- * argument checks: about 2 ms a step outside the kernels for the default model's 30 layers
- * (scripts/profile_engine.py measures it). Here the same kernels run in the same order on the same inputs,
+ * argument checks, time outside the kernels that `batchgen bench --profile` shows (measured:
+ * docs/benchmarks.md). Here the same kernels run in the same order on the same inputs,
  * so the result is bit for bit the Python path's; only the calls between them move into C. This is
  * the CPU counterpart of replaying a captured CUDA graph (as vLLM does for its decode steps).
  *

@@ -1,7 +1,7 @@
 /* Writing a step's new K/V rows into the paged KV cache on the CPU.
  *
- * torch's `index_copy_` into the flat cache view costs 15 us at 2 rows and 75 us at 58 rows a call
- * (bf16, two calls a layer), mostly in TensorIterator set-up; a row here is one memcpy.
+ * torch's `index_copy_` into the flat cache view (two calls a layer) spends its time mostly in
+ * TensorIterator set-up (measured: docs/benchmarks.md); a row here is one memcpy.
  *
  * Layouts: key and value [num_tokens] rows of `row_bytes` bytes (num_kv_heads * head_dim elements,
  * contiguous within the row), rows `key_stride` / `value_stride` bytes apart; k_cache and v_cache

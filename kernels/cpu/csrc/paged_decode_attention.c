@@ -19,10 +19,8 @@
  * onto whatever the machine has with -march=native: 16 lanes (AVX-512, NEON), or 8 lanes on an
  * x86 CPU with AVX2 but no AVX-512. There, with 16 vector registers instead of 32, the loops that
  * keep four K rows (or a query group's accumulators) in registers spill; the AVX2 build reloads K
- * and V rows from L1 for each query head of a group instead (REGISTER_LIGHT). On a 2-core AVX2
- * EPYC, float32, 58 sequences around 400 tokens, 30 layers (`scripts/cpu_attention_bench.py
- * --dtype float32 --num-seqs 58 --median-context 400`): 267 -> 131 ms a step, 4.9 -> 10 GB/s of
- * K/V. Compiled and loaded at run time by kernels/cpu/attention.py.
+ * and V rows from L1 for each query head of a group instead (REGISTER_LIGHT; measured:
+ * docs/benchmarks.md). Compiled and loaded at run time by kernels/cpu/attention.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,8 +33,8 @@
  * a verification of draft tokens): the scores of all its context rows for each head's query rows,
  * softmax, then the weighted sum of V rows. A head's query rows are its GQA group at each of the
  * q_len positions (position j's rows `q_stride` elements after position j - 1's); each K and V row
- * is read once for all of them (the score products are still computed per row: 5 positions cost
- * 2-2.5x one decode, docs/benchmarks.md). Row j attends to the first len - (q_len - 1 - j) keys. A block's
+ * is read once for all of them (the score products are still computed per row, so a chunk costs
+ * more than one decode; measured: docs/benchmarks.md). Row j attends to the first len - (q_len - 1 - j) keys. A block's
  * rows hold every KV head side by side, so the heads are walked inside the block loop: each block is
  * read as one contiguous run of memory (walking one head at a time read a third of every row and ran
  * at half the bandwidth). `scores` holds (h1 - h0) * q_len * group * padded floats; `qv` and `acc`

@@ -1,9 +1,9 @@
 /* Paged causal attention on the CPU for prefill chunks: each query row attends to its sequence's
  * cached context up to and including its own position.
  *
- * torch's CPU flash attention reached 60-140 GFLOP/s in bf16 on the default model's shapes (9 query
- * heads over 3 KV heads of 64, one call per sequence), against about 1,000 GFLOP/s for the model's
- * linear layers, so prefill spent as long in attention as in the linears. Here a work item is one
+ * torch's CPU flash attention runs the default model's shapes (9 query heads over 3 KV heads of 64,
+ * one call per sequence) in bf16 at a fraction of the model's linear layers' rate, so prefill spent
+ * as long in attention as in the linears (measured: docs/benchmarks.md). Here a work item is one
  * KV head of a tile of TILE_POS query positions of one sequence: the tile's rows (TILE_POS
  * positions x the head's GQA group) are kept in float32 and walked over the context in chunks of
  * KEY_CHUNK keys with an online softmax (FlashAttention, Dao et al. 2022, arXiv:2205.14135); each
@@ -12,14 +12,8 @@
  * table (PagedAttention, Kwon et al. 2023, arXiv:2309.06180), the chunk's own K/V included (the
  * backend stores them first), so a chunk that continues a cached prefix needs no gather. On a CPU
  * with AVX512-BF16 the bf16 products run on its pair dot products (USE_DPBF16 below).
- *
- * On a 2-core AMD EPYC (Zen 5) in bf16, one prompt of 300 / 1,200 / 2,048 tokens
- * (`python scripts/cpu_prefill_attention_bench.py`): torch 69 / 119 / 131 GFLOP/s, this kernel
- * 247 / 344 / 368 (3.6x / 2.9x / 2.8x); with float32 products instead of the bf16 dot products
- * it reached 183-265. The bench workload's prefill phase (`scripts/profile_engine.py`, 19,576
- * tokens in 10 steps) went from 9.4 to 6.9 s. The kernel alone (ctypes, 2 threads, same prompts)
- * later went from 337 / 408 / 406 to 481 / 556 / 560 GFLOP/s with the AVX-512 exp, the register
- * transposes of K and the four-row softmax below.
+ * Against torch's SDPA: `python benchmarks/kernels/cpu_prefill_attention_bench.py` (measured:
+ * docs/benchmarks.md).
  *
  * Layouts (row-major, contiguous):
  *   query, out         [num_query_rows, num_q_heads, HEAD_DIM]; sequence b's rows are
@@ -45,10 +39,9 @@ int paged_short_chunk_attention(int is_bf16, const void *query, const void *k_ca
                                 int head_dim, int block_size, float scale, void *out, int num_threads, int max_rows);
 int short_chunk_rows(int short_chunks, int is_bf16, int head_dim, int group, int limit);
 
-/* Chunks of up to this many query rows go to `paged_short_chunk_attention`: on a 2-core Xeon with
- * AMX (bf16, 9 query / 3 KV heads of 64, 1-6 sequences of 300-1,500 tokens;
- * `scripts/verify_attention_bench.py`) it took 0.73-1.00x this kernel's time at 2-5 rows, 0.86-1.05x
- * at 6-8 (faster the more sequences and context), and 0.96-1.06x at 16. */
+/* Chunks of up to this many query rows go to `paged_short_chunk_attention`, which is as fast as
+ * this kernel's tiles or faster up to there on the default model's shapes
+ * (`benchmarks/kernels/verify_attention_bench.py`; measured: docs/benchmarks.md). */
 #ifndef SHORT_CHUNK_ROWS
 #define SHORT_CHUNK_ROWS 8
 #endif
@@ -59,13 +52,12 @@ int short_chunk_rows(int short_chunks, int is_bf16, int head_dim, int group, int
 #define USE_DPBF16 0
 #endif
 
-/* Tile sizes; each can be overridden with -D to tune. On the 2-core Zen 5 above, 64 positions or
- * 8 score rows were within the noise of these, 4 output rows about 5% slower than 6. */
+/* Tile sizes; each can be overridden with -D to tune (measured: docs/benchmarks.md). */
 #ifndef TILE_POS
 #define TILE_POS 32 /* query positions per work item */
 #endif
 #ifndef KEY_CHUNK_VECTORS
-#define KEY_CHUNK_VECTORS 8 /* 2 and 4 (more softmax bookkeeping a key) were 10-30% slower */
+#define KEY_CHUNK_VECTORS 8 /* 2 and 4 pay more softmax bookkeeping a key */
 #endif
 #define KEY_CHUNK (KEY_CHUNK_VECTORS * LANES) /* keys per step of the online softmax */
 #define NVK KEY_CHUNK_VECTORS
@@ -174,7 +166,7 @@ static inline __attribute__((always_inline)) void stage_chunk_pairs(const Prefil
                                                                     int kc, const int D) {
   const uint16_t *kc_ = a->k_cache, *vc_ = a->v_cache;
   if ((D / 2) % 16 == 0) {
-    /* K in blocks of 16 keys x 16 pairs, each transposed in registers (about 9x fewer instructions
+    /* K in blocks of 16 keys x 16 pairs, each transposed in registers (far fewer instructions
      * than a word at a time); only the key vectors the scores read, keys past the context zero. */
     const int used = (kc + LANES - 1) / LANES * LANES;
     for (int j0 = 0; j0 < used; j0 += 16) {
@@ -246,7 +238,7 @@ static inline void hmax4(const vf v[4], float *out) {
  * underflow in its final scaling), rounded to bf16 pairs into `pb`; the row sums, `alpha` (one
  * vector exp for the four rows) and the running maximum update `l`, `alpha` and `m`. Written this
  * way because the one-row-at-a-time loop kept its scores on the stack and waited on each row's
- * chain of horizontal reductions: the softmax was 42% of the kernel's time. */
+ * chain of horizontal reductions (measured: docs/benchmarks.md). */
 static inline __attribute__((always_inline)) void softmax_pairs(Scratch *w, int rows, int kv_used, int masked,
                                                                 int first_pos, int n, int64_t c0, float scale) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);

@@ -98,8 +98,7 @@ static inline void hsum4(vf a, vf b, vf c, vf d, float *out) {
 /* Ask for the next block while this one is computed: blocks sit anywhere in the pool, so the
  * hardware prefetcher cannot guess where the next one starts. The callers spread a block's
  * prefetches over the KV heads of the current one: issued all at once, they stalled on the
- * core's few outstanding-miss slots (on a 2-core AVX2 EPYC, float32, 58 sequences: 108-119 ->
- * 91-99 ms a step in interleaved runs of scripts/cpu_attention_bench.py). */
+ * core's few outstanding-miss slots (measured: docs/benchmarks.md). */
 static inline void prefetch_block(const void *block, size_t bytes) {
   for (size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch((const char *)block + offset, 0, 1);
 }

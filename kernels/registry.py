@@ -13,11 +13,10 @@ source hash and the environment switches that emulate lesser machines (`ONEDNN_M
 second start on the same machine looks every choice up in it. A file that does not parse, or that
 holds another key, is rebuilt, never trusted.
 
-Timings taken while other processes kept a core busy are not the kernels' own: beside one busy
-process on a 2-core machine every candidate timed at a scheduler slice (a thread waiting it out at
-each barrier) and the table picked at random (docs/benchmarks.md). Such a table records the load
-(`others_load`, in cores); it is used while the machine stays busy, and measured again at the first
-start that finds the machine quiet.
+Timings taken while other processes keep a core busy are not the kernels' own: each candidate waits
+out a scheduler slice at a thread barrier (measured: docs/benchmarks.md). Such a table records the
+load (`others_load`, in cores); it is used while the machine stays busy, and measured again at the
+first start that finds the machine quiet.
 """
 
 from __future__ import annotations

@@ -317,28 +317,9 @@ def choose(
         if entry is not None and entry["chosen"] in candidates:
             chosen[rows] = entry["chosen"]
             continue
-        if not table.announced:
-            table.announced = True
-            where = f" in {table.path}" if table.path else ""
-            logger.info(
-                "measuring this machine's kernels on the model's shapes (once for a machine, model "
-                "shape and thread count: later starts read the table%s)",
-                where,
-                extra=PROGRESS,
-            )
-        expected = reference(rows)
-        ready: dict[str, Callable[[], torch.Tensor]] = {}
-        for name, setup in candidates.items():
-            if name in dropped or (prune and slow_streak[name] >= 2):
-                continue
-            try:
-                call = setup(rows)
-                if not matches(call(), expected, rtol):  # also the warm-up call
-                    raise ValueError(f"output differs from the reference by more than {rtol:g} relative")
-                ready[name] = call
-            except Exception as exc:  # noqa: BLE001  a broken candidate must never stop the run
-                dropped[name] = f"{type(exc).__name__}: {exc}"
-                logger.warning("kernel %s for %s %s dropped at %d rows: %s", name, op, shape, rows, exc)
+        _announce_measuring(table)
+        skipped = {n for n in candidates if n in dropped or (prune and slow_streak[n] >= 2)}
+        ready = _correct_calls(candidates, skipped, rows, reference(rows), rtol, dropped, f"{op} {shape}")
         per_call = calls_per_run(rows) if callable(calls_per_run) else calls_per_run
         seconds = fastest_seconds(ready, long_call_s=LONG_CALL_S)
         measured = {name: 1e3 * s / per_call for name, s in seconds.items()}
@@ -359,3 +340,44 @@ def choose(
         }
         table.dirty = True
     return chosen
+
+
+def _announce_measuring(table: TuningTable) -> None:
+    """Say once per table, before the first measurement, that this start measures the kernels."""
+    if table.announced:
+        return
+    table.announced = True
+    where = f" in {table.path}" if table.path else ""
+    logger.info(
+        "measuring this machine's kernels on the model's shapes (once for a machine, model "
+        "shape and thread count: later starts read the table%s)",
+        where,
+        extra=PROGRESS,
+    )
+
+
+def _correct_calls(
+    candidates: Mapping[str, Callable[[int], Callable[[], torch.Tensor]]],
+    skipped: set[str],
+    rows: int,
+    expected: torch.Tensor,
+    rtol: float,
+    dropped: dict[str, str],
+    what: str,
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """The candidates (but `skipped`) set up for `rows` rows whose output matches `expected` within
+    `rtol`: name -> the call to time. A candidate that raises or differs goes into `dropped` (name ->
+    reason) with one warning naming `what` (op and shape)."""
+    ready: dict[str, Callable[[], torch.Tensor]] = {}
+    for name, setup in candidates.items():
+        if name in skipped:
+            continue
+        try:
+            call = setup(rows)
+            if not matches(call(), expected, rtol):  # also the warm-up call
+                raise ValueError(f"output differs from the reference by more than {rtol:g} relative")
+            ready[name] = call
+        except Exception as exc:  # noqa: BLE001  a broken candidate must never stop the run
+            dropped[name] = f"{type(exc).__name__}: {exc}"
+            logger.warning("kernel %s for %s dropped at %d rows: %s", name, what, rows, exc)
+    return ready

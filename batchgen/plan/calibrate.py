@@ -51,6 +51,8 @@ class Calibration:
         startup_s: seconds to build the engine (model load, kernel choice), as a run's start.
         kernel_choice_s: the part of `startup_s` spent choosing kernels (measuring them where the
             kernel table had no entry: a later start only looks them up).
+        kernel_measure_s: `kernel_choice_s` where that start measured kernels (what a start with
+            no kernel table spends on them), else None.
         threads: torch threads the steps ran with.
         other_cores: cores' worth of CPU other processes used while the steps ran (None where
             /proc/stat is missing): a busy machine's steps are slower and vary more.
@@ -69,6 +71,7 @@ class Calibration:
     cpu_share: float
     samples: list[StepSample]
     measured_at: str
+    kernel_measure_s: float | None = None
     cached: bool = field(default=False, compare=False)
 
     def to_json(self) -> str:
@@ -264,6 +267,7 @@ def calibrate(
         key=calibration_key(config, engine.dtype, threads, lengths),
         startup_s=startup,
         kernel_choice_s=engine.runner.kernel_choice.seconds,
+        kernel_measure_s=_measuring_seconds(engine.runner.kernel_choice),
         threads=threads,
         other_cores=LoadSample().other_cores_since(load),
         cpu_share=cpu_share,
@@ -273,3 +277,9 @@ def calibrate(
     if use_cache:
         save(calibration, cache_dir)
     return calibration
+
+
+def _measuring_seconds(choice: Any) -> float | None:
+    """A `KernelChoice`'s seconds where its table measured something (`TuningTable.announced`)."""
+    table = getattr(choice, "table", None)
+    return choice.seconds if table is not None and table.announced else None

@@ -131,7 +131,23 @@ def sizes(config: EngineConfig) -> dict[str, Any]:
         "model_name": files.name,
         "vocab_size": int(files.config.vocab_size),
         "plan": dataclasses.asdict(plan),
+        "kernels_cached": kernels_cached(config, dtype, device),
     }
+
+
+def kernels_cached(config: EngineConfig, dtype: Any, device: Any) -> bool:
+    """Whether a run's start finds this machine's kernel table (`kernels="auto"` on a CPU) measured:
+    a table under the run's key holds entries (a model of other shapes still measures those). Other
+    devices and modes measure nothing on the CPU: True."""
+    from batchgen.engine.cpu_threads import CpuThreads
+    from batchgen.kernels.cpu.linear import can_prepack
+    from batchgen.kernels.registry import TuningTable
+    from batchgen.model.kernel_choice.choice import tuning_key
+
+    if device.type != "cpu" or config.kernels != "auto" or not can_prepack(dtype, device):
+        return True
+    threads = CpuThreads(config.num_threads).threads
+    return bool(TuningTable.load(tuning_key(dtype, threads)).entries)
 
 
 def measure(config: EngineConfig, request: dict[str, Any]) -> dict[str, Any]:

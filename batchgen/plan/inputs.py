@@ -137,6 +137,7 @@ class TokenizerEngine:
         self.model_dir = Path(facts["model_dir"])
         self.model_name: str | None = facts["model_name"]
         self.vocab_size: int = facts["vocab_size"]
+        self.kernels_cached: bool = facts.get("kernels_cached", True)
         self.tokenizer = loader.load_tokenizer(self.model_dir)
         self.vocab_limit = vocabulary_limit(self.tokenizer, self.vocab_size)
         self.block_size = config.block_size

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -291,6 +291,8 @@ def plan_job(
         engine.block_size,
         config.enable_chunked_prefill,
     )
+    # Read before a calibration, which measures the kernels where the table was not cached.
+    wall_time = replace(wall_time, kernels_cached=getattr(engine, "kernels_cached", True))
     try:
         plan.wall_time, plan.wall_time_note = estimate_wall_time(
             seqs, limits, config, engine.dtype, read_s, wall_time, engine.device, engine.measure
@@ -318,9 +320,10 @@ def _wall_time_lines(plan: JobPlan) -> list[str]:
     w = plan.wall_time
     if w is None:
         return [f"estimated wall time: none ({plan.wall_time_note})"] if plan.wall_time_note else []
+    kernels = "" if w.kernel_measure_s is None else f", {w.kernel_measure_s:.1f} s of it measuring kernels"
     return [
         f"estimated wall time: {duration(w.low_s)} to {duration(w.high_s)} (model load and set-up "
-        f"{w.startup_s:.1f} s, reading and tokenizing the job {w.tokenize_s:.1f} s included; {w.low_steps} to "
+        f"{w.startup_s:.1f} s{kernels}, reading and tokenizing the job {w.tokenize_s:.1f} s included; {w.low_steps} to "
         f"{w.high_steps} steps, up to {w.peak_seqs} rows at once)",
         f"  assuming {w.assumption}",
         f"  step times: {w.rates}",

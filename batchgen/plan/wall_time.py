@@ -18,6 +18,7 @@ from `batchgen.plan.estimate`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -47,6 +48,8 @@ class WallTimeOptions:
         use_cache: read and write the calibration cache.
         cache_dir: the calibration cache folder (default: batchgen's cache).
         log: a line to the user before a calibration starts.
+        kernels_cached: whether the run will find its kernel table measured (`plan.child.sizes`);
+            when not, and the calibration is an earlier one, the run's start also measures them.
     """
 
     calibrate: bool | None = None
@@ -54,15 +57,17 @@ class WallTimeOptions:
     use_cache: bool = True
     cache_dir: Path | None = None
     log: Callable[[str], None] | None = None
+    kernels_cached: bool = True
 
 
 @dataclass
 class WallTimeEstimate:
     """The estimate `plan` prints: `low_s` .. `high_s` seconds, under `assumption`, from `rates`.
 
-    `startup_s`: model load and set-up (measured); `tokenize_s`: reading and tokenizing the rows
-    (this plan's own time); `*_steps` / `*_output_tokens`: the simulated schedules; `peak_seqs`:
-    the most rows at once in them.
+    `startup_s`: model load and set-up (measured), `kernel_measure_s` of it measuring this
+    machine's kernels where the run will (its table is not cached); `tokenize_s`: reading and
+    tokenizing the rows (this plan's own time); `*_steps` / `*_output_tokens`: the simulated
+    schedules; `peak_seqs`: the most rows at once in them.
     """
 
     low_s: float
@@ -76,6 +81,7 @@ class WallTimeEstimate:
     low_output_tokens: int
     high_output_tokens: int
     peak_seqs: int
+    kernel_measure_s: float | None = None
 
 
 @dataclass
@@ -166,7 +172,30 @@ def estimate_wall_time(
             f"no measured step times for this model, machine and job shape ({shape}) in the cache; "
             f"{why} skipped measuring them: a few seconds' run"
         )
-    return _estimate(seqs, limits, calibration, tokenize_s, peak, load), None
+    estimate = _estimate(seqs, limits, calibration, tokenize_s, peak, load)
+    return _with_kernel_measuring(estimate, calibration, options.kernels_cached), None
+
+
+def _with_kernel_measuring(
+    estimate: WallTimeEstimate, calibration: Any, kernels_cached: bool
+) -> WallTimeEstimate:
+    """`estimate` with the run's kernel measuring added to its start-up where the run will measure
+    (the table is not cached) and the calibration did not just measure them (a calibration made
+    now leaves the table cached for the run): the seconds the calibration's own start spent
+    measuring when it measured (`Calibration.kernel_measure_s`), else a note that it is not known."""
+    if kernels_cached or not calibration.cached:
+        return estimate
+    extra = calibration.kernel_measure_s
+    if extra is None:
+        note = "; the kernel table is not cached, so the run's start also measures this machine's kernels (not timed here)"
+        return dataclasses.replace(estimate, assumption=estimate.assumption + note)
+    return dataclasses.replace(
+        estimate,
+        low_s=estimate.low_s + extra,
+        high_s=estimate.high_s + extra,
+        startup_s=estimate.startup_s + extra,
+        kernel_measure_s=extra,
+    )
 
 
 def measure_machine(

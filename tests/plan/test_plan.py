@@ -385,3 +385,29 @@ def test_no_calibrate_without_a_cached_calibration_says_why(tmp_path, tiny_model
         options, wall_time=WallTimeOptions(calibrate=False, expected_output_tokens=5, cache_dir=tmp_path)
     )
     assert given.expected_output_tokens == 5 and "as given" in given.expected_output_basis
+
+
+def test_the_set_up_estimate_adds_kernel_measuring_where_the_run_will_measure() -> None:
+    """A run whose kernel table is not cached measures its kernels at start: with an earlier
+    calibration that timed such a start, those seconds join the set-up estimate and are named;
+    without a figure the assumption says so; a table that is cached, or a calibration made now
+    (it leaves the table cached), adds nothing."""
+    from types import SimpleNamespace
+
+    from batchgen.plan.job_plan import JobPlan, _wall_time_lines
+    from batchgen.plan.wall_time import WallTimeEstimate, _with_kernel_measuring
+
+    estimate = WallTimeEstimate(10.0, 20.0, "low: ...", "3 steps", 4.1, 0.5, 5, 9, 40, 80, 4)
+    earlier = SimpleNamespace(cached=True, kernel_measure_s=18.9)
+    assert _with_kernel_measuring(estimate, earlier, kernels_cached=True) == estimate
+    assert (
+        _with_kernel_measuring(estimate, SimpleNamespace(cached=False, kernel_measure_s=18.9), False)
+        == estimate
+    )
+    first = _with_kernel_measuring(estimate, earlier, kernels_cached=False)
+    assert (first.low_s, first.high_s, first.startup_s) == pytest.approx((28.9, 38.9, 23.0))
+    plan = JobPlan("job.jsonl", "m")
+    plan.wall_time = first
+    assert "model load and set-up 23.0 s, 18.9 s of it measuring kernels" in _wall_time_lines(plan)[0]
+    unknown = _with_kernel_measuring(estimate, SimpleNamespace(cached=True, kernel_measure_s=None), False)
+    assert unknown.startup_s == 4.1 and "the kernel table is not cached" in unknown.assumption

@@ -166,3 +166,18 @@ def test_killing_the_plan_ends_its_child_and_ctrl_c_prints_no_traceback(tmp_path
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert "Traceback" not in err, err
+
+
+def test_sizes_say_whether_the_runs_kernel_table_is_cached(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """No table under a fresh cache: a run would measure; after one engine start it would not."""
+    from batchgen import LLM
+    from batchgen.config import EngineConfig
+    from batchgen.plan.child import sizes
+
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    config = EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", num_threads=1, max_num_seqs=2)
+    assert sizes(config)["kernels_cached"] is False
+    LLM(str(tiny_model_dir("llama")), dtype="float32", num_threads=1, max_num_seqs=2)
+    assert sizes(config)["kernels_cached"] is True
+    reference = EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", kernels="reference")
+    assert sizes(reference)["kernels_cached"] is True  # plain torch measures nothing

@@ -208,7 +208,7 @@ def iter_jsonl(path: str) -> Iterator[tuple[int, dict | None, str | None]]:
                 yield (
                     line_number,
                     None,
-                    f"line is a JSON {type(rec).__name__}, not an object; write one {{...}} per line",
+                    f"line is a JSON {_json_kind(rec)}, not an object; write one {{...}} per line",
                 )
                 continue
             yield line_number, rec, None
@@ -345,3 +345,16 @@ def check_hub_reachable(source: str, timeout_s: float = 3.0) -> None:
         "set HF_HUB_OFFLINE=1 to read the copy in the local Hugging Face cache (a dataset loaded "
         "before), or pass a local job file or dataset directory (save_to_disk)"
     )
+
+
+def _json_kind(value: Any) -> str:
+    """JSON's own name for a parsed value's kind ("null", "array", "string", ...), for messages."""
+    kinds = {
+        type(None): "null",
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        str: "string",
+        list: "array",
+    }
+    return kinds.get(type(value), type(value).__name__)

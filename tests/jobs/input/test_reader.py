@@ -506,7 +506,7 @@ def test_a_json_array_file_gets_a_hint(tmp_path):
     # A line that is a whole array is one error row of a JSON lines file, not a reason to refuse it.
     p.write_text('[1, 2]\n{"prompt": "c"}\n')
     bad, good = read(str(p))
-    assert "line is a JSON list, not an object" in bad.error and good.prompt == "c"
+    assert "line is a JSON array, not an object" in bad.error and good.prompt == "c"
 
 
 def test_row_with_both_prompt_and_messages_fails_that_row(tmp_path):
@@ -775,3 +775,12 @@ def test_n_completions_under_greedy_sampling_get_one_note(tmp_path):
     assert note.startswith("note: rows ask for n=2 completions with greedy sampling (temperature 0")
     sampled = JobReader(str(write_jsonl(tmp_path / "b.jsonl", [rows[2], {"prompt": "d"}])), greedy)
     assert len(list(sampled)) == 2 and sampled.parser.notices == []
+
+
+def test_a_line_that_is_not_an_object_is_named_by_its_json_kind(tmp_path: Path) -> None:
+    """JSON's names in the error row ("null", not Python's "NoneType")."""
+    src = tmp_path / "j.jsonl"
+    src.write_text('null\n"text"\n3\ntrue\n{"prompt": "ok"}\n')
+    rows = list(JobReader(str(src)))
+    kinds = [row.error.split("line is a JSON ")[1].split(",")[0] for row in rows[:4]]
+    assert kinds == ["null", "string", "number", "boolean"] and rows[4].prompt == "ok"

@@ -275,9 +275,9 @@ class Dashboard:
         tokens = f"tokens: {summary.prompt_tokens} prompt, {summary.completion_tokens} generated"
         if gen > summary.completion_tokens:
             tokens = (
-                f"tokens: {gen} generated, {summary.completion_tokens} of them in committed rows "
-                f"({summary.prompt_tokens} prompt tokens); the {gen - summary.completion_tokens} of rows "
-                "left unfinished are not committed and are generated again on resume"
+                f"tokens: {summary.prompt_tokens} prompt, {gen} generated: {summary.completion_tokens} in "
+                f"committed rows, {gen - summary.completion_tokens} in rows left unfinished (not "
+                "committed: a resume generates them again)"
             )
         lines = [
             f"{state}: {summary.rows_done}/{summary.rows_total} rows "

@@ -130,8 +130,8 @@ def test_an_interrupted_runs_summary_counts_the_tokens_of_unfinished_rows_and_sa
     text = console.file.getvalue()
     assert "interrupted: 3/50 rows" in text
     assert (
-        "tokens: 400 generated, 40 of them in committed rows (30 prompt tokens); the 360 of rows left "
-        "unfinished are not committed and are generated again on resume" in text
+        "tokens: 30 prompt, 400 generated: 40 in committed rows, 360 in rows left unfinished (not "
+        "committed: a resume generates them again)" in text
     )
     assert "throughput: 200.0 generated tok/s" in text
     assert summary.to_dict(130)["generated_tokens"] == 400 and summary.to_dict(130)["completion_tokens"] == 40

@@ -129,13 +129,13 @@ class _Progress:
             note = f"replica {replica} was restarted (pid {self.pids[replica]} -> {result.pid}); its shard ran again"
             self.pids[replica] = result.pid
             self.restarts[replica] += 1
-            self.earlier[replica] = _summed([self.earlier[replica], self.latest[replica]])
+            self.earlier[replica] = EngineTotals.merged([self.earlier[replica], self.latest[replica]])
         self.latest[replica] = result.totals
         return note
 
     def totals(self) -> EngineTotals:
         """Counters over every replica (and their earlier processes)."""
-        return _summed(self.earlier + self.latest)
+        return EngineTotals.merged(self.earlier + self.latest)
 
     def line(self) -> str | None:
         """Per-replica generated tokens/s since the last line, every `interval` seconds."""
@@ -151,20 +151,6 @@ class _Progress:
             self.gen_at_line[i] = gen
         restarts = sum(self.restarts)
         return f"[batchgen] replicas {len(self.latest)} (restarts {restarts}) | " + " | ".join(parts)
-
-
-def _summed(totals: list[EngineTotals]) -> EngineTotals:
-    out = EngineTotals()
-    for t in totals:
-        out.steps += t.steps
-        out.prompt_tokens += t.prompt_tokens
-        out.generation_tokens += t.generation_tokens
-        out.preemptions += t.preemptions
-        out.prefix_cache_queries += t.prefix_cache_queries
-        out.prefix_cache_hits += t.prefix_cache_hits
-        out.finished += t.finished
-        out.peak_kv_cache_usage = max(out.peak_kv_cache_usage, t.peak_kv_cache_usage)
-    return out
 
 
 def replica_loop(

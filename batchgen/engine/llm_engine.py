@@ -12,7 +12,7 @@ from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cpu_threads import CpuThreads
 from batchgen.engine.detokenizer import final_text
 from batchgen.engine.logprobs import TokenTexts, output_logprobs, prompt_logprobs, scored_rows
-from batchgen.engine.parallel_sampling import SampleGroups, child_params
+from batchgen.engine.parallel_sampling import SampleGroups, child_params, link_children
 from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
@@ -172,13 +172,9 @@ class LLMEngine:
             for i, child_id in enumerate(ids):
                 self._add_one(child_id, prompt, child_params(params, i), arrival)
             first = self.requests.get(ids[0])
-            if (
-                first is not None
-                and self.config.enable_prefix_caching
-                and first.num_prompt_tokens >= self.block_size
-            ):
-                for child_id in ids[1:]:  # admitted once the first has the prompt's blocks cached
-                    self.requests[child_id].wait_for = first
+            if first is not None:  # admitted once the first has the prompt's blocks cached
+                children = [self.requests[child_id] for child_id in ids[1:]]
+                link_children(first, children, self.config.enable_prefix_caching, self.block_size)
             return
         self._add_one(request_id, prompt, params, arrival)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from batchgen.engine.request import Request
 from batchgen.outputs import RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -34,6 +35,15 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
         seed = seed + index if seed < 0 else (seed + index) % _SEED_SPAN
     prompt_logprobs = params.prompt_logprobs if index == 0 else None
     return replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+
+
+def link_children(first: Request, children: list[Request], prefix_caching: bool, block_size: int) -> None:
+    """Make `children` (sequences 1..n-1 of a request) wait for `first` (`Request.wait_for`) when
+    they will find its prompt in the prefix cache: prefix caching on and a prompt of at least one
+    full block of `block_size` tokens. Otherwise they are left to run at once."""
+    if prefix_caching and first.num_prompt_tokens >= block_size:
+        for child in children:
+            child.wait_for = first
 
 
 class SampleGroups:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from batchgen.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # only a type here: the scheduler and block manager run without torch (`batchgen plan`)
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -19,7 +21,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# eq=False: a request is its own object. The queues' `in` and `remove` then compare identities; a
+# generated __eq__ compared every field (the token lists too) against each request it passed.
+@dataclass(eq=False)
 class Request:
     """A prompt being served, tracked by computed versus total tokens (no prefill/decode phase flag).
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -58,7 +59,12 @@ class StepStats:
 
 @dataclass
 class EngineTotals:
-    """Counters since the engine started (sums over all steps)."""
+    """Counters since the engine started (sums over all steps).
+
+    A field merges across engines (`merged`) by the function in its metadata's "merge" key, a sum
+    when it has none; so a new counter is summed without touching `merged`, and a new peak declares
+    `max` where it is declared.
+    """
 
     steps: int = 0
     prompt_tokens: int = 0
@@ -67,7 +73,7 @@ class EngineTotals:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     finished: int = 0
-    peak_kv_cache_usage: float = 0.0
+    peak_kv_cache_usage: float = field(default=0.0, metadata={"merge": max})
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
@@ -84,6 +90,25 @@ class EngineTotals:
         self.spec_decode_num_drafts += s.num_drafts
         self.spec_decode_num_draft_tokens += s.num_draft_tokens
         self.spec_decode_num_accepted_tokens += s.num_accepted_tokens
+
+    @classmethod
+    def merged(cls, totals: Iterable[EngineTotals]) -> EngineTotals:
+        """The counters of several engines (replicas, or one replica's successive processes) as one:
+        every field combined by its merge rule (sum, or max for peaks). No input is modified.
+
+        Args:
+            totals: any number of EngineTotals; none gives all zeros.
+
+        Returns:
+            A new EngineTotals.
+        """
+        out = cls()
+        rules = [(f.name, f.metadata.get("merge")) for f in fields(cls)]
+        for t in totals:
+            for name, rule in rules:
+                mine, theirs = getattr(out, name), getattr(t, name)
+                setattr(out, name, rule(mine, theirs) if rule else mine + theirs)
+        return out
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -19,6 +19,18 @@ from batchgen.jobs.window import LookaheadWindow
 from batchgen.metrics import JobMetrics, NullMetrics
 
 
+def inflight_limit(max_num_seqs: int) -> int:
+    """Rows the loop keeps in the engine (twice max_num_seqs, at least 8: enough to fill the next
+    steps while the rest wait in the window, where the policy can still reorder them)."""
+    return max(2 * max_num_seqs, 8)
+
+
+def window_work(prompt_tokens: int, n: int, max_tokens: int | None, max_model_len: int) -> int:
+    """A row's work as the window orders it under max-throughput: its prompt tokens and n times its
+    output budget (`max_tokens`, else the room max_model_len leaves)."""
+    return prompt_tokens + n * (max_tokens or max_model_len - prompt_tokens)
+
+
 def engine_loop(
     options: JobOptions,
     config: EngineConfig,
@@ -71,7 +83,7 @@ class _EngineLoop:
         self.bos = getattr(tokenizer, "bos_token_id", None)
         self.token_bytes = TokenBytes(tokenizer)
         self.max_len: int = engine.max_model_len
-        self.inflight_limit = max(2 * config.max_num_seqs, 8)
+        self.inflight_limit = inflight_limit(config.max_num_seqs)
         self.window: LookaheadWindow[Prepared] = LookaheadWindow(options.policy, options.window)
         self.pending: dict[str, Prepared] = {}  # request id -> the row the engine is running
         self.rows = iter(reader)
@@ -122,12 +134,12 @@ class _EngineLoop:
                 self._finish(error_result(row, error, prepared and prepared.prompt_tokens), row.keep)
                 continue
             sp = row.sampling_params
-            work = prepared.prompt_tokens + sp.n * (sp.max_tokens or self.max_len - prepared.prompt_tokens)
+            work = window_work(prepared.prompt_tokens, sp.n, sp.max_tokens, self.max_len)
             self.window.push(prepared, work=work, priority=sp.priority)
 
     def _admit(self) -> None:
         """Hand rows from the window to the engine, in policy order, while it holds fewer than
-        `inflight_limit` (twice max_num_seqs, at least 8: enough to fill the next steps)."""
+        `inflight_limit` rows."""
         while (
             self.window
             and self.engine.num_unfinished_requests() < self.inflight_limit

@@ -8,10 +8,12 @@ No request objects cross this line: the runner sees token ids, positions and blo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # types only: the scheduler imports this contract without torch (`batchgen plan`)
+    import torch
 
-from batchgen.model.sampler import RowPenalty, SampleLogprobs
+    from batchgen.model.sampler import RowPenalty, SampleLogprobs
 
 
 def is_decode(num_new_tokens: int, samples: bool) -> bool:

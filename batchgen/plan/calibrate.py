@@ -11,7 +11,7 @@ choice and thread count), and a few real steps are timed on random token ids:
   than all the rest): the scheduler is told their prompts are computed, and their KV blocks are
   written so that attention reads memory as a run's does.
 
-`fit_costs` turns the timed steps into `StepCosts` (`batchgen.plan.estimate`), with the fastest time
+`fit_costs` turns the timed steps into `StepCosts` (`batchgen.plan.schedule`), with the fastest time
 of each point (what the machine does when least disturbed), the median or the slowest. The
 samples are cached on disk under batchgen's cache (`plan_calibration/`), keyed like the kernel
 tuning table (`batchgen.model.kernel_choice.choice.tuning_key`: CPU, threads, torch, dtype, kernel sources)
@@ -35,7 +35,7 @@ from typing import Any
 from batchgen.cache import cache_root, write_atomically
 from batchgen.config import EngineConfig
 from batchgen.plan.calibrate_steps import StepSample, measure_steps
-from batchgen.plan.estimate import StepCosts
+from batchgen.plan.schedule import StepCosts
 
 logger = logging.getLogger(__name__)
 

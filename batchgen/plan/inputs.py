@@ -145,6 +145,7 @@ class TokenizerEngine:
         self.max_model_len = self.plan.max_model_len
         self.max_num_batched_tokens = self.plan.max_num_batched_tokens
         self.num_blocks = self.plan.num_blocks
+        self.num_swap_blocks = self.plan.num_swap_blocks
         self.bytes_per_block = self.plan.bytes_per_block
 
     def measure(

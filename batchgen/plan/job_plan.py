@@ -7,8 +7,10 @@ the ones `run` writes. The token counts load no weights: the KV-cache size comes
 sizing rules as the engine's (`batchgen.engine.sizing`). The wall time (`batchgen.plan.wall_time`)
 simulates the job's schedule at step costs measured by a calibration run of a few steps (the model
 is loaded for it, once per machine and job shape: the result is cached; `--no-calibrate` skips it).
-Memory stays bounded: a sequence keeps three integers (prompt, cached prompt, output budget), and
-the prefix-cache estimate keeps at most the cache's blocks.
+Memory stays bounded: a sequence keeps six integers (prompt, cached prompt, output budget, window
+work, priority, where its prompt blocks start) and, for the replay of its schedule, its full prompt
+blocks' hashes up to `REPLAY_MAX_BLOCKS` in all; the prefix-cache estimate is the engine's
+`BlockManager` over the cache's blocks.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from typing import Any
 import numpy as np
 
 from batchgen.jobs.errors import JobInputError
+from batchgen.jobs.loop import window_work
 from batchgen.jobs.options import JobOptions, check_output_path, flag_hint, output_format
 from batchgen.jobs.output.resume import check_output_location
 from batchgen.jobs.requests import prepare_row
-from batchgen.plan.block_lru import BlockLru
+from batchgen.plan.estimate import REPLAY_MAX_BLOCKS
 from batchgen.plan.inputs import CommittedOutputs, TokenizerEngine, committed_rows
-from batchgen.plan.wall_time import Sequences, WallTimeEstimate, WallTimeOptions, expected_outputs
+from batchgen.plan.prefix import PrefixEstimate
+from batchgen.plan.schedule import Sequences
+from batchgen.plan.wall_time import WallTimeEstimate, WallTimeOptions, expected_outputs
 
 FIRST_ERRORS = 5
 
@@ -74,40 +79,22 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-class _PrefixEstimate:
-    """Prompt tokens a prefix cache of `capacity` blocks would serve, with rows in file order:
-    full blocks are chained hashes (parent hash, the block's ids) in an LRU of that many blocks."""
-
-    def __init__(self, block_size: int, capacity: int) -> None:
-        self.block_size = block_size
-        self.blocks = BlockLru(capacity)
-        self.hit_tokens = 0
-
-    def add(self, ids: list[int], served: bool = True) -> int:
-        """Look a prompt's full blocks up, then cache them; returns its prompt tokens served (none
-        when not `served`: a row asking for prompt log probabilities takes no hits, as the engine)."""
-        parent = 0
-        hits = 0
-        bs = self.block_size
-        # As the engine, the last prompt token is always computed: only blocks before it can hit.
-        for start in range(0, len(ids) - 1 - (len(ids) - 1) % bs, bs):
-            parent = hash((parent, tuple(ids[start : start + bs])))
-            hits += bs * self.blocks.touch(parent)
-        hits = hits if served else 0
-        self.hit_tokens += hits
-        return hits
-
-
 class _Tally:
     """What the plan keeps of the rows it reads: per row its prompt and output budget, per sequence
-    (n of a row) what the schedule simulation needs, and the output an earlier run's rows used."""
+    (n of a row) what the schedule needs (`Sequences`), and the output an earlier run's rows used."""
 
-    def __init__(self, plan: JobPlan, prefix: _PrefixEstimate | None, block_size: int) -> None:
+    def __init__(self, plan: JobPlan, prefix: PrefixEstimate | None, block_size: int) -> None:
         self.plan = plan
         self.prefix = prefix
         self.block_size = block_size
         self.prompts, self.budgets = array("q"), array("q")  # per row; budgets times n
-        self.seq_prompts, self.seq_cached, self.seq_budgets = array("q"), array("q"), array("q")
+        self.seq: dict[str, array] = {
+            k: array("q") for k in ("prompts", "cached", "budgets", "work", "priority")
+        }
+        self.first, self.scores = array("b"), array("b")
+        # The sequences' full prompt blocks for the replay; None once more than it would replay.
+        self.hashes: array | None = array("q")
+        self.offsets: array | None = array("q", [0])
         self.committed_budget = self.committed_completion = 0
 
     def error(self, message: str) -> None:
@@ -115,19 +102,31 @@ class _Tally:
         if len(self.plan.first_errors) < FIRST_ERRORS:
             self.plan.first_errors.append(message)
 
-    def row(self, token_ids: list[int], budget: int, n: int, scores_prompt: bool = False) -> None:
-        """A valid row: `budget` output tokens a sequence, `n` sequences; `scores_prompt`: it asks
-        for prompt log probabilities (its first sequence takes no prefix-cache hits)."""
+    def row(self, token_ids: list[int], budget: int, sp: Any, work: int) -> None:
+        """A valid row: `budget` output tokens a sequence, `sp.n` sequences, `work` in the window;
+        a row asking for prompt log probabilities takes no prefix-cache hits for its first sequence
+        (as the engine: the sequence that scores the prompt)."""
         prompt = len(token_ids)
         self.prompts.append(prompt)
-        self.budgets.append(n * budget)
-        hits = self.prefix.add(token_ids, served=not scores_prompt) if self.prefix is not None else 0
+        self.budgets.append(sp.n * budget)
+        scores = sp.prompt_logprobs is not None
+        hits, hashes = self.prefix.add(token_ids, served=not scores) if self.prefix is not None else (0, [])
         # Siblings (n > 1) are admitted once the first one's prompt blocks are cached.
         sibling_hits = (prompt - 1) // self.block_size * self.block_size if self.prefix is not None else 0
-        for i in range(n):
-            self.seq_prompts.append(prompt)
-            self.seq_cached.append(hits if i == 0 else sibling_hits)
-            self.seq_budgets.append(budget)
+        seq = self.seq
+        for i in range(sp.n):
+            seq["prompts"].append(prompt)
+            seq["cached"].append(hits if i == 0 else sibling_hits)
+            seq["budgets"].append(budget)
+            seq["work"].append(work)
+            seq["priority"].append(sp.priority)
+            self.first.append(i == 0)
+            self.scores.append(scores and i == 0)
+            if self.hashes is not None and self.offsets is not None:
+                self.hashes.extend(hashes)
+                self.offsets.append(len(self.hashes))
+        if self.hashes is not None and len(self.hashes) > REPLAY_MAX_BLOCKS:
+            self.hashes = self.offsets = None
 
     def committed(self, outputs: CommittedOutputs | None, row_index: int, sp: Any, max_len: int) -> None:
         """A row an earlier run committed: its output against its budget, when it ran."""
@@ -198,7 +197,9 @@ def _read_rows(tally: _Tally, options: JobOptions, reader: Any, engine: Any, com
             continue
         room = max_len - prepared.prompt_tokens
         budget = room if sp.max_tokens is None else min(sp.max_tokens, room)
-        tally.row(prepared.token_ids, budget, sp.n, scores_prompt=sp.prompt_logprobs is not None)
+        tally.row(
+            prepared.token_ids, budget, sp, window_work(prepared.prompt_tokens, sp.n, sp.max_tokens, max_len)
+        )
 
 
 def _fill_sizes(plan: JobPlan, tally: _Tally, engine: Any, max_num_seqs: int) -> None:
@@ -228,8 +229,19 @@ def _fill_sizes(plan: JobPlan, tally: _Tally, engine: Any, max_num_seqs: int) ->
 
 def _sequences(plan: JobPlan, tally: _Tally, given: int | None) -> Sequences:
     """The sequences to run, with their expected outputs (also summed into `plan`)."""
+    arrays = {k: np.array(a, dtype=np.int64) for k, a in tally.seq.items()}
+    hashes = None if tally.hashes is None else np.array(tally.hashes, dtype=np.int64)
+    offsets = None if tally.offsets is None else np.array(tally.offsets, dtype=np.int64)
     seqs = Sequences(
-        *(np.array(a, dtype=np.int64) for a in (tally.seq_prompts, tally.seq_cached, tally.seq_budgets))
+        arrays["prompts"],
+        arrays["cached"],
+        arrays["budgets"],
+        first=np.array(tally.first, dtype=bool),
+        scores_prompt=np.array(tally.scores, dtype=bool),
+        work=arrays["work"],
+        priority=arrays["priority"],
+        block_hashes=hashes,
+        block_offsets=offsets,
     )
     fraction = tally.committed_completion / tally.committed_budget if tally.committed_budget else None
     seqs.expected, seqs.basis = expected_outputs(seqs.budgets, given, fraction)
@@ -261,7 +273,7 @@ def plan_job(
             calibration's engine cannot be built.
     """
     from batchgen.model.loading.architectures import ModelNotFoundError
-    from batchgen.plan.estimate import ScheduleLimits
+    from batchgen.plan.schedule import ScheduleLimits
     from batchgen.plan.wall_time import estimate_wall_time
 
     config, reader, engine, committed, outputs, note = _open_job(options, engine, torch_free)
@@ -269,7 +281,7 @@ def plan_job(
     start = time.perf_counter()
     plan = JobPlan(reader.source, engine.model_name or str(config.model or "default"), note=note)
     plan.prefix_caching = config.enable_prefix_caching
-    prefix = _PrefixEstimate(engine.block_size, engine.num_blocks) if config.enable_prefix_caching else None
+    prefix = PrefixEstimate(engine.block_size, engine.num_blocks) if config.enable_prefix_caching else None
     tally = _Tally(plan, prefix, engine.block_size)
     rows: Any = reader
     if progress:
@@ -282,6 +294,7 @@ def plan_job(
     read_s = time.perf_counter() - start
     _fill_sizes(plan, tally, engine, config.max_num_seqs)
     seqs = _sequences(plan, tally, wall_time and wall_time.expected_output_tokens)
+    del tally, prefix  # the rows as read, and the estimate's blocks: the schedules build their own
     if wall_time is None:
         return plan
     limits = ScheduleLimits(
@@ -290,6 +303,13 @@ def plan_job(
         engine.num_blocks,
         engine.block_size,
         config.enable_chunked_prefill,
+        config.enable_prefix_caching,
+        config.preemption_mode,
+        engine.num_swap_blocks,
+        config.policy,
+        config.aging_steps,
+        options.window,
+        engine.max_model_len,
     )
     # Read before a calibration, which measures the kernels where the table was not cached.
     wall_time = replace(wall_time, kernels_cached=getattr(engine, "kernels_cached", True))

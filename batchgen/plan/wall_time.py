@@ -12,8 +12,9 @@
   model load as measured.
 
 Both add the time to read and tokenize the rows (the plan just did the same work `run` does) and
-the model's load and set-up. The step costs come from `batchgen.plan.calibrate`; the schedule
-from `batchgen.plan.estimate`.
+the model's load and set-up. The step costs come from `batchgen.plan.calibrate`; the two schedules
+from `batchgen.plan.estimate.simulate_schedule` (the engine's scheduler where the job is small
+enough to replay, else its rules by events), each simulated once and priced at both ends' costs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from batchgen.plan.estimate import ScheduleLimits, StepCosts, simulate_schedule
+from batchgen.plan.estimate import replayable, simulate_schedule
+from batchgen.plan.schedule import Schedule, ScheduleLimits, Sequences
 
 LOW_FRACTION = 0.25  # of max_tokens: the expected output when nothing better is known
 
@@ -84,20 +86,6 @@ class WallTimeEstimate:
     kernel_measure_s: float | None = None
 
 
-@dataclass
-class Sequences:
-    """The sequences `run` would start (a row with n > 1 is n of them): prompt tokens, prompt tokens
-    the prefix cache serves, and output budget (`max_tokens` capped by `max_model_len`), each
-    `int64 [num_sequences]`; `expected` / `basis` (`expected_outputs`) the expected outputs and
-    what they rest on."""
-
-    prompts: np.ndarray
-    cached: np.ndarray
-    budgets: np.ndarray
-    expected: np.ndarray | None = None
-    basis: str = ""
-
-
 def expected_outputs(
     budgets: np.ndarray, given: int | None, committed_fraction: float | None
 ) -> tuple[np.ndarray, str]:
@@ -151,11 +139,11 @@ def estimate_wall_time(
 
     if not len(seqs.prompts):
         return None, "no rows to run"
-    unit = StepCosts((1,), (1.0,), 0.0, 0.0)  # only the peak batch is read here
-    peak = max(
-        simulate_schedule(seqs.prompts, seqs.cached, out, limits, unit).peak_seqs
-        for out in (seqs.expected, seqs.budgets)
-    )
+    # The high schedule is the larger: one method for both, so the two ends compare.
+    why_not = replayable(seqs, seqs.budgets)
+    method = "events" if why_not else "engine"
+    low, high = (simulate_schedule(seqs, out, limits, method=method) for out in (seqs.expected, seqs.budgets))
+    peak = max(low.peak_seqs, high.peak_seqs)
     # Up to the next power of two (within max_num_seqs): a job of 9 rows and one of 10 share a calibration.
     max_batch = min(1 << max(peak - 1, 0).bit_length(), max(limits.max_num_seqs, peak))
     device = device or resolve_device(config.device)
@@ -172,7 +160,7 @@ def estimate_wall_time(
             f"no measured step times for this model, machine and job shape ({shape}) in the cache; "
             f"{why} skipped measuring them: a few seconds' run"
         )
-    estimate = _estimate(seqs, limits, calibration, tokenize_s, peak, load)
+    estimate = _estimate(seqs, (low, high, why_not), calibration, tokenize_s, peak, load)
     return _with_kernel_measuring(estimate, calibration, options.kernels_cached), None
 
 
@@ -255,28 +243,42 @@ def _load_slowdown(calibration: Any, load: tuple[float, int] | None) -> tuple[fl
     return slowdown, why
 
 
-def _estimate(seqs: Sequences, limits: ScheduleLimits, calibration: Any, tokenize_s: float, peak: int, load):
-    """The two simulated schedules at the calibration's costs, and their description."""
+def _schedule_words(schedule: Schedule, why_not: str | None) -> str:
+    """How the schedules were made, for the printed assumption."""
+    if schedule.method == "engine":
+        return "the engine's scheduler replayed (its policy, window, preemption and prefix cache)"
+    return f"the scheduler's rules by events, rows in file order without preemption ({why_not})"
+
+
+def _estimate(
+    seqs: Sequences,
+    schedules: tuple[Schedule, Schedule, str | None],
+    calibration: Any,
+    tokenize_s: float,
+    peak: int,
+    load: tuple[float, int] | None,
+) -> WallTimeEstimate:
+    """The two schedules (low, high, why the engine did not replay them) at the calibration's costs,
+    and their description."""
+    low, high, why_not = schedules
     costs, spread = calibration.costs("fastest"), calibration.spread
     slowdown, why = _load_slowdown(calibration, load)
     # A calibration whose threads waited for a core ran slower than a run on an idle machine would.
-    low = simulate_schedule(
-        seqs.prompts, seqs.cached, seqs.expected, limits, costs.scaled(min(calibration.cpu_share, 1.0))
-    )
-    high = simulate_schedule(seqs.prompts, seqs.cached, seqs.budgets, limits, costs.scaled(spread * slowdown))
+    low_s = low.seconds(costs.scaled(min(calibration.cpu_share, 1.0)))
+    high_s = high.seconds(costs.scaled(spread * slowdown))
     when = f"cached from {calibration.measured_at}" if calibration.cached else "now"
     threads = f"{calibration.threads} thread{'s' if calibration.threads != 1 else ''}"
     threads += f" at {100 * calibration.cpu_share:.0f}% of their cores"
     if calibration.other_cores is not None:
         threads += f"; other processes used {calibration.other_cores:.1f} cores meanwhile"
     return WallTimeEstimate(
-        low_s=max(calibration.startup_s - calibration.kernel_choice_s, 0.0) + tokenize_s + low.seconds,
-        high_s=calibration.startup_s + tokenize_s + high.seconds,
+        low_s=max(calibration.startup_s - calibration.kernel_choice_s, 0.0) + tokenize_s + low_s,
+        high_s=calibration.startup_s + tokenize_s + high_s,
         assumption=(
             f"low: rows stop after {seqs.basis}, at the fastest measured step times; high: every "
             "row runs to its max_tokens (greedy rows may stop earlier at EOS), at those times "
-            f"x{spread:.2f} (the widest spread of one step's times while measured){why}; rows "
-            "admitted in file order without preemption"
+            f"x{spread:.2f} (the widest spread of one step's times while measured){why}; schedule: "
+            f"{_schedule_words(low, why_not)}"
         ),
         rates=f"{len(calibration.samples)} steps timed on this machine ({when}, {threads})",
         startup_s=calibration.startup_s,

@@ -29,13 +29,20 @@ class InlinePool:
         fail_at: the submitted shard (0-based) whose result raises as a replica beyond its restarts.
     """
 
-    def __init__(self, options: JobOptions, replicas: int = 2, shard_rows: int | None = 6, fail_at=None):
+    def __init__(
+        self,
+        options: JobOptions,
+        replicas: int = 2,
+        shard_rows: int | None = 6,
+        fail_at=None,
+        engine=FakeEngine,
+    ):
         self.options = ReplicaOptions(replicas=replicas, shard_rows=shard_rows)
         self.replicas = []
         for i in range(replicas):
             r = Replica.__new__(Replica)
             r.index, r.options, r.config, r.error = i, options, EngineConfig(), None
-            r.engine = FakeEngine()
+            r.engine = engine()
             self.replicas.append(r)
         self.infos = [ReplicaInfo(i, 1000 + i, "here") for i in range(replicas)]
         self.model_name = "fake"
@@ -147,3 +154,42 @@ def test_the_driver_does_not_need_the_replicas_device(tmp_path):
         src, tmp_path / "out.parquet", lambda options: InlinePool(options), engine={"device": "cuda"}
     )
     assert summary.complete and summary.rows_ok == NUM_ROWS - 1
+
+
+class SpeculatingEngine(FakeEngine):
+    """A FakeEngine whose every step verifies 3 draft tokens per request in its batch and accepts 1
+    of them (counters only: the rows are FakeEngine's)."""
+
+    def step(self):
+        seqs = min(len(self.queue), self.config.max_num_seqs)
+        finished = super().step()
+        self.totals.spec_decode_num_drafts += seqs
+        self.totals.spec_decode_num_draft_tokens += 3 * seqs
+        self.totals.spec_decode_num_accepted_tokens += seqs
+        return finished
+
+
+def test_the_dashboard_gets_every_counter_of_every_replica(tmp_path):
+    """Two replicas that speculate: the totals the driver hands the dashboard are both replicas'
+    counters, the speculative-decoding ones included (and the plain line shows them)."""
+    src = tmp_path / "job.jsonl"
+    write_job(src)
+    pools = []
+
+    def make(config):
+        pools.append(InlinePool(options, engine=SpeculatingEngine))
+        return pools[-1]
+
+    options = JobOptions(str(src), output=str(tmp_path / "out.parquet"))
+    dashboard = quiet()
+    summary = run_job(options, make, dashboard=dashboard, loop=replica_loop)
+    assert summary.complete
+    engines = [r.engine.totals for r in pools[0].replicas]
+    assert all(t.spec_decode_num_drafts > 0 for t in engines)  # both replicas ran shards
+    totals = dashboard.totals
+    assert totals.generation_tokens == sum(t.generation_tokens for t in engines)
+    assert totals.spec_decode_num_drafts == sum(t.spec_decode_num_drafts for t in engines)
+    assert totals.spec_decode_num_draft_tokens == 3 * totals.spec_decode_num_drafts
+    assert totals.spec_decode_num_accepted_tokens == totals.spec_decode_num_drafts
+    drafts = totals.spec_decode_num_draft_tokens
+    assert f"spec {drafts // 3}/{drafts} drafts accepted (33%)" in dashboard.stream.getvalue()

@@ -293,3 +293,30 @@ def test_a_local_ray_instance_and_a_model_that_cannot_load(job, tmp_path):
         r"error: replica \d of 2 .*cannot start: cannot start the engine for model .*no-model", proc.stderr
     ), proc.stderr
     assert not out.exists() and not Path(str(out) + ".parts").exists()
+
+
+SPEC_FLAGS = (
+    "--speculative-method ngram --speculative-max-batch 8 --no-chat-template --ignore-eos --max-tokens 32"
+)
+SPEC = re.compile(r"\| spec (\d+)/(\d+) drafts accepted")
+
+
+def test_two_replicas_show_the_speculative_decoding_counters(cluster, tiny_model_dir, tmp_path):
+    """--speculative-method ngram over two replicas: the last progress line carries the draft
+    counters summed over both replicas, as the local path's does (the driver used to drop them)."""
+    src = tmp_path / "spec.jsonl"
+    prompts = [  # repetitive: the tiny random model's loops meet the prompt's n-grams
+        "one two three four one two three four one two three four one two three",
+        "a b c d e f g a b c d e f g a b c d e f g a b c",
+    ]
+    src.write_text("".join(json.dumps({"id": f"s{i}", "prompt": prompts[i % 2]}) + "\n" for i in range(12)))
+    model = tiny_model_dir("llama")
+    lines = {}
+    for name, extra in (("local", []), ("ray", ["--replicas", "2", "--ray-address", cluster])):
+        cmd = command(src, tmp_path / f"{name}.parquet", model, *SPEC_FLAGS.split(), *extra)
+        proc = subprocess.run(cmd, cwd=REPO, env=RAY_ENV, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        lines[name] = SPEC.findall(proc.stderr)
+    assert lines["local"] and int(lines["local"][-1][1]) > 0, "the tiny model drafts nothing locally"
+    accepted, drafted = map(int, lines["ray"][-1]) if lines["ray"] else (0, 0)
+    assert drafted > 0 and 0 <= accepted <= drafted, lines

@@ -1,9 +1,13 @@
-"""`StepStats`' attention counts on a schedule worked out by hand (they set the bench's roofline)."""
+"""`StepStats`' attention counts on a schedule worked out by hand (they set the bench's roofline), and
+`EngineTotals.merged` over every field."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from batchgen.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.stats import EngineTotals
 from batchgen.sampling_params import SamplingParams
 
 
@@ -37,3 +41,27 @@ def test_kv_cache_usage_counts_a_request_that_finishes_in_its_first_step(tiny_mo
     (out,) = engine.step()
     assert out.finished and engine.block_manager.usage == 0
     assert engine.last_step.kv_cache_usage == 1 / engine.block_manager.num_blocks
+
+
+def test_engine_totals_merged_sums_every_counter_and_keeps_the_highest_peak() -> None:
+    """Every field of two totals, each a distinct value: the merge sums all of them but the peak,
+    which takes the larger; a field added later is summed too (checked field by field)."""
+    a = EngineTotals(**{f.name: 1 + i for i, f in enumerate(fields(EngineTotals))})
+    b = EngineTotals(**{f.name: 100 * (1 + i) for i, f in enumerate(fields(EngineTotals))})
+    b.peak_kv_cache_usage = 0.25
+    a.peak_kv_cache_usage = 0.75
+    merged = EngineTotals.merged([a, b])
+    for f in fields(EngineTotals):
+        if f.name == "peak_kv_cache_usage":
+            assert merged.peak_kv_cache_usage == 0.75
+        else:
+            assert getattr(merged, f.name) == getattr(a, f.name) + getattr(b, f.name), f.name
+    assert merged.spec_decode_num_draft_tokens == 10 + 1000  # the counters `_summed` used to drop
+    assert EngineTotals.merged([]) == EngineTotals()
+    assert a.steps == 1 and b.steps == 100  # inputs untouched
+
+
+def test_every_peak_in_engine_totals_merges_by_max() -> None:
+    """A field named peak_* summed over replicas would be nonsense: it must declare max."""
+    peaks = [f for f in fields(EngineTotals) if f.name.startswith("peak_")]
+    assert peaks and all(f.metadata.get("merge") is max for f in peaks)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -15,7 +16,8 @@ from batchgen.config import EngineConfig
 from batchgen.jobs.errors import JobInputError
 from batchgen.jobs.runner import JobOptions, default_engine_factory, run_job
 from batchgen.plan.inputs import TokenizerEngine
-from batchgen.plan.job_plan import _PrefixEstimate, format_plan, plan_job
+from batchgen.plan.job_plan import format_plan, plan_job
+from batchgen.plan.prefix import PrefixEstimate
 from tests.jobs.input.test_bad_rows import BAD, bad_lines
 from tests.jobs.real_engine import quiet
 
@@ -177,23 +179,6 @@ def test_plan_refuses_a_missing_input(tmp_path):
         plan_job(JobOptions(str(tmp_path / "nope.jsonl")))
 
 
-def test_prefix_estimate_counts_shared_full_blocks_within_the_cache():
-    est = _PrefixEstimate(block_size=4, capacity=100)
-    est.add(list(range(9)))  # blocks [0-3], [4-7]: nothing cached yet
-    est.add(list(range(8)) + [99])  # both blocks hit
-    est.add([7, 7, 7, 7, 1])  # another first block: no hit
-    est.add(list(range(6)))  # first block hits; [4, 5] is not full
-    assert est.hit_tokens == 8 + 4
-    # A row asking for prompt log probabilities takes no hit, as in the engine, but caches its blocks.
-    assert est.add(list(range(9)), served=False) == 0 and est.hit_tokens == 8 + 4
-    assert est.add(list(range(9))) == 8
-    small = _PrefixEstimate(block_size=4, capacity=1)  # one block: the second prompt evicted the first
-    small.add([1, 2, 3, 4, 0])
-    small.add([5, 6, 7, 8, 0])
-    small.add([1, 2, 3, 4, 0])
-    assert small.hit_tokens == 0
-
-
 @pytest.mark.slow
 def test_plan_of_200k_rows_stays_under_500_mb(tmp_path, tiny_model_dir):
     """As the CLI plans: torch kept out of the process (`plan_child`), whose peak is then the job's."""
@@ -335,17 +320,19 @@ def test_wall_time_of_a_resumed_job_expects_the_committed_rows_output(tmp_path, 
     )
     w = plan.wall_time
     assert w.low_output_tokens == plan.expected_output_tokens and w.high_output_tokens == 12 * plan.rows_valid
-    # The same schedule at the fake costs: 10 ms + 1 ms a row + 1 us a key + 0.1 ms a prompt token.
+    # The same schedules at the fake costs: 10 ms + 1 ms a row + 1 us a key + 0.1 ms a prompt token.
     costs = StepCosts((1, 9), (0.011, 0.019), 1e-6, 1e-4)
     tok = TokenizerEngine(EngineConfig(**engine))
-    limits = ScheduleLimits(4, tok.max_num_batched_tokens, tok.num_blocks, tok.block_size)
-    prompts, cached = _planned_prompts(options, tok, len(done))
-    low = simulate_schedule(
-        prompts, cached, [math.ceil(12 * fraction)] * len(prompts), limits, costs.scaled(0.9)
+    limits = ScheduleLimits(
+        4, tok.max_num_batched_tokens, tok.num_blocks, tok.block_size, max_model_len=tok.max_model_len
     )
-    assert w.low_s == pytest.approx(1.5 + w.tokenize_s + low.seconds)
-    high = simulate_schedule(prompts, cached, [12] * len(prompts), limits, costs.scaled(0.9 / 0.5))
-    assert w.high_s == pytest.approx(2.0 + w.tokenize_s + high.seconds)
+    seqs = _planned_sequences(options, tok, len(done))
+    expected = np.full(len(seqs.prompts), math.ceil(12 * fraction), np.int64)
+    low = simulate_schedule(seqs, expected, limits)
+    assert low.method == "engine" and "the engine's scheduler replayed" in w.assumption
+    assert w.low_s == pytest.approx(1.5 + w.tokenize_s + low.seconds(costs.scaled(0.9)))
+    high = simulate_schedule(seqs, np.full(len(seqs.prompts), 12, np.int64), limits)
+    assert w.high_s == pytest.approx(2.0 + w.tokenize_s + high.seconds(costs.scaled(0.9 / 0.5)))
     assert "x1.80 (a load average of up to 3.0 on 2 cores leaves a run's thread 50% of a core" in w.assumption
     assert w.low_steps == low.steps and w.high_steps == high.steps and w.low_s < w.high_s
     assert seen["max_batch"] == 4  # max_num_seqs bounds the rows at once
@@ -353,22 +340,34 @@ def test_wall_time_of_a_resumed_job_expects_the_committed_rows_output(tmp_path, 
     assert "estimated wall time:" in format_plan(plan)
 
 
-def _planned_prompts(options, tok, skip):
-    """Prompt lengths and prefix-cache hits of the rows after the first `skip`, as plan counts them."""
+def _planned_sequences(options, tok, skip):
+    """The sequences of the rows after the first `skip`, as plan reads them (n = 1, max_tokens 12)."""
+    from batchgen.jobs.loop import window_work
     from batchgen.jobs.requests import prepare_row
     from batchgen.jobs.runner import job_reader
-    from batchgen.plan.job_plan import _PrefixEstimate
+    from batchgen.plan.estimate import Sequences
 
-    prefix = _PrefixEstimate(tok.block_size, tok.num_blocks)
-    prompts, cached = [], []
+    prefix = PrefixEstimate(tok.block_size, tok.num_blocks)
+    prompts, cached, hashes, offsets = [], [], [], [0]
     chat = bool(getattr(tok.tokenizer, "chat_template", None))
     for row in job_reader(options):
         if row.row_index < skip:
             continue
         prepared, _ = prepare_row(row, tok, options, chat, tok.tokenizer.bos_token_id, tok.max_model_len)
         prompts.append(prepared.prompt_tokens)
-        cached.append(prefix.add(prepared.token_ids))
-    return prompts, cached
+        hits, blocks = prefix.add(prepared.token_ids)
+        cached.append(hits)
+        hashes += blocks
+        offsets.append(len(hashes))
+    p = np.array(prompts, np.int64)
+    return Sequences(
+        p,
+        np.array(cached, np.int64),
+        np.full(len(p), 12, np.int64),
+        work=np.array([window_work(n, 1, 12, tok.max_model_len) for n in prompts], np.int64),
+        block_hashes=np.array(hashes, np.int64),
+        block_offsets=np.array(offsets, np.int64),
+    )
 
 
 def test_no_calibrate_without_a_cached_calibration_says_why(tmp_path, tiny_model_dir):

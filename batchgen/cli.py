@@ -13,8 +13,6 @@ import inspect
 import json
 import shlex
 import sys
-from collections.abc import Callable
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Annotated, Any, get_args
 
 import typer
@@ -22,7 +20,7 @@ import typer
 from batchgen import cli_types as opt
 from batchgen.bench.cli import bench_command
 from batchgen.cli_run import check_summary_json, run_and_exit, write_summary_json
-from batchgen.config import POLICY_NAMES, EngineConfig
+from batchgen.config import POLICY_NAMES
 from batchgen.sampling_params import SamplingDefaults
 from batchgen.tune import tune_command
 
@@ -48,6 +46,7 @@ def main() -> None:
 
 
 @app.command("run")
+@opt.engine_flags()
 def run_command(
     input: Annotated[
         str,
@@ -118,30 +117,8 @@ def run_command(
     window: Annotated[
         int, typer.Option(help="Look-ahead window in rows (the policy orders inside it)")
     ] = 1024,
-    # --- engine (vLLM spellings; shared with `batchgen bench`) ---
-    model: opt.Model = EngineConfig.model,
-    dtype: opt.Dtype = EngineConfig.dtype,
-    max_num_seqs: opt.MaxNumSeqs = EngineConfig.max_num_seqs,
-    max_num_batched_tokens: opt.MaxNumBatchedTokens = EngineConfig.max_num_batched_tokens,
-    block_size: opt.BlockSize = EngineConfig.block_size,
-    max_model_len: opt.MaxModelLen = EngineConfig.max_model_len,
-    gpu_memory_utilization: opt.GpuMemoryUtilization = EngineConfig.gpu_memory_utilization,
-    kv_cache_memory: opt.KvCacheMemory = EngineConfig.kv_cache_memory,
-    swap_space: opt.SwapSpace = EngineConfig.swap_space,
-    enable_prefix_caching: opt.EnablePrefixCaching = EngineConfig.enable_prefix_caching,
-    enable_chunked_prefill: opt.EnableChunkedPrefill = EngineConfig.enable_chunked_prefill,
-    preemption_mode: opt.PreemptionMode = EngineConfig.preemption_mode,
-    aging_steps: opt.AgingSteps = EngineConfig.aging_steps,
-    attention_backend: opt.AttentionBackend = EngineConfig.attention_backend,
-    kernels: opt.Kernels = EngineConfig.kernels,
-    one_weight_layout: opt.OneWeightLayout = EngineConfig.one_weight_layout,
-    device: opt.Device = EngineConfig.device,
-    num_threads: opt.NumThreads = EngineConfig.num_threads,
-    speculative_method: opt.SpeculativeMethod = EngineConfig.speculative_method,
-    num_speculative_tokens: opt.NumSpeculativeTokens = EngineConfig.num_speculative_tokens,
-    prompt_lookup_min: opt.PromptLookupMin = EngineConfig.prompt_lookup_min,
-    prompt_lookup_max: opt.PromptLookupMax = EngineConfig.prompt_lookup_max,
-    speculative_max_batch: opt.SpeculativeMaxBatch = EngineConfig.speculative_max_batch,
+    # --- engine: EngineConfig's flags (vLLM spellings; shared with bench, tune and plan) ---
+    engine: opt.EngineArgs = opt.ENGINE_FLAGS,
     # --- job mechanics ---
     no_dashboard: Annotated[
         bool, typer.Option("--no-dashboard", help="Plain progress lines instead of the live view")
@@ -196,17 +173,13 @@ def run_command(
     check_summary_json(summary_json)
     options = _job_options(locals())
     scale_out = _scale_out(replicas, ray_address, cpus_per_replica, gpus_per_replica)
-    action = _job_action.get()  # `batchgen plan` plans the rows wherever they would run
-    if action is not None:
-        action(options, summary_json)
-    else:
-        run_and_exit(options, summary_json, scale_out)
+    run_and_exit(options, summary_json, scale_out)
 
 
 def _job_options(values: dict[str, Any]) -> JobOptions:
-    """`JobOptions` from `run_command`'s parameters (`locals()`): the engine and sampling options
-    through their collectors (`cli_types`), `--keep-columns` comma lists split, and the command
-    that resumes this run (the same arguments without `--overwrite`)."""
+    """`JobOptions` from `run_command`'s parameters (`locals()`; `engine`: the engine flags'
+    values), the sampling options through their collector (`cli_types`), `--keep-columns` comma
+    lists split, and the command that resumes this run (the same arguments without `--overwrite`)."""
     from batchgen.jobs.options import JobOptions
     from batchgen.metrics import MetricsOptions
 
@@ -233,7 +206,7 @@ def _job_options(values: dict[str, Any]) -> JobOptions:
         truncate_prompt=values["truncate_prompt"],
         policy=values["policy"],
         window=values["window"],
-        engine=opt.engine_options(values),
+        engine=values["engine"],
         commit_rows=values["commit_every"],
         commit_seconds=values["commit_interval"],
         dashboard=not values["no_dashboard"],
@@ -262,18 +235,14 @@ def _scale_out(
         raise typer.Exit(2) from None
 
 
-# `batchgen plan` takes exactly `run`'s options: it calls `run_command` with this set to the plan.
-_job_action: ContextVar[Callable[[JobOptions, str | None], None] | None] = ContextVar(
-    "job_action", default=None
-)
-
-
 def plan_command(**values: Any) -> None:
     """Plan a job without running it: rows, error rows, prompt tokens, output budget, prefix-cache
     savings and KV-cache memory from the job file and the model's tokenizer, and the estimated wall
     time from a few steps timed on this machine (the model is loaded for them on a CPU; cached).
     Takes a `run` command line as it is: the options that only change how a run reports, commits or
     where it runs (Ray) are accepted, and not listed here."""
+    from batchgen.jobs.errors import JobInputError
+    from batchgen.plan.job_plan import format_plan, plan_job
     from batchgen.plan.wall_time import WallTimeOptions
 
     as_json = values.pop("json_output")
@@ -282,36 +251,33 @@ def plan_command(**values: Any) -> None:
         expected_output_tokens=values.pop("expected_output_tokens"),
         log=lambda line: typer.echo(line, err=True),
     )
-
-    def plan(options: JobOptions, summary_json: str | None) -> None:
-        from batchgen.jobs.errors import JobInputError
-        from batchgen.plan.job_plan import format_plan, plan_job
-
-        try:
-            result = plan_job(options, progress=True, wall_time=wall_time, torch_free=True)
-        except JobInputError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
-        typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_plan(result))
-        if summary_json is not None:  # the plan, as --json prints it
-            write_summary_json(summary_json, result.to_dict())
-        if result.rows_error and not result.rows_valid and not result.rows_resumed:
-            # `run` would end with exit 3 (every row failed): a script gets the same answer first.
-            typer.echo(
-                f"error: every one of the {result.rows_error} rows would fail; the first: "
-                f"{result.first_errors[0]}",
-                err=True,
-            )
-            raise typer.Exit(3)
-
-    token = _job_action.set(plan)
+    # `run`'s checks first, in its order: the plan is of the rows wherever they would run.
+    summary_json = values["summary_json"]
+    check_summary_json(summary_json)
+    options = _job_options(values)
+    _scale_out(
+        values["replicas"], values["ray_address"], values["cpus_per_replica"], values["gpus_per_replica"]
+    )
     try:
-        run_command(**values)
-    finally:
-        _job_action.reset(token)
+        result = plan_job(options, progress=True, wall_time=wall_time, torch_free=True)
+    except JobInputError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_plan(result))
+    if summary_json is not None:  # the plan, as --json prints it
+        write_summary_json(summary_json, result.to_dict())
+    if result.rows_error and not result.rows_valid and not result.rows_resumed:
+        # `run` would end with exit 3 (every row failed): a script gets the same answer first.
+        typer.echo(
+            f"error: every one of the {result.rows_error} rows would fail; the first: "
+            f"{result.first_errors[0]}",
+            err=True,
+        )
+        raise typer.Exit(3)
 
 
-_run_signature = inspect.signature(run_command, eval_str=True)
+# `plan` takes `run`'s parameters (its `engine` included: the same engine flags) and its own.
+_run_signature = inspect.signature(inspect.unwrap(run_command), eval_str=True)
 _plan_options = [
     inspect.Parameter(
         "json_output",
@@ -374,14 +340,16 @@ def _hidden(parameter: inspect.Parameter) -> inspect.Parameter:
     return parameter.replace(annotation=Annotated[(base, info, *rest)])
 
 
-plan_command.__signature__ = _run_signature.replace(  # type: ignore[attr-defined]
-    parameters=[
-        *(_hidden(p) if p.name in _RUN_ONLY_OPTIONS else p for p in _run_signature.parameters.values()),
-        *_plan_options,
-    ]
+opt.set_signature(
+    plan_command,
+    _run_signature.replace(
+        parameters=[
+            *(_hidden(p) if p.name in _RUN_ONLY_OPTIONS else p for p in _run_signature.parameters.values()),
+            *_plan_options,
+        ]
+    ),
 )
-plan_command.__annotations__ = {p.name: p.annotation for p in plan_command.__signature__.parameters.values()}
-app.command("plan")(plan_command)
+app.command("plan")(opt.engine_flags()(plan_command))
 
 
 app.command("tune")(tune_command)

@@ -1,38 +1,50 @@
-"""Typer options declared once: the engine's (shared by `batchgen run` and `batchgen bench`) and the
-sampling defaults of `batchgen run` (and `batchgen plan`), with vLLM's spellings.
+"""Typer options declared once, with vLLM's spellings: the engine's flags (`batchgen run`, `bench`,
+`tune` and `plan`) and the sampling defaults of `batchgen run` (and `batchgen plan`).
 
-Each option is an `Annotated` type that a command declares with its default taken from the
-dataclass that owns it (`EngineConfig`, `SamplingDefaults`), so commands and dataclasses cannot
-drift apart in names, help or defaults::
+The engine flags are `EngineConfig`'s fields that carry `batchgen.config.flag` metadata, as vLLM's
+`EngineArgs.add_cli_args` derives its flags from its dataclass: `engine_flags` puts one option per
+field (`--max-num-seqs`: the field's type, default and help) into a command's signature and hands
+the command their values as one dict of `EngineConfig` keyword arguments::
 
-    def run_command(max_num_seqs: MaxNumSeqs = EngineConfig.max_num_seqs, ...): ...
+    @engine_flags()
+    def run_command(input: ..., window: ... = 1024, engine: EngineArgs = ENGINE_FLAGS, ...): ...
 
-`engine_options(locals())` then collects the values into `EngineConfig` keyword arguments, and
-`sampling_options(locals())` into `SamplingDefaults` (and so `JobOptions`) keyword arguments.
+Each sampling option is an `Annotated` type that `run` declares with its default taken from
+`SamplingDefaults`; `sampling_options(locals())` collects them as `SamplingDefaults` (and so
+`JobOptions`) keyword arguments.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import os
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import Field, fields
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 import typer
 
-from batchgen.config import (
-    ATTENTION_BACKENDS,
-    DEVICES,
-    DTYPES,
-    KERNEL_MODES,
-    MAX_THROUGHPUT,
-    PREEMPTION_MODES,
-    SPECULATIVE_METHODS,
-    EngineConfig,
-    parse_memory_size,
-)
+from batchgen.config import MAX_THROUGHPUT, EngineConfig, choices, parse_memory_size
 from batchgen.sampling_params import SamplingDefaults
+
+__all__ = ["choices"]  # re-exported: commands list their own options' values with it
+
+
+def usage_errors(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` for Typer: its ValueError becomes `typer.BadParameter` with the same message (Click
+    would otherwise say only that the value is invalid), a usage error that exits 2."""
+
+    @functools.wraps(parse)
+    def parse_option(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+
+    return parse_option
 
 
 def memory_size(text: str) -> int:
@@ -45,102 +57,6 @@ def memory_size(text: str) -> int:
         return parse_memory_size(text)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-
-
-def choices(values: tuple[str, ...]) -> str:
-    """Help text listing the allowed values of an option: "a | b | c"."""
-    return " | ".join(values)
-
-
-Model = Annotated[
-    str | None, typer.Option(help="HF directory, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
-]
-Dtype = Annotated[
-    str,
-    typer.Option(
-        help=choices(DTYPES)
-        + "; auto: bfloat16 (float16 for a float16 checkpoint on CUDA; float32 on a CPU without native bf16)"
-    ),
-]
-MaxNumSeqs = Annotated[int, typer.Option(help="Most sequences per step")]
-MaxNumBatchedTokens = Annotated[int | None, typer.Option(help="Most tokens per step")]
-BlockSize = Annotated[int, typer.Option(help="Tokens per KV-cache block")]
-MaxModelLen = Annotated[int | None, typer.Option(help="Longest prompt + output in tokens")]
-GpuMemoryUtilization = Annotated[float, typer.Option(help="Fraction of GPU memory to use (CUDA)")]
-KvCacheMemory = Annotated[
-    int | None,
-    typer.Option(
-        parser=memory_size,
-        metavar="SIZE",
-        help="KV cache size: bytes or 2GiB, 512MiB (default 1GiB on CPU; on CUDA, set, it replaces --gpu-memory-utilization)",
-    ),
-]
-SwapSpace = Annotated[float, typer.Option(help="GiB of CPU swap space for preempted blocks")]
-EnablePrefixCaching = Annotated[bool, typer.Option(help="Reuse KV blocks of shared prompt prefixes")]
-EnableChunkedPrefill = Annotated[bool, typer.Option(help="Split long prompts across steps")]
-PreemptionMode = Annotated[str, typer.Option(help=choices(PREEMPTION_MODES))]
-AgingSteps = Annotated[
-    int, typer.Option(help="max-throughput: a request waiting this many steps is served next")
-]
-AttentionBackend = Annotated[str, typer.Option(help=choices(ATTENTION_BACKENDS))]
-Kernels = Annotated[
-    str,
-    typer.Option(
-        help=choices(KERNEL_MODES)
-        + ": auto times each kernel on this machine (cached), reference is plain torch, native is batchgen's own"
-    ),
-]
-OneWeightLayout = Annotated[
-    bool, typer.Option(help="--kernels auto: one weight copy per linear (less memory, maybe slower)")
-]
-Device = Annotated[str, typer.Option(help=choices(DEVICES))]
-NumThreads = Annotated[int | None, typer.Option(help="torch CPU threads")]
-SpeculativeMethod = Annotated[
-    str | None,
-    typer.Option(
-        help=choices(SPECULATIVE_METHODS) + ": prompt-lookup speculative decoding for greedy rows "
-        "(token-identical output; sampled rows decode as before); default off"
-    ),
-]
-NumSpeculativeTokens = Annotated[
-    int | None, typer.Option(help="Draft tokens verified per request and step (default 4)")
-]
-PromptLookupMin = Annotated[int | None, typer.Option(help="Shortest n-gram matched for drafts (default 2)")]
-PromptLookupMax = Annotated[int | None, typer.Option(help="Longest n-gram matched for drafts (default 4)")]
-SpeculativeMaxBatch = Annotated[
-    int | None,
-    typer.Option(
-        help="Speculate only while at most this many requests run (0 = never; default: measured "
-        "at start from this machine's step costs, cached)"
-    ),
-]
-
-# The parameter names above, as both commands spell them (EngineConfig's field names).
-ENGINE_OPTIONS = (
-    "model",
-    "dtype",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "block_size",
-    "max_model_len",
-    "gpu_memory_utilization",
-    "kv_cache_memory",
-    "swap_space",
-    "enable_prefix_caching",
-    "enable_chunked_prefill",
-    "preemption_mode",
-    "aging_steps",
-    "attention_backend",
-    "kernels",
-    "one_weight_layout",
-    "device",
-    "num_threads",
-    "speculative_method",
-    "num_speculative_tokens",
-    "prompt_lookup_min",
-    "prompt_lookup_max",
-    "speculative_max_batch",
-)
 
 
 # --- sampling defaults of `batchgen run` (row columns override; `SamplingDefaults` holds the defaults) ---
@@ -223,20 +139,92 @@ def _token_ids(values: list[str] | None) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def engine_options(values: dict[str, Any]) -> dict[str, Any]:
-    """The engine options out of a command's parameters (`locals()`): `EngineConfig` keyword arguments.
+# --- the engine flags: `EngineConfig`'s fields with `flag` metadata ---
+EngineArgs = dict[str, Any]  # `EngineConfig` keyword arguments, as the engine flags give them
+# A command's `engine` parameter defaults to this marker; `engine_flags` puts the flags in its place.
+ENGINE_FLAGS: EngineArgs = {}
+_FLAG_FIELDS: dict[str, Field[Any]] = {f.name: f for f in fields(EngineConfig) if "help" in f.metadata}
+# The flags' parameter names (EngineConfig's field names), in the order --help lists them.
+ENGINE_OPTIONS = tuple(_FLAG_FIELDS)
 
-    Inside a command, each engine flag given on the command line that has no effect with the other
-    options (see `inert_options`) gets one warning line on stderr."""
-    engine = {name: values[name] for name in ENGINE_OPTIONS}
+
+def flag_parameter(name: str, place: inspect.Parameter) -> inspect.Parameter:
+    """The Typer parameter of the engine flag `name`, of the kind of `place`: `--name-with-dashes`,
+    the field's type (what its `parse` returns, when it has one) and default, and its metadata's
+    help and metavar."""
+    f = _FLAG_FIELDS[name]
+    hint = get_type_hints(EngineConfig)[name]
+    option: dict[str, Any] = {"help": f.metadata["help"]}
+    if f.metadata["metavar"] is not None:
+        option["metavar"] = f.metadata["metavar"]
+    parse = f.metadata["parse"]
+    if parse is not None:
+        option["parser"] = usage_errors(parse)
+        hint = get_type_hints(parse)["return"]
+        hint = hint | None if f.default is None else hint
+    return place.replace(name=name, default=f.default, annotation=Annotated[hint, typer.Option(**option)])
+
+
+def engine_flags(
+    only: tuple[str, ...] = ENGINE_OPTIONS,
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorator: the engine flags `only` (default: all of them) as options of a Typer command.
+
+    The command declares a parameter `engine: EngineArgs = ENGINE_FLAGS`; in the signature Typer
+    reads, it is replaced at its place by the flags, in `EngineConfig`'s field order (see
+    `flag_parameter`). A parameter the command declares under a flag's name is the command's own
+    version of that flag (bench's comma list of speculative methods) and is listed at the flag's
+    place. When the command runs, the flags' values (its own versions' too) come to it as `engine`,
+    one dict, after a warning for each given flag that changes nothing (`engine_options`).
+
+    Raises:
+        TypeError: the command has no `engine` parameter, or `only` names a field without flag
+            metadata.
+    """
+    unknown = [name for name in only if name not in _FLAG_FIELDS]
+    if unknown:
+        raise TypeError(f"{', '.join(unknown)}: not engine flags; give some of {', '.join(ENGINE_OPTIONS)}")
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(command, eval_str=True)
+        params = dict(signature.parameters)
+        place = params.get("engine")
+        if place is None:
+            raise TypeError(f"{command.__name__} has no `engine` parameter to put the engine flags at")
+        own = {name: params.pop(name) for name in only if name in params}
+        flags = [own.get(name) or flag_parameter(name, place) for name in only]
+        listed = [q for p in params.values() for q in (flags if p is place else [p])]
+
+        @functools.wraps(command)
+        def with_engine_flags(**values: Any) -> None:
+            engine = {name: values.pop(name) for name in only}
+            command(**values, engine=engine_options(engine, values.get("policy")))
+
+        set_signature(with_engine_flags, signature.replace(parameters=listed))
+        return with_engine_flags
+
+    return decorate
+
+
+def set_signature(command: Callable[..., Any], signature: inspect.Signature) -> None:
+    """Give `command` the parameters `signature` lists, as Typer reads them: its `__signature__` and
+    its evaluated annotations (Typer asks `typing.get_type_hints` too)."""
+    command.__dict__["__signature__"] = signature
+    command.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
+
+
+def engine_options(engine: EngineArgs, policy: str | None = None) -> EngineArgs:
+    """`engine` (the engine flags' values, `EngineConfig` keyword arguments), after one warning line
+    on stderr for each flag given on the command line that has no effect with the other options
+    (see `inert_options`; `policy` is the command's `--policy`, default fcfs)."""
     try:
         EngineConfig(**engine)
     except (TypeError, ValueError):
         # The command fails on this value with its own message; "--swap-space -1 ... is ignored"
         # before "swap_space must be >= 0" would contradict it.
         return engine
-    given = _given_options(ENGINE_OPTIONS)
-    for message in inert_options(engine, given, str(values.get("policy") or "fcfs")):
+    given = _given_options(tuple(engine))
+    for message in inert_options(engine, given, policy or "fcfs"):
         typer.echo(f"warning: {message}", err=True)
     return engine
 

@@ -7,7 +7,8 @@ user can carry their settings over unchanged.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 # The scheduling policies' names, listed here only: `batchgen.engine.policy.POLICIES` maps each to
 # its class, and the look-ahead window (`batchgen.jobs.window`) orders by those classes too.
@@ -101,6 +102,25 @@ def canonical_dtype(value: object) -> object:
     return DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
 
 
+def choices(values: tuple[str, ...]) -> str:
+    """Help text listing the allowed values of an option: "a | b | c"."""
+    return " | ".join(values)
+
+
+def flag(
+    help: str, *, metavar: str | None = None, parse: Callable[[str], object] | None = None
+) -> dict[str, object]:
+    """The metadata that makes an `EngineConfig` field a command-line flag.
+
+    Args:
+        help: the flag's `--help` text.
+        metavar: the value's name in `--help` (default: its type's).
+        parse: turns the flag's text into the value (raising ValueError with the reason); the flag's
+            type is then what it returns (`--kv-cache-memory 2GiB` -> bytes).
+    """
+    return {"help": help, "metavar": metavar, "parse": parse}
+
+
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
@@ -157,31 +177,79 @@ class EngineConfig:
         TypeError / ValueError: naming the option and its allowed range.
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | str | None = None
-    swap_space: float = 4.0
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    policy: str = FCFS
-    preemption_mode: str = "recompute"
-    aging_steps: int = 256
-    attention_backend: str = "auto"
-    kernels: str = "auto"
-    one_weight_layout: bool = False
-    device: str = "auto"
-    seed: int = 0
-    num_threads: int | None = None
-    speculative_method: str | None = None
-    num_speculative_tokens: int | None = None
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
-    speculative_max_batch: int | None = None
+    # Each field with `flag(...)` metadata is a flag of `batchgen run`, `bench`, `tune` and `plan`
+    # (`--max-num-seqs`: this type, default and help; `batchgen.cli_types.engine_flags`).
+    model: str | None = field(
+        default=None, metadata=flag("HF directory, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=flag(
+            choices(DTYPES) + "; auto: bfloat16 (float16 for a float16 checkpoint on CUDA; float32 on a "
+            "CPU without native bf16)"
+        ),
+    )
+    max_num_seqs: int = field(default=256, metadata=flag("Most sequences per step"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=flag("Most tokens per step"))
+    block_size: int = field(default=16, metadata=flag("Tokens per KV-cache block"))
+    max_model_len: int | None = field(default=None, metadata=flag("Longest prompt + output in tokens"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=flag("Fraction of GPU memory to use (CUDA)"))
+    kv_cache_memory: int | str | None = field(
+        default=None,
+        metadata=flag(
+            "KV cache size: bytes or 2GiB, 512MiB (default 1GiB on CPU; on CUDA, set, it replaces "
+            "--gpu-memory-utilization)",
+            metavar="SIZE",
+            parse=parse_memory_size,
+        ),
+    )
+    swap_space: float = field(default=4.0, metadata=flag("GiB of CPU swap space for preempted blocks"))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=flag("Reuse KV blocks of shared prompt prefixes")
+    )
+    enable_chunked_prefill: bool = field(default=True, metadata=flag("Split long prompts across steps"))
+    policy: str = FCFS  # `batchgen run --policy` and bench's are the commands' own (bench's: a list)
+    preemption_mode: str = field(default="recompute", metadata=flag(choices(PREEMPTION_MODES)))
+    aging_steps: int = field(
+        default=256, metadata=flag("max-throughput: a request waiting this many steps is served next")
+    )
+    attention_backend: str = field(default="auto", metadata=flag(choices(ATTENTION_BACKENDS)))
+    kernels: str = field(
+        default="auto",
+        metadata=flag(
+            choices(KERNEL_MODES) + ": auto times each kernel on this machine (cached), reference is "
+            "plain torch, native is batchgen's own"
+        ),
+    )
+    one_weight_layout: bool = field(
+        default=False, metadata=flag("--kernels auto: one weight copy per linear (less memory, maybe slower)")
+    )
+    device: str = field(default="auto", metadata=flag(choices(DEVICES)))
+    seed: int = 0  # the sampling seed is a sampling flag (`--seed`, `SamplingDefaults`)
+    num_threads: int | None = field(default=None, metadata=flag("torch CPU threads"))
+    speculative_method: str | None = field(
+        default=None,
+        metadata=flag(
+            choices(SPECULATIVE_METHODS) + ": prompt-lookup speculative decoding for greedy rows "
+            "(token-identical output; sampled rows decode as before); default off"
+        ),
+    )
+    num_speculative_tokens: int | None = field(
+        default=None, metadata=flag("Draft tokens verified per request and step (default 4)")
+    )
+    prompt_lookup_min: int | None = field(
+        default=None, metadata=flag("Shortest n-gram matched for drafts (default 2)")
+    )
+    prompt_lookup_max: int | None = field(
+        default=None, metadata=flag("Longest n-gram matched for drafts (default 4)")
+    )
+    speculative_max_batch: int | None = field(
+        default=None,
+        metadata=flag(
+            "Speculate only while at most this many requests run (0 = never; default: measured at "
+            "start from this machine's step costs, cached)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         self.dtype = canonical_dtype(self.dtype)

@@ -44,13 +44,25 @@ def print_table(rows: list[dict], seconds: float, summary: str) -> None:
     Console().print(table)
 
 
+# The engine flags that change the kernels chosen (and the engine started to choose them).
+TUNE_FLAGS = (
+    "model",
+    "dtype",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "kv_cache_memory",
+    "attention_backend",
+    "device",
+    "num_threads",
+)
+
+
+@opt.engine_flags(TUNE_FLAGS)
 def tune_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the table as JSON lines")] = False,
-    model: opt.Model = EngineConfig.model,
-    dtype: opt.Dtype = EngineConfig.dtype,
-    max_num_seqs: opt.MaxNumSeqs = EngineConfig.max_num_seqs,
-    max_num_batched_tokens: opt.MaxNumBatchedTokens = EngineConfig.max_num_batched_tokens,
-    max_model_len: opt.MaxModelLen = EngineConfig.max_model_len,
+    engine: opt.EngineArgs = opt.ENGINE_FLAGS,
+    # tune's own --kv-cache-memory: the engine it starts only measures, so a small cache does.
     kv_cache_memory: Annotated[
         int | None,
         typer.Option(
@@ -60,9 +72,6 @@ def tune_command(
             "table does not depend on it",
         ),
     ] = "64MiB",
-    attention_backend: opt.AttentionBackend = EngineConfig.attention_backend,
-    device: opt.Device = EngineConfig.device,
-    num_threads: opt.NumThreads = EngineConfig.num_threads,
 ) -> None:
     """Choose the kernels for a model on this machine and print the measured table (cached: a
     second call, like a second `batchgen run`, measures nothing)."""
@@ -71,27 +80,16 @@ def tune_command(
     from batchgen.model.loading.architectures import ModelNotFoundError
 
     try:
-        engine = LLMEngine(
-            EngineConfig(
-                model=model,
-                dtype=dtype,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                kv_cache_memory=kv_cache_memory,
-                attention_backend=attention_backend,
-                device=device,
-                num_threads=num_threads,
-                kernels="auto",
-            )
-        )
+        llm_engine = LLMEngine(EngineConfig(**engine, kernels="auto"))
     except (ModelNotFoundError, ValueError) as e:  # `run` and `bench` answer the same options so
         typer.echo(f"error: {e}{flag_hint(str(e))}", err=True)
         raise typer.Exit(2) from None
-    choice = engine.kernel_choice
+    choice = llm_engine.kernel_choice
     seconds = choice.seconds
     if choice.table is None:
-        typer.echo(f"kernels {choice.summary()}: nothing to measure on {engine.device} in {engine.dtype}")
+        typer.echo(
+            f"kernels {choice.summary()}: nothing to measure on {llm_engine.device} in {llm_engine.dtype}"
+        )
         return
     rows = table_rows(choice.table)
     if as_json:

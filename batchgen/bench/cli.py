@@ -41,6 +41,7 @@ def check_output_file(option: str, path: Path) -> None:
         raise typer.BadParameter(f"{option} {path} {problem}")
 
 
+@opt.engine_flags()
 def bench_command(
     dist: Annotated[str, typer.Option(help=f"Workload: {', '.join(DISTS)}.")] = "longtail",
     num_prompts: Annotated[int, typer.Option(help="Requests in the workload (file: 0 = all rows).")] = 64,
@@ -104,25 +105,9 @@ def bench_command(
     profile_output: Annotated[
         Path, typer.Option(help="--profile: the text file the functions' table is written to.")
     ] = Path("bench-profile.txt"),
-    # --- engine (vLLM spellings; shared with `batchgen run`) ---
-    model: opt.Model = EngineConfig.model,
-    dtype: opt.Dtype = EngineConfig.dtype,
-    max_num_seqs: opt.MaxNumSeqs = EngineConfig.max_num_seqs,
-    max_num_batched_tokens: opt.MaxNumBatchedTokens = EngineConfig.max_num_batched_tokens,
-    block_size: opt.BlockSize = EngineConfig.block_size,
-    max_model_len: opt.MaxModelLen = EngineConfig.max_model_len,
-    gpu_memory_utilization: opt.GpuMemoryUtilization = EngineConfig.gpu_memory_utilization,
-    kv_cache_memory: opt.KvCacheMemory = EngineConfig.kv_cache_memory,
-    swap_space: opt.SwapSpace = EngineConfig.swap_space,
-    enable_prefix_caching: opt.EnablePrefixCaching = EngineConfig.enable_prefix_caching,
-    enable_chunked_prefill: opt.EnableChunkedPrefill = EngineConfig.enable_chunked_prefill,
-    preemption_mode: opt.PreemptionMode = EngineConfig.preemption_mode,
-    aging_steps: opt.AgingSteps = EngineConfig.aging_steps,
-    attention_backend: opt.AttentionBackend = EngineConfig.attention_backend,
-    kernels: opt.Kernels = EngineConfig.kernels,
-    one_weight_layout: opt.OneWeightLayout = EngineConfig.one_weight_layout,
-    device: opt.Device = EngineConfig.device,
-    num_threads: opt.NumThreads = EngineConfig.num_threads,
+    # --- engine: EngineConfig's flags (vLLM spellings; shared with run, tune and plan) ---
+    engine: opt.EngineArgs = opt.ENGINE_FLAGS,
+    # bench's own --speculative-method, at that flag's place: a list of configurations to run.
     speculative_method: Annotated[
         str,
         typer.Option(
@@ -130,10 +115,6 @@ def bench_command(
             "(ngram: prompt-lookup speculative decoding, named <config>+ngram)"
         ),
     ] = "none",
-    num_speculative_tokens: opt.NumSpeculativeTokens = EngineConfig.num_speculative_tokens,
-    prompt_lookup_min: opt.PromptLookupMin = EngineConfig.prompt_lookup_min,
-    prompt_lookup_max: opt.PromptLookupMax = EngineConfig.prompt_lookup_max,
-    speculative_max_batch: opt.SpeculativeMaxBatch = EngineConfig.speculative_max_batch,
 ) -> None:
     """Benchmark continuous against static batching, Hugging Face and vLLM on one workload.
 
@@ -146,8 +127,7 @@ def bench_command(
     """
     from rich.console import Console
 
-    engine = opt.engine_options(locals())
-    methods = _speculative_methods(speculative_method)
+    methods = _speculative_methods(engine["speculative_method"])
     # The engine options carry the method that speculates; each configuration turns it on or off.
     engine["speculative_method"] = next((m for m in methods if m is not None), None)
 

@@ -232,6 +232,7 @@ def test_run_and_plan_take_every_sampling_default_with_its_default():
     }
     values = {p.name: p.default for p in typer.main.get_command(app).commands["run"].params}
     values.update(input="j.jsonl", stop=["###"], stop_token_ids=["2,13", "7"], n=3, min_p=0.1)
+    values["engine"] = {name: values.pop(name) for name in ENGINE_OPTIONS}  # as `engine_flags` gives them
     options = _job_options(values)
     assert options.sampling_defaults() == {
         **JobOptions("j.jsonl").sampling_defaults(),

@@ -111,6 +111,8 @@ class MetricsRecord:
 
     def on_rows(self, *args: Any, **kwargs: Any) -> None: ...  # rows are the driver's to count
 
+    def on_replica(self, *args: Any, **kwargs: Any) -> None: ...  # so are the replicas' records
+
     def take(self) -> MetricsRecord:
         """What was recorded since the last take; the record starts empty again."""
         taken = MetricsRecord(self.steps, self.requests, self.hit_rate)

@@ -26,6 +26,7 @@ from batchgen.distributed.pool import ReplicaOptions, ReplicaPool
 from batchgen.distributed.replica import Shard, ShardResult
 from batchgen.engine.stats import EngineTotals
 from batchgen.jobs.input.rows import JobRow
+from batchgen.jobs.loop import JobRun
 from batchgen.jobs.options import JobOptions, JobSummary
 
 # A shard is at least this many rows (fewer only at the end), so each replica's engine batches well.
@@ -153,18 +154,7 @@ class _Progress:
         return f"[batchgen] replicas {len(self.latest)} (restarts {restarts}) | " + " | ".join(parts)
 
 
-def replica_loop(
-    options: JobOptions,
-    config: EngineConfig,
-    pool: ReplicaPool,
-    reader: Any,
-    state: Any,
-    writer: Any,
-    dashboard: Any,
-    summary: JobSummary,
-    interrupt: Any,
-    metrics: Any = None,
-) -> tuple[int, bool]:
+def replica_loop(run: JobRun[ReplicaPool]) -> tuple[int, bool]:
     """`run_job`'s loop over replicas: shards out, each finished shard committed as one part.
 
     Returns:
@@ -173,6 +163,8 @@ def replica_loop(
     Raises:
         JobInputError: a replica failed beyond Ray's restarts (`ReplicaPool.result`).
     """
+    options, pool, reader, state, writer = run.options, run.engine, run.reader, run.state, run.writer
+    dashboard, summary, interrupt, metrics = run.dashboard, run.summary, run.interrupt, run.metrics
     n = len(pool.infos)
     for info in pool.infos:
         dashboard.log(f"replica {info.index} ready: pid {info.pid} on {info.host}")
@@ -216,9 +208,8 @@ def replica_loop(
             with interrupt.shielded():
                 writer.commit(name=name)
             committed_parts.add(name)
-            if metrics is not None:
-                metrics.on_replica(replica, result.metrics)
-                metrics.on_rows(writer.committed_rows, summary.rows_error, replica=replica)
+            metrics.on_replica(replica, result.metrics)
+            metrics.on_rows(writer.committed_rows, summary.rows_error, replica=replica)
             note = progress.record(replica, result)
             if note:
                 dashboard.log(note)

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.config import EngineConfig
-from batchgen.engine.stats import EngineTotals
+from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.jobs.input.rows import JobRow
 from batchgen.jobs.options import JobOptions, JobSummary
-from batchgen.metrics import MetricsRecord
+from batchgen.jobs.output.manifest import PartEntry
+from batchgen.metrics import MetricsRecord, NullMetrics
 
 
 @dataclass
@@ -90,6 +91,7 @@ class _NothingCommitted:
             return False
 
     committed = _Committed()
+    entries: tuple[PartEntry, ...] = ()
 
 
 class _Collector:
@@ -105,19 +107,19 @@ class _Collector:
     def due(self) -> bool:
         return False
 
-    def commit(self) -> None:
+    def commit(self, name: str | None = None) -> None:
         return None
 
 
 class _Silent:
-    """The dashboard and interrupt `engine_loop` talks to inside a replica (progress is the driver's)."""
-
-    requested = False
+    """The dashboard `engine_loop` talks to inside a replica (progress is the driver's)."""
 
     def log(self, message: str) -> None:
         pass
 
-    def update(self, *args: Any) -> None:
+    def update(
+        self, rows_done: int, rows_error: int, step: StepStats | None, totals: EngineTotals | None, /
+    ) -> None:
         pass
 
 
@@ -171,25 +173,27 @@ class Replica:
         Raises:
             RuntimeError: the replica has no engine (its `info()` error says why).
         """
-        from batchgen.jobs.loop import engine_loop
+        from batchgen.jobs.interrupt import Interrupt
+        from batchgen.jobs.loop import JobRun, engine_loop
 
         if self.engine is None:
             raise RuntimeError(f"replica {self.index} has no engine: {self.error}")
         collector = _Collector()
-        silent = _Silent()
         summary = JobSummary("", len(shard.rows))
         record = MetricsRecord() if self.options.metrics.enabled else None
-        engine_loop(
+        # The interrupt is never entered: signals are the driver's; a shard runs to its end.
+        run = JobRun(
             self.options,
             self.config,
             self.engine,
             _Rows(shard.rows),
             _NothingCommitted(),
             collector,
-            silent,
+            _Silent(),
             summary,
-            silent,
-            record,
+            Interrupt(),
+            record if record is not None else NullMetrics(),
         )
+        engine_loop(run)
         totals = dataclasses.replace(getattr(self.engine, "totals", None) or EngineTotals())
         return ShardResult(shard.first, shard.last, collector.rows, os.getpid(), totals, record)

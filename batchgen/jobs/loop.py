@@ -3,20 +3,27 @@ order, stepped, and each finished row handed to the part writer.
 
 `engine_loop` is what `batchgen.jobs.runner.run_job` runs by default (one engine in this process);
 each Ray replica runs it on its shards (`batchgen.distributed.replica`), and the driver swaps in its
-own loop with the same arguments and result (`batchgen.distributed.driver.replica_loop`).
+own loop over a `JobRun` of the same shape (`batchgen.distributed.driver.replica_loop`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 from batchgen.config import EngineConfig
 from batchgen.engine.protocol import Engine
+from batchgen.engine.stats import EngineTotals, StepStats
+from batchgen.jobs.input.rows import JobRow
+from batchgen.jobs.interrupt import Interrupt
 from batchgen.jobs.options import JobOptions, JobSummary
+from batchgen.jobs.output.manifest import PartEntry
 from batchgen.jobs.output.token_bytes import TokenBytes
 from batchgen.jobs.requests import Prepared, error_result, output_result, prepare_row
 from batchgen.jobs.window import LookaheadWindow
 from batchgen.metrics import JobMetrics, NullMetrics
+from batchgen.metrics_record import MetricsRecord
 
 
 def inflight_limit(max_num_seqs: int) -> int:
@@ -31,67 +38,136 @@ def window_work(prompt_tokens: int, n: int, max_tokens: int | None, max_model_le
     return prompt_tokens + n * (max_tokens or max_model_len - prompt_tokens)
 
 
-def engine_loop(
-    options: JobOptions,
-    config: EngineConfig,
-    engine: Engine,
-    reader: Any,
-    state: Any,
-    writer: Any,
-    dashboard: Any,
-    summary: JobSummary,
-    interrupt: Any,
-    metrics: JobMetrics | NullMetrics | None = None,
-) -> tuple[int, bool]:
-    """The admission / step / commit loop, until every row is done or `interrupt.requested`.
+class Notices(Protocol):
+    @property
+    def notices(self) -> list[str]:
+        """Messages about the input (a column one typo away from a field), logged as they come."""
+        ...
 
-    Args:
-        reader: iterates the job's `JobRow`s; its `parser.notices` are logged as they come.
+
+class RowSource(Protocol):
+    """The job's rows in input order: `batchgen.jobs.input.reader.JobReader`, or a replica's shard."""
+
+    @property
+    def parser(self) -> Notices: ...
+
+    def __iter__(self) -> Iterator[JobRow]: ...
+
+
+class Committed(Protocol):
+    def is_committed(self, row_index: int, row_hash: int, where: str = "") -> bool: ...
+
+
+class ResumeView(Protocol):
+    """What a loop asks of the resume state (`batchgen.jobs.output.resume.ResumeState`): the rows and
+    parts earlier runs committed."""
+
+    @property
+    def committed(self) -> Committed: ...
+
+    @property
+    def entries(self) -> Sequence[PartEntry]: ...
+
+
+class RowSink(Protocol):
+    """Where finished rows go (`batchgen.jobs.output.writer.PartWriter`, or a replica's collector)."""
+
+    @property
+    def committed_rows(self) -> int: ...
+
+    def add(self, row: dict[str, Any], keep: dict[str, Any] | None = None) -> None: ...
+
+    def due(self) -> bool: ...
+
+    def commit(self, name: str | None = None) -> object: ...
+
+
+class Progress(Protocol):
+    """What a loop reports to (`batchgen.dashboard.Dashboard`; a replica's is silent)."""
+
+    def log(self, message: str, /) -> None: ...
+
+    def update(
+        self, rows_done: int, rows_error: int, step: StepStats | None, totals: EngineTotals | None, /
+    ) -> None: ...
+
+
+class RunEngine(Protocol):
+    """What `run_job` itself reads of the engine its loop runs (an `Engine`, the driver's pool)."""
+
+    @property
+    def model_name(self) -> str | None: ...
+
+    @property
+    def start_line(self) -> str:
+        """What the engine settled on at start, logged once when a job starts ("": nothing)."""
+        ...
+
+
+E = TypeVar("E")  # the engine: an `Engine` here, the driver's pool of replicas in its loop
+
+
+@dataclass
+class JobRun(Generic[E]):
+    """One run of a job's rows, as `run_job` hands it to its loop (`engine_loop`, the driver's).
+
+    Attributes:
+        options / config: the job and its engine configuration.
+        engine: what runs the rows (an `Engine`; the driver's loop: a `ReplicaPool`).
+        reader: the job's rows; their parser's `notices` are logged as they come.
         state: the resume state; rows it holds as committed are skipped.
         writer: takes each finished row (`add`) and commits when `due()`.
         dashboard: `log` and `update` (progress).
         summary: its row and token counts grow as rows finish.
-        interrupt: `requested` stops the loop (`batchgen.jobs.interrupt.Interrupt`).
+        interrupt: `requested` stops the loop; `run_job` enters it (its signal handlers) around
+            the loop, a replica's is never entered.
+        metrics: Prometheus metrics, or a replica's record of them for the driver.
+    """
+
+    options: JobOptions
+    config: EngineConfig
+    engine: E
+    reader: RowSource
+    state: ResumeView
+    writer: RowSink
+    dashboard: Progress
+    summary: JobSummary
+    interrupt: Interrupt
+    metrics: JobMetrics | NullMetrics | MetricsRecord = field(default_factory=NullMetrics)
+
+
+def engine_loop(run: JobRun[Engine]) -> tuple[int, bool]:
+    """The admission / step / commit loop, until every row is done or `run.interrupt.requested`.
 
     Returns:
         (input rows read, whether every row finished); rows still in the engine when it stops are
         aborted (the next run regenerates them).
     """
-    loop = _EngineLoop(options, config, engine, reader, state, writer, dashboard, summary, interrupt)
-    return loop.run(metrics or NullMetrics())
+    return _EngineLoop(run).run()
 
 
 class _EngineLoop:
     """`engine_loop`'s state: the window, the rows in the engine, how far the input is read."""
 
-    def __init__(
-        self,
-        options: JobOptions,
-        config: EngineConfig,
-        engine: Engine,
-        reader: Any,
-        state: Any,
-        writer: Any,
-        dashboard: Any,
-        summary: JobSummary,
-        interrupt: Any,
-    ) -> None:
-        self.options, self.engine, self.reader, self.state = options, engine, reader, state
-        self.writer, self.dashboard, self.summary, self.interrupt = writer, dashboard, summary, interrupt
+    def __init__(self, run: JobRun[Engine]) -> None:
+        options, engine = run.options, run.engine
+        self.options, self.engine, self.reader, self.state = options, engine, run.reader, run.state
+        self.writer, self.dashboard, self.summary = run.writer, run.dashboard, run.summary
+        self.interrupt, self.metrics = run.interrupt, run.metrics
         tokenizer = engine.tokenizer
         self.chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
         self.bos = getattr(tokenizer, "bos_token_id", None)
         self.token_bytes = TokenBytes(tokenizer)
         self.max_len: int = engine.max_model_len
-        self.inflight_limit = inflight_limit(config.max_num_seqs)
+        self.inflight_limit = inflight_limit(run.config.max_num_seqs)
         self.window: LookaheadWindow[Prepared] = LookaheadWindow(options.policy, options.window)
         self.pending: dict[str, Prepared] = {}  # request id -> the row the engine is running
-        self.rows = iter(reader)
+        self.rows = iter(run.reader)
         self.rows_read = 0
         self.exhausted = False
 
-    def run(self, metrics: JobMetrics | NullMetrics) -> tuple[int, bool]:
-        engine, summary = self.engine, self.summary
+    def run(self) -> tuple[int, bool]:
+        engine, summary, metrics = self.engine, self.summary, self.metrics
         while not self.interrupt.requested:
             self._fill_window()
             self._admit()

@@ -12,7 +12,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
 import pyarrow as pa
 
@@ -22,7 +22,7 @@ from batchgen.engine.protocol import Engine
 from batchgen.jobs.errors import JobInputError
 from batchgen.jobs.input.reader import JobReader, ReaderOptions
 from batchgen.jobs.interrupt import Interrupt
-from batchgen.jobs.loop import engine_loop
+from batchgen.jobs.loop import JobRun, Progress, RunEngine, engine_loop
 from batchgen.jobs.options import (
     JobOptions,
     JobSummary,
@@ -38,6 +38,20 @@ from batchgen.jobs.output.writer import PartWriter
 from batchgen.metrics import JobMetrics, NullMetrics
 from batchgen.model.loading.fingerprint import model_fingerprint
 from batchgen.sampling_params import SamplingParams
+
+
+class RunDashboard(Progress, Protocol):
+    """A run's dashboard (`batchgen.dashboard.Dashboard`): progress, shown while the loop runs."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def print_summary(self, summary: JobSummary, /) -> None: ...
+
+
+E = TypeVar("E", bound=RunEngine)  # the engine the factory builds and the loop runs
+R = TypeVar("R", bound=RunEngine | None)  # the same, or None when no row is left to run
 
 
 def default_engine_factory(config: EngineConfig) -> Engine:
@@ -173,9 +187,9 @@ def job_reader(options: JobOptions) -> JobReader:
 
 def run_job(
     options: JobOptions,
-    engine_factory: Callable[[EngineConfig], Engine] | None = None,
-    dashboard: Any = None,
-    loop: Callable[..., tuple[int, bool]] | None = None,
+    engine_factory: Callable[[EngineConfig], E] | None = None,
+    dashboard: RunDashboard | None = None,
+    loop: Callable[[JobRun[E]], tuple[int, bool]] | None = None,
 ) -> JobSummary:
     """Run one job to completion, or until SIGINT.
 
@@ -183,9 +197,9 @@ def run_job(
         options: the job (see JobOptions).
         engine_factory: EngineConfig -> an `Engine` (the protocol); the default builds LLMEngine.
         dashboard: a `batchgen.dashboard.Dashboard` (default: one chosen from `options.dashboard`).
-        loop: what runs the rows, with `engine_loop`'s arguments and result (default
+        loop: what runs the rows of a `JobRun` of the factory's engine (default
             `batchgen.jobs.loop.engine_loop`: one engine here); `batchgen.distributed` passes its
-            own, whose "engine" is a pool of replicas.
+            own with a factory whose "engine" is a pool of replicas.
 
     Returns:
         JobSummary; `interrupted` is True when SIGINT or SIGTERM stopped the run (committed rows are
@@ -234,23 +248,34 @@ def run_job(
         metrics.bind(model_name, total, writer.committed_rows)
         if metrics.url:
             dashboard.log(f"metrics at {metrics.url}")
-        run_rows = (loop or engine_loop) if engine is not None else _nothing_to_run(total)
-        rows_read = _run_rows(
-            run_rows, options, config, engine, reader, state, writer, dashboard, summary, metrics
-        )
+        common = (reader, state, writer, dashboard, summary, Interrupt(), metrics)
+        if engine is None:
+            rows_read = _run_rows(_nothing_to_run(total), JobRun(options, config, None, *common), dashboard)
+        else:  # the default loop runs the default factory's engine (the two are a pair)
+            run_rows = loop or cast(Callable[[JobRun[E]], tuple[int, bool]], engine_loop)
+            rows_read = _run_rows(run_rows, JobRun(options, config, engine, *common), dashboard)
         if not summary.interrupted:
             _finish_output(state, rows_read, fmt, header, options, model_name, summary)
         summary.wall_s = time.perf_counter() - start
         if summary.interrupted:
-            dashboard.log(
-                f"interrupted: {writer.committed_rows} of {summary.rows_total or '?'} rows committed in "
-                f"{state.parts_dir}. Resume with:\n  {options.resume_command or 'the same command'}"
-            )
+            dashboard.log(_interrupted_line(summary, writer.committed_rows, state.parts_dir, options))
         dashboard.print_summary(summary)
         return summary
     finally:
         metrics.close()  # the file's last write holds the final counts
         state.release()
+
+
+def _nothing_to_run(total: int | None) -> Callable[[JobRun[None]], tuple[int, bool]]:
+    """The loop of a job whose every row is committed already: it reads nothing and is finished."""
+    return lambda run: (total or 0, True)
+
+
+def _interrupted_line(summary: JobSummary, committed_rows: int, parts_dir: str, options: JobOptions) -> str:
+    return (
+        f"interrupted: {committed_rows} of {summary.rows_total or '?'} rows committed in "
+        f"{parts_dir}. Resume with:\n  {options.resume_command or 'the same command'}"
+    )
 
 
 def _loading_line(options: JobOptions) -> str:
@@ -261,44 +286,33 @@ def _loading_line(options: JobOptions) -> str:
 
 
 def _start_engine(
-    factory: Callable[[EngineConfig], Engine] | None, config: EngineConfig, dashboard: Any
-) -> Engine:
+    factory: Callable[[EngineConfig], E] | None, config: EngineConfig, dashboard: Progress
+) -> E:
     """`factory(config)` (`default_engine_factory` when None), with the progress notes of its start
     (a one-time GGUF conversion, kernel measuring) shown on the dashboard as they happen."""
     with progress.shown(lambda note: dashboard.log(f"[batchgen] {note}")):
-        return (factory or default_engine_factory)(config)
+        # The default factory's LLMEngine is an `Engine`, what the default loop runs.
+        return (factory or cast(Callable[[EngineConfig], E], default_engine_factory))(config)
 
 
-def _default_dashboard(options: JobOptions, total: int | None) -> Any:
+def _default_dashboard(options: JobOptions, total: int | None) -> RunDashboard:
     """The Rich live view on a terminal (unless `--no-dashboard`), else periodic progress lines."""
     from batchgen.dashboard import Dashboard
 
     return Dashboard(total, live=options.dashboard, interval=options.progress_interval)
 
 
-def _run_rows(
-    loop: Callable[..., tuple[int, bool]],
-    options: JobOptions,
-    config: EngineConfig,
-    engine: Engine | None,
-    reader: JobReader,
-    state: Any,
-    writer: PartWriter,
-    dashboard: Any,
-    summary: JobSummary,
-    metrics: JobMetrics | NullMetrics,
-) -> int:
-    """`loop` under the job's signal handling, with the dashboard running; the rows finished are
-    committed whatever stopped it. Returns the input rows read; `summary.interrupted` (and
-    `stop_signal`) say whether a signal stopped it."""
-    with Interrupt() as interrupt:
+def _run_rows(loop: Callable[[JobRun[R]], tuple[int, bool]], run: JobRun[R], dashboard: RunDashboard) -> int:
+    """`loop` under the job's signal handling (`run.interrupt`), with the dashboard (`run.dashboard`)
+    running; the rows finished are committed whatever stopped it. Returns the input rows read;
+    `summary.interrupted` (and `stop_signal`) say whether a signal stopped it."""
+    summary, writer = run.summary, run.writer
+    with run.interrupt as interrupt:
         dashboard.start()
-        if engine is not None and engine.start_line:
-            dashboard.log(engine.start_line)
+        if run.engine is not None and run.engine.start_line:
+            dashboard.log(run.engine.start_line)
         try:
-            rows_read, finished = loop(
-                options, config, engine, reader, state, writer, dashboard, summary, interrupt, metrics
-            )
+            rows_read, finished = loop(run)
             summary.interrupted = not finished
             summary.stop_signal = interrupt.signum if summary.interrupted else None
         except BaseException:
@@ -310,14 +324,9 @@ def _run_rows(
             raise
         with interrupt.shielded():
             writer.commit()
-        metrics.on_rows(writer.committed_rows, summary.rows_error, idle=True)
+        run.metrics.on_rows(writer.committed_rows, summary.rows_error, idle=True)
         dashboard.stop()
     return rows_read
-
-
-def _nothing_to_run(total: int | None) -> Callable[..., tuple[int, bool]]:
-    """The loop of a job whose every row is committed already: it reads nothing and is finished."""
-    return lambda *args: (total or 0, True)
 
 
 def _finish_output(

@@ -15,7 +15,7 @@ __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "Completion
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type[LLM]:
     # `LLM` pulls in torch (seconds to import): imported on first use, so `batchgen --help` and the CLI's
     # argument checks answer at once and a Ctrl-C at start-up lands where the CLI handles it.
     if name == "LLM":

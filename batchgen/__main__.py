@@ -3,6 +3,7 @@
 import os
 import signal
 import sys
+from typing import TextIO
 
 # The progress bars of the libraries batchgen calls: tqdm (transformers' GGUF conversion and weight
 # loading), huggingface_hub's downloads and datasets' loading. Each reads its switch when imported.
@@ -13,7 +14,7 @@ THIRD_PARTY_PROGRESS_OFF = {
 }
 
 
-def quiet_third_party_progress(stream=None) -> bool:
+def quiet_third_party_progress(stream: TextIO | None = None) -> bool:
     """Turn the third-party progress bars off when `stream` (default: stderr, where they draw) is
     not a terminal: in a log file or CI their carriage-return redraws are one long garbled line
     each. A switch the user set is kept. Call before those libraries are imported; returns whether

@@ -334,10 +334,10 @@ _RUN_ONLY_OPTIONS = (
 
 def _hidden(parameter: inspect.Parameter) -> inspect.Parameter:
     """`parameter` (an `Annotated[type, typer.Option(...)]`) with its option left out of --help."""
-    base, info, *rest = get_args(parameter.annotation)
+    base, info = get_args(parameter.annotation)
     info = copy.copy(info)
     info.hidden = True
-    return parameter.replace(annotation=Annotated[(base, info, *rest)])
+    return parameter.replace(annotation=Annotated[base, info])
 
 
 opt.set_signature(

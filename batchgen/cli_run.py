@@ -110,7 +110,7 @@ def _run_reporting_errors(options: JobOptions, scale_out: ReplicaOptions | None)
     from batchgen.jobs.errors import JobInputError
     from batchgen.jobs.runner import run_job
 
-    last_signal = [signal.SIGINT]
+    last_signal: list[int] = [signal.SIGINT]
 
     def stop_on_sigterm(signum: int, frame: object) -> None:
         # Outside the job loop (model loading, the final assembly) SIGTERM stops the run as Ctrl-C

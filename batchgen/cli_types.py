@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from dataclasses import Field, fields
 from pathlib import Path
-from typing import Annotated, Any, get_type_hints
+from typing import Annotated, Any, TypeVar, get_type_hints
 
 import typer
 
@@ -32,13 +32,15 @@ from batchgen.sampling_params import SamplingDefaults
 
 __all__ = ["choices"]  # re-exported: commands list their own options' values with it
 
+T = TypeVar("T")
 
-def usage_errors(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+
+def usage_errors(parse: Callable[[str], T]) -> Callable[[str], T]:
     """`parse` for Typer: its ValueError becomes `typer.BadParameter` with the same message (Click
     would otherwise say only that the value is invalid), a usage error that exits 2."""
 
     @functools.wraps(parse)
-    def parse_option(text: str) -> Any:
+    def parse_option(text: str) -> T:
         try:
             return parse(text)
         except ValueError as e:
@@ -60,7 +62,7 @@ def memory_size(text: str) -> int:
 
 
 # --- sampling defaults of `batchgen run` (row columns override; `SamplingDefaults` holds the defaults) ---
-MaxTokens = Annotated[int, typer.Option(help="Most tokens generated per row")]
+MaxTokens = Annotated[int | None, typer.Option(help="Most tokens generated per row")]
 Temperature = Annotated[float, typer.Option(help="0 = greedy")]
 TopP = Annotated[float, typer.Option()]
 TopK = Annotated[int, typer.Option(help="0 or -1 = off")]
@@ -206,7 +208,7 @@ def engine_flags(
     return decorate
 
 
-def set_signature(command: Callable[..., Any], signature: inspect.Signature) -> None:
+def set_signature(command: Callable[..., object], signature: inspect.Signature) -> None:
     """Give `command` the parameters `signature` lists, as Typer reads them: its `__signature__` and
     its evaluated annotations (Typer asks `typing.get_type_hints` too)."""
     command.__dict__["__signature__"] = signature

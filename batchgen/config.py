@@ -252,8 +252,9 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        self.dtype = canonical_dtype(self.dtype)
-        _check_choice("dtype", self.dtype, DTYPES)
+        dtype = canonical_dtype(self.dtype)
+        _check_choice("dtype", dtype, DTYPES)
+        self.dtype = str(dtype)
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:
             _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -301,12 +302,10 @@ class EngineConfig:
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if low is None and high is None:
-            low, high = DEFAULT_PROMPT_LOOKUP_MIN, DEFAULT_PROMPT_LOOKUP_MAX
-        elif low is None:
+        if high is None:  # one given alone sets the other's default to it when needed
+            high = DEFAULT_PROMPT_LOOKUP_MAX if low is None else max(DEFAULT_PROMPT_LOOKUP_MAX, low)
+        if low is None:
             low = min(DEFAULT_PROMPT_LOOKUP_MIN, high)
-        elif high is None:
-            high = max(DEFAULT_PROMPT_LOOKUP_MAX, low)
         if low > high:
             raise ValueError(
                 f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high}); lower the first or raise the second"
@@ -316,7 +315,9 @@ class EngineConfig:
     @property
     def kv_cache_bytes(self) -> int:
         """CPU KV-cache budget in bytes."""
-        return self.kv_cache_memory if self.kv_cache_memory is not None else GiB
+        return (
+            GiB if self.kv_cache_memory is None else int(self.kv_cache_memory)
+        )  # an int after __post_init__
 
     @property
     def swap_bytes(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -18,6 +18,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from batchgen.engine.stats import EngineTotals, StepStats
+
+if TYPE_CHECKING:
+    from batchgen.jobs.options import JobSummary
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -176,7 +179,9 @@ class Dashboard:
         )
         r0 = r1 if r0 is None else r0
         dt = t1 - t0
-        return ((g1 - g0) / dt, (p1 - p0) / dt, (r1 - r0) / dt) if dt > 0 else (0.0, 0.0, 0.0)
+        if dt <= 0 or r0 is None or r1 is None:  # rows are None only in the first sample
+            return 0.0, 0.0, 0.0
+        return (g1 - g0) / dt, (p1 - p0) / dt, (r1 - r0) / dt
 
     def eta_s(self) -> float | None:
         """Seconds left at the rolling row rate of the recent steps (`rates`): 0 once every row is
@@ -260,7 +265,7 @@ class Dashboard:
         history.add_row("gen tok/s", sparkline(list(self._rate_history)))
         return Panel(Group(bar_line, table, history), title="batchgen run", border_style="blue")
 
-    def print_summary(self, summary: Any) -> None:
+    def print_summary(self, summary: JobSummary) -> None:
         """Print the end-of-run summary to the console (stdout): rows ok / error, tokens, wall time,
         throughput, output path."""
         wall = summary.wall_s or (time.perf_counter() - self._start)

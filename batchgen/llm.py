@@ -8,8 +8,13 @@ from typing import Any
 
 from batchgen.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.model.loading.tokenizer import Tokenizer
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
+
+# One prompt: text, chat messages ([{"role", "content"}]) or a dict of `prompt_token_ids` (or
+# `prompt` / `messages`), as vLLM's prompt types.
+Prompt = str | list[dict[str, Any]] | dict[str, Any]
 
 
 class LLM:
@@ -28,7 +33,9 @@ class LLM:
         TypeError / ValueError: an unknown or invalid option (naming it).
     """
 
-    def __init__(self, model: str | None = None, dtype: Any = "auto", **engine_options) -> None:
+    # Any: a dtype name or a torch.dtype, and `EngineConfig`'s fields, each of its own type
+    # (EngineConfig normalizes and checks them).
+    def __init__(self, model: str | None = None, dtype: Any = "auto", **engine_options: Any) -> None:
         known = set(EngineConfig.__dataclass_fields__)
         unknown = sorted(set(engine_options) - known)
         if unknown:
@@ -38,13 +45,13 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_options))
         self._calls = 0
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer:
         """The model's Hugging Face tokenizer (the one prompts are encoded with)."""
         return self.llm_engine.tokenizer
 
     def chat(
         self,
-        messages,
+        messages: Sequence[Any],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
@@ -65,7 +72,7 @@ class LLM:
 
     def generate(
         self,
-        prompts,
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
@@ -128,7 +135,7 @@ class LLM:
         return [results[i] for i in ids]
 
 
-def _prompt_list(prompts) -> list:
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """`generate`'s prompts as a list: one prompt (a string, a dict, a chat message list) becomes a
     list of one.
 
@@ -144,7 +151,9 @@ def _prompt_list(prompts) -> list:
     return list(prompts)
 
 
-def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
     """One `SamplingParams` per prompt: the one given for all (default `SamplingParams()`), or the
     list given, checked.
 

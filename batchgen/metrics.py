@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchgen.metrics_record import (
     JOB_KEYS,
@@ -33,6 +33,10 @@ from batchgen.metrics_record import (
     apply_request,
     apply_step,
 )
+
+if TYPE_CHECKING:
+    from batchgen.engine.stats import EngineTotals, StepStats
+    from batchgen.outputs import RequestOutput
 
 PREFIX = "batchgen:"
 FILE_INTERVAL_S = 5.0
@@ -98,7 +102,7 @@ class JobMetrics:
         self._labels = ("model_name", "replica") if options.replica_label else ("model_name",)
         self._families: dict[str, Any] = {}
         for key, kind, name, doc, *buckets in METRICS:
-            labels = ("model_name",) if key in JOB_KEYS else self._labels
+            labels: tuple[str, ...] = ("model_name",) if key in JOB_KEYS else self._labels
             if key == "success":
                 labels += ("finished_reason",)
             cls = {"gauge": prom.Gauge, "counter": prom.Counter, "histogram": prom.Histogram}[kind]
@@ -158,6 +162,8 @@ class JobMetrics:
 
     def _check_file(self) -> None:
         path = self.options.file
+        if path is None:
+            return
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise _input_error(f"--metrics-file {path}: the folder {folder} does not exist")
@@ -235,7 +241,7 @@ class JobMetrics:
             labels["replica"] = str(replica)
         return lambda reason: self._families["success"].labels(**labels, finished_reason=reason)
 
-    def on_step(self, s: Any, totals: Any = None) -> None:
+    def on_step(self, s: StepStats | None, totals: EngineTotals | None = None) -> None:
         """One engine step's `StepStats` (None: the step ran no model work) and the engine's
         `EngineTotals` after it (for the cumulative prefix-cache hit rate)."""
         if s is None or not self._m:
@@ -244,7 +250,7 @@ class JobMetrics:
             self._m["hit_rate"].set(totals.prefix_cache_hit_rate)
         apply_step(self._m, s)
 
-    def on_request(self, out: Any) -> None:
+    def on_request(self, out: RequestOutput) -> None:
         """One finished `RequestOutput`: its latencies (a rejected request has none) and finish reason."""
         if self._m:
             apply_request(self._m, self._success(None), RequestTimes.of(out))
@@ -294,9 +300,9 @@ class NullMetrics:
 
     url = None
 
-    def bind(self, *args: Any, **kwargs: Any) -> None: ...
-    def on_replica(self, *args: Any, **kwargs: Any) -> None: ...
-    def on_step(self, *args: Any, **kwargs: Any) -> None: ...
-    def on_request(self, *args: Any, **kwargs: Any) -> None: ...
-    def on_rows(self, *args: Any, **kwargs: Any) -> None: ...
+    def bind(self, *args: object, **kwargs: object) -> None: ...
+    def on_replica(self, *args: object, **kwargs: object) -> None: ...
+    def on_step(self, *args: object, **kwargs: object) -> None: ...
+    def on_request(self, *args: object, **kwargs: object) -> None: ...
+    def on_rows(self, *args: object, **kwargs: object) -> None: ...
     def close(self, final_write: bool = True) -> None: ...

@@ -7,8 +7,13 @@ Nothing here imports prometheus_client: a replica records without it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchgen.engine.stats import EngineTotals, StepStats
+    from batchgen.outputs import RequestOutput
 
 # vLLM's bucket edges (seconds, or tokens per step).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -75,9 +80,10 @@ class RequestTimes:
     tpot: float | None = None
 
     @classmethod
-    def of(cls, out: Any) -> RequestTimes:
+    def of(cls, out: RequestOutput) -> RequestTimes:
         """From a `RequestOutput`."""
-        reasons = tuple(c.finish_reason for c in out.outputs) or ("error",)
+        # A finished output's completions all have a reason (str(): a label, as prometheus makes it).
+        reasons = tuple(str(c.finish_reason) for c in out.outputs) or ("error",)
         t = out.metrics
         if t is None or t.ttft is None:
             return cls(reasons)
@@ -96,22 +102,22 @@ class MetricsRecord:
     `JobMetrics` (it has the same `on_*` methods) and sends it back with each shard; the driver
     applies it with `JobMetrics.on_replica`. Plain data: it travels through Ray as a pickle."""
 
-    steps: list[Any] = field(default_factory=list)
+    steps: list[StepStats] = field(default_factory=list)
     requests: list[RequestTimes] = field(default_factory=list)
     hit_rate: float | None = None
 
-    def on_step(self, s: Any, totals: Any = None) -> None:
+    def on_step(self, s: StepStats | None, totals: EngineTotals | None = None) -> None:
         if s is not None:
             self.steps.append(s)
             if totals is not None:
                 self.hit_rate = totals.prefix_cache_hit_rate
 
-    def on_request(self, out: Any) -> None:
+    def on_request(self, out: RequestOutput) -> None:
         self.requests.append(RequestTimes.of(out))
 
-    def on_rows(self, *args: Any, **kwargs: Any) -> None: ...  # rows are the driver's to count
+    def on_rows(self, *args: object, **kwargs: object) -> None: ...  # rows are the driver's to count
 
-    def on_replica(self, *args: Any, **kwargs: Any) -> None: ...  # so are the replicas' records
+    def on_replica(self, *args: object, **kwargs: object) -> None: ...  # so are the replicas' records
 
     def take(self) -> MetricsRecord:
         """What was recorded since the last take; the record starts empty again."""
@@ -120,7 +126,7 @@ class MetricsRecord:
         return taken
 
 
-def apply_step(m: dict[str, Any], s: Any) -> None:
+def apply_step(m: dict[str, Any], s: StepStats) -> None:
     """One step's `StepStats` onto a series set (`m`: key -> labelled metric)."""
     m["running"].set(s.num_running)
     m["waiting"].set(s.num_waiting)
@@ -139,7 +145,7 @@ def apply_step(m: dict[str, Any], s: Any) -> None:
     m["step_seqs"].observe(s.num_seqs)
 
 
-def apply_request(m: dict[str, Any], success: Any, r: RequestTimes) -> None:
+def apply_request(m: dict[str, Any], success: Callable[[str], Any], r: RequestTimes) -> None:
     """One finished request onto a series set; `success(reason)` is its labelled finish counter."""
     for reason in r.reasons:
         success(reason).inc()

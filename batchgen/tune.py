@@ -4,15 +4,18 @@ the table: op, shape, row bucket, each candidate's time and rate, and the chosen
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from batchgen import cli_types as opt
 from batchgen.config import EngineConfig
 
+if TYPE_CHECKING:
+    from batchgen.kernels.registry import TuningTable
 
-def table_rows(table) -> list[dict]:
+
+def table_rows(table: TuningTable) -> list[dict[str, Any]]:
     """The tuning table's entries with each candidate's rate (GFLOP/s or GB/s) next to its time."""
     rows = []
     for row in table.rows():
@@ -24,7 +27,7 @@ def table_rows(table) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict], seconds: float, summary: str) -> None:
+def print_table(rows: list[dict[str, Any]], seconds: float, summary: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -71,7 +74,7 @@ def tune_command(
             help="KV cache of the engine started to measure (bytes or 2GiB, 512MiB); small, as the "
             "table does not depend on it",
         ),
-    ] = "64MiB",
+    ] = "64MiB",  # type: ignore[assignment]  # Click parses a default too: bytes, as the help says 64MiB
 ) -> None:
     """Choose the kernels for a model on this machine and print the measured table (cached: a
     second call, like a second `batchgen run`, measures nothing)."""

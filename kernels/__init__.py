@@ -22,6 +22,7 @@ if __name__ == "kernels":
     import os
     import sys
     from importlib.machinery import PathFinder
+    from typing import NoReturn
 
     _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout]
@@ -34,7 +35,7 @@ if __name__ == "kernels":
         # with the fix.
         del __file__
 
-        def __getattr__(name: str):
+        def __getattr__(name: str) -> NoReturn:
             raise AttributeError(
                 f"no {name!r} here: the top-level `kernels` found first is batchgen's checkout folder "
                 "kernels/ (batchgen.kernels), not Hugging Face's `kernels` package (pip install kernels)"

@@ -40,6 +40,9 @@ from batchgen.progress import PROGRESS
 
 logger = logging.getLogger(__name__)
 
+Run = Callable[[], torch.Tensor]  # one call of a candidate on prepared input
+Setup = Callable[[int], Run]  # a candidate: rows -> its run on that many rows of prepared input
+
 # Row-count buckets of a flat step (a mixed prefill+decode step counts all its rows). A step of m rows
 # uses the bucket of the smallest bound >= m; steps past the last bound use the last.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -218,7 +221,7 @@ class TuningTable:
         return sorted(out, key=lambda r: (r["op"], r["shape"], r["rows"]))
 
 
-def _valid_entry(entry) -> bool:
+def _valid_entry(entry: object) -> bool:
     return (
         isinstance(entry, dict)
         and isinstance(entry.get("chosen"), str)
@@ -274,7 +277,7 @@ def choose(
     op: str,
     shape: str,
     buckets: tuple[int, ...],
-    candidates: Mapping[str, Callable[[int], Callable[[], torch.Tensor]]],
+    candidates: Mapping[str, Setup],
     reference: Callable[[int], torch.Tensor],
     rtol: float,
     work: Callable[[int], float] | None = None,

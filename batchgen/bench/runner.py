@@ -95,7 +95,9 @@ def run_bench(
 
     def run(plan: ConfigPlan, label: str, timed: bool = True) -> RunResult:
         profiled = profiles is not None and timed and plan.kind in MODES
-        profiler = profiles.setdefault(plan.name, cProfile.Profile()) if profiled else None
+        profiler = (
+            profiles.setdefault(plan.name, cProfile.Profile()) if profiles is not None and profiled else None
+        )
         return _run_logged(plan, label, settings, facts, workload, factory, log, profiler)
 
     if rates is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchgen.bench.spec import WorkloadSpec
 from batchgen.config import FCFS, POLICY_NAMES, SPECULATIVE_FIELDS, SPECULATIVE_METHODS, EngineConfig
@@ -136,6 +137,6 @@ def engine_config_for(settings: BenchSettings, plan: ConfigPlan) -> EngineConfig
     caching = settings.engine.enable_prefix_caching and plan.kind != "static"
     config = dataclasses.replace(settings.engine, policy=plan.policy or FCFS, enable_prefix_caching=caching)
     if plan.speculative is None and config.speculative_method is not None:
-        off = dict.fromkeys(SPECULATIVE_FIELDS)
+        off: dict[str, Any] = dict.fromkeys(SPECULATIVE_FIELDS)  # each one None
         config = dataclasses.replace(config, speculative_method=None, **off)
     return config

@@ -19,15 +19,18 @@ import dataclasses
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchgen.config import EngineConfig
 from batchgen.distributed.pool import ReplicaOptions, ReplicaPool
 from batchgen.distributed.replica import Shard, ShardResult
 from batchgen.engine.stats import EngineTotals
 from batchgen.jobs.input.rows import JobRow
-from batchgen.jobs.loop import JobRun
+from batchgen.jobs.loop import JobRun, Progress, ResumeView, RowSource
 from batchgen.jobs.options import JobOptions, JobSummary
+
+if TYPE_CHECKING:
+    from batchgen.jobs.runner import RunDashboard
 
 # A shard is at least this many rows (fewer only at the end), so each replica's engine batches well.
 MIN_SHARD_ROWS = 16
@@ -35,7 +38,9 @@ MIN_SHARD_ROWS = 16
 WAVES = 4
 
 
-def run_distributed(options: JobOptions, replicas: ReplicaOptions, dashboard: Any = None) -> JobSummary:
+def run_distributed(
+    options: JobOptions, replicas: ReplicaOptions, dashboard: RunDashboard | None = None
+) -> JobSummary:
     """Run one job over `replicas.replicas` engine replicas on Ray, to completion or until SIGINT.
 
     Args:
@@ -83,7 +88,7 @@ def shard_size(remaining: int | None, replicas: int, commit_rows: int, override:
 class _Shards:
     """Cuts the rows not yet committed into shards of at most `size` consecutive input rows."""
 
-    def __init__(self, reader: Any, state: Any, size: int, dashboard: Any) -> None:
+    def __init__(self, reader: RowSource, state: ResumeView, size: int, dashboard: Progress) -> None:
         self.reader = reader
         self.rows: Iterator[JobRow] = iter(reader)
         self.state = state

@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.config import EngineConfig
+from batchgen.engine.protocol import Engine
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.jobs.input.rows import JobRow
 from batchgen.jobs.options import JobOptions, JobSummary
@@ -78,7 +80,7 @@ class _Rows:
         self.rows = rows
         self.parser = self._Parser()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[JobRow]:
         return iter(self.rows)
 
 
@@ -151,7 +153,7 @@ class Replica:
         if config.num_threads is None:  # torch would take every core of the node, not the actor's
             config = dataclasses.replace(config, num_threads=max(1, int(num_cpus)))
         self.config = config
-        self.engine: Any = None
+        self.engine: Engine | None = None
         self.error: str | None = None
         try:
             self.engine = default_engine_factory(config)

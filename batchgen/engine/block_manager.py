@@ -151,7 +151,7 @@ class BlockManager:
             # Register a block only under its own physical parent. A block whose parent hash is held
             # by another block (a duplicate, or a collision) would otherwise be served after that
             # block's tokens, and the token check cannot see that its K/V were computed after others.
-            parent_is_ours = i == 0 or self.cached.get(parent) == request.block_table[i - 1]
+            parent_is_ours = parent is None or self.cached.get(parent) == request.block_table[i - 1]
             if parent_is_ours and block.block_hash is None and block_hash not in self.cached:
                 block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, tokens
                 self.cached[block_hash] = block.block_id
@@ -185,6 +185,7 @@ class BlockManager:
                 del self.free_queue[block_id]
             block.ref_count += 1
             request.block_table.append(block_id)
+            assert block.block_hash is not None  # a cached prefix's blocks are full and hashed
             request.block_hashes.append(block.block_hash)
         for _ in range(max(needed, 0)):
             request.block_table.append(self._take_free_block())

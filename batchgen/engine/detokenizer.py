@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from batchgen.engine.request import Request
+from batchgen.model.loading.tokenizer import Tokenizer
 
 # Tokens decoded again before the read offset, so merges across the boundary (spaces, multi-byte
 # characters) come out as they would in a one-shot decode.
 _CONTEXT_TOKENS = 6
 
 
-def detokenize_incrementally(tokenizer, request: Request) -> str:
+def detokenize_incrementally(tokenizer: Tokenizer, request: Request) -> str:
     """Append the text of the request's newest tokens to `request.output_text`; returns the new text.
 
     Text is released only once it no longer ends in U+FFFD, so a character split over several byte
@@ -32,7 +33,7 @@ def detokenize_incrementally(tokenizer, request: Request) -> str:
     return new_text
 
 
-def check_stop(request: Request, tokenizer, max_model_len: int) -> str | None:
+def check_stop(request: Request, tokenizer: Tokenizer | None, max_model_len: int) -> str | None:
     """After a token was appended: the finish reason ("stop" / "length"), or None to go on.
 
     Order as in vLLM: EOS (unless `ignore_eos`), stop token ids, stop strings (text cut before the
@@ -50,6 +51,9 @@ def check_stop(request: Request, tokenizer, max_model_len: int) -> str | None:
             request.stop_reason = token
             return "stop"
     if params.stop_strings:
+        assert (
+            tokenizer is not None
+        )  # the engine's scheduler has its tokenizer; bare ones take no stop strings
         new_text = detokenize_incrementally(tokenizer, request)  # the text is kept up to date anyway
         if new_text and num_out > params.min_tokens and _cut_at_stop_string(request, len(new_text)):
             return "stop"
@@ -76,7 +80,7 @@ def _cut_at_stop_string(request: Request, new_len: int) -> bool:
     return True
 
 
-def final_text(tokenizer, request: Request) -> str:
+def final_text(tokenizer: Tokenizer, request: Request) -> str:
     """The request's output text: cut at its stop string, else a one-shot decode of its tokens,
     less the token that stopped it (EOS or a stop token id) unless `include_stop_str_in_output`,
     as vLLM's detokenizer leaves it out."""

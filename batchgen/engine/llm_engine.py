@@ -124,7 +124,7 @@ class LLMEngine:
         return "; ".join(parts)
 
     # ---- requests ----
-    def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt: object) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string, chat messages or a token-id dict.
 
         Raises:
@@ -140,7 +140,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt,
+        prompt: object,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
@@ -178,7 +178,7 @@ class LLMEngine:
             return
         self._add_one(request_id, prompt, params, arrival)
 
-    def _add_one(self, request_id: str, prompt, params: SamplingParams, arrival: float) -> None:
+    def _add_one(self, request_id: str, prompt: object, params: SamplingParams, arrival: float) -> None:
         """Queue one sequence (n = 1), or its rejection."""
         try:
             text, token_ids = self.encode_prompt(prompt)
@@ -220,7 +220,9 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add_request(request)
 
-    def _reject(self, request_id: str, text, token_ids: list[int], arrival: float, message: str) -> None:
+    def _reject(
+        self, request_id: str, text: str | None, token_ids: list[int], arrival: float, message: str
+    ) -> None:
         now = time.perf_counter()
         self._rejected.append(
             RequestOutput(

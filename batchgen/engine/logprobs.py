@@ -67,7 +67,7 @@ def scored_rows(r: Request, start: int, num_real_tokens: int) -> ScoredRows | No
         RuntimeError: the step starts past the first position not scored yet (a broken invariant:
             that position's log probabilities would be lost).
     """
-    if not r.scores_prompt:
+    if r.prompt_logprobs is None or not r.scores_prompt:
         return None
     done = len(r.prompt_logprobs)
     if start > done:
@@ -78,4 +78,5 @@ def scored_rows(r: Request, start: int, num_real_tokens: int) -> ScoredRows | No
     lo, hi = done, min(start + num_real_tokens, r.num_prompt_tokens - 1)
     if hi <= lo:
         return None
-    return ScoredRows(lo - start, r.token_ids[lo + 1 : hi + 1], r.sampling_params.prompt_logprobs)
+    top = r.sampling_params.prompt_logprobs or 0  # set: the request scores its prompt
+    return ScoredRows(lo - start, r.token_ids[lo + 1 : hi + 1], top)

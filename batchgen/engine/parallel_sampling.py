@@ -97,9 +97,10 @@ class SampleGroups:
             parent_id, index = owner
             done = self._done[parent_id]
             done[index] = out
-            if all(d is not None for d in done):
+            finished = [d for d in done if d is not None]
+            if len(finished) == len(done):
                 del self._done[parent_id]
-                result.append(_merge(parent_id, done))
+                result.append(_merge(parent_id, finished))
         return result
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from batchgen.engine.stats import EngineTotals, StepStats
+from batchgen.model.loading.tokenizer import Tokenizer
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -33,10 +34,12 @@ class Engine(Protocol):
         last_step / totals: statistics of the latest step (None before the first) and since start.
     """
 
-    tokenizer: Any
     max_model_len: int
     last_step: StepStats | None
     totals: EngineTotals
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
 
     @property
     def model_name(self) -> str | None: ...
@@ -44,7 +47,7 @@ class Engine(Protocol):
     @property
     def start_line(self) -> str: ...
 
-    def encode_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt: object) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) for a string, chat messages or a token-id dict.
 
         Raises:
@@ -59,7 +62,7 @@ class Engine(Protocol):
     def add_request(
         self,
         request_id: str,
-        prompt: Any,
+        prompt: object,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:

@@ -114,7 +114,8 @@ class Request:
         are still to come; then only the positions whose logits were already scored (a cache hit
         skips its positions' logits). vLLM takes no hits at all for such a request; this also lets
         one preempted after its prompt was scored take them again."""
-        return len(self.prompt_logprobs) if self.scores_prompt else self.num_tokens
+        scored = self.prompt_logprobs
+        return len(scored) if scored is not None and self.scores_prompt else self.num_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from typing import Any
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.detokenizer import check_stop
@@ -28,6 +27,7 @@ from batchgen.engine.policy import Policy
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from batchgen.engine.spec_decode import NgramProposer, ShadowDrafts, accepted_tokens, can_speculate
+from batchgen.model.loading.tokenizer import Tokenizer
 from batchgen.model.step import StepOutput
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput"]
@@ -54,13 +54,13 @@ class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
-        policy: Policy,
+        policy: Policy[Request],
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "recompute",
         *,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         max_model_len: int | None = None,
         proposer: NgramProposer | None = None,
         speculative_max_batch: int = 0,
@@ -126,6 +126,7 @@ class Scheduler:
             if speculate and request.num_tokens - request.num_computed_tokens == 1:
                 drafts = self._draft(request, budget, len(queue))
                 if drafts:
+                    assert self.shadow is not None  # drafts come from the proposer, which has one
                     self.shadow.drop(request.request_id)
                     scheduled_running.append(request)
                     out.scheduled.append(
@@ -164,7 +165,7 @@ class Scheduler:
         block, so drafts never cause a preemption. Their extra blocks are fresh ones only (never
         a cached prefix evicted for a draft that may be rejected), and they never run past
         `max_tokens`."""
-        if not can_speculate(request):
+        if self.proposer is None or not can_speculate(request):
             return []
         room = min(budget - 1 - num_after, request.max_tokens - request.num_output_tokens - 1)
         drafts = self.proposer.propose(request.token_ids, room) if room > 0 else []
@@ -281,7 +282,7 @@ class Scheduler:
             r = item.request
             if r.first_scheduled_time is None:  # the wait ends when the step that serves it begins
                 r.first_scheduled_time = scheduled_at
-            if prompt_logprobs:
+            if prompt_logprobs and r.prompt_logprobs is not None:  # scored: it asked for them
                 r.prompt_logprobs.extend(prompt_logprobs)
             if not item.samples:
                 r.num_computed_tokens = item.start + item.num_new_tokens

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,12 +18,15 @@ from batchgen.engine.engine_plan import EnginePlan
 from batchgen.kernels.cpu.linear import cpu_has_native_bf16
 from batchgen.model.layers import attention_heads
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """The compute dtype for `--dtype name`.
 
     "auto" runs 16-bit, as vLLM's "auto" does (it downcasts float32 checkpoints too): float16 for a
@@ -58,7 +62,9 @@ def slow_dtype_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     return None
 
 
-def plan_engine(config: EngineConfig, model_config, device: torch.device, dtype: torch.dtype) -> EnginePlan:
+def plan_engine(
+    config: EngineConfig, model_config: PretrainedConfig, device: torch.device, dtype: torch.dtype
+) -> EnginePlan:
     """Size the engine: KV blocks from the memory budget, max_model_len within the model's limit
     and the cache, the step's token budget.
 
@@ -124,7 +130,7 @@ def token_budget(config: EngineConfig, device: torch.device, max_model_len: int)
     return default if config.enable_chunked_prefill else max(default, max_model_len)
 
 
-def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block: K and V, in every layer, `block_size` tokens x KV heads x head_dim x
     the dtype's size (the cache layout is `[num_blocks, block_size, num_kv_heads, head_dim]`)."""
     _, kv_heads, head_dim = attention_heads(config)
@@ -133,7 +139,11 @@ def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int
 
 
 def num_kv_blocks(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype, per_block: int, model_config
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    per_block: int,
+    model_config: PretrainedConfig,
 ) -> int:
     """KV blocks of `per_block` bytes: an explicit `kv_cache_memory` on any device (as vLLM's
     `kv_cache_memory_bytes` overrides `gpu_memory_utilization`), else the CUDA memory budget,
@@ -189,7 +199,7 @@ def check_fits_in_memory(cache_bytes: int) -> None:
         )
 
 
-def model_max_len(config) -> int:
+def model_max_len(config: PretrainedConfig) -> int:
     """The longest sequence the model serves exactly: `max_position_embeddings` (2048 if unset),
     within a Mistral sliding window (sliding-window attention is not implemented)."""
     limit = _position_limit(config)
@@ -197,12 +207,12 @@ def model_max_len(config) -> int:
     return int(min(limit, window) if window else limit)
 
 
-def _position_limit(config) -> int:
+def _position_limit(config: PretrainedConfig) -> int:
     """`max_position_embeddings`, 2048 where the config does not say."""
     return getattr(config, "max_position_embeddings", None) or 2048
 
 
-def sliding_window(config) -> int | None:
+def sliding_window(config: PretrainedConfig) -> int | None:
     """The config's attention window in tokens where the model uses one (Mistral, Qwen2 with
     `use_sliding_window`), else None. Sliding-window attention is not implemented, so sequences
     stay inside the window and outputs stay exact."""
@@ -212,7 +222,7 @@ def sliding_window(config) -> int | None:
     return None
 
 
-def model_limit_reason(config) -> str:
+def model_limit_reason(config: PretrainedConfig) -> str:
     """Why `model_max_len(config)` is what it is, for messages: the sliding window when it decides."""
     window = sliding_window(config)
     if window and window < _position_limit(config):
@@ -223,7 +233,7 @@ def model_limit_reason(config) -> str:
     return ""
 
 
-def num_parameters(config) -> int:
+def num_parameters(config: PretrainedConfig) -> int:
     """Approximate parameter count of a Llama-family config (attention as 4 x hidden^2, the MLP,
     untied embeddings): the weights' share of a CUDA memory budget."""
     h, i, layers, vocab = (

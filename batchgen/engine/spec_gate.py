@@ -27,13 +27,18 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchgen.cache import cache_root, write_atomically
 from batchgen.engine.spec_decode import NgramProposer
 from batchgen.kernels.registry import fastest_seconds
+
+if TYPE_CHECKING:
+    from batchgen.config import EngineConfig
+    from batchgen.engine.scheduler_output import SchedulerOutput
+    from batchgen.model.runner import ModelRunner
 from batchgen.model.kernel_choice.choice import tuning_key
 from batchgen.model.step import StepInput
 
@@ -107,7 +112,7 @@ class SpeculationPlan:
     proposer: NgramProposer
     gate: SpeculationGate
 
-    def observe(self, sched: Any) -> int:
+    def observe(self, sched: SchedulerOutput) -> int:
         """Feed a step's verifications, real and shadow (a `SchedulerOutput`), to the gate;
         returns the gate's running-batch limit for the next step."""
         self.gate.observe(
@@ -155,7 +160,7 @@ def _synthetic_step(batch: int, drafts: int, context: int, block_table: list[int
     ]
 
 
-def measure_points(runner: Any, k: int, max_batch: int) -> list[tuple]:
+def measure_points(runner: ModelRunner, k: int, max_batch: int) -> list[tuple]:
     """(B, t_dec, t_spec) for B = 1, 2, 4, ... up to `max_batch`, until `t_spec / t_dec` passes
     `1 + k` (no acceptance can pay for more: a verification makes at most k + 1 tokens).
 
@@ -182,7 +187,7 @@ def measure_points(runner: Any, k: int, max_batch: int) -> list[tuple]:
     return points
 
 
-def gate_cache_key(runner: Any, k: int, max_batch: int, dtype: torch.dtype) -> dict[str, str]:
+def gate_cache_key(runner: ModelRunner, k: int, max_batch: int, dtype: torch.dtype) -> dict[str, str]:
     """What the gate depends on: the kernels' machine key (the GPU's too), the model's shape, the
     attention backend and kernel mode, K and the largest batch measured."""
     config = runner.config
@@ -228,15 +233,15 @@ def measure_gate(
 
 
 def plan_speculation(
-    config: Any, runner: Any, max_num_batched_tokens: int, dtype: torch.dtype
+    config: EngineConfig, runner: ModelRunner, max_num_batched_tokens: int, dtype: torch.dtype
 ) -> SpeculationPlan | None:
     """The engine's proposer and gate for `config` (an `EngineConfig`): None without a
     `speculative_method`; the gate set by `speculative_max_batch`, else `measure_gate`'s."""
     if config.speculative_method is None:
         return None
-    proposer = NgramProposer(
-        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-    )
+    k, low, high = config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+    assert k is not None and low is not None and high is not None  # EngineConfig resolved them
+    proposer = NgramProposer(k, low, high)
     if config.speculative_max_batch is not None:
         return SpeculationPlan(proposer, SpeculationGate([], 0, fixed=config.speculative_max_batch))
     gate = measure_gate(runner, proposer.k, config.max_num_seqs, max_num_batched_tokens, dtype)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from batchgen.model.loading.tokenizer import Tokenizer
 
 
-def encode_prompt(tokenizer, prompt, vocab_size: int | None = None) -> tuple[str | None, list[int]]:
+def encode_prompt(
+    tokenizer: Tokenizer, prompt: object, vocab_size: int | None = None
+) -> tuple[str | None, list[int]]:
     """Turn one prompt into (text or None, token ids).
 
     Accepts a string (tokenized with the tokenizer's special tokens), a list of chat messages
@@ -34,17 +36,17 @@ def encode_prompt(tokenizer, prompt, vocab_size: int | None = None) -> tuple[str
     return text, ids
 
 
-def vocabulary_limit(tokenizer, vocab_size: int | None = None) -> int:
+def vocabulary_limit(tokenizer: Tokenizer, vocab_size: int | None = None) -> int:
     """One past the largest token id both the tokenizer and the model (its `vocab_size` embedding
     rows, when given) know: ids at or above it cannot be embedded, nor ever sampled."""
     return len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
 
 
-def _has_ids(prompt) -> bool:
+def _has_ids(prompt: object) -> bool:
     return isinstance(prompt, dict) and "prompt_token_ids" in prompt
 
 
-def _encode(tokenizer, prompt) -> tuple[str | None, list[int]]:
+def _encode(tokenizer: Tokenizer, prompt: object) -> tuple[str | None, list[int]]:
     if isinstance(prompt, dict):
         if prompt.get("multi_modal_data") is not None:
             raise ValueError("multi_modal_data is not supported: batchgen runs text-only models")
@@ -94,19 +96,20 @@ def _encode(tokenizer, prompt) -> tuple[str | None, list[int]]:
     raise TypeError(f"a prompt must be a string, a list of messages or a dict, got {type(prompt).__name__}")
 
 
-def content_text(content: Any) -> str | None:
+def content_text(content: object) -> str | None:
     """A chat message's content as text: a string, or OpenAI's list of content parts when every part
     is `{"type": "text", "text": str}` (joined with newlines, as vLLM does); None otherwise."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content:
         parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
-        if all(isinstance(t, str) for t in parts):
-            return "\n".join(parts)
+        texts = [t for t in parts if isinstance(t, str)]
+        if len(texts) == len(parts):
+            return "\n".join(texts)
     return None
 
 
-def _single_bos(tokenizer, ids: list[int]) -> list[int]:
+def _single_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     """`ids` with a doubled leading BOS collapsed to one (a chat template that writes the BOS, or a
     text that starts with it, tokenized by a tokenizer that adds one too). A missing BOS is not
     added: whether a prompt starts with one is the tokenizer's `add_bos_token` (plain text) or the

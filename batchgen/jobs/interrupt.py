@@ -7,6 +7,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 from batchgen.stop_signals import STOP_SIGNALS, handled_stop_signals
@@ -45,7 +46,7 @@ class Interrupt:
             self._previous = {s: signal.signal(s, self._handle) for s in handled}
         return self
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._shielded:
             self.requested = True
             self.signum = self.signum or signum
@@ -58,6 +59,6 @@ class Interrupt:
         self.requested = True
         self.signum = signum
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for s, previous in self._previous.items():
             signal.signal(s, previous)

@@ -39,6 +39,8 @@ def window_work(prompt_tokens: int, n: int, max_tokens: int | None, max_model_le
 
 
 class Notices(Protocol):
+    """The reader's row parser, as a loop reads it."""
+
     @property
     def notices(self) -> list[str]:
         """Messages about the input (a column one typo away from a field), logged as they come."""
@@ -55,6 +57,8 @@ class RowSource(Protocol):
 
 
 class Committed(Protocol):
+    """The rows earlier runs committed (`batchgen.jobs.output.manifest.CommittedRows`)."""
+
     def is_committed(self, row_index: int, row_hash: int, where: str = "") -> bool: ...
 
 
@@ -207,9 +211,10 @@ class _EngineLoop:
                 continue
             prepared, error = prepare_row(row, self.engine, self.options, self.chat, self.bos, self.max_len)
             if error is not None:
-                self._finish(error_result(row, error, prepared and prepared.prompt_tokens), row.keep)
+                self._finish(error_result(row, error, prepared.prompt_tokens if prepared else None), row.keep)
                 continue
-            sp = row.sampling_params
+            assert prepared is not None  # prepare_row gives the row or its error
+            sp = row.params
             work = window_work(prepared.prompt_tokens, sp.n, sp.max_tokens, self.max_len)
             self.window.push(prepared, work=work, priority=sp.priority)
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from batchgen.engine.protocol import Engine
 from batchgen.jobs.input.rows import JobRow
 from batchgen.jobs.options import JobOptions, flag_hint
 from batchgen.jobs.output.token_bytes import TokenBytes, token_text
 from batchgen.jobs.truncate import truncate_chat, truncate_ids
+from batchgen.model.loading.tokenizer import Tokenizer
+from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 @dataclass(slots=True)
@@ -31,6 +32,8 @@ def engine_prompt(row: JobRow, system_prompt: str | None, chat: bool) -> str | l
     """What the engine encodes for a row: messages (system prompt added unless present), a plain
     prompt wrapped as a user message when `chat`, or the text (OpenAI completions stay raw)."""
     p = row.prompt
+    if p is None:
+        raise ValueError(f"{row.where} is an error row: it has no prompt")
     if isinstance(p, list):
         if system_prompt and not any(m["role"] == "system" for m in p):
             return [{"role": "system", "content": system_prompt}, *p]
@@ -43,8 +46,19 @@ def engine_prompt(row: JobRow, system_prompt: str | None, chat: bool) -> str | l
     return f"{system_prompt}\n\n{p}" if system_prompt else p
 
 
+class PromptEngine(Protocol):
+    """What `prepare_row` asks of an engine (an `Engine`, or `batchgen plan`'s tokenizer-only one)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+
+    def encode_prompt(self, prompt: object) -> tuple[str | None, list[int]]: ...
+
+    def check_prompt_len(self, num_tokens: int) -> str | None: ...
+
+
 def prepare_row(
-    row: JobRow, engine: Engine, options: JobOptions, chat: bool, bos: int | None, max_len: int
+    row: JobRow, engine: PromptEngine, options: JobOptions, chat: bool, bos: int | None, max_len: int
 ) -> tuple[Prepared | None, str | None]:
     """Tokenize a row and apply --truncate-prompt; (prepared, None) or (prepared or None, error)."""
     prompt = engine_prompt(row, options.system_prompt, chat)
@@ -60,11 +74,12 @@ def prepare_row(
                 f"{row.where}: the prompt is too long: {too_long}{flag_hint(too_long)}; "
                 "or pass --truncate-prompt left|right"
             )
-        room = min(row.sampling_params.max_tokens or 1, max_len // 2)
+        room = min(row.params.max_tokens or 1, max_len // 2)
         keep = max_len - room
         if isinstance(prompt, list) and engine.tokenizer is not None:
+            cut: list[int] | None
             try:
-                ids = truncate_chat(
+                cut = truncate_chat(
                     prompt,
                     options.truncate_prompt,
                     keep,
@@ -72,13 +87,14 @@ def prepare_row(
                     engine.tokenizer,
                 )
             except Exception:  # a cut that empties the only message cannot be rendered: the row fails
-                ids = None
-            if ids is None:
+                cut = None
+            if cut is None:
                 return Prepared(row, None, n), (
                     f"{row.where}: the chat prompt cannot be cut to {keep} tokens and keep any of its text: "
                     "the chat template (with any system prompt it adds) takes that room; shorten the "
                     "system prompt or raise --max-model-len"
                 )
+            ids = cut
         else:
             ids = truncate_ids(ids, options.truncate_prompt, keep, bos)
     row.prompt = None  # free the text: only the token ids travel on
@@ -105,7 +121,7 @@ def error_result(row: JobRow, message: str, prompt_tokens: int | None = None) ->
     )
 
 
-def output_result(p: Prepared, out: Any, token_bytes: TokenBytes | None = None) -> dict[str, Any]:
+def output_result(p: Prepared, out: RequestOutput, token_bytes: TokenBytes | None = None) -> dict[str, Any]:
     """The output row of a prepared row from the engine's `RequestOutput` `out`; `token_bytes`
     (the engine tokenizer's) gives the bytes of the tokens in its log probabilities.
 
@@ -127,7 +143,7 @@ def output_result(p: Prepared, out: Any, token_bytes: TokenBytes | None = None) 
         values["finish_reason"] = "error"
         values["error"] = f"{p.row.where}: {message}{flag_hint(message)}"
         return result_row(p.row, **values)
-    params = p.row.sampling_params
+    params = p.row.params
     top = params.logprobs
     token_bytes = token_bytes or TokenBytes(None)
     values["output"] = c.text
@@ -149,7 +165,7 @@ def output_result(p: Prepared, out: Any, token_bytes: TokenBytes | None = None) 
     return result_row(p.row, **values)
 
 
-def _logprob_values(c: Any, top: int | None, token_bytes: TokenBytes) -> dict[str, Any]:
+def _logprob_values(c: CompletionOutput, top: int | None, token_bytes: TokenBytes) -> dict[str, Any]:
     """`logprobs` and `cumulative_logprob` of a completion that has log probabilities, else {}."""
     if c.logprobs is None:
         return {}
@@ -160,7 +176,7 @@ def _logprob_values(c: Any, top: int | None, token_bytes: TokenBytes) -> dict[st
 
 
 def token_logprobs(
-    token_ids: list[int], positions: list[dict[int, Any]], top: int, token_bytes: TokenBytes
+    token_ids: list[int], positions: list[dict[int, Logprob]], top: int, token_bytes: TokenBytes
 ) -> list[dict[str, Any]]:
     """The `logprobs` output value of a completion: per generated token, its `token_id`, `token`
     (its text alone; OpenAI's "bytes:\\xNN" name for part of a character), `bytes` (exact),
@@ -194,6 +210,7 @@ def prompt_token_logprobs(
     """
     entries: list[dict[str, Any] | None] = [None] if token_ids else []
     for token_id, position in zip(token_ids[1:], positions[1:], strict=True):
+        assert position is not None  # only the first position has none
         entry = _position_entry(token_id, position, top, token_bytes)
         entries.append({**entry, "rank": position[token_id].rank})
     return entries

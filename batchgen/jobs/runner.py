@@ -33,7 +33,7 @@ from batchgen.jobs.options import (
 )
 from batchgen.jobs.output.final_output import count_output_errors, finalize_output
 from batchgen.jobs.output.header import make_header
-from batchgen.jobs.output.resume import prepare_output, remove_earlier_output
+from batchgen.jobs.output.resume import ResumeState, prepare_output, remove_earlier_output
 from batchgen.jobs.output.writer import PartWriter
 from batchgen.metrics import JobMetrics, NullMetrics
 from batchgen.model.loading.fingerprint import model_fingerprint
@@ -330,7 +330,7 @@ def _run_rows(loop: Callable[[JobRun[R]], tuple[int, bool]], run: JobRun[R], das
 
 
 def _finish_output(
-    state: Any,
+    state: ResumeState,
     rows_read: int,
     fmt: str,
     header: dict[str, Any],

@@ -9,7 +9,8 @@ and the model would continue the user's text instead of answering it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+
+from batchgen.model.loading.tokenizer import Tokenizer
 
 # Token merges across the cut can shift a count by a token or two; each retry cuts that much more.
 _SLACK_TOKENS = 2
@@ -32,7 +33,7 @@ def truncate_chat(
     side: str,
     keep: int,
     encode: Callable[[list[dict[str, str]]], list[int]],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
 ) -> list[int] | None:
     """Token ids of `messages` rendered in at most `keep` tokens, or None when even empty contents
     do not fit (the template and system prompt alone are too long, or cutting would leave no text).

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from batchgen.engine.policy import make_policy
+from batchgen.engine.policy import Policy, make_policy
 
 T = TypeVar("T")
 
@@ -48,7 +48,7 @@ class LookaheadWindow(Generic[T]):
     """
 
     def __init__(self, policy: str, capacity: int) -> None:
-        self._queue = make_policy(policy, aging_steps=capacity - 1)
+        self._queue: Policy[_Entry] = make_policy(policy, aging_steps=capacity - 1)
         if capacity < 1:
             raise ValueError(f"window capacity must be >= 1 row, got {capacity}")
         self.policy = policy

@@ -7,6 +7,8 @@ greedy outputs are token-identical to `transformers` `generate`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,9 @@ from torch import nn
 from batchgen.kernels.cpu import ops as cpu_ops
 from batchgen.kernels.cpu.linear import swiglu_for_rows
 from batchgen.model.attention.base import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class RMSNorm(nn.Module):
@@ -65,7 +70,7 @@ def _c_rows(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.stride(1) == 1 and cpu_ops.bf16_ops_apply(x)
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
     """The config's rotary settings as one dict with at least `rope_type` and `rope_theta`.
 
     transformers >= 5 stores them in `config.rope_parameters`; 4.x in `rope_theta` + `rope_scaling`.
@@ -80,7 +85,7 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Rotary inverse frequencies `[head_dim // 2]` float32 and the cos/sin scale factor.
 
     The default rule is RoFormer's (Su et al. 2021); scaled variants (llama3, linear, yarn, ...) come
@@ -115,7 +120,10 @@ class RotaryEmbedding(nn.Module):
     and cast to the activation dtype when used, exactly as the reference does per call.
     """
 
-    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+    cos: torch.Tensor  # buffers `[max_positions, head_dim]` float32
+    sin: torch.Tensor
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv_freq, scale = inverse_frequencies(config, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float)
@@ -160,7 +168,7 @@ class MergedLinear(nn.Linear):
         param.data[start : start + self.shard_sizes[index]].copy_(tensor)
 
 
-def attention_heads(config) -> tuple[int, int, int]:
+def attention_heads(config: PretrainedConfig) -> tuple[int, int, int]:
     """(query heads, KV heads, head_dim) of a Hugging Face config: the one place they are read.
 
     `num_key_value_heads` defaults to the query heads (no GQA) and `head_dim` to
@@ -178,7 +186,7 @@ class Attention(nn.Module):
     forward(hidden `[T, hidden]`, the step's rotary (cos, sin), kv cache pair, metadata) -> `[T, hidden]`.
     """
 
-    def __init__(self, config, backend: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = attention_heads(config)
         self.scale = self.head_dim**-0.5

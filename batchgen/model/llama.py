@@ -8,12 +8,18 @@ GQA (`num_key_value_heads`), tied embeddings, QKV bias (Qwen2), per-head q/k nor
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from batchgen.model.attention.base import AttentionBackend, AttentionMetadata
-from batchgen.model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, attention_heads
+from batchgen.model.layers import MLP, Attention, MergedLinear, RMSNorm, RotaryEmbedding, attention_heads
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from batchgen.kernels.cpu.stack import DecoderStack
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -31,7 +37,7 @@ class DecoderLayer(nn.Module):
     """One pre-norm decoder layer: RMSNorm -> attention -> residual add -> RMSNorm -> SwiGLU MLP ->
     residual add, on `[T, hidden_size]` rows in the model's dtype."""
 
-    def __init__(self, config, backend: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.self_attn = Attention(config, backend)
         c_ops = backend.fused_cpu_ops
@@ -82,7 +88,7 @@ class DecoderLayer(nn.Module):
         return hidden, None
 
 
-def prefill_row_chunk(config, dtype: torch.dtype, device: torch.device) -> int:
+def prefill_row_chunk(config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> int:
     """Rows per slice for the non-attention work of a large CPU step; 0 = no slicing (GPU).
 
     The element-wise passes of a big step (norms, SiLU, products, residual adds) are memory-bound,
@@ -100,7 +106,7 @@ def prefill_row_chunk(config, dtype: torch.dtype, device: torch.device) -> int:
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm."""
 
-    def __init__(self, config, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         _, _, head_dim = attention_heads(config)
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
@@ -121,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         ValueError: for an unsupported `model_type`.
     """
 
-    def __init__(self, config, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -135,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # All layers of a step in one C call (`cpu_stack.DecoderStack`), set by the runner once the
         # linears are packed where it applies; None runs the layers one by one.
-        self.decoder_stack = None
+        self.decoder_stack: DecoderStack | None = None
 
     @torch.inference_mode()
     def forward(
@@ -208,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
                 target = module_name + "." + parts[-1]
                 if target not in params:
                     raise ValueError(f"unexpected weight {name!r} (no parameter {target!r})")
-                self.get_submodule(module_name).load_shard(shard, parts[-1], tensor)
+                cast(MergedLinear, self.get_submodule(module_name)).load_shard(shard, parts[-1], tensor)
                 loaded.add(f"{target}#{shard}")
                 continue
             if name not in params:
@@ -229,3 +235,9 @@ class LlamaForCausalLM(nn.Module):
                 missing.append(pname)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+
+
+def decoder_layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
+    """`model`'s decoder layers in order (`model.model.layers`, whose items a type checker sees as
+    plain `nn.Module`s)."""
+    return cast(list[DecoderLayer], list(model.model.layers))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +21,9 @@ from batchgen.model.layers import RotaryEmbedding, attention_heads
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.sampler import SampleLogprobs, Sampler, SamplingBatch, sample_logprobs
 from batchgen.model.step import StepInput, StepOutput
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def allocate_kv_caches(
@@ -70,8 +75,8 @@ class ModelRunner:
 
     def __init__(
         self,
-        config,
-        weights,
+        config: PretrainedConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
         dtype: torch.dtype,
         device: torch.device,
         block_size: int,
@@ -264,8 +269,10 @@ class ModelRunner:
         )
         token_ids = self.sampler(logits, batch).tolist()
         logprobs: list[SampleLogprobs | None] = [None] * len(token_ids)
-        if asked:
-            found = sample_logprobs(raw, [token_ids[i] for i in asked], [sampled[i].logprobs for i in asked])
+        if raw is not None:
+            found = sample_logprobs(
+                raw, [token_ids[i] for i in asked], [sampled[i].logprobs or 0 for i in asked]
+            )
             for i, lp in zip(asked, found, strict=True):
                 logprobs[i] = lp
         return StepOutput(token_ids, logprobs, errors, scored)

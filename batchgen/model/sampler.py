@@ -142,9 +142,11 @@ def sample_logprobs(
         outside = bool((chosen_lp[:, 0] < logprobs.amax(dim=-1)).any())
     if outside:
         ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()  # to the host once, not per row
+    top_lps, top_id_rows = top_lp.tolist(), top_ids.tolist()  # to the host once, not per row
     return [
-        SampleLogprobs(token, value, rank, _chosen_first(token, value, rank, top_ids[i][:k], top_lp[i][:k]))
+        SampleLogprobs(
+            token, value, rank, _chosen_first(token, value, rank, top_id_rows[i][:k], top_lps[i][:k])
+        )
         for i, (token, value, rank, k) in enumerate(
             zip(token_ids, chosen_lp[:, 0].tolist(), ranks.tolist(), top_ks, strict=True)
         )

@@ -30,12 +30,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from batchgen.cache import cache_root, write_atomically
 from batchgen.config import EngineConfig
 from batchgen.plan.calibrate_steps import StepSample, measure_steps
 from batchgen.plan.schedule import StepCosts
+
+if TYPE_CHECKING:
+    import torch
+
+    from batchgen.model.kernel_choice.choice import KernelChoice
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +105,11 @@ class Calibration:
         return max((max(t) / min(t) for t in groups.values() if min(t) > 0), default=1.0)
 
 
-STATISTICS = {"fastest": min, "median": statistics.median, "slowest": max}
+STATISTICS: dict[str, Callable[[list[float]], float]] = {
+    "fastest": min,
+    "median": statistics.median,
+    "slowest": max,
+}
 
 
 def _stat(values: list[float], statistic: str) -> float:
@@ -160,7 +169,7 @@ def fit_costs(samples: list[StepSample], statistic: str = "fastest") -> StepCost
 
 
 def calibration_key(
-    config: EngineConfig, dtype: Any, threads: int, lengths: dict[str, int]
+    config: EngineConfig, dtype: torch.dtype, threads: int, lengths: dict[str, int]
 ) -> dict[str, str]:
     """What a calibration's times depend on: the machine (as the kernel table's key), the model's
     files, the engine options that change a step's time, and the calibration's own lengths."""
@@ -211,7 +220,7 @@ def save(calibration: Calibration, directory: Path | None = None) -> None:
 
 def calibrate(
     config: EngineConfig,
-    dtype: Any,
+    dtype: torch.dtype,
     prompt_len: int,
     context_len: int,
     max_batch: int,
@@ -260,9 +269,9 @@ def calibrate(
     engine = LLMEngine(config)
     startup = time.perf_counter() - start
     threads = torch.get_num_threads()
-    load, cpu, wall = LoadSample(), time.process_time(), time.perf_counter()
+    load, cpu_start, wall = LoadSample(), time.process_time(), time.perf_counter()
     samples = measure_steps(engine, prompt_len, context_len, max_batch)
-    cpu_share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * threads)
+    cpu_share = (time.process_time() - cpu_start) / ((time.perf_counter() - wall) * threads)
     calibration = Calibration(
         key=calibration_key(config, engine.dtype, threads, lengths),
         startup_s=startup,
@@ -279,7 +288,7 @@ def calibrate(
     return calibration
 
 
-def _measuring_seconds(choice: Any) -> float | None:
+def _measuring_seconds(choice: KernelChoice) -> float | None:
     """A `KernelChoice`'s seconds where its table measured something (`TuningTable.announced`)."""
     table = getattr(choice, "table", None)
     return choice.seconds if table is not None and table.announced else None

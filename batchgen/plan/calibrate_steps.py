@@ -6,7 +6,11 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.stats import StepStats
 
 TIMED_STEPS = 3  # timed decode steps at each batch size
 PREFILL_STEPS = 2  # timed full-budget prefill steps
@@ -39,7 +43,7 @@ def decode_batches(max_batch: int) -> list[int]:
 class _Steps:
     """Drives an engine with random-token requests and times its steps."""
 
-    def __init__(self, engine: Any, seed: int = 0) -> None:
+    def __init__(self, engine: LLMEngine, seed: int = 0) -> None:
         self.engine = engine
         self.rng = random.Random(seed)
         self.live: list[str] = []
@@ -80,7 +84,7 @@ class _Steps:
             k.index_fill_(0, index, 0.01)
             v.index_fill_(0, index, 0.01)
 
-    def step(self, series: str | None = None) -> Any:
+    def step(self, series: str | None = None) -> StepStats | None:
         """One step; with `series`, its time is a sample. Returns the step's `StepStats`."""
         start = time.perf_counter()
         for out in self.engine.step():
@@ -108,7 +112,7 @@ class _Steps:
         self.live = []
 
 
-def measure_steps(engine: Any, prompt_len: int, context_len: int, max_batch: int) -> list[StepSample]:
+def measure_steps(engine: LLMEngine, prompt_len: int, context_len: int, max_batch: int) -> list[StepSample]:
     """Time the steps `batchgen.plan.calibrate` describes on `engine` (an `LLMEngine` with no
     request); returns the samples. The requests it adds are aborted before it returns."""
     steps = _Steps(engine)

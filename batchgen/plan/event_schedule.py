@@ -22,7 +22,7 @@ Where none of these matters, its schedule is the engine's step for step
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from batchgen.model.step import is_decode
 from batchgen.plan.schedule import Schedule, ScheduleLimits
@@ -31,7 +31,14 @@ from batchgen.plan.schedule import Schedule, ScheduleLimits
 class _Events:
     """The state of `event_schedule` (see there)."""
 
-    def __init__(self, prompts, cached, outputs, limits: ScheduleLimits, trace: bool):
+    def __init__(
+        self,
+        prompts: Iterable[int],
+        cached: Iterable[int],
+        outputs: Iterable[int],
+        limits: ScheduleLimits,
+        trace: bool,
+    ) -> None:
         # Plain ints: indexing a numpy array per row costs more than the whole simulation's logic.
         self.prompts, self.cached, self.outputs = (list(map(int, a)) for a in (prompts, cached, outputs))
         if not len(self.prompts) == len(self.cached) == len(self.outputs):
@@ -150,9 +157,9 @@ class _Events:
 
 
 def event_schedule(
-    prompt_tokens: Sequence[int],
-    cached_tokens: Sequence[int],
-    output_tokens: Sequence[int],
+    prompt_tokens: Iterable[int],
+    cached_tokens: Iterable[int],
+    output_tokens: Iterable[int],
     limits: ScheduleLimits,
     trace: bool = False,
 ) -> Schedule:

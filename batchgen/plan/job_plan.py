@@ -18,14 +18,17 @@ from __future__ import annotations
 import math
 import time
 from array import array
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from batchgen.jobs.errors import JobInputError
+from batchgen.jobs.input.rows import JobRow
 from batchgen.jobs.loop import window_work
 from batchgen.jobs.options import JobOptions, check_output_path, flag_hint, output_format
+from batchgen.jobs.output.manifest import CommittedRows
 from batchgen.jobs.output.resume import check_output_location
 from batchgen.jobs.requests import prepare_row
 from batchgen.plan.estimate import REPLAY_MAX_BLOCKS
@@ -33,6 +36,7 @@ from batchgen.plan.inputs import CommittedOutputs, TokenizerEngine, committed_ro
 from batchgen.plan.prefix import PrefixEstimate
 from batchgen.plan.schedule import Sequences
 from batchgen.plan.wall_time import WallTimeEstimate, WallTimeOptions, expected_outputs
+from batchgen.sampling_params import SamplingParams
 
 FIRST_ERRORS = 5
 
@@ -102,7 +106,7 @@ class _Tally:
         if len(self.plan.first_errors) < FIRST_ERRORS:
             self.plan.first_errors.append(message)
 
-    def row(self, token_ids: list[int], budget: int, sp: Any, work: int) -> None:
+    def row(self, token_ids: list[int], budget: int, sp: SamplingParams, work: int) -> None:
         """A valid row: `budget` output tokens a sequence, `sp.n` sequences, `work` in the window;
         a row asking for prompt log probabilities takes no prefix-cache hits for its first sequence
         (as the engine: the sequence that scores the prompt)."""
@@ -128,10 +132,12 @@ class _Tally:
         if self.hashes is not None and len(self.hashes) > REPLAY_MAX_BLOCKS:
             self.hashes = self.offsets = None
 
-    def committed(self, outputs: CommittedOutputs | None, row_index: int, sp: Any, max_len: int) -> None:
+    def committed(
+        self, outputs: CommittedOutputs | None, row_index: int, sp: SamplingParams | None, max_len: int
+    ) -> None:
         """A row an earlier run committed: its output against its budget, when it ran."""
         found = outputs.lookup(row_index) if outputs is not None else None
-        if found is not None:
+        if found is not None and sp is not None:  # it ran: not an error row
             prompt, completion = found
             room = max(max_len - prompt, 1)
             self.committed_budget += sp.n * (room if sp.max_tokens is None else min(sp.max_tokens, room))
@@ -166,7 +172,14 @@ def _open_job(options: JobOptions, engine: Any, torch_free: bool) -> tuple[Any, 
     return config, reader, engine, committed, outputs, note
 
 
-def _read_rows(tally: _Tally, options: JobOptions, reader: Any, engine: Any, committed: Any, outputs) -> None:
+def _read_rows(
+    tally: _Tally,
+    options: JobOptions,
+    reader: Iterable[JobRow],
+    engine: TokenizerEngine,
+    committed: CommittedRows | None,
+    outputs: CommittedOutputs | None,
+) -> None:
     """Every row as `run` would take it: committed, error row, or a valid row with its tokens."""
     plan = tally.plan
     tokenizer = engine.tokenizer
@@ -187,7 +200,8 @@ def _read_rows(tally: _Tally, options: JobOptions, reader: Any, engine: Any, com
             plan.rows_too_long += prepared is not None
             tally.error(message)
             continue
-        sp = row.sampling_params
+        assert prepared is not None and prepared.token_ids is not None  # a row, no engine took its ids
+        sp = row.params
         unknown = [t for t in sp.stop_token_ids or () if t >= engine.vocab_limit]
         if unknown:  # the engine's own check (LLMEngine._add_one), worded as run's error row
             tally.error(
@@ -202,7 +216,7 @@ def _read_rows(tally: _Tally, options: JobOptions, reader: Any, engine: Any, com
         )
 
 
-def _fill_sizes(plan: JobPlan, tally: _Tally, engine: Any, max_num_seqs: int) -> None:
+def _fill_sizes(plan: JobPlan, tally: _Tally, engine: TokenizerEngine, max_num_seqs: int) -> None:
     """Token statistics and the KV cache's fit, from the rows read."""
     plan.rows_valid = len(tally.prompts)
     plan.max_model_len = engine.max_model_len
@@ -293,7 +307,7 @@ def plan_job(
     _read_rows(tally, options, rows, engine, committed, outputs)
     read_s = time.perf_counter() - start
     _fill_sizes(plan, tally, engine, config.max_num_seqs)
-    seqs = _sequences(plan, tally, wall_time and wall_time.expected_output_tokens)
+    seqs = _sequences(plan, tally, wall_time.expected_output_tokens if wall_time else None)
     del tally, prefix  # the rows as read, and the estimate's blocks: the schedules build their own
     if wall_time is None:
         return plan

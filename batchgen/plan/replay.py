@@ -111,6 +111,7 @@ class _Replay:
     def _request(self, i: int) -> Request:
         """Sequence i as a request: its prompt's stand-in ids, its expected output as max_tokens."""
         seqs = self.seqs
+        assert seqs.block_hashes is not None and seqs.block_offsets is not None  # `replayable` checked
         hashes = seqs.block_hashes[seqs.block_offsets[i] : seqs.block_offsets[i + 1]].tolist()
         ids = stand_in_prompt(hashes, self.prompts[i], self.limits.block_size, -1 - i)
         priority = int(self.priority[i])
@@ -119,7 +120,7 @@ class _Replay:
         )
         # A sequence scoring its prompt gets no prefix hits (`Request.max_cached_prefix`): no step
         # hands it scored positions here, so not after a preemption either (vLLM takes none).
-        scored = [] if self.scores[i] else None
+        scored: list[object] | None = [] if self.scores[i] else None
         return Request(str(i), ids, params, 0.0, self.outputs[i], prompt_logprobs=scored)
 
 

@@ -25,12 +25,18 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from batchgen.plan.estimate import replayable, simulate_schedule
 from batchgen.plan.schedule import Schedule, ScheduleLimits, Sequences
+
+if TYPE_CHECKING:
+    import torch
+
+    from batchgen.config import EngineConfig
+    from batchgen.plan.calibrate import Calibration
 
 LOW_FRACTION = 0.25  # of max_tokens: the expected output when nothing better is known
 
@@ -111,12 +117,12 @@ def _pow2(x: float) -> int:
 def estimate_wall_time(
     seqs: Sequences,
     limits: ScheduleLimits,
-    config: Any,
-    dtype: Any,
+    config: EngineConfig,
+    dtype: torch.dtype,
     tokenize_s: float,
     options: WallTimeOptions,
     device: str | None = None,
-    measure: Callable[..., tuple[Any, tuple[float, int] | None]] | None = None,
+    measure: Callable[..., tuple[Calibration | None, tuple[float, int] | None]] | None = None,
 ) -> tuple[WallTimeEstimate | None, str | None]:
     """(the estimate, None) or (None, why there is none).
 
@@ -142,6 +148,7 @@ def estimate_wall_time(
     # The high schedule is the larger: one method for both, so the two ends compare.
     why_not = replayable(seqs, seqs.budgets)
     method = "events" if why_not else "engine"
+    assert seqs.expected is not None  # `expected_outputs` set them
     low, high = (simulate_schedule(seqs, out, limits, method=method) for out in (seqs.expected, seqs.budgets))
     peak = max(low.peak_seqs, high.peak_seqs)
     # Up to the next power of two (within max_num_seqs): a job of 9 rows and one of 10 share a calibration.
@@ -165,7 +172,7 @@ def estimate_wall_time(
 
 
 def _with_kernel_measuring(
-    estimate: WallTimeEstimate, calibration: Any, kernels_cached: bool
+    estimate: WallTimeEstimate, calibration: Calibration, kernels_cached: bool
 ) -> WallTimeEstimate:
     """`estimate` with the run's kernel measuring added to its start-up where the run will measure
     (the table is not cached) and the calibration did not just measure them (a calibration made
@@ -187,8 +194,8 @@ def _with_kernel_measuring(
 
 
 def measure_machine(
-    config: Any, dtype: Any, device: str, lengths: dict[str, int], options: WallTimeOptions
-) -> tuple[Any, tuple[float, int] | None]:
+    config: EngineConfig, dtype: torch.dtype, device: str, lengths: dict[str, int], options: WallTimeOptions
+) -> tuple[Calibration | None, tuple[float, int] | None]:
     """(the calibration: cached, measured now or None (`calibrate`); on a CPU the load before it,
     `busy_share`). `lengths`: `calibrate`'s prompt_len, context_len and max_batch.
 
@@ -223,7 +230,7 @@ def busy_share() -> tuple[float, int] | None:
         return None
 
 
-def _load_slowdown(calibration: Any, load: tuple[float, int] | None) -> tuple[float, str]:
+def _load_slowdown(calibration: Calibration, load: tuple[float, int] | None) -> tuple[float, str]:
     """How much slower than in the calibration a run's steps can be on a machine this loaded, and
     why: a run's threads get about cores / (load + threads) of a core each when other processes
     keep `load` threads runnable (Linux shares the cores fairly among runnable threads); the
@@ -253,7 +260,7 @@ def _schedule_words(schedule: Schedule, why_not: str | None) -> str:
 def _estimate(
     seqs: Sequences,
     schedules: tuple[Schedule, Schedule, str | None],
-    calibration: Any,
+    calibration: Calibration,
     tokenize_s: float,
     peak: int,
     load: tuple[float, int] | None,

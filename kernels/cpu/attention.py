@@ -8,7 +8,9 @@ table. `python benchmarks/kernels/cpu_attention_bench.py` times both on the defa
 
 from __future__ import annotations
 
+import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -195,7 +197,17 @@ def _check_chunk_arguments(
 
 
 def _launch(
-    kernel, what, query, k_cache, v_cache, block_tables, seq_lens, scale, *offsets, out=None, extra=()
+    kernel: Callable[..., int],
+    what: str,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+    extra: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """Call one attention kernel (arguments checked) into `out` (None: a new tensor); `offsets` are the
     tensors a kernel takes after `seq_lens` (the prefill kernel's query starts), `extra` the integers it
@@ -227,7 +239,15 @@ def _launch(
     return out
 
 
-def _checked_library(query, k_cache, v_cache, block_tables, seq_lens, num_seqs, supported):
+def _checked_library(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_seqs: int,
+    supported: Callable[[torch.dtype, int, int, int], bool],
+) -> ctypes.CDLL:
     """The kernel library, after checking the arguments both kernels share (Raises as they do)."""
     lib = load_library()
     if lib is None:
@@ -274,7 +294,9 @@ def check_query_starts(query_starts: torch.Tensor, seq_lens: torch.Tensor, num_r
         raise ValueError("a sequence has more query rows than context tokens (seq_lens)")
 
 
-def check_table_bounds(k_cache, block_tables, seq_lens, min_len: int) -> None:
+def check_table_bounds(
+    k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, min_len: int
+) -> None:
     """Every length in [min_len, table capacity] and every block id inside the cache (the kernels
     trust both).
 

@@ -30,6 +30,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from batchgen.cache import cache_root, write_atomically
 
@@ -248,6 +249,20 @@ def disabled_by_environment() -> bool:
     return os.environ.get("BATCHGEN_CPU_KERNELS", "1") == "0"
 
 
+def require_library() -> ctypes.CDLL:
+    """`load_library()` for a caller that checked the kernels apply here (`*_applies`, `*_available`).
+
+    Raises:
+        RuntimeError: the library is off or cannot be built, so that check was skipped.
+    """
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError(
+            "the CPU kernel library is not available (see the log for why); use the torch path"
+        )
+    return lib
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first use; None when it is disabled or cannot be built.
@@ -286,8 +301,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     # seq_lens, [prefill: query_starts,] num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
     # scale, out, num_threads[, prefill: short_chunks]) -> status.
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    attention_head = [i32, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr]
-    attention_tail = [i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
+    attention_head: list[type[ctypes._SimpleCData[Any]]] = [i32, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr]
+    attention_tail: list[type[ctypes._SimpleCData[Any]]] = [i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
     lib.paged_decode_attention.restype = i32
     lib.paged_decode_attention.argtypes = attention_head + attention_tail
     lib.paged_prefill_attention.restype = i32

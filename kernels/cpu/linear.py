@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -96,7 +97,7 @@ class Bf16Linear(nn.Module):
                 f"batchgen's {self.KERNEL} kernel is not built here: it needs a CPU with {self.NEEDS} and a "
                 "C compiler (see bf16_linear_applies); use PrepackedLinear or nn.Linear"
             )
-        self._library = cpu_kernels.load_library()
+        self._library = cpu_kernels.require_library()
         self._kernel = getattr(self._library, self.KERNEL)
 
     @classmethod
@@ -273,7 +274,7 @@ def prepack_linears(model: nn.Module) -> int:
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        linear = model.get_submodule(name)
+        linear = cast(nn.Linear, model.get_submodule(name))  # a name of an nn.Linear (above)
         packed_class = Bf16Linear if bf16_linear_applies(linear.weight) else PrepackedLinear
         setattr(parent, child, packed_class.from_linear(linear))
     release_freed_heap()
@@ -351,7 +352,7 @@ class TunedLinear(nn.Module):
         super().__init__()
         self.impls = nn.ModuleDict(impls)
         self.by_bucket = list(by_bucket)
-        first = next(iter(impls.values()))
+        first = cast(nn.Linear, next(iter(impls.values())))  # every implementation has its features
         self.in_features, self.out_features = first.in_features, first.out_features
         # Row count -> the implementation's forward (no nn.Module call: no hooks are ever set on them),
         # and -> its fused SwiGLU where it has one (`fused_swiglu`, for `swiglu_at`).

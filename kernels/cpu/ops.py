@@ -52,7 +52,7 @@ def add_rms_norm_bf16(
     if weight.shape != (cols,) or not weight.is_contiguous() or weight.dtype != torch.bfloat16:
         raise ValueError(f"weight must be a contiguous bf16 [{cols}] tensor")
     out = torch.empty((rows, cols), dtype=torch.bfloat16)
-    cpu_kernels.load_library().add_rms_norm_bf16(
+    cpu_kernels.require_library().add_rms_norm_bf16(
         hidden.data_ptr(),
         hidden.stride(0),
         None if delta is None else delta.data_ptr(),
@@ -79,7 +79,7 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     if width % 2:
         raise ValueError(f"gate_up must have an even width; got {width}")
     out = torch.empty((rows, width // 2), dtype=torch.bfloat16)
-    cpu_kernels.load_library().silu_mul_bf16(
+    cpu_kernels.require_library().silu_mul_bf16(
         gate_up.data_ptr(),
         gate_up.stride(0),
         rows,
@@ -120,7 +120,7 @@ def rotary_bf16(
         raise ValueError("cos and sin must be bf16 [T, D] with contiguous rows of the same layout")
     q = torch.empty((rows, num_q_heads, head_dim), dtype=torch.bfloat16)
     k = torch.empty((rows, heads - num_q_heads, head_dim), dtype=torch.bfloat16)
-    cpu_kernels.load_library().rotary_bf16(
+    cpu_kernels.require_library().rotary_bf16(
         qk.data_ptr(),
         qk.stride(0),
         cos.data_ptr(),
@@ -175,7 +175,7 @@ def store_kv(
     if check_layout:
         _check_store_layout(key, value, k_cache, v_cache, slot_mapping)
     size = k_cache.element_size()
-    bad = cpu_kernels.load_library().store_kv_rows(
+    bad = cpu_kernels.require_library().store_kv_rows(
         key.data_ptr(),
         key.stride(0) * size,
         value.data_ptr(),

@@ -13,6 +13,7 @@ where that kernel was measured fastest (`batchgen.model.kernel_choice.stack.buil
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -20,6 +21,26 @@ from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu.linear import amx_kernel_available, bf16_kernel_available
 from batchgen.kernels.registry import bucket_index
+
+
+class StepMetadata(Protocol):
+    """What the stack reads of a step's attention metadata (`batchgen.model.attention.AttentionMetadata`)."""
+
+    @property
+    def slot_mapping(self) -> torch.Tensor: ...
+    @property
+    def block_tables(self) -> torch.Tensor: ...
+    @property
+    def seq_lens(self) -> torch.Tensor: ...
+    @property
+    def query_start_loc(self) -> torch.Tensor: ...
+    @property
+    def num_decodes(self) -> int: ...
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def verifies_drafts(self) -> bool: ...
+
 
 # Status codes of decoder_stack_bf16 (csrc/decoder_stack.c); its 1, a kernel refusing a shape,
 # cannot follow the builder's and __call__'s checks.
@@ -91,10 +112,10 @@ class DecoderStack:
         # packed weights: "bf16_c" (csrc/bf16_linear.c) or "amx_c" (csrc/amx_linear.c, where
         # `amx_applies`); None: "bf16_c" at every row count. Chosen by measurement (stack_choice).
         self.linear_by_bucket: list[str] | None = None
-        self._lib = cpu_kernels.load_library()
+        self._lib = cpu_kernels.require_library()
         self._table: torch.Tensor | None = None
         self._table_caches: tuple[int, ...] = ()
-        self._dims: torch.Tensor | None = None
+        self._dims = torch.empty(0, dtype=torch.int64)  # set with the table
         self._workspace_per_token = 0  # bf16 elements a token needs; set with the table
         self._workspace = torch.empty(0, dtype=torch.bfloat16)
 
@@ -132,7 +153,7 @@ class DecoderStack:
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         """Run every layer on `hidden` (bf16 `[T, hidden_size]`, updated in place; `takes` must hold).
 
@@ -189,7 +210,7 @@ class DecoderStack:
         return delta
 
     def _checked_step(
-        self, rows: int, cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, meta
+        self, rows: int, cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, meta: StepMetadata
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's rotary tables as bf16 `[T, head_dim]` and its prefill chunks' int32 query
         starts (`[num_seqs - num_decodes + 1]`, from 0), after checking the metadata of `__call__`
@@ -248,7 +269,12 @@ class DecoderStack:
                     )
         rows = []
         for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
-            weights = (layer.input_norm, layer.qkv_proj, layer.o_proj, layer.post_norm)
+            weights: tuple[torch.Tensor, ...] = (
+                layer.input_norm,
+                layer.qkv_proj,
+                layer.o_proj,
+                layer.post_norm,
+            )
             weights += (layer.gate_up_proj, layer.down_proj)
             rows.append([w.data_ptr() for w in weights] + [k.data_ptr(), v.data_ptr()])
         self._table = torch.tensor(rows, dtype=torch.int64)

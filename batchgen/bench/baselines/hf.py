@@ -45,7 +45,7 @@ def resolve_hf_dir(model: str | None) -> Path:
             return Path(model)
         raise RuntimeError(f"cannot resolve {model!r} to a Hugging Face directory: {exc}") from exc
     files = resolve_model(model)
-    return Path(getattr(files, "path", files))
+    return files.path
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype, device: str = "cpu") -> Any:
@@ -53,7 +53,8 @@ def load_hf_model(path: str | Path, dtype: torch.dtype, device: str = "cpu") -> 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    return model.to(device).eval()
+    # transformers types `to` through a decorator that loses its self: the device reads as the model.
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 class _StepTimer:

@@ -260,7 +260,7 @@ def run_child(
                 f"environment (see {_DOCS}), or give another --vllm-python"
             )
         raise VllmRunError(
-            f"vLLM failed while {_STAGES.get(result.get('stage'), 'running')}: {result['error']}; "
+            f"vLLM failed while {_STAGES.get(str(result.get('stage')), 'running')}: {result['error']}; "
             f"its log: {log_path}"
         )
     if result.get("protocol") != PROTOCOL:

@@ -8,6 +8,7 @@ count) divided by the best FLOP/s of the model's own linear layers at its own sh
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,17 +175,25 @@ def _layer_weights(
     ]
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight)
+
+
+def _prepacked(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return prepacked_linear(x, packed)
+
+
 def _matmul_paths(
     weights: list[torch.Tensor], dtype: torch.dtype, device: str | torch.device
 ) -> list[list[Callable[[torch.Tensor], torch.Tensor]]]:
     """Each matmul path the engine may take for these weights, as one callable per weight:
     `F.linear`, oneDNN-prepacked weights (`can_prepack`) and batchgen's bf16 kernel (`bf16_linear_applies`)."""
     paths: list[list[Callable[[torch.Tensor], torch.Tensor]]] = [
-        [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]
+        [functools.partial(_linear, weight=w) for w in weights]
     ]
     if can_prepack(dtype, torch.device(device)):
         packed = [pack_weight(w) for w in weights]
-        paths.append([lambda x, p=p: prepacked_linear(x, p) for p in packed])
+        paths.append([functools.partial(_prepacked, packed=p) for p in packed])
     if all(bf16_linear_applies(w) for w in weights):
         paths.append([Bf16Linear.from_weight(w) for w in weights])
     return paths

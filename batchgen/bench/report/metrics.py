@@ -118,11 +118,11 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
     skipped: str | None = None
 
-    def timeline(self) -> dict[str, list[float]]:
+    def timeline(self) -> dict[str, list[int] | list[float]]:
         """Per-step arrays (`t`, `num_seqs`, `num_batched_tokens`, `num_generation_tokens`, and for
         batchgen's configurations `num_sampled`, `num_attended_keys`, `num_context_tokens`,
         `num_prompt_tokens`, `step_time_s`, `num_draft_tokens`, `num_accepted_tokens`)."""
-        out = {
+        out: dict[str, list[int] | list[float]] = {
             "t": [round(s.t, 6) for s in self.steps],
             "num_seqs": [s.num_seqs for s in self.steps],
             "num_batched_tokens": [s.num_batched_tokens for s in self.steps],
@@ -156,18 +156,24 @@ def _sum_or_none(values: list[int | None]) -> int | None:
     return sum(known) if known else None
 
 
+def _finish(r: RequestRecord) -> float:
+    """`r.finish` of a request that finished (`summarize` keeps only those)."""
+    assert r.finish is not None
+    return r.finish
+
+
 def summarize(result: RunResult) -> dict[str, Any]:
     """The metrics of one configuration as a flat dict (seconds, tokens, tokens/s; see module doc)."""
     ok = [r for r in result.requests if r.error is None and r.finish is not None]
     errors = len(result.requests) - len(ok)
-    wall = max((r.finish for r in ok), default=0.0)
+    wall = max((_finish(r) for r in ok), default=0.0)
     prompt_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_len for r in ok)
 
     ttft = [r.first_token - r.arrival for r in ok if r.first_token is not None]
-    e2e = [r.finish - r.arrival for r in ok]
+    e2e = [_finish(r) - r.arrival for r in ok]
     tpot = [
-        (r.finish - r.first_token) / (r.output_len - 1)
+        (_finish(r) - r.first_token) / (r.output_len - 1)
         for r in ok
         if r.first_token is not None and r.output_len > 1
     ]
@@ -201,11 +207,12 @@ def summarize(result: RunResult) -> dict[str, Any]:
             out[f"{name}_{stat}_s"] = v
     # Where the time went: steps that computed prompt tokens (chunked prefill mixes decodes in)
     # and steps of decodes only; the scheduler's time between steps is in neither.
-    timed = [s for s in result.steps if s.step_time_s is not None and s.num_prompt_tokens is not None]
-    timed_all = bool(result.steps) and len(timed) == len(result.steps)
+    timed = [(s.num_prompt_tokens, s.step_time_s) for s in result.steps if s.num_prompt_tokens is not None]
+    times = [(prompt, t) for prompt, t in timed if t is not None]
+    timed_all = bool(result.steps) and len(times) == len(result.steps)
     out |= {
-        "prefill_step_s": sum(s.step_time_s for s in timed if s.num_prompt_tokens) if timed_all else None,
-        "decode_step_s": sum(s.step_time_s for s in timed if not s.num_prompt_tokens) if timed_all else None,
+        "prefill_step_s": sum(t for prompt, t in times if prompt) if timed_all else None,
+        "decode_step_s": sum(t for prompt, t in times if not prompt) if timed_all else None,
     }
     out |= _tail_and_speculation(result, ok, wall)
     out |= {
@@ -214,7 +221,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "batch_size_max": max(seqs) if seqs else None,
         "kv_cache_peak": max(kv) if kv else None,
         "preemptions": _sum_or_none([s.num_preemptions for s in result.steps]),
-        "prefix_cache_hit_rate": (hits / queries if queries else 0.0) if queries is not None else None,
+        "prefix_cache_hit_rate": ((hits or 0) / queries if queries else 0.0) if queries is not None else None,
         "max_wait_s": max(waits) if waits else None,
         # Steps waited is the starvation check of a continuous policy; static batches and the
         # baselines admit whole batches, so a count of their steps would say nothing (shown as "-").
@@ -241,7 +248,7 @@ def _tail_and_speculation(result: RunResult, ok: list[RequestRecord], wall: floa
     requests ran; None where the last `TAIL_REQUESTS` finished together, as a static batch's do:
     no moment had fewer left), the tail's output tokens/s (None without step records or a tail)
     and the speculative decoding counts (None without them)."""
-    finishes = sorted(r.finish for r in ok)
+    finishes = sorted(_finish(r) for r in ok)
     tail_start = finishes[-TAIL_REQUESTS] if len(finishes) >= TAIL_REQUESTS else 0.0
     drafts = _sum_or_none([s.num_draft_tokens for s in result.steps])
     accepted = _sum_or_none([s.num_accepted_tokens for s in result.steps])

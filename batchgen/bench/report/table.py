@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 # (label, metric key, format, unit scale); `x` marks rows that show a ratio to the base column.
-_ROWS: list[tuple[str, str, str, float, bool]] = [
+# (label, metric key or (numerator, denominator) keys, format, scale, whether a ratio is shown)
+_ROWS: list[tuple[str, str | tuple[str, str], str, float, bool]] = [
     ("output tokens/s", "output_tokens_per_s", "{:.1f}", 1, True),
     ("total tokens/s", "total_tokens_per_s", "{:.1f}", 1, True),
     ("requests/s", "requests_per_s", "{:.3f}", 1, True),

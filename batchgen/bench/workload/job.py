@@ -72,8 +72,8 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 
 
 def _row_prompt_and_max_tokens(row: dict[str, Any]) -> tuple[Any, int | None]:
-    body = row.get("body") if isinstance(row.get("body"), dict) else {}
-    sp = row.get("sampling_params") if isinstance(row.get("sampling_params"), dict) else {}
+    body: dict[str, Any] = row["body"] if isinstance(row.get("body"), dict) else {}
+    sp: dict[str, Any] = row["sampling_params"] if isinstance(row.get("sampling_params"), dict) else {}
     if row.get("prompt_token_ids") is not None:
         prompt: Any = {"prompt_token_ids": list(row["prompt_token_ids"])}
     elif row.get("messages") is not None:
@@ -173,6 +173,7 @@ def read_workload_rows(
         if reason is not None:
             skipped.append(f"{unit} {number}: {reason}")
             continue
+        assert row is not None  # a record without a reason
         prompts.append(ids)
         outs.append(out)
         unused |= unused_sampling_fields(row)

@@ -37,9 +37,9 @@ class OpenAIRowParser(RowParser):
             apply to OpenAI batch files, `batchgen.jobs.input.reader.JobReader` refuses them).
     """
 
-    def __init__(self, options: Any) -> None:
+    def __init__(self, options: Any) -> None:  # a ReaderOptions, as RowParser's
         super().__init__(options, row_index_ids=False)
-        self._seen_custom_ids: dict[int, int] = {}  # stable hash of a custom_id -> its first line
+        self._seen_custom_ids: dict[int, int | None] = {}  # stable hash of a custom_id -> its first line
 
     def start(self) -> None:
         """Forget the custom_ids seen so far: a new pass over the input begins."""
@@ -49,7 +49,7 @@ class OpenAIRowParser(RowParser):
     def row(self, row_index: int, line_number: int | None, rec: dict) -> JobRow:
         """A line of an OpenAI batch file (`custom_id`, `method`, `url`, `body`)."""
         cid = rec.get("custom_id")
-        body = rec.get("body")
+        body: dict[str, Any] = rec.get("body") or {}  # a dict unless the envelope error says not
         url = rec.get("url")
         endpoint = OPENAI_ENDPOINTS.get(url) if isinstance(url, str) else None
         usable_cid = cid if isinstance(cid, str) and cid and is_utf8(cid) else None

@@ -305,6 +305,7 @@ class JobReader:
             if err is not None:
                 yield parser.error_row(row_index, line_number, parser.salvaged_id(rec), err, raw=err)
             else:
+                assert rec is not None  # a record or its error
                 yield parser.row(row_index, line_number, rec)
 
     def _records(self) -> Iterator[tuple[int | None, dict | None, str | None]]:

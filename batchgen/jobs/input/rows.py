@@ -70,6 +70,17 @@ class JobRow:
     endpoint: str | None = None
 
     @property
+    def params(self) -> SamplingParams:
+        """`sampling_params` of a row without an error (an error row has none).
+
+        Raises:
+            ValueError: this is an error row.
+        """
+        if self.sampling_params is None:
+            raise ValueError(f"{self.where} is an error row ({self.error}): it has no sampling params")
+        return self.sampling_params
+
+    @property
     def where(self) -> str:
         """How messages name this row, e.g. "row 5 (line 6)"."""
         return row_label(self.row_index, self.line_number)
@@ -112,7 +123,7 @@ class RowParser:
 
     def __init__(
         self,
-        options: Any,
+        options: Any,  # a `batchgen.jobs.input.reader.ReaderOptions` (that module imports this one)
         prompt_column: str | None = None,
         messages_column: str | None = None,
         id_column: str | None = None,
@@ -161,7 +172,7 @@ class RowParser:
         row_id: Any,
         message: str,
         raw: Any,
-        endpoint=None,
+        endpoint: str | None = None,
         keep: dict[str, Any] | None = None,
     ) -> JobRow:
         """A row that will not run: `message` (naming the field and the fix) prefixed with the row's
@@ -207,7 +218,7 @@ class RowParser:
         one notice the first time a row asks for n > 1 completions under greedy sampling: they are
         all the same text."""
         params, params_hash, err = self._resolve_sampling(values)
-        if err is None and not self._greedy_choices_noted and params.n > 1 and params.temperature == 0:
+        if params is not None and not self._greedy_choices_noted and params.n > 1 and params.temperature == 0:
             self._greedy_choices_noted = True
             self.notices.append(
                 f"note: rows ask for n={params.n} completions with greedy sampling (temperature 0, the "
@@ -250,11 +261,11 @@ class RowParser:
         rid = rec.get(self.id_column) if self.id_column else None
         keep = {c: rec.get(c) for c in self.options.keep_columns} or None
         if "custom_id" in rec and "body" in rec and not any(c in rec for c in self._prompt_columns):
-            err = (
+            mixed = (
                 "this line is an OpenAI batch request (custom_id, body), but the file's first line is not; "
                 "a file holds one format, so put OpenAI batch lines in a file of their own"
             )
-            return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
+            return self.error_row(row_index, line_number, rid, mixed, raw=rec, keep=keep)
         prompt, err = self._prompt_of(rec)
         if err is None:
             err = unapplied_field_error(rec, self._data_columns)
@@ -269,7 +280,7 @@ class RowParser:
                 None if f in self._data_columns or self._logprobs_are_data else rec.get(f)
                 for f in LOGPROB_FIELDS
             ]
-            values["logprobs"], err = requested_logprobs(*asked)
+            values["logprobs"], err = requested_logprobs(asked[0], asked[1])  # LOGPROB_FIELDS' two
             # vLLM's n: completions per row (the output's `choices`); a template field, kept or id
             # column of that name is data.
             values["n"] = None if "n" in self._data_columns else rec.get("n")
@@ -294,7 +305,7 @@ class RowParser:
         if rid_s is not None and not is_utf8(rid_s):
             err = f"the id {LONE_SURROGATE}; fix field '{self.id_column}'"
             return self.error_row(row_index, line_number, rid, err, raw=rec, keep=keep)
-        if rid is not None:
+        if rid is not None and rid_s is not None:
             self._note_duplicate_id(rid_s, row_index, line_number)
         return JobRow(
             row_index=row_index,
@@ -307,12 +318,13 @@ class RowParser:
         )
 
     def _prompt_of(self, rec: dict) -> tuple[str | list[dict] | None, str | None]:
-        if self.template_fields or self.options.template is not None:
+        template = self.options.template  # its fields are `template_fields`
+        if template is not None:
             for f in self.template_fields:
                 if rec.get(f) is None or rec.get(f) == "":
                     return None, f"field '{f}' (used by --template) is null or empty; fill it or drop the row"
             try:
-                text = self.options.template.format(**{f: rec[f] for f in self.template_fields})
+                text = template.format(**{f: rec[f] for f in self.template_fields})
             # TypeError: e.g. {tags[0]} on a number, or {q:x} on an object.
             except (KeyError, IndexError, AttributeError, ValueError, TypeError) as e:
                 return None, f"--template could not be filled from this row ({e!r}); check its placeholders"
@@ -329,6 +341,8 @@ class RowParser:
         if msgs is not None and (self.prompt_column is None or rec.get(msgs) is not None):
             return check_messages(rec.get(msgs), msgs)
         col = self.prompt_column
+        if col is None:  # neither column: the reader's format detection stops that before any row
+            return None, "no prompt column; pass --prompt-column or --messages-column"
         value = rec.get(col)
         if isinstance(value, list):
             return check_messages(value, col)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -78,7 +79,7 @@ def _choices_array(t: pa.Table, logprobs: bool) -> pa.Array:
     """The `choices` values of the rows of `t` (output columns and `more_choices`)."""
     names = ["output", "finish_reason", "completion_tokens", "more_choices"]
     names += ["cumulative_logprob", "logprobs"] if logprobs else []
-    values = []
+    values: list[Any] = []
     for row in t.select(names).to_pylist():
         if row["finish_reason"] == "error":
             values.append(None)
@@ -133,7 +134,7 @@ def iter_ordered_chunks(
     keep_columns: tuple[str, ...] = (),
     chunk_rows: int = 20000,
     columns: OptionalColumns = OptionalColumns(),
-):
+) -> Iterator[tuple[pa.Schema, pa.Table]]:
     """Yield (schema, table) chunks holding row indices [lo, lo + chunk_rows) in order, with the
     optional `columns` (`choices` built from each row's completions).
 

@@ -84,7 +84,7 @@ def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
             }
             for i, c in enumerate(completions)
         ]
-        body = {"id": f"cmpl-{suffix}", "object": "text_completion"}
+        body: dict[str, Any] = {"id": f"cmpl-{suffix}", "object": "text_completion"}
     else:
         choices = [
             {

@@ -10,7 +10,8 @@ does: "bytes:\\xf0\\x9f".
 from __future__ import annotations
 
 import re
-from typing import Any
+
+from batchgen.model.loading.tokenizer import Tokenizer
 
 
 def byte_level_table() -> dict[str, int]:
@@ -43,7 +44,7 @@ class TokenBytes:
         tokenizer: the engine's tokenizer, or None (then the decoded text is all there is).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.table = byte_level_table() if _is_byte_level(tokenizer) else None
         self._cache: dict[int, bytes] = {}
@@ -83,7 +84,7 @@ def token_text(data: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
-def _is_byte_level(tokenizer: Any) -> bool:
+def _is_byte_level(tokenizer: Tokenizer | None) -> bool:
     """Whether a (fast) tokenizer decodes with the byte-level decoder."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:

@@ -82,7 +82,7 @@ class PartWriter:
 
     def _reset(self) -> None:
         self._buf = {n: [] for n in [*self._names, *self.keep_columns]}
-        self._first_at = None
+        self._first_at: float | None = None
         self._logprob_entries = 0
 
     @property
@@ -111,7 +111,9 @@ class PartWriter:
         n = self.pending
         if n >= self.commit_rows or self._logprob_entries >= MAX_BUFFERED_LOGPROBS:
             return True
-        return n > 0 and time.monotonic() - self._first_at >= self.commit_seconds
+        return (
+            n > 0 and self._first_at is not None and time.monotonic() - self._first_at >= self.commit_seconds
+        )
 
     def commit(self, name: str | None = None) -> PartEntry | None:
         """Write the buffered rows as one part (sorted by row_index) and record it; None if empty.

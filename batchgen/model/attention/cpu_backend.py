@@ -29,7 +29,14 @@ class CPUAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     fused_cpu_ops = True
 
-    def _store(self, key, value, k_cache, v_cache, meta):
+    def _store(  # type: ignore[override]  # an instance method where the base has a staticmethod: same call
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
         # One memcpy a row in C (`cpu_ops.store_kv`) instead of two `index_copy_` calls; the
         # kernel checks the slots itself, so the step's validity scan is not needed either.
         if key.dtype == k_cache.dtype == value.dtype and cpu_kernels.load_library() is not None:
@@ -46,14 +53,24 @@ class CPUAttentionBackend(TorchAttentionBackend):
     prefill_by_bucket: list[str] | None = None
     prefill_after_prefix_by_bucket: list[str] | None = None
 
-    def _prefill(self, query, key, value, k_cache, v_cache, meta, scale, out):
+    def _prefill(  # type: ignore[override]  # as _store
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         _, num_heads, head_dim = query.shape
         if not cpu_attention.supports_prefill(query.dtype, head_dim, num_heads, k_cache.shape[2]):
             TorchAttentionBackend._prefill(query, key, value, k_cache, v_cache, meta, scale, out)
             return
         segments = meta.scratch.get("prefill_segments")
         first_layer = segments is None  # the same tables in every layer: check them once
-        if first_layer:
+        if segments is None:
             segments = meta.scratch["prefill_segments"] = self._prefill_segments(meta)
         for kind, rows, seqs, query_starts in segments:
             if kind == "sdpa":  # one chunk
@@ -109,7 +126,14 @@ class CPUAttentionBackend(TorchAttentionBackend):
     # by `batchgen.model.kernel_choice.attention`; None: the C kernel at every batch.
     decode_by_bucket: list[str] | None = None
 
-    def _decode(self, query, k_cache, v_cache, meta, scale):
+    def _decode(  # type: ignore[override]  # as _store
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         num_decodes, num_heads, head_dim = query.shape
         by_bucket = self.decode_by_bucket
         if not cpu_attention.supports(query.dtype, head_dim, num_heads, k_cache.shape[2]) or (

@@ -9,10 +9,13 @@ prefill chunks one call each, causally, after any cached prefix (`causal_attenti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from batchgen.model.attention.base import AttentionMetadata
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -55,7 +58,9 @@ class DecodeGroup:
     mask: torch.Tensor
 
 
-def decode_groups(meta: Any, num_decodes: int, block_size: int, dtype: torch.dtype) -> list[DecodeGroup]:
+def decode_groups(
+    meta: AttentionMetadata, num_decodes: int, block_size: int, dtype: torch.dtype
+) -> list[DecodeGroup]:
     """The step's first `num_decodes` sequences (of `meta`, an `AttentionMetadata`) as groups of
     similar context length, each with its block ids and length mask (`dtype`) built once a step."""
     groups = []

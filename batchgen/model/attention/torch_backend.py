@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.model.attention.base import AttentionBackend
+from batchgen.model.attention.base import AttentionBackend, AttentionMetadata
 from batchgen.model.attention.sdpa import (
     causal_attention,
     decode_group_attention,
@@ -49,7 +49,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         if meta.slot_mapping.numel():
             self._store(key, value, k_cache, v_cache, meta)
         nd = meta.num_decodes
@@ -62,7 +71,16 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _prefill(query, key, value, k_cache, v_cache, meta, scale, out):
+    def _prefill(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         """The prefill chunks' attention into `out`: `query` / `key` / `value` / `out` are the rows
         after the decodes."""
         start = 0
@@ -80,14 +98,26 @@ class TorchAttentionBackend(AttentionBackend):
             start += qlen
 
     @staticmethod
-    def _store(key, value, k_cache, v_cache, meta):
+    def _store(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
         all_valid = meta.scratch.get("all_slots_valid")
         if all_valid is None:  # the same for every layer of the step
             all_valid = meta.scratch["all_slots_valid"] = bool((meta.slot_mapping >= 0).all())
         store_kv_cache_torch(key, value, k_cache, v_cache, meta.slot_mapping, all_valid)
 
     @staticmethod
-    def _decode(query, k_cache, v_cache, meta, scale):
+    def _decode(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         num_kv_heads = k_cache.shape[2]
         # [B, Hq, D] -> [B, Hkv, G, D]: each KV head's query group becomes a query-length axis, so
         # SDPA needs no GQA expansion of K/V.

@@ -61,6 +61,7 @@ class TritonAttentionBackend(AttentionBackend):
                 if kind == "sdpa":  # one chunk, no cached prefix: its own K/V are its whole context
                     out[rows] = causal_attention(query[rows], key[rows], value[rows], scale)
                     continue
+                assert query_starts is not None  # a chunk on the kernel has its query starts
                 paged_prefill_attention(
                     query[rows],
                     k_cache,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from batchgen.kernels.cpu import attention as cpu_attention
-from batchgen.kernels.registry import TuningTable, buckets_up_to, choose
+from batchgen.kernels.registry import Run, Setup, TuningTable, buckets_up_to, choose
 from batchgen.model.attention.base import AttentionMetadata
 from batchgen.model.attention.sdpa import causal_attention, gather_context
 from batchgen.model.attention.torch_backend import TorchAttentionBackend
@@ -75,15 +75,15 @@ def tune_prefill_attention(
     def data(rows: int) -> dict[str, torch.Tensor]:
         return _prefill_case(rows, 2 * rows if prefix else rows, *heads, generator)
 
-    def kernel_setup(kernel: str):
-        def setup(rows: int):
+    def kernel_setup(kernel: str) -> Setup:
+        def setup(rows: int) -> Run:
             d, out = data(rows), torch.empty_like(data(rows)["q"])
             args = (d["q"], d["k_cache"], d["v_cache"], d["tables"], d["seq_lens"], d["starts"], scale)
             return lambda: cpu_attention.paged_prefill_attention_cpu(*args, out=out, kernel=kernel)
 
         return setup
 
-    def sdpa(rows: int):
+    def sdpa(rows: int) -> Run:
         return lambda: _sdpa_chunks(data(rows), rows, data(rows)["q"].dtype, scale)
 
     def reference(rows: int) -> torch.Tensor:
@@ -195,13 +195,13 @@ def tune_triton_prefill_attention(
         v = [gather_context(case["v_cache"], table_row, rows) for table_row in case["tables"]]
         return {**case, "k": torch.cat(k), "v": torch.cat(v)}
 
-    def triton(rows: int):
+    def triton(rows: int) -> Run:
         d = data(rows)
         out = torch.empty_like(d["q"])
         args = (d["q"], d["k_cache"], d["v_cache"], d["tables"], d["starts"], d["seq_lens"], rows, scale)
         return _synced(lambda: paged_prefill_attention(*args, out=out), device)
 
-    def sdpa(rows: int):
+    def sdpa(rows: int) -> Run:
         return _synced(lambda: _sdpa_chunks(data(rows), rows, dtype, scale), device)
 
     def reference(rows: int) -> torch.Tensor:
@@ -287,13 +287,13 @@ def tune_decode_attention(
             }
         return prepared[rows]
 
-    def c_kernel(rows: int):
+    def c_kernel(rows: int) -> Run:
         d = data(rows)
         return lambda: cpu_attention.paged_decode_attention_cpu(
             d["q"], d["k_cache"], d["v_cache"], d["tables"], d["seq_lens"], scale
         )
 
-    def torch_path(rows: int):
+    def torch_path(rows: int) -> Run:
         d = data(rows)
         meta = d["meta"]()
         return lambda: TorchAttentionBackend._decode(d["q"], d["k_cache"], d["v_cache"], meta, scale)

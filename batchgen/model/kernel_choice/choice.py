@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -51,6 +52,11 @@ from batchgen.model.kernel_choice.attention import (
 )
 from batchgen.model.kernel_choice.linear import plan_layouts, shape_name, table_shape, tune_linear
 from batchgen.model.kernel_choice.stack import build_decoder_stack, cached_stack_rows, tune_decoder_stack
+from batchgen.model.llama import decoder_layers
+
+if TYPE_CHECKING:
+    from batchgen.model.attention.triton_backend import TritonAttentionBackend
+    from batchgen.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +216,7 @@ def _choose_linears(
 
 
 def apply_kernels(
-    model: nn.Module,
+    model: LlamaForCausalLM,
     mode: str,
     device: torch.device,
     max_rows: int,
@@ -257,7 +263,7 @@ def apply_kernels(
     stack_rows, stack_linears = (
         tune_decoder_stack(model, stack, table, max_logit_rows) if stack is not None else (0, [])
     )
-    if stack_rows:
+    if stack is not None and stack_rows:
         stack.max_rows = stack_rows
         stack.linear_by_bucket = stack_linears
         choice.stack_linears = stack_linears
@@ -291,19 +297,19 @@ def table_linear_rate(
     for shape in layer_shapes:
         entry = table.entries.get(entry_key("linear", table_shape(shape, dtype), rows))
         ms = entry["ms"].get(entry["chosen"]) if entry else None
-        if not ms or not entry.get("work"):
+        if entry is None or not ms or not entry.get("work"):
             return None
         flops += entry["work"]
         seconds += ms * 1e-3
     return flops / seconds if seconds else None
 
 
-def _fused_cpu_backend(model: nn.Module) -> bool:
-    layers = model.model.layers
+def _fused_cpu_backend(model: LlamaForCausalLM) -> bool:
+    layers = decoder_layers(model)
     return bool(layers) and getattr(layers[0].self_attn.backend, "fused_cpu_ops", False)
 
 
-def _drop_unused_layouts(model: nn.Module, keep_stack_layout: bool, element_size: int) -> int:
+def _drop_unused_layouts(model: LlamaForCausalLM, keep_stack_layout: bool, element_size: int) -> int:
     """Remove the implementations no row bucket runs (the bf16 layout held for the stack's
     measurement, unless the stack runs); a layer left with one is replaced by it. Returns the bytes
     of the second weight layouts still held."""
@@ -327,7 +333,7 @@ def _drop_unused_layouts(model: nn.Module, keep_stack_layout: bool, element_size
 
 
 def _choose_attention(
-    model: nn.Module,
+    model: LlamaForCausalLM,
     table: TuningTable,
     dtype: torch.dtype,
     max_rows: int,
@@ -336,7 +342,7 @@ def _choose_attention(
 ) -> None:
     """Measure and set the "cpu" backend's prefill attention per chunk-length bucket and its decode
     attention per decode-batch bucket (`attention_choice`)."""
-    layers = model.model.layers
+    layers = decoder_layers(model)
     backend = layers[0].self_attn.backend if layers else None
     if not isinstance(backend, CPUAttentionBackend):
         return
@@ -356,16 +362,17 @@ def _choose_attention(
 
 
 def _choose_triton_attention(
-    model: nn.Module, dtype: torch.dtype, device: torch.device, max_rows: int, block_size: int
+    model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, max_rows: int, block_size: int
 ) -> KernelChoice:
     """Measure and set the Triton backend's prefill attention for chunks without a cached prefix, per
     chunk-length bucket up to `max_rows` (`tune_triton_prefill_attention`, cached like the CPU's
     table under a key that names the GPU). A model on another backend keeps it, unmeasured."""
     choice = KernelChoice("auto", device_type=device.type)
-    layers = model.model.layers
+    layers = decoder_layers(model)
     backend = layers[0].self_attn.backend if layers else None
-    if getattr(backend, "name", None) != "triton":
+    if backend is None or backend.name != "triton":
         return choice
+    backend = cast("TritonAttentionBackend", backend)  # its module imports Triton: not imported here
     start, load_before = time.perf_counter(), LoadSample()
     table = TuningTable.load(tuning_key(dtype, device=device))
     attn = layers[0].self_attn

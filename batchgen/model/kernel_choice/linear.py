@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from batchgen.kernels.cpu.linear import WEIGHT_LAYOUTS, linear_candidates
-from batchgen.kernels.registry import TuningTable, buckets_up_to, choose, entry_key
+from batchgen.kernels.registry import Run, Setup, TuningTable, buckets_up_to, choose, entry_key
 
 # Relative tolerance of a linear candidate against the float32 product of the same inputs: float32
 # kernels differ in summation order only; bf16 rounds the output (2^-8) and may sum in bf16 pairs.
@@ -63,8 +63,8 @@ def tune_linear(table: TuningTable, linear: nn.Linear, max_rows: int) -> list[di
         bias = None if linear.bias is None else linear.bias.float()
         return nn.functional.linear(x(rows).float(), weight.float(), bias)
 
-    def candidate(name: str):
-        def setup(rows: int):
+    def candidate(name: str) -> Setup:
+        def setup(rows: int) -> Run:
             if not others:
                 others.extend(
                     (torch.randn(weight.shape, generator=generator) * scale).to(dtype)
@@ -133,7 +133,8 @@ def plan_layouts(times: list[dict[str, float | None]], one_layout: bool = False)
         for bucket in times:
             timed = [t for t in bucket.values() if t is not None]
             mine = best_of(layout, bucket)
-            total += float("inf") if mine is None else bucket[mine] / max(min(timed), 1e-9)
+            mine_ms = None if mine is None else bucket[mine]
+            total += float("inf") if mine_ms is None else mine_ms / max(min(timed), 1e-9)
         return total
 
     primary = min(layouts, key=slowdown)

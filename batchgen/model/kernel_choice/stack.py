@@ -12,15 +12,20 @@ lose to a matrix-unit kernel as rows grow. Where the crossing lies depends on th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from batchgen.kernels.cpu.linear import AmxLinear, Bf16Linear, TunedLinear, fused_swiglu
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
-from batchgen.kernels.registry import TuningTable, buckets_up_to, choose, entry_key, matches
+from batchgen.kernels.registry import Run, Setup, TuningTable, buckets_up_to, choose, entry_key, matches
 from batchgen.model.attention.base import AttentionMetadata
+from batchgen.model.llama import decoder_layers
+
+if TYPE_CHECKING:
+    from batchgen.model.llama import LlamaForCausalLM
 
 # Context tokens of each synthetic sequence; all but its last block are shared by every sequence
 # (read-only), so the caches stay small at any row count. The attention kernel is the same C kernel
@@ -36,7 +41,15 @@ _RTOL = 2e-2
 _ATTENTION_CHOICES = ("decode_by_bucket", "prefill_by_bucket", "prefill_after_prefix_by_bucket")
 
 
-def _decode_step(rows: int, num_layers: int, num_kv_heads: int, head_dim: int, vocab: int, generator):
+# A synthetic decode step: input ids `[rows]`, positions `[rows]`, per-layer (K, V) caches, metadata.
+_Step = tuple[
+    torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], Callable[[], AttentionMetadata]
+]
+
+
+def _decode_step(
+    rows: int, num_layers: int, num_kv_heads: int, head_dim: int, vocab: int, generator: torch.Generator
+) -> _Step:
     """Inputs of a decode step of `rows` sequences at `_CONTEXT` tokens each, and its caches."""
     shared = _CONTEXT // _BLOCK_SIZE - 1
     num_blocks = shared + rows
@@ -61,7 +74,7 @@ def _decode_step(rows: int, num_layers: int, num_kv_heads: int, head_dim: int, v
 
 
 def tune_decoder_stack(
-    model: nn.Module, stack: DecoderStack, table: TuningTable, max_rows: int
+    model: LlamaForCausalLM, stack: DecoderStack, table: TuningTable, max_rows: int
 ) -> tuple[int, list[str]]:
     """Where `stack` runs: the largest row bucket up to which a stack variant is faster than the
     per-layer path at every bucket (0: at none), and the stack's linear kernel at each bucket up to
@@ -74,11 +87,11 @@ def tune_decoder_stack(
         max_rows: the largest step to consider (the decode batch limit, `max_num_seqs`).
     """
     config = model.config
-    attn = model.model.layers[0].self_attn
+    attn = decoder_layers(model)[0].self_attn
     generator = torch.Generator().manual_seed(0)
-    steps: dict[int, tuple] = {}
+    steps: dict[int, _Step] = {}
 
-    def step(rows: int):
+    def step(rows: int) -> _Step:
         if rows not in steps:
             steps.clear()
             steps[rows] = _decode_step(
@@ -97,8 +110,8 @@ def tune_decoder_stack(
             model.decoder_stack = None
             stack.linear_by_bucket = None
 
-    def stack_setup(linear: str):
-        def setup(rows: int):
+    def stack_setup(linear: str) -> Setup:
+        def setup(rows: int) -> Run:
             with _layers_on(model, linear):  # the per-layer path on the very kernels the stack runs
                 same_kernels = forward(rows, linear=None)
             if not matches(forward(rows, linear), same_kernels, _RTOL):
@@ -109,7 +122,7 @@ def tune_decoder_stack(
 
         return setup
 
-    def layers_setup(rows: int):
+    def layers_setup(rows: int) -> Run:
         return lambda: forward(rows, linear=None)
 
     candidates = {"stack": stack_setup("bf16_c"), "layers": layers_setup}
@@ -135,7 +148,7 @@ def tune_decoder_stack(
 
 
 @contextlib.contextmanager
-def _layers_on(model: nn.Module, linear: str) -> Iterator[None]:
+def _layers_on(model: LlamaForCausalLM, linear: str) -> Iterator[None]:
     """Within the block, every tuned linear of the decoder layers runs `linear` ("bf16_c" or "amx_c")
     on its packed weight at every row count, and attention runs the C kernels the stack calls: the
     per-layer path on the stack's own kernels. (The attention choice measured before may be torch's
@@ -168,8 +181,8 @@ def _layers_on(model: nn.Module, linear: str) -> Iterator[None]:
 _STACK_LINEARS = {"stack": "bf16_c", "stack_amx": "amx_c"}
 
 
-def _shape(model: nn.Module) -> str:
-    config, attn = model.config, model.model.layers[0].self_attn
+def _shape(model: LlamaForCausalLM) -> str:
+    config, attn = model.config, decoder_layers(model)[0].self_attn
     layers = len(model.model.layers)
     return (
         f"{layers}x{config.hidden_size}x{config.intermediate_size}:"
@@ -187,17 +200,18 @@ def _stack_rows(kinds: list[str], buckets: tuple[int, ...]) -> int:
     return best
 
 
-def cached_stack_rows(model: nn.Module, table: TuningTable, max_rows: int) -> int | None:
+def cached_stack_rows(model: LlamaForCausalLM, table: TuningTable, max_rows: int) -> int | None:
     """What `tune_decoder_stack` would return, where `table` already holds every bucket's choice
     (None: it must measure). Lets a second start skip the layout the stack would need."""
     buckets = buckets_up_to(max_rows)
     entries = [table.entries.get(entry_key("decoder_stack", _shape(model), rows)) for rows in buckets]
-    if any(entry is None for entry in entries):
+    found = [entry for entry in entries if entry is not None]
+    if len(found) < len(entries):
         return None
-    return _stack_rows([entry["chosen"] for entry in entries], buckets)
+    return _stack_rows([entry["chosen"] for entry in found], buckets)
 
 
-def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:
+def _bf16_weight(linear: nn.Module | None) -> torch.Tensor | None:
     """The packed bf16 weight of batchgen's own kernel in `linear` (a `Bf16Linear`, or a
     `TunedLinear` holding one), where it has one and no bias (the stack adds none)."""
     if isinstance(linear, TunedLinear):
@@ -208,11 +222,11 @@ def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:
     return linear.packed_weight
 
 
-def build_decoder_stack(model: nn.Module, max_rows: int) -> DecoderStack | None:
+def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack | None:
     """The C decoder stack for `model`, or None where it does not apply: a bf16 model on the "cpu"
     attention backend whose layer linears all hold batchgen's bf16 kernel, without biases or
     Qwen3's q/k norms, with one attention scale. `max_rows`: the stack's row limit (0: none)."""
-    layers = model.model.layers
+    layers = decoder_layers(model)
     if not layers or not getattr(layers[0].self_attn.backend, "fused_cpu_ops", False):
         return None
     first = layers[0].self_attn
@@ -232,8 +246,8 @@ def build_decoder_stack(model: nn.Module, max_rows: int) -> DecoderStack | None:
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        weights = [_bf16_weight(p) for p in projections]
-        if any(w is None for w in weights):
+        weights = [w for w in (_bf16_weight(p) for p in projections) if w is not None]
+        if len(weights) < len(projections):
             return None
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if attn.qk_norm or attn.scale != first.scale:

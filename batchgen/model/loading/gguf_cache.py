@@ -178,12 +178,13 @@ def _gguf_parsed_once() -> Iterator[None]:
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.cache(reader)
+    # A module attribute (a class, a function) swapped for its memoized version: gguf's types do not allow it.
+    gguf.GGUFReader = functools.cache(reader)  # type: ignore[misc,assignment]
     gguf.get_tensor_name_map = functools.cache(name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map  # type: ignore[misc]
 
 
 def _convert(gguf: Path, out_dir: Path) -> None:

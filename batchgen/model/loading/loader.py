@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from batchgen.cache import cache_root
 from batchgen.model.loading import gguf_cache
@@ -28,6 +28,7 @@ from batchgen.model.loading.architectures import (  # noqa: F401  (part of the l
     UnsupportedModelError,
     check_architecture,
 )
+from batchgen.model.loading.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -144,7 +145,7 @@ def iter_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_tokenizer(files: ModelFiles | Path) -> Any:
+def load_tokenizer(files: ModelFiles | Path) -> Tokenizer:
     """Load the model's tokenizer with `transformers.AutoTokenizer` from `files.path` (or a folder).
 
     Raises:
@@ -155,10 +156,11 @@ def load_tokenizer(files: ModelFiles | Path) -> Any:
         raise ModelNotFoundError(f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)}")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    # Its transformers types cover batches too (decode -> str | list[str]); `Tokenizer` is one text.
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(path))
 
 
-def eos_token_ids(files: ModelFiles, tokenizer: Any) -> frozenset[int]:
+def eos_token_ids(files: ModelFiles, tokenizer: Tokenizer) -> frozenset[int]:
     """All token ids that end a sequence.
 
     The union of `tokenizer.eos_token_id` and every `eos_token_id` (an int or a list of ints) of the

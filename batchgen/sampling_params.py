@@ -1,8 +1,10 @@
-"""SamplingParams: how one request is decoded and when it stops (vLLM's field names); and
-SamplingDefaults, a job's sampling flags, which every row's own columns override."""
+"""SamplingParams: how one request is decoded and when it stops (vLLM's field names), with
+StructuredOutputsParams, the constraint its output must match; and SamplingDefaults, a job's
+sampling flags, which every row's own columns override."""
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field, fields
@@ -20,11 +22,123 @@ _LATER_FIELDS = {
     "n": 1,
     "include_stop_str_in_output": False,
     "prompt_logprobs": None,
+    "structured_outputs": None,
 }
 # Most top log probabilities a generated token may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
 # Most completions per prompt (OpenAI's API limit for `n`).
 MAX_N = 128
+# The constraints of StructuredOutputsParams, in vLLM's order; a request has exactly one.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """The constraint a request's output must match (vLLM's `StructuredOutputsParams` names); give
+    exactly one. The engine compiles it with xgrammar (`batchgen.engine.structured`) and masks every
+    token the constraint does not allow before sampling.
+
+    Attributes:
+        json: a JSON schema, as a dict or as JSON text: the output is one JSON value matching it.
+            Property order in the output is the schema's `properties` order.
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar in GBNF form (`root ::= ...`, as llama.cpp and xgrammar write it).
+        json_object: True: the output is any JSON object (OpenAI's `{"type": "json_object"}`).
+
+    Raises:
+        ValueError / TypeError: naming the field: none or several constraints, a wrong type, JSON
+            text that does not parse or is not an object, an empty regex, choice list or grammar.
+            Whether a schema, regex or grammar compiles is checked by the engine (an error row).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check that exactly one constraint is given and that it has the right type.
+
+        Raises:
+            ValueError / TypeError: naming the field, what is wrong and the fix.
+        """
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            what = "none" if not given else " and ".join(given)
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KINDS)}; got {what}: "
+                "give one constraint per request"
+            )
+        if self.json is not None:
+            self.schema  # noqa: B018 (parses it: the check is the property's)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice:
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r:.80}"
+                )
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise TypeError(
+                    f"structured_outputs.choice must hold non-empty strings only, got {self.choice!r:.80}"
+                )
+        if self.json_object not in (None, True, False):
+            raise TypeError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of `STRUCTURED_KINDS`."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def schema(self) -> dict:
+        """`json` as a dict (JSON text parsed).
+
+        Raises:
+            ValueError: JSON text that does not parse, or a schema that is not an object.
+        """
+        value = self.json
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(
+                    f"structured_outputs.json is not valid JSON ({e}); fix the schema text"
+                ) from None
+        if not isinstance(value, dict):
+            raise TypeError(
+                f"structured_outputs.json must be a JSON schema object, got {type(value).__name__} "
+                f"{value!r:.80}"
+            )
+        return value
+
+    @property
+    def key(self) -> str:
+        """The constraint's canonical text, its identity in caches and row hashes: the kind, then
+        the schema as compact JSON (its key order kept: it is the output's property order), the
+        choices as a JSON list, or the regex or grammar text as given."""
+        kind = self.kind
+        if kind == "json":
+            text = json.dumps(self.schema, separators=(",", ":"), ensure_ascii=False)
+        elif kind == "choice":
+            text = json.dumps(list(self.choice), ensure_ascii=False)
+        elif kind == "json_object":
+            text = "true"
+        else:
+            text = getattr(self, kind)
+        return f"{kind}:{text}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The constraint as {kind: canonical text} (see `key`), for row hashes and reports."""
+        kind, _, text = self.key.partition(":")
+        return {kind: text}
 
 
 @dataclass
@@ -58,11 +172,15 @@ class SamplingParams:
         logprobs: None, or the number (0 to `MAX_LOGPROBS`) of most likely tokens whose log
             probabilities come back for every generated token, besides the sampled token's own
             (vLLM's meaning; the log-softmax of the model's raw logits, before penalties,
-            temperature and filters, as vLLM's default "raw_logprobs").
+            temperature and filters, as vLLM's default "raw_logprobs"; of the masked logits for a
+            structured request, as in vLLM).
         prompt_logprobs: None, or the number (0 to `MAX_LOGPROBS`) of most likely tokens whose log
             probabilities come back for every prompt position after the first, besides the prompt
             token's own (vLLM's meaning; `RequestOutput.prompt_logprobs`). Such a request takes no
             prefix-cache hits over positions whose log probabilities it has not received yet.
+        structured_outputs: the constraint the output must match (`StructuredOutputsParams`, or a
+            dict of its fields), or None. Its matcher ends the request ("stop") when the constraint
+            is complete; EOS is the only token it then allows.
 
     Raises:
         ValueError / TypeError: naming the field and the allowed range, at construction, and again
@@ -89,8 +207,17 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_KINDS))
+            if unknown:
+                raise TypeError(
+                    f"structured_outputs has unknown field(s) {', '.join(map(repr, unknown))}; "
+                    f"use one of {', '.join(STRUCTURED_KINDS)}"
+                )
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         # NumPy's scalars (values read from a pandas or Arrow column) as Python's: they pass the type
         # checks below and serialize as JSON.
         for f in fields(self):
@@ -168,6 +295,25 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
             )
+        self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise TypeError(
+                f"structured_outputs must be a StructuredOutputsParams (or a dict of its fields), "
+                f"got {type(so).__name__}"
+            )
+        so.validate()
+        if self.min_tokens:
+            # The constraint decides where the output ends: once it is complete EOS is the only
+            # token allowed, and min_tokens would ban it.
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) cannot be combined with structured_outputs (the "
+                "constraint decides where the output ends); set min_tokens to 0"
+            )
 
     @property
     def penalized(self) -> bool:
@@ -189,13 +335,15 @@ class SamplingParams:
     def to_dict(self) -> dict:
         """The public fields as a plain dict (for hashing job rows and for reports).
 
-        The penalties, logprobs, n, include_stop_str_in_output and prompt_logprobs came later: at
-        their neutral values they are left out, so a job row's hash (its identity on resume) is
-        what it was before they existed."""
+        The penalties, logprobs, n, include_stop_str_in_output, prompt_logprobs and
+        structured_outputs came later: at their neutral values they are left out, so a job row's
+        hash (its identity on resume) is what it was before they existed."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         for name, neutral in _LATER_FIELDS.items():
             if out[name] == neutral:
                 del out[name]
+        if self.structured_outputs is not None:
+            out["structured_outputs"] = self.structured_outputs.to_dict()
         return out
 
 

@@ -113,6 +113,10 @@ def run_command(
     repetition_penalty: opt.RepetitionPenalty = SamplingDefaults.repetition_penalty,
     logprobs: opt.Logprobs = SamplingDefaults.logprobs,
     prompt_logprobs: opt.PromptLogprobs = SamplingDefaults.prompt_logprobs,
+    json_schema: opt.JsonSchema = None,
+    regex: opt.Regex = None,
+    choice: opt.Choice = None,
+    grammar: opt.Grammar = None,
     # --- scheduling ---
     policy: Annotated[str, typer.Option(help=opt.choices(POLICY_NAMES))] = "fcfs",
     window: Annotated[
@@ -142,6 +146,7 @@ def run_command(
     prompt_lookup_min: opt.PromptLookupMin = EngineConfig.prompt_lookup_min,
     prompt_lookup_max: opt.PromptLookupMax = EngineConfig.prompt_lookup_max,
     speculative_max_batch: opt.SpeculativeMaxBatch = EngineConfig.speculative_max_batch,
+    grammar_compile_timeout: opt.GrammarCompileTimeout = EngineConfig.grammar_compile_timeout,
     # --- job mechanics ---
     no_dashboard: Annotated[
         bool, typer.Option("--no-dashboard", help="Plain progress lines instead of the live view")

@@ -114,6 +114,13 @@ SpeculativeMaxBatch = Annotated[
         "at start from this machine's step costs, cached)"
     ),
 ]
+GrammarCompileTimeout = Annotated[
+    float,
+    typer.Option(
+        help="Seconds a structured outputs constraint (--json-schema, a row's json_schema, ...) may "
+        "take to compile; a row whose constraint takes longer is an error row"
+    ),
+]
 
 # The parameter names above, as both commands spell them (EngineConfig's field names).
 ENGINE_OPTIONS = (
@@ -140,6 +147,7 @@ ENGINE_OPTIONS = (
     "prompt_lookup_min",
     "prompt_lookup_max",
     "speculative_max_batch",
+    "grammar_compile_timeout",
 )
 
 
@@ -189,17 +197,91 @@ PromptLogprobs = Annotated[
 ]
 
 
+JsonSchema = Annotated[
+    Path | None,
+    typer.Option(
+        help="JSON schema file that every row's output must match (a row's own json_schema, regex, "
+        "choice or grammar column wins)",
+        metavar="FILE",
+    ),
+]
+Regex = Annotated[str | None, typer.Option(help="Regular expression every row's output must match")]
+Choice = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="Every row's output is one of these strings (comma-separated or repeated)", metavar="A,B"
+    ),
+]
+Grammar = Annotated[
+    Path | None,
+    typer.Option(
+        help="EBNF grammar file (GBNF form, root ::= ...) every row's output must match", metavar="FILE"
+    ),
+]
+STRUCTURED_FLAGS = ("json_schema", "regex", "choice", "grammar")
+
+
 def sampling_options(values: dict[str, Any]) -> dict[str, Any]:
     """The sampling defaults out of a command's parameters (`locals()`): `SamplingDefaults` keyword
-    arguments, `--stop` and `--stop-token-ids` as tuples (the latter's comma lists split).
+    arguments, `--stop` and `--stop-token-ids` as tuples (the latter's comma lists split), and the
+    job's structured outputs constraint from `--json-schema`, `--regex`, `--choice` or `--grammar`
+    (`structured_flags`).
 
     Raises:
-        typer.BadParameter: a `--stop-token-ids` value that is not a whole number (exit 2).
+        typer.BadParameter: a `--stop-token-ids` value that is not a whole number, or a bad
+            constraint flag (exit 2).
     """
-    sampling = {f.name: values[f.name] for f in fields(SamplingDefaults)}
+    sampling = {f.name: values[f.name] for f in fields(SamplingDefaults) if f.name != "structured_outputs"}
     sampling["stop"] = tuple(sampling["stop"] or ())
     sampling["stop_token_ids"] = _token_ids(sampling["stop_token_ids"])
+    sampling["structured_outputs"] = structured_flags(values)
     return sampling
+
+
+def structured_flags(values: dict[str, Any]) -> dict[str, Any] | None:
+    """The job-wide constraint of the constraint flags in `values`, as `StructuredOutputsParams`
+    fields ({"json": schema} read from `--json-schema`'s file, {"regex": ...}, {"choice": [...]}
+    with `--choice`'s comma lists split, {"grammar": text} read from `--grammar`'s file); None
+    when none is given. Whether the library can compile it is checked with the job's options.
+
+    Raises:
+        typer.BadParameter: two flags, a file that cannot be read, a schema that is not JSON, or
+            an empty choice list (exit 2).
+    """
+    given = [name for name in STRUCTURED_FLAGS if values.get(name)]
+    if not given:
+        return None
+    flag = f"--{given[0].replace('_', '-')}"
+    if len(given) > 1:
+        raise typer.BadParameter(
+            f"give one of --json-schema, --regex, --choice, --grammar (got {len(given)}); a row's own "
+            "column can set another constraint",
+            param_hint=flag,
+        )
+    value = values[given[0]]
+    if given[0] == "regex":
+        return {"regex": value}
+    if given[0] == "choice":
+        choices = [c.strip() for item in value for c in item.split(",") if c.strip()]
+        if not choices:
+            raise typer.BadParameter(
+                "the choice list is empty; give the strings, e.g. --choice yes,no", param_hint=flag
+            )
+        return {"choice": choices}
+    try:
+        text = Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise typer.BadParameter(f"cannot read {value}: {e}", param_hint=flag) from None
+    if given[0] == "grammar":
+        return {"grammar": text}
+    import json
+
+    try:
+        return {"json": json.loads(text)}
+    except ValueError as e:
+        raise typer.BadParameter(
+            f"{value} is not JSON ({e}); give a JSON schema file", param_hint=flag
+        ) from None
 
 
 def _token_ids(values: list[str] | None) -> tuple[int, ...]:

@@ -79,18 +79,25 @@ class StructuredOutputsParams:
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise TypeError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
+                raise TypeError(
+                    f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}; give the "
+                    f"{'pattern' if name == 'regex' else 'grammar text'} or leave it unset"
+                )
         if self.choice is not None:
             if not isinstance(self.choice, list | tuple) or not self.choice:
                 raise ValueError(
-                    f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r:.80}"
+                    f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r:.80}; "
+                    'give the allowed outputs, e.g. ["yes", "no"]'
                 )
             if not all(isinstance(c, str) and c for c in self.choice):
                 raise TypeError(
-                    f"structured_outputs.choice must hold non-empty strings only, got {self.choice!r:.80}"
+                    f"structured_outputs.choice must hold non-empty strings only, got {self.choice!r:.80}; "
+                    "write each choice as text"
                 )
         if self.json_object not in (None, True, False):
-            raise TypeError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
+            raise TypeError(
+                f"structured_outputs.json_object must be True or False, got {self.json_object!r}; set it to true"
+            )
 
     @property
     def kind(self) -> str:
@@ -115,7 +122,7 @@ class StructuredOutputsParams:
         if not isinstance(value, dict):
             raise TypeError(
                 f"structured_outputs.json must be a JSON schema object, got {type(value).__name__} "
-                f"{value!r:.80}"
+                f'{value!r:.80}; give an object such as {{"type": "object", "properties": {{...}}}}'
             )
         return value
 
@@ -379,6 +386,9 @@ class SamplingDefaults:
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=_ADDED_LATER)
     n: int = field(default=1, metadata=_ADDED_LATER)
     prompt_logprobs: int | None = field(default=None, metadata=_ADDED_LATER)
+    # The job's constraint (`--json-schema`, `--regex`, `--choice`, `--grammar`): a dict of one
+    # StructuredOutputsParams field, as the run header stores it.
+    structured_outputs: dict[str, Any] | None = field(default=None, metadata=_ADDED_LATER)
 
     def sampling_defaults(self) -> dict[str, Any]:
         """The defaults as SamplingParams keyword arguments. The fields added after the first ones

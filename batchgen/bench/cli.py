@@ -134,6 +134,7 @@ def bench_command(
     prompt_lookup_min: opt.PromptLookupMin = EngineConfig.prompt_lookup_min,
     prompt_lookup_max: opt.PromptLookupMax = EngineConfig.prompt_lookup_max,
     speculative_max_batch: opt.SpeculativeMaxBatch = EngineConfig.speculative_max_batch,
+    grammar_compile_timeout: opt.GrammarCompileTimeout = EngineConfig.grammar_compile_timeout,
 ) -> None:
     """Benchmark continuous against static batching, Hugging Face and vLLM on one workload.
 

@@ -69,9 +69,9 @@ class GrammarEntry:
             took = self.compile_s if self.done.is_set() else (now - self.started if self.started else 0.0)
             if took is not None and took > timeout_s:
                 self.error = (
-                    f"did not compile within the time limit of {timeout_s:g} s (EngineConfig."
-                    "grammar_compile_timeout); simplify it (fewer nested or repeated parts, smaller "
-                    "maxLength / maxItems bounds) or raise the limit (--grammar-compile-timeout)"
+                    f"did not compile within the time limit of {timeout_s:g} s; simplify it (fewer "
+                    "nested or repeated parts, smaller maxLength / maxItems bounds) or raise "
+                    "grammar_compile_timeout"
                 )
         if self.error is not None:
             return "error"

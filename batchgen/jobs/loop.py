@@ -136,6 +136,8 @@ class _EngineLoop:
             sp = row.sampling_params
             work = window_work(prepared.prompt_tokens, sp.n, sp.max_tokens, self.max_len)
             self.window.push(prepared, work=work, priority=sp.priority)
+            if sp.structured_outputs is not None:  # its grammar compiles while the row waits
+                self.engine.prepare(sp)
 
     def _admit(self) -> None:
         """Hand rows from the window to the engine, in policy order, while it holds fewer than

@@ -1,0 +1,236 @@
+"""Structured outputs through `batchgen run` on a tiny model: rows with their own constraints,
+the job's flags, OpenAI batch lines' response_format, each bad-input kind an error row while the
+others run (exit 0), and `--strict` finding them before any model work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import xgrammar as xgr
+from typer.testing import CliRunner
+
+from batchgen.cli import app
+from batchgen.sampling_params import StructuredOutputsParams
+from tests.jobs.fake_engine import fake_factory
+from tests.jobs.real_engine import quiet
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["answer", "n"],
+    "additionalProperties": False,
+}
+DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["run", *args])
+
+
+def engine_args(model: Path, *more: str) -> list[str]:
+    return [
+        "--model",
+        str(model),
+        "--max-tokens",
+        "16",
+        "--kv-cache-memory",
+        "64MiB",
+        "--no-dashboard",
+        *more,
+    ]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def output_rows(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+BAD_KINDS = {
+    "invalid schema": ({"json_schema": {"type": "object", "properties": {"a": {"type": "strng"}}}},
+                       "field 'json_schema' is not a JSON schema xgrammar can compile: Unsupported type \"strng\"; fix the schema"),
+    "unsupported keyword": ({"json_schema": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+                            "field 'json_schema' uses keyword 'uniqueItems' at #, which xgrammar cannot enforce"),
+    "bad regex": ({"regex": "[0-9"}, "field 'regex' is not a regex xgrammar can compile: Regex parsing error at position 5: Unclosed '['"),
+    "empty choice list": ({"choice": []}, "field 'choice' must be a non-empty list of strings, got []; give the allowed outputs"),
+    "two constraints": ({"regex": DATE, "choice": ["a"]}, "fields 'regex' and 'choice' both set a structured outputs constraint; give one per row"),
+}  # fmt: skip
+SLOW_REGEX = "[a-z]{3000}"  # about 0.4 s to compile on a 2-core Zen 4, far over the 0.05 s limit below
+
+
+def mixed_rows() -> list[dict]:
+    rows = [
+        {"id": "json", "prompt": "Is the sky blue? Answer in JSON.", "json_schema": SCHEMA},
+        {"id": "date", "prompt": "When did it happen?", "regex": DATE},
+        {"id": "pick", "prompt": "Yes or no?", "choice": ["yes", "no"]},
+        {"id": "gram", "prompt": "A word:", "grammar": 'root ::= "w" [a-z] [a-z]'},
+        {"id": "free", "prompt": "Say anything."},
+    ]
+    rows += [{"id": kind, "prompt": "p", **fields} for kind, (fields, _) in BAD_KINDS.items()]
+    return rows + [{"id": "slow", "prompt": "p", "regex": SLOW_REGEX}]
+
+
+def check(so: StructuredOutputsParams, tokenizer, row: dict) -> None:
+    """A finished structured row's text fits its constraint: the library's matcher accepts it
+    whole (and, for "stop" rows, is complete); JSON rows parse."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    compiler = xgr.GrammarCompiler(info)
+    from batchgen.engine.structured_check import library_grammar
+
+    method, text = library_grammar(so)
+    compiled = (
+        compiler.compile_json_schema(text, any_whitespace=False)
+        if method == "json_schema"
+        else compiler.compile_regex(text)
+        if method == "regex"
+        else compiler.compile_grammar(text)
+    )
+    m = xgr.GrammarMatcher(compiled)
+    assert m.accept_string(row["output"]), row
+    if row["finish_reason"] == "stop":
+        assert m.is_completed(), row
+
+
+def test_each_bad_input_kind_is_an_error_row_and_the_rest_run(tmp_path, tiny):
+    """One job: good structured rows of every kind, a free row, and one row of each bad kind (and a
+    constraint over the compile time limit): each bad one is an error row naming its row, field,
+    what is wrong and the fix; every other row finishes; exit 0."""
+    src = write_jsonl(tmp_path / "mixed.jsonl", mixed_rows())
+    out = tmp_path / "mixed.out.parquet"
+    result = invoke(str(src), "--output", str(out), *engine_args(tiny, "--grammar-compile-timeout", "0.05"))
+    assert result.exit_code == 0, result.output
+    rows = {r["id"]: r for r in output_rows(out)}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    for rid, so in [
+        ("json", StructuredOutputsParams(json=SCHEMA)),
+        ("date", StructuredOutputsParams(regex=DATE)),
+        ("pick", StructuredOutputsParams(choice=["yes", "no"])),
+        ("gram", StructuredOutputsParams(grammar='root ::= "w" [a-z] [a-z]')),
+    ]:
+        assert rows[rid]["finish_reason"] in ("stop", "length") and rows[rid]["error"] is None, rows[rid]
+        check(so, tokenizer, rows[rid])
+    assert rows["pick"]["output"] in ("yes", "no") and rows["pick"]["finish_reason"] == "stop"
+    assert rows["free"]["finish_reason"] in ("stop", "length")
+    for i, (kind, (_, message)) in enumerate(BAD_KINDS.items(), start=5):
+        assert rows[kind]["finish_reason"] == "error"
+        assert rows[kind]["error"].startswith(f"row {i} (line {i + 1}): {message}"), rows[kind]["error"]
+    slow = rows["slow"]
+    assert slow["finish_reason"] == "error"
+    assert slow["error"].startswith(
+        "row 10 (line 11): field 'regex' did not compile within the time limit of 0.05 s"
+    )
+    assert slow["error"].endswith("raise grammar_compile_timeout (flag --grammar-compile-timeout)")
+
+
+def test_strict_finds_the_bad_rows_before_model_work(tmp_path):
+    """--strict lists every bad constraint (all but the time limit, which needs the model's
+    tokenizer) and exits 2 before any model is loaded."""
+    src = write_jsonl(tmp_path / "mixed.jsonl", mixed_rows())
+    result = invoke(str(src), "--strict", "--model", "/nonexistent/model")
+    assert result.exit_code == 2
+    assert f"--strict: {len(BAD_KINDS)} invalid row(s)" in result.output
+    for i, (_, message) in enumerate(BAD_KINDS.values(), start=5):
+        assert f"row {i} (line {i + 1}): {message[:60]}" in " ".join(result.output.split())
+
+
+def test_job_flags_apply_to_rows_without_their_own(tmp_path, tiny):
+    """--json-schema FILE applies to every row without a constraint column; a row's own column
+    wins; a bad flag (unreadable, not JSON, not compilable, two of them) fails the command (exit 2)."""
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    src = write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"prompt": "Is it raining?"},
+            {"prompt": "Pick one", "choice": ["red", "blue"]},
+            {"prompt": "And now?"},
+        ],
+    )
+    out = tmp_path / "a.out.parquet"
+    result = invoke(str(src), "--output", str(out), "--json-schema", str(schema_file), *engine_args(tiny))
+    assert result.exit_code == 0, result.output
+    first, pick, last = output_rows(out)
+    for row in (first, last):
+        if row["finish_reason"] == "stop":
+            assert set(json.loads(row["output"])) == {"answer", "n"}
+        assert row["output"].startswith('{"answer": "')
+    assert pick["output"] in ("red", "blue")
+    bad_schema = tmp_path / "bad.json"
+    bad_schema.write_text('{"type": "object", "not": {}}')
+    for args, message in [
+        (["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
+        (["--json-schema", str(src)], "is not JSON"),
+        (["--json-schema", str(bad_schema)], "--json-schema uses keyword 'not' at #"),
+        (["--regex", "a", "--choice", "x,y"], "give one of --json-schema, --regex, --choice, --grammar"),
+        (["--choice", ","], "the choice list is empty"),
+    ]:
+        result = invoke(
+            str(src), "--output", str(tmp_path / "x.parquet"), "--model", "/nonexistent/model", *args
+        )
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), (args, result.output)
+
+
+def test_openai_batch_response_format(tmp_path, tiny):
+    """OpenAI batch lines: response_format json_schema and json_object constrain the answer in
+    message.content; {"type": "text"} is no constraint; vLLM's structured_outputs applies."""
+    messages = [{"role": "user", "content": "Is water wet? Reply in JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}}
+    bodies = {
+        "schema": {"messages": messages, "max_tokens": 24, "response_format": fmt},
+        "object": {"messages": messages, "max_tokens": 24, "response_format": {"type": "json_object"}},
+        "text": {"messages": messages, "max_tokens": 4, "response_format": {"type": "text"}},
+        "vllm": {"messages": messages, "max_tokens": 8, "structured_outputs": {"choice": ["wet", "dry"]}},
+    }
+    src = tmp_path / "batch.jsonl"
+    src.write_text(
+        "".join(
+            json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
+            + "\n"
+            for cid, body in bodies.items()
+        )
+    )
+    result = invoke(str(src), *engine_args(tiny))
+    assert result.exit_code == 0, result.output
+    lines = {
+        r["custom_id"]: r["response"]["body"]["choices"][0]
+        for r in map(json.loads, (tmp_path / "batch.out.jsonl").read_text().splitlines())
+    }
+    schema = lines["schema"]
+    assert schema["message"]["content"].startswith('{"answer": "')
+    if schema["finish_reason"] == "stop":
+        assert set(json.loads(schema["message"]["content"])) == {"answer", "n"}
+    assert lines["object"]["message"]["content"].startswith("{")
+    assert lines["vllm"]["message"]["content"] in ("wet", "dry") and lines["vllm"]["finish_reason"] == "stop"
+    assert lines["text"]["finish_reason"] in ("stop", "length")
+
+
+def test_the_window_starts_compiling_before_admission(tmp_path):
+    """Each structured row's constraint is handed to the engine (`Engine.prepare`) as the row enters
+    the look-ahead window, before the row is admitted."""
+    from batchgen.jobs.runner import JobOptions, run_job
+
+    engines = []
+
+    def factory(config):
+        engine = fake_factory()(config)
+        engines.append(engine)
+        return engine
+
+    rows = [{"prompt": f"p{i}", "regex": f"[a-z]{{{i + 1}}}"} for i in range(6)] + [{"prompt": "free"}]
+    src = write_jsonl(tmp_path / "a.jsonl", rows)
+    run_job(JobOptions(str(src), max_tokens=4, engine={"max_num_seqs": 1}), factory, dashboard=quiet())
+    (engine,) = engines
+    assert [p.structured_outputs.regex for p in engine.prepared] == [f"[a-z]{{{i + 1}}}" for i in range(6)]

@@ -234,3 +234,46 @@ def test_the_window_starts_compiling_before_admission(tmp_path):
     run_job(JobOptions(str(src), max_tokens=4, engine={"max_num_seqs": 1}), factory, dashboard=quiet())
     (engine,) = engines
     assert [p.structured_outputs.regex for p in engine.prepared] == [f"[a-z]{{{i + 1}}}" for i in range(6)]
+
+
+def test_counts_in_the_log_the_summary_and_prometheus(tmp_path, tiny):
+    """Four structured rows with two distinct constraints and two free rows: the line after the
+    first window, the summary, the dashboard's line and the Prometheus textfile count 4 structured
+    rows and 2 compilations; the masks took some time."""
+    import io
+
+    import rich.console
+
+    from batchgen.dashboard import Dashboard
+    from batchgen.jobs.runner import JobOptions, run_job
+    from batchgen.metrics import MetricsOptions
+    from tests.jobs.test_metrics import P, samples
+
+    rows = [
+        {"prompt": "a", "choice": ["x", "y"]},
+        {"prompt": "b"},
+        {"prompt": "c", "regex": DATE},
+        {"prompt": "d", "choice": ["x", "y"]},
+        {"prompt": "e", "regex": DATE},
+        {"prompt": "f"},
+    ]
+    src, prom = write_jsonl(tmp_path / "a.jsonl", rows), tmp_path / "job.prom"
+    stream = io.StringIO()
+    dashboard = Dashboard(None, live=False, stream=stream, console=rich.console.Console(file=stream))
+    options = JobOptions(
+        str(src),
+        max_tokens=12,
+        engine={"model": str(tiny), "kv_cache_memory": "64MiB"},
+        metrics=MetricsOptions(file=str(prom)),
+    )
+    summary = run_job(options, dashboard=dashboard)
+    assert (summary.structured_rows, summary.grammars_compiled) == (4, 2)
+    log = stream.getvalue()
+    assert "structured outputs: 4 of the first 6 rows read ask for a constraint, 2 distinct" in log
+    assert "structured outputs: 4 rows, 2 distinct constraints compiled in " in log
+    assert "| structured 4 rows, 2 grammars compiled in " in log
+    final = samples(prom.read_text())
+    assert final[P + "structured_requests_total"] == 4
+    assert final[P + "grammar_compile_seconds_count"] == 2
+    assert final[P + "grammar_compile_seconds_sum"] == pytest.approx(summary.grammar_compile_s)
+    assert final[P + "structured_mask_seconds_total"] > 0

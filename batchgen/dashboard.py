@@ -299,7 +299,9 @@ class Dashboard:
         if summary.structured_rows:
             lines.append(
                 f"structured outputs: {summary.structured_rows} rows, {summary.grammars_compiled} distinct "
-                f"constraints compiled in {summary.grammar_compile_s:.2f} s (ahead of admission)"
+                f"constraints compiled in {summary.grammar_compile_s:.2f} s (ahead of admission); token "
+                f"masks {summary.mask_time_s:.2f} s of the steps' {summary.step_time_s:.1f} s "
+                f"({100 * summary.mask_time_s / summary.step_time_s if summary.step_time_s else 0:.1f}%)"
             )
         if summary.rows_error:
             lines.append(

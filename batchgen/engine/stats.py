@@ -67,7 +67,8 @@ class StepStats:
 
 @dataclass
 class EngineTotals:
-    """Counters since the engine started (sums over all steps).
+    """Counters since the engine started (sums over all steps; `step_time_s` and
+    `mask_time_s` in seconds).
 
     A field merges across engines (`merged`) by the function in its metadata's "merge" key, a sum
     when it has none; so a new counter is summed without touching `merged`, and a new peak declares
@@ -89,9 +90,11 @@ class EngineTotals:
     grammars_compiled: int = 0
     grammar_compile_s: float = 0.0
     mask_time_s: float = 0.0
+    step_time_s: float = 0.0
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
+        self.step_time_s += s.step_time_s
         self.prompt_tokens += s.num_prompt_tokens
         self.generation_tokens += s.num_generation_tokens
         self.preemptions += s.num_preemptions

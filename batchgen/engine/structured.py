@@ -14,12 +14,14 @@ The engine holds a request whose grammar is not ready outside the scheduler
 (`batchgen.engine.llm_engine`), so a slow schema delays its own rows only. A constraint that fails
 to compile, or takes longer than the time limit, is an error for each request that asks for it;
 the others go on. A compilation past the limit cannot be stopped (the library has no way to): its
-worker finishes it and the result is dropped; the threads are daemons, so a stuck one never holds
-the process at exit.
+worker finishes it and the result is dropped. At exit the process waits for the compilations in
+progress (as vLLM's thread pool does): a thread still inside the library when the interpreter
+finalizes would abort the process. Compilations queued but not started are dropped then.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -32,6 +34,8 @@ from batchgen.engine.structured_check import describe_failure, library_grammar, 
 from batchgen.sampling_params import StructuredOutputsParams
 
 COMPILE_THREADS = 2
+_CLOSING = threading.Event()  # set at exit: workers end after their current compilation
+_WORKERS: list[threading.Thread] = []
 # The cache is bounded in entries and in the bytes xgrammar reports for its compiled grammars; a
 # job's look-ahead window (1,024 rows by default) of distinct schemas fits, so none is compiled
 # twice before its row runs.
@@ -115,12 +119,15 @@ class GrammarCache:
         self.timeout_s = timeout_s
         self._entries: OrderedDict[str, GrammarEntry] = OrderedDict()
         self._bytes = 0
-        self._queue: queue.SimpleQueue[GrammarEntry] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[GrammarEntry | None] = queue.SimpleQueue()
         self.progress = threading.Event()  # set whenever a compilation ends
         self._finished: list[float] = []  # compile seconds not yet taken by `take_compile_times`
         self._lock = threading.Lock()
         for i in range(threads):
-            threading.Thread(target=self._work, name=f"batchgen-grammar-{i}", daemon=True).start()
+            worker = threading.Thread(target=self._work, name=f"batchgen-grammar-{i}", daemon=True)
+            worker.start()
+            _WORKERS.append(worker)
+            _QUEUES.append(self._queue)
 
     def submit(self, params: StructuredOutputsParams) -> GrammarEntry:
         """The entry of `params`' constraint, its compilation queued when it is new."""
@@ -156,6 +163,8 @@ class GrammarCache:
     def _work(self) -> None:
         while True:
             entry = self._queue.get()
+            if entry is None or _CLOSING.is_set():
+                return
             entry.started = time.perf_counter()
             params = entry.params
             try:
@@ -186,6 +195,19 @@ class GrammarCache:
         if method == "regex":
             return self.compiler.compile_regex(text)
         return self.compiler.compile_grammar(text)
+
+
+_QUEUES: list[queue.SimpleQueue] = []
+
+
+@atexit.register
+def _finish_compilations() -> None:
+    """At exit: let each worker end its current compilation, start no other, and end."""
+    _CLOSING.set()
+    for q in _QUEUES:
+        q.put(None)
+    for worker in _WORKERS:
+        worker.join()
 
 
 def _size(entry: GrammarEntry) -> int:

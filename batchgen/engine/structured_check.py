@@ -113,13 +113,17 @@ def constraint_error(params: StructuredOutputsParams, field: str | None = None) 
 
 
 def _check(params: StructuredOutputsParams) -> str | None:
-    """`constraint_error`'s message after the field name, or None."""
-    import xgrammar
-
+    """`constraint_error`'s message after the field name, or None. In a process that keeps torch
+    out (`batchgen plan`'s), xgrammar cannot be imported: only the keywords are checked there, and
+    the plan compiles the constraints in its child process (`batchgen.plan.grammars`)."""
     if params.kind == "json":
         problem = unsupported_keyword(params.schema)
         if problem is not None:
             return problem
+    try:
+        import xgrammar
+    except ImportError:
+        return None
     method, text = library_grammar(params)
     try:
         if method == "json_schema":

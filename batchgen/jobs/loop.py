@@ -115,6 +115,7 @@ class _EngineLoop:
             totals.grammars_compiled,
         )
         summary.grammar_compile_s = totals.grammar_compile_s
+        summary.mask_time_s, summary.step_time_s = totals.mask_time_s, totals.step_time_s
         finished = self.exhausted and not self.window and not self.pending
         summary.generated_tokens += engine.totals.generation_tokens
         if not finished:

@@ -100,6 +100,8 @@ class JobSummary:
     structured_rows: int = 0
     grammars_compiled: int = 0
     grammar_compile_s: float = 0.0
+    mask_time_s: float = 0.0  # the steps' token masks (fill + apply), of `step_time_s` in all
+    step_time_s: float = 0.0
 
     @property
     def rows_done(self) -> int:

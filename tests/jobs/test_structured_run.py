@@ -277,3 +277,103 @@ def test_counts_in_the_log_the_summary_and_prometheus(tmp_path, tiny):
     assert final[P + "grammar_compile_seconds_count"] == 2
     assert final[P + "grammar_compile_seconds_sum"] == pytest.approx(summary.grammar_compile_s)
     assert final[P + "structured_mask_seconds_total"] > 0
+
+
+XSUM = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "xsum" / "test.jsonl"
+ARTICLE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "headline": {"type": "string", "maxLength": 80},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+        "topic": {"enum": ["politics", "sport", "business", "science", "crime", "other"]},
+        "people": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
+        "place": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "country": {"type": "string", "maxLength": 30},
+            },
+            "required": ["city", "country"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["headline", "year", "topic", "people", "place"],
+    "additionalProperties": False,
+}
+TOPICS = ["politics", "sport", "business", "science", "crime", "other"]
+# A small EBNF grammar: a labelled line, a topic word and a score from 1 to 5.
+RATING_GRAMMAR = (
+    'root ::= "Topic: " topic "; importance: " [1-5]\ntopic ::= "news" | "sport" | "money" | "other"'
+)
+RATING = r"Topic: (news|sport|money|other); importance: [1-5]"
+
+
+@pytest.mark.slow
+def test_default_model_on_xsum_rows_every_stop_row_validates(tmp_path, default_model_dir):
+    """The default model on 40 XSum articles: 16 rows extract JSON (required string, integer and
+    enum fields, an array, a nested object, additionalProperties false), 8 give an ISO date, 8 pick
+    a topic from a list, 8 follow a small EBNF grammar. Every "stop" row validates (`jsonschema`
+    for JSON); every row ends "stop" or "length"."""
+    import re
+
+    import jsonschema
+
+    if not XSUM.exists():
+        pytest.skip(f"shared data not found at {XSUM} (needs the ../shared/data folder beside the repo)")
+    docs = [json.loads(line)["document"][:1200] for line in XSUM.read_text().splitlines()[:40]]
+    rows = []
+    for i, doc in enumerate(docs):
+        if i % 5 < 2:
+            rows.append(
+                {
+                    "id": f"json{i}",
+                    "prompt": f"Extract the facts of this article as JSON.\n\n{doc}",
+                    "json_schema": ARTICLE_SCHEMA,
+                }
+            )
+        elif i % 5 == 2:
+            rows.append(
+                {
+                    "id": f"date{i}",
+                    "prompt": f"{doc}\n\nOn what date (YYYY-MM-DD) did this happen?",
+                    "regex": DATE,
+                }
+            )
+        elif i % 5 == 3:
+            rows.append(
+                {
+                    "id": f"topic{i}",
+                    "prompt": f"{doc}\n\nWhich topic is this article about?",
+                    "choice": TOPICS,
+                }
+            )
+        else:
+            rows.append(
+                {"id": f"rate{i}", "prompt": f"{doc}\n\nRate this article.", "grammar": RATING_GRAMMAR}
+            )
+    src = write_jsonl(tmp_path / "xsum.jsonl", rows)
+    out = tmp_path / "xsum.out.parquet"
+    from batchgen.jobs.runner import JobOptions, run_job
+
+    summary = run_job(JobOptions(str(src), output=str(out), max_tokens=160), dashboard=quiet())
+    assert summary.complete and summary.rows_error == 0 and summary.structured_rows == 40
+    got = {r["id"]: r for r in output_rows(out)}
+    stops = {"json": 0, "date": 0, "topic": 0, "rate": 0}
+    for rid, row in got.items():
+        kind = re.sub(r"\d+", "", rid)
+        assert row["finish_reason"] in ("stop", "length"), row
+        if row["finish_reason"] != "stop":
+            continue
+        stops[kind] += 1
+        text = row["output"]
+        if kind == "json":
+            jsonschema.validate(json.loads(text), ARTICLE_SCHEMA)
+        elif kind == "date":
+            assert re.fullmatch(DATE, text), text
+        elif kind == "topic":
+            assert text in TOPICS
+        else:
+            assert re.fullmatch(RATING, text), text
+    # Choice lists, dates and the grammar are short: they always complete within max_tokens.
+    assert stops["date"] == stops["topic"] == stops["rate"] == 8
+    assert stops["json"] >= 8, stops  # most extractions complete too (the rest hit max_tokens)

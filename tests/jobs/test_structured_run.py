@@ -377,3 +377,47 @@ def test_default_model_on_xsum_rows_every_stop_row_validates(tmp_path, default_m
     # Choice lists, dates and the grammar are short: they always complete within max_tokens.
     assert stops["date"] == stops["topic"] == stops["rate"] == 8
     assert stops["json"] >= 8, stops  # most extractions complete too (the rest hit max_tokens)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gives_the_uninterrupted_rows(tmp_path, tiny):
+    """A structured job killed (SIGKILL) after some rows were committed and run again ends with
+    exactly the rows of an uninterrupted run (greedy, float32): committed rows are kept, the others
+    run again from their start with new matchers; every "stop" row still fits its constraint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.jobs.test_kill_resume import committed_parts
+
+    constraints = [{"json_schema": SCHEMA}, {"regex": DATE}, {"choice": ["yes", "no", "maybe"]}]
+    rows = [{"id": f"r{i}", "prompt": f"Question {i}: is it so?", **constraints[i % 3]} for i in range(18)]
+    src = write_jsonl(tmp_path / "job.jsonl", rows)
+    repo = Path(__file__).resolve().parents[2]
+
+    def command(out: Path) -> list[str]:
+        return [sys.executable, "-m", "batchgen", "run", str(src), "--output", str(out)] + engine_args(
+            tiny, "--dtype", "float32", "--max-num-seqs", "2", "--commit-every", "2", "--num-threads", "1"
+        )
+
+    ref = tmp_path / "ref.parquet"
+    assert subprocess.run(command(ref), cwd=repo, capture_output=True, timeout=300).returncode == 0
+    out = tmp_path / "killed.parquet"
+    proc = subprocess.Popen(command(out), cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and committed_parts(out) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    resumed = subprocess.run(command(out), cwd=repo, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: " in resumed.stdout + resumed.stderr
+    keys = ["id", "output", "finish_reason", "completion_tokens", "error"]
+    got, want = pq.read_table(out, columns=keys).to_pylist(), pq.read_table(ref, columns=keys).to_pylist()
+    assert got == want
+    for row in got:
+        assert row["finish_reason"] in ("stop", "length")
+        if row["finish_reason"] == "stop" and row["id"] in {f"r{i}" for i in range(0, 18, 3)}:
+            assert set(json.loads(row["output"])) == {"answer", "n"}

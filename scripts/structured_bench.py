@@ -12,9 +12,11 @@ output against its schemas, and the token masks' share of the step time at a ful
     python scripts/structured_bench.py check /tmp/s42/extract.jsonl /tmp/s42/extract.out.parquet
 
     # 2. masks at 64 running structured rows (step profile), and output tok/s against the same
-    # prompts unconstrained (the two runs' summaries)
+    # prompts unconstrained, each row generating as many tokens as its structured run did
+    # (max_tokens = its completion tokens, ignore_eos): the two runs' "generated tok/s"
     python scripts/structured_bench.py mask --rows 128 --max-num-seqs 64
-    batchgen run /tmp/s42/plain.jsonl --max-tokens 256 --overwrite --summary-json /tmp/s42/plain.json
+    python scripts/structured_bench.py matched /tmp/s42/extract.out.parquet /tmp/s42/plain.jsonl /tmp/s42/matched.jsonl
+    batchgen run /tmp/s42/matched.jsonl --overwrite --summary-json /tmp/s42/matched.json
 
     # 3. 1,000 distinct schemas against one shared schema: wall time
     batchgen run /tmp/s42/distinct.jsonl --max-tokens 96 --overwrite --summary-json /tmp/s42/distinct.json
@@ -128,6 +130,19 @@ def check(args: argparse.Namespace) -> None:
     sys.exit(1 if invalid else 0)
 
 
+def matched(args: argparse.Namespace) -> None:
+    """The unconstrained job with each row's output length fixed to its structured run's: the
+    plain rows with `max_tokens` = that row's completion tokens and `ignore_eos`, so both runs
+    generate the same tokens."""
+    import pyarrow.parquet as pq
+
+    lengths = {r["id"]: r["completion_tokens"] for r in pq.read_table(args.output).to_pylist()}
+    rows = [json.loads(line) for line in args.plain.read_text().splitlines()]
+    kept = [{**r, "max_tokens": lengths[r["id"]], "ignore_eos": True} for r in rows if lengths.get(r["id"])]
+    args.to.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    print(f"wrote {args.to} ({len(kept)} rows, {sum(r['max_tokens'] for r in kept)} output tokens)")
+
+
 def mask_profile(args: argparse.Namespace) -> None:
     """Step profile of the token masks: one engine, `--rows` extraction requests queued at once;
     for the decode steps that sampled `--max-num-seqs` structured rows, the median mask time (fill
@@ -173,13 +188,17 @@ def main() -> None:
     checker = sub.add_parser("check", help="validate a job's output against its rows' schemas")
     checker.add_argument("job", type=Path)
     checker.add_argument("output", type=Path)
+    same = sub.add_parser("matched", help="the plain job with the structured run's output lengths")
+    same.add_argument("output", type=Path, help="the structured run's output")
+    same.add_argument("plain", type=Path, help="the plain job (jobs' plain.jsonl)")
+    same.add_argument("to", type=Path, help="the job to write")
     mask = sub.add_parser("mask", help="the token masks' share of the step time")
     mask.add_argument("--rows", type=int, default=128)
     mask.add_argument("--max-num-seqs", type=int, default=64)
     mask.add_argument("--max-tokens", type=int, default=128)
     mask.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()
-    {"jobs": write_jobs, "check": check, "mask": mask_profile}[args.command](args)
+    {"jobs": write_jobs, "check": check, "matched": matched, "mask": mask_profile}[args.command](args)
 
 
 if __name__ == "__main__":

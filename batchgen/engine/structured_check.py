@@ -12,6 +12,7 @@ The keyword table follows xgrammar's own list of what it supports
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import OrderedDict
@@ -65,7 +66,7 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 # xgrammar's C++ messages start with a time stamp and a source location.
 _LOG_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 _CHECKED_MAX = 4096  # constraint checks remembered (by canonical text)
-_checked: OrderedDict[str, str | None] = OrderedDict()
+_checked: OrderedDict[bytes, str | None] = OrderedDict()
 
 
 def library_grammar(params: StructuredOutputsParams) -> tuple[str, str]:
@@ -95,10 +96,11 @@ def constraint_error(params: StructuredOutputsParams, field: str | None = None) 
     """Why xgrammar cannot take `params`, naming `field` (default `structured_outputs.<kind>`) and
     the fix; None when it can. Needs no tokenizer: the schema, regex or grammar is parsed alone
     (the costly part of compiling, the token masks, is the engine's). Remembered by the
-    constraint's canonical text, so a job of a million rows with one schema checks it once.
+    constraint's canonical text (its digest: the schemas of a job can be large), so a job of a
+    million rows with one schema checks it once.
 
     Imports xgrammar (and so torch) on first use."""
-    key = params.key
+    key = hashlib.blake2b(params.key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
     if key in _checked:
         _checked.move_to_end(key)
         error = _checked[key]

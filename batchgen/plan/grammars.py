@@ -55,6 +55,16 @@ class GrammarReport:
     error_rows: int = 0
     errors: list[str] = field(default_factory=list)
 
+    def lines(self) -> list[str]:
+        """What `batchgen plan` prints of the constraints."""
+        fails = (
+            f"{self.error_rows} rows' constraint fails (error rows in run):"
+            if self.error_rows
+            else "all compile"
+        )
+        head = f"structured outputs: {self.rows} rows, {self.distinct} distinct constraints, compiled in "
+        return [f"{head}{self.compile_s:.2f} s; {fails}", *(f"  {e}" for e in self.errors)]
+
 
 def compile_all(
     tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int], timeout_s: float, constraints: list[dict]

@@ -383,18 +383,8 @@ def format_plan(plan: JobPlan) -> str:
     lines += _wall_time_lines(plan)
     if plan.note:
         lines.append(f"note: {plan.note}")
-    g = plan.structured
-    if g is not None:
-        lines.append(
-            f"structured outputs: {g.rows} rows, {g.distinct} distinct constraints, compiled in "
-            f"{g.compile_s:.2f} s; "
-            + (
-                f"{g.error_rows} rows' constraint fails (error rows in run):"
-                if g.error_rows
-                else "all compile"
-            )
-        )
-        lines += [f"  {e}" for e in g.errors]
+    if plan.structured is not None:
+        lines += plan.structured.lines()
     if plan.first_errors:
         lines.append(f"first error rows ({len(plan.first_errors)} of {plan.rows_error}):")
         lines += [f"  {e}" for e in plan.first_errors]

@@ -6,12 +6,20 @@ from typing import TYPE_CHECKING
 
 from batchgen.config import EngineConfig
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
-from batchgen.sampling_params import SamplingParams
+from batchgen.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from batchgen.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "EngineConfig",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+]
 __version__ = "0.1.0"
 
 

@@ -112,6 +112,10 @@ def run_command(
     repetition_penalty: opt.RepetitionPenalty = SamplingDefaults.repetition_penalty,
     logprobs: opt.Logprobs = SamplingDefaults.logprobs,
     prompt_logprobs: opt.PromptLogprobs = SamplingDefaults.prompt_logprobs,
+    json_schema: opt.JsonSchema = None,
+    regex: opt.Regex = None,
+    choice: opt.Choice = None,
+    grammar: opt.Grammar = None,
     # --- scheduling ---
     policy: Annotated[str, typer.Option(help=opt.choices(POLICY_NAMES))] = "fcfs",
     window: Annotated[

@@ -27,6 +27,7 @@ from typing import Annotated, Any, TypeVar, get_type_hints
 
 import typer
 
+from batchgen.cli_structured import structured_flags
 from batchgen.config import MAX_THROUGHPUT, EngineConfig, choices, parse_memory_size
 from batchgen.sampling_params import SamplingDefaults
 
@@ -107,16 +108,43 @@ PromptLogprobs = Annotated[
 ]
 
 
+JsonSchema = Annotated[
+    Path | None,
+    typer.Option(
+        help="JSON schema file that every row's output must match (a row's own json_schema, regex, "
+        "choice or grammar column wins)",
+        metavar="FILE",
+    ),
+]
+Regex = Annotated[str | None, typer.Option(help="Regular expression every row's output must match")]
+Choice = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="Every row's output is one of these strings (comma-separated or repeated)", metavar="A,B"
+    ),
+]
+Grammar = Annotated[
+    Path | None,
+    typer.Option(
+        help="EBNF grammar file (GBNF form, root ::= ...) every row's output must match", metavar="FILE"
+    ),
+]
+
+
 def sampling_options(values: dict[str, Any]) -> dict[str, Any]:
     """The sampling defaults out of a command's parameters (`locals()`): `SamplingDefaults` keyword
-    arguments, `--stop` and `--stop-token-ids` as tuples (the latter's comma lists split).
+    arguments, `--stop` and `--stop-token-ids` as tuples (the latter's comma lists split), and the
+    job's structured outputs constraint from `--json-schema`, `--regex`, `--choice` or `--grammar`
+    (`structured_flags`).
 
     Raises:
-        typer.BadParameter: a `--stop-token-ids` value that is not a whole number (exit 2).
+        typer.BadParameter: a `--stop-token-ids` value that is not a whole number, or a bad
+            constraint flag (exit 2).
     """
-    sampling = {f.name: values[f.name] for f in fields(SamplingDefaults)}
+    sampling = {f.name: values[f.name] for f in fields(SamplingDefaults) if f.name != "structured_outputs"}
     sampling["stop"] = tuple(sampling["stop"] or ())
     sampling["stop_token_ids"] = _token_ids(sampling["stop_token_ids"])
+    sampling["structured_outputs"] = structured_flags(values)
     return sampling
 
 

@@ -172,6 +172,9 @@ class EngineConfig:
         speculative_max_batch: speculation runs only while the running batch holds at most this
             many requests (0: never); None = measured when the engine starts
             (`batchgen.engine.spec_gate`).
+        grammar_compile_timeout: most seconds one structured outputs constraint (a JSON schema,
+            regex, choice list or grammar) may take to compile; a request whose constraint takes
+            longer finishes with finish_reason "error" (`batchgen.engine.structured`).
 
     Raises:
         TypeError / ValueError: naming the option and its allowed range.
@@ -250,6 +253,13 @@ class EngineConfig:
             "start from this machine's step costs, cached)"
         ),
     )
+    grammar_compile_timeout: float = field(
+        default=30.0,
+        metadata=flag(
+            "Seconds a structured outputs constraint (--json-schema, a row's json_schema, ...) may "
+            "take to compile; a row whose constraint takes longer is an error row"
+        ),
+    )
 
     def __post_init__(self) -> None:
         dtype = canonical_dtype(self.dtype)
@@ -282,6 +292,11 @@ class EngineConfig:
         if self.num_threads is not None:
             _check_positive_int("num_threads", self.num_threads)
         self._check_speculative()
+        timeout = self.grammar_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"grammar_compile_timeout must be a number of seconds, got {timeout!r}")
+        if not timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {timeout}")
 
     def _check_speculative(self) -> None:
         """Validate the speculative options and resolve their defaults (only with a method)."""

@@ -219,6 +219,11 @@ class Dashboard:
             f"drafts accepted ({100 * t.spec_decode_acceptance_rate:.0f}%)"
             if t.spec_decode_num_draft_tokens
             else "-",
+            # Structured outputs: requests, distinct constraints compiled and their compile time.
+            "structured": f"{t.structured_requests} rows, {t.grammars_compiled} grammars compiled "
+            f"in {t.grammar_compile_s:.2f} s"
+            if t.structured_requests
+            else "-",
         }
 
     # ----- views -----
@@ -232,6 +237,7 @@ class Dashboard:
             f"prompt {f['prompt tok/s']} tok/s | batch {f['batch']} | {f['queues']} | kv {f['kv cache']} "
             f"| prefix hit {f['prefix hit']} | preempt {f['preemptions']} | elapsed {f['elapsed']}{eta}"
             + (f" | spec {f['spec decode']}" if f["spec decode"] != "-" else "")
+            + (f" | structured {f['structured']}" if f["structured"] != "-" else "")
         )
 
     def render(self) -> RenderableType:
@@ -295,6 +301,13 @@ class Dashboard:
             f"{gen / wall if wall > 0 else 0.0:.1f} tok/s over the whole run",
             f"output: {summary.output_path}" + ("" if summary.complete else " (not complete yet)"),
         ]
+        if summary.structured_rows:
+            lines.append(
+                f"structured outputs: {summary.structured_rows} rows, {summary.grammars_compiled} distinct "
+                f"constraints compiled in {summary.grammar_compile_s:.2f} s (ahead of admission); token "
+                f"masks {summary.mask_time_s:.2f} s of the steps' {summary.step_time_s:.1f} s "
+                f"({100 * summary.mask_time_s / summary.step_time_s if summary.step_time_s else 0:.1f}%)"
+            )
         if summary.rows_error:
             lines.append(
                 f"error rows: {summary.rows_error} this run (their `error` column says why); the first: "

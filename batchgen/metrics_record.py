@@ -24,6 +24,8 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 ITERATION_SEQS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Grammar compilations: under a millisecond (a choice list) to the time limit (30 s by default).
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 # (key, kind, name, help[, buckets]): every metric of a job. prometheus_client adds `_total` to
 # counter names in the exposition.
@@ -45,6 +47,12 @@ METRICS: tuple[tuple[Any, ...], ...] = (
     ("spec_drafts", "counter", "spec_decode_num_drafts", "Speculative decoding: verifications of draft tokens."),
     ("spec_draft_tokens", "counter", "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."),
     ("spec_accepted", "counter", "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
+    # Structured outputs: requests with a constraint, each distinct constraint's compile time, and
+    # the host time of the steps' token masks (fill + apply).
+    ("structured", "counter", "structured_requests", "Requests with a structured outputs constraint."),
+    ("mask_time", "counter", "structured_mask_seconds", "Seconds steps spent filling and applying token masks."),
+    ("grammar_compile", "histogram", "grammar_compile_seconds",
+     "Time to compile one distinct structured outputs constraint.", GRAMMAR_COMPILE_BUCKETS),
     ("committed", "counter", "rows_committed", "Rows committed to part files by this run (error rows included)."),
     ("errored", "counter", "rows_errored", "Rows that finished as error rows in this run."),
     ("success", "counter", "request_success", "Requests finished, by finish reason."),
@@ -140,6 +148,10 @@ def apply_step(m: dict[str, Any], s: StepStats) -> None:
     m["spec_drafts"].inc(s.num_drafts)
     m["spec_draft_tokens"].inc(s.num_draft_tokens)
     m["spec_accepted"].inc(s.num_accepted_tokens)
+    m["structured"].inc(s.num_structured_requests)
+    m["mask_time"].inc(s.mask_time_s)
+    for seconds in s.grammar_compile_s:
+        m["grammar_compile"].observe(seconds)
     m["step_time"].observe(s.step_time_s)
     m["step_tokens"].observe(s.num_batched_tokens)
     m["step_seqs"].observe(s.num_seqs)

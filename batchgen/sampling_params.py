@@ -1,4 +1,5 @@
-"""SamplingParams: how one request is decoded and when it stops (vLLM's field names); and
+"""SamplingParams: how one request is decoded and when it stops (vLLM's field names), with
+StructuredOutputsParams (`batchgen.structured_outputs`), the constraint its output must match; and
 SamplingDefaults, a job's sampling flags, which every row's own columns override."""
 
 from __future__ import annotations
@@ -7,6 +8,17 @@ import math
 import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from batchgen.structured_outputs import STRUCTURED_KINDS, StructuredOutputsParams
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "STRUCTURED_KINDS",
+    "SamplingDefaults",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 _GREEDY_EPS = 1e-5
 # What `torch.Generator.manual_seed` takes: a signed or an unsigned 64-bit value.
@@ -20,6 +32,7 @@ _LATER_FIELDS = {
     "n": 1,
     "include_stop_str_in_output": False,
     "prompt_logprobs": None,
+    "structured_outputs": None,
 }
 # Most top log probabilities a generated token may ask for (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
@@ -58,11 +71,15 @@ class SamplingParams:
         logprobs: None, or the number (0 to `MAX_LOGPROBS`) of most likely tokens whose log
             probabilities come back for every generated token, besides the sampled token's own
             (vLLM's meaning; the log-softmax of the model's raw logits, before penalties,
-            temperature and filters, as vLLM's default "raw_logprobs").
+            temperature and filters, as vLLM's default "raw_logprobs"; of the masked logits for a
+            structured request, as in vLLM).
         prompt_logprobs: None, or the number (0 to `MAX_LOGPROBS`) of most likely tokens whose log
             probabilities come back for every prompt position after the first, besides the prompt
             token's own (vLLM's meaning; `RequestOutput.prompt_logprobs`). Such a request takes no
             prefix-cache hits over positions whose log probabilities it has not received yet.
+        structured_outputs: the constraint the output must match (`StructuredOutputsParams`, or a
+            dict of its fields), or None. Its matcher ends the request ("stop") when the constraint
+            is complete; EOS is the only token it then allows.
 
     Raises:
         ValueError / TypeError: naming the field and the allowed range, at construction, and again
@@ -89,8 +106,17 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_KINDS))
+            if unknown:
+                raise TypeError(
+                    f"structured_outputs has unknown field(s) {', '.join(map(repr, unknown))}; "
+                    f"use one of {', '.join(STRUCTURED_KINDS)}"
+                )
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         # NumPy's scalars (values read from a pandas or Arrow column) as Python's: they pass the type
         # checks below and serialize as JSON.
         for f in fields(self):
@@ -168,6 +194,25 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
             )
+        self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise TypeError(
+                f"structured_outputs must be a StructuredOutputsParams (or a dict of its fields), "
+                f"got {type(so).__name__}"
+            )
+        so.validate()
+        if self.min_tokens:
+            # The constraint decides where the output ends: once it is complete EOS is the only
+            # token allowed, and min_tokens would ban it.
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) cannot be combined with structured_outputs (the "
+                "constraint decides where the output ends); set min_tokens to 0"
+            )
 
     @property
     def penalized(self) -> bool:
@@ -189,13 +234,15 @@ class SamplingParams:
     def to_dict(self) -> dict:
         """The public fields as a plain dict (for hashing job rows and for reports).
 
-        The penalties, logprobs, n, include_stop_str_in_output and prompt_logprobs came later: at
-        their neutral values they are left out, so a job row's hash (its identity on resume) is
-        what it was before they existed."""
+        The penalties, logprobs, n, include_stop_str_in_output, prompt_logprobs and
+        structured_outputs came later: at their neutral values they are left out, so a job row's
+        hash (its identity on resume) is what it was before they existed."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         for name, neutral in _LATER_FIELDS.items():
             if out[name] == neutral:
                 del out[name]
+        if self.structured_outputs is not None:
+            out["structured_outputs"] = self.structured_outputs.to_dict()
         return out
 
 
@@ -231,6 +278,9 @@ class SamplingDefaults:
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=_ADDED_LATER)
     n: int = field(default=1, metadata=_ADDED_LATER)
     prompt_logprobs: int | None = field(default=None, metadata=_ADDED_LATER)
+    # The job's constraint (`--json-schema`, `--regex`, `--choice`, `--grammar`): a dict of one
+    # StructuredOutputsParams field, as the run header stores it.
+    structured_outputs: dict[str, Any] | None = field(default=None, metadata=_ADDED_LATER)
 
     def sampling_defaults(self) -> dict[str, Any]:
         """The defaults as SamplingParams keyword arguments. The fields added after the first ones

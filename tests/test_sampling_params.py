@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM, SamplingParams, StructuredOutputsParams
 
 
 @pytest.mark.parametrize(
@@ -118,3 +118,51 @@ def test_prompt_logprobs_join_a_rows_identity_only_when_set(tiny_llm):
     assert SamplingParams(prompt_logprobs=0).to_dict()["prompt_logprobs"] == 0
     (out,) = tiny_llm.generate("Hello there", SamplingParams(max_tokens=2))
     assert out.prompt_logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({}, ValueError, "needs exactly one of json, regex, choice, grammar, json_object; got none"),
+        ({"json": {}, "regex": "a"}, ValueError, "got json and regex: give one constraint"),
+        ({"json_object": False}, ValueError, "got none"),
+        ({"json": "{bad"}, ValueError, r"structured_outputs.json is not valid JSON \(.*\); fix the schema"),
+        ({"json": "[1, 2]"}, TypeError, "must be a JSON schema object, got list"),
+        ({"regex": ""}, TypeError, "structured_outputs.regex must be a non-empty string"),
+        ({"grammar": 5}, TypeError, "structured_outputs.grammar must be a non-empty string"),
+        ({"choice": []}, ValueError, "structured_outputs.choice must be a non-empty list"),
+        ({"choice": "a,b"}, ValueError, "structured_outputs.choice must be a non-empty list"),
+        ({"choice": ["a", ""]}, TypeError, "must hold non-empty strings only"),
+        ({"json_object": "yes"}, TypeError, "json_object must be True or False"),
+    ],
+)
+def test_invalid_structured_outputs_are_named(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        StructuredOutputsParams(**kwargs)
+    with pytest.raises(error, match=message):
+        SamplingParams(structured_outputs=kwargs)
+
+
+def test_structured_outputs_from_a_dict_and_their_canonical_text():
+    """A dict of fields is taken as StructuredOutputsParams; JSON text and a dict of the same
+    schema share one canonical text (key order kept: it is the output's property order); an
+    unknown field and min_tokens are refused by name."""
+    params = SamplingParams(
+        structured_outputs={"json": '{ "type": "object", "properties": {"b": {}, "a": {}} }'}
+    )
+    assert isinstance(params.structured_outputs, StructuredOutputsParams)
+    same = StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    assert params.structured_outputs.key == same.key == 'json:{"type":"object","properties":{"b":{},"a":{}}}'
+    other = StructuredOutputsParams(json={"type": "object", "properties": {"a": {}, "b": {}}})
+    assert other.key != same.key
+    assert params.to_dict()["structured_outputs"] == {
+        "json": '{"type":"object","properties":{"b":{},"a":{}}}'
+    }
+    assert "structured_outputs" not in SamplingParams().to_dict()  # old rows' hashes unchanged
+    assert StructuredOutputsParams(choice=["a", "b"]).key == 'choice:["a", "b"]'
+    with pytest.raises(TypeError, match="unknown field.*'guided_json'; use one of json, regex"):
+        SamplingParams(structured_outputs={"guided_json": {}})
+    with pytest.raises(ValueError, match=r"min_tokens \(2\) cannot be combined with structured_outputs"):
+        SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
+    with pytest.raises(TypeError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs="json")

@@ -10,20 +10,21 @@ import torch
 from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cpu_threads import CpuThreads
-from batchgen.engine.detokenizer import final_text
-from batchgen.engine.logprobs import TokenTexts, output_logprobs, prompt_logprobs, scored_rows
+from batchgen.engine.logprobs import TokenTexts
 from batchgen.engine.parallel_sampling import SampleGroups, child_params, link_children
 from batchgen.engine.policy import make_policy
 from batchgen.engine.request import Request
+from batchgen.engine.request_output import request_output
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sizing import plan_engine, resolve_dtype, slow_dtype_reason
 from batchgen.engine.spec_gate import plan_speculation
 from batchgen.engine.stats import EngineTotals, StepStats
+from batchgen.engine.step_inputs import step_inputs
+from batchgen.engine.structured import StructuredRequests
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
 from batchgen.model.loading import loader
 from batchgen.model.runner import ModelRunner
-from batchgen.model.sampler import RowPenalty
-from batchgen.model.step import StepInput, StepOutput
+from batchgen.model.step import StepOutput
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -104,6 +105,11 @@ class LLMEngine:
             speculative_max_batch=self.speculation.gate.max_batch if self.speculation else 0,
         )
         self.requests: dict[str, Request] = {}
+        # Structured requests wait there, outside the scheduler, until their grammar compiles.
+        self.structured = StructuredRequests(
+            self.tokenizer, int(files.config.vocab_size), self.eos_token_ids, config.grammar_compile_timeout
+        )
+        self._new_structured = 0  # requests with structured outputs added since the last step
         self.groups = SampleGroups()  # requests with n > 1
         self._rejected: list[RequestOutput] = []
         self.last_step: StepStats | None = None
@@ -166,6 +172,7 @@ class LLMEngine:
                 "write SamplingParams(max_tokens=..., ...)"
             )
         params.validate()  # again: its fields may have been changed since it was built
+        self._new_structured += params.structured_outputs is not None
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         if params.n > 1:  # n child sequences, merged into one output when the last one finishes
             ids = self.groups.add(request_id, params.n)
@@ -173,7 +180,8 @@ class LLMEngine:
                 self._add_one(child_id, prompt, child_params(params, i), arrival)
             first = self.requests.get(ids[0])
             if first is not None:  # admitted once the first has the prompt's blocks cached
-                children = [self.requests[child_id] for child_id in ids[1:]]
+                # (a child whose grammar is known to fail is already an error output, not a request)
+                children = [self.requests[child_id] for child_id in ids[1:] if child_id in self.requests]
                 link_children(first, children, self.config.enable_prefix_caching, self.block_size)
             return
         self._add_one(request_id, prompt, params, arrival)
@@ -218,7 +226,36 @@ class LLMEngine:
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         self.requests[request_id] = request
-        self.scheduler.add_request(request)
+        if params.structured_outputs is not None:
+            self.structured.add(request)  # the scheduler gets it once its grammar is compiled
+            self._release_structured()
+        else:
+            self.scheduler.add_request(request)
+
+    def prepare(self, sampling_params: SamplingParams) -> None:
+        """Start what a request with `sampling_params` needs before it can run (compiling its
+        structured outputs constraint), so that it is ready when the request is added; a job calls
+        it as rows enter its look-ahead window. Never raises for a bad constraint: the request that
+        uses it gets the error."""
+        if sampling_params.structured_outputs is not None:
+            self.structured.prepare(sampling_params.structured_outputs)
+
+    def _release_structured(self) -> None:
+        """Hand the structured requests whose grammar is ready to the scheduler, and turn those
+        whose grammar failed into error outputs (returned by the next step)."""
+        ready, failed = self.structured.release()
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, error in failed:
+            del self.requests[request.request_id]
+            field = f"structured_outputs.{request.sampling_params.structured_outputs.kind}"
+            self._reject(
+                request.request_id,
+                request.prompt,
+                request.prompt_token_ids,
+                request.arrival_time,
+                f"{field} {error}",
+            )
 
     def _reject(
         self, request_id: str, text: str | None, token_ids: list[int], arrival: float, message: str
@@ -240,13 +277,13 @@ class LLMEngine:
         """Drop a live request (with n > 1, all its sequences) and free its blocks (no output is produced)."""
         for rid in self.groups.children(request_id) or [request_id]:
             request = self.requests.pop(rid, None)
-            if request is not None and not request.is_finished:
+            if request is not None and not request.is_finished and not self.structured.drop(request):
                 self.scheduler.remove(request)
             self._rejected = [out for out in self._rejected if out.request_id != rid]
         self.groups.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished()
+        return bool(self._rejected) or self.scheduler.has_unfinished() or bool(self.structured)
 
     def num_unfinished_requests(self) -> int:
         """Requests whose output has not come back yet; one with n > 1 counts once, as in vLLM."""
@@ -260,6 +297,10 @@ class LLMEngine:
         if self.cpu_threads is not None:
             self.cpu_threads.maybe_adjust()
         self.last_step = None  # set again below when the step runs the model
+        self._release_structured()
+        if not self.scheduler.has_unfinished() and self.structured and not self._rejected:
+            self.structured.wait(0.05)  # nothing to run but grammars compiling: no busy loop
+            self._release_structured()
         finished = self._rejected
         self._rejected = []
         if not self.scheduler.has_unfinished():
@@ -270,81 +311,21 @@ class LLMEngine:
         kv_cache_usage = self.block_manager.usage
         self.runner.swap_out(sched.swap_out)
         self.runner.swap_in(sched.swap_in)
-        sampled = self.runner.execute(self._step_inputs(sched)) if sched.scheduled else StepOutput([], [])
+        sampled = self.runner.execute(step_inputs(sched)) if sched.scheduled else StepOutput([], [])
         now = time.perf_counter()
         for r in self.scheduler.update(sched, sampled, scheduled_at=start, now=now):
             del self.requests[r.request_id]
-            finished.append(self._output(r))
+            finished.append(request_output(r, self.tokenizer, self.token_texts))
         outputs = self.groups.collect(finished)
         if self.speculation is not None:  # the gate follows the job's acceptance
             self.scheduler.speculative_max_batch = self.speculation.observe(sched)
-        self._record(sched, start, now, len(outputs), kv_cache_usage)
+        self._record(sched, sampled, start, now, len(outputs), kv_cache_usage)
         return outputs
-
-    def _step_inputs(self, sched: SchedulerOutput) -> list[StepInput]:
-        inputs = []
-        for item in sched.scheduled:
-            r = item.request
-            p = r.sampling_params
-            banned = None
-            if item.samples and r.num_output_tokens < p.min_tokens:
-                banned = sorted(r.eos_token_ids | set(p.stop_token_ids or ()))
-            drafts = item.spec_token_ids
-            inputs.append(
-                StepInput(
-                    token_ids=r.token_ids[item.start : item.start + item.num_new_tokens - len(drafts)]
-                    + drafts,
-                    start=item.start,
-                    block_table=r.block_table,
-                    sample=item.samples,
-                    num_draft_tokens=len(drafts),
-                    temperature=0.0 if p.greedy else float(p.temperature),
-                    top_k=p.top_k,
-                    top_p=p.top_p,
-                    min_p=p.min_p,
-                    generator=r.generator,
-                    banned_token_ids=banned,
-                    penalty=RowPenalty(
-                        r.token_ids,
-                        r.num_prompt_tokens,
-                        p.presence_penalty,
-                        p.frequency_penalty,
-                        p.repetition_penalty,
-                    )
-                    if item.samples and p.penalized
-                    else None,
-                    logprobs=p.logprobs if item.samples else None,
-                    scored=scored_rows(r, item.start, item.num_new_tokens - len(drafts)),
-                )
-            )
-        return inputs
-
-    def _output(self, r: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=r.request_id,
-            prompt=r.prompt,
-            prompt_token_ids=r.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    0,
-                    final_text(self.tokenizer, r),
-                    r.output_token_ids,
-                    r.finish_reason,
-                    r.stop_reason,
-                    *output_logprobs(r, self.token_texts),
-                )
-            ],
-            finished=True,
-            metrics=RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time),
-            num_cached_tokens=r.num_cached_tokens,
-            error=r.error,
-            num_preemptions=r.num_preemptions,
-            prompt_logprobs=prompt_logprobs(r, self.token_texts),
-        )
 
     def _record(
         self,
         sched: SchedulerOutput,
+        sampled: StepOutput,
         start: float,
         now: float,
         num_finished: int,
@@ -376,6 +357,13 @@ class LLMEngine:
                 s.num_new_tokens * s.start + s.num_new_tokens * (s.num_new_tokens + 1) // 2
                 for s in sched.scheduled
             ),
+            num_structured_seqs=sum(
+                1 for s in sched.scheduled if s.samples and s.request.grammar is not None
+            ),
+            num_structured_requests=self._new_structured,
+            mask_time_s=sampled.mask_time_s,
+            grammar_compile_s=tuple(self.structured.take_compile_times()),
         )
+        self._new_structured = 0
         self.last_step = stats
         self.totals.add(stats)

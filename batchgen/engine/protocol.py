@@ -59,6 +59,11 @@ class Engine(Protocol):
         """Why a prompt of `num_tokens` tokens can never run (None: it fits)."""
         ...
 
+    def prepare(self, sampling_params: SamplingParams) -> None:
+        """Start what a request with these parameters needs before it runs (compiling its
+        structured outputs constraint); called as rows enter the look-ahead window."""
+        ...
+
     def add_request(
         self,
         request_id: str,

@@ -11,6 +11,8 @@ from batchgen.sampling_params import SamplingParams
 if TYPE_CHECKING:  # only a type here: the scheduler and block manager run without torch (`batchgen plan`)
     import torch
 
+    from batchgen.engine.structured import RequestGrammar
+
 
 class RequestStatus(enum.Enum):
     """Where a request is: in the waiting queue, in the running batch, swapped to CPU, or done."""
@@ -54,6 +56,8 @@ class Request:
             asked again after a preemption by recompute.
         wait_for: the sibling (n > 1) whose prompt this request reuses from the prefix cache: not
             admitted while that sibling is running and has not computed its prompt yet.
+        grammar: the matcher of a request with `structured_outputs` (set when its grammar is
+            compiled, before the scheduler gets it), else None.
     """
 
     request_id: str
@@ -84,6 +88,7 @@ class Request:
     output_logprobs: list | None = None
     prompt_logprobs: list | None = None
     wait_for: Request | None = None
+    grammar: RequestGrammar | None = None
     output_text: str = ""
     _detok_prefix_offset: int = 0
     _detok_read_offset: int = 0

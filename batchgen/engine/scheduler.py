@@ -253,6 +253,9 @@ class Scheduler:
         """Apply a step's results: computed tokens advance, full blocks join the prefix cache, each
         sampled token is appended and the stop conditions checked (`detokenizer.check_stop`).
 
+        A structured request's matcher takes each appended token; the request stops ("stop") when
+        its constraint is complete (its matcher accepted EOS, the one token it then allows).
+
         A request that verified drafts keeps the tokens `spec_decode.accepted_tokens` picks, each
         appended and checked as if decoded one by one (a stop ends it there); its computed tokens
         and blocks are rolled back to the tokens whose K/V are valid, so no block is hashed from
@@ -322,7 +325,13 @@ class Scheduler:
                 r.output_logprobs.append(logprobs)
             if r.first_token_time is None:
                 r.first_token_time = now
+            if r.grammar is not None and not r.grammar.accept(token):  # the mask allowed no token
+                r.error, reason = _grammar_refused(r, token), "error"
+                break
             if (reason := check_stop(r, self.tokenizer, self.max_model_len)) is not None:
+                break
+            if r.grammar is not None and r.grammar.terminated:  # the constraint is complete
+                reason = "stop"
                 break
         # Every token before the last appended one went through this step (the request's last
         # token, then accepted drafts): their K/V are valid. After an error, the last one's too.
@@ -338,3 +347,13 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.finish_time = reason, now
         return request
+
+
+def _grammar_refused(request: Request, token: int) -> str:
+    """The error of a structured request whose sampled token its grammar refuses: its mask left no
+    token (every allowed one banned, or -inf), so the sampler took a disallowed one."""
+    return (
+        f"the sampled token {token} is not allowed by the request's structured_outputs constraint at "
+        f"output token {request.num_output_tokens}: no allowed token had a finite logit; check that "
+        "the model can write what the constraint asks"
+    )

@@ -26,10 +26,16 @@ from batchgen.engine.request import Request
 
 def can_speculate(request: Request) -> bool:
     """Whether `request` may get draft tokens: greedy, no penalty (their values at a draft position
-    would need the drafts in the history) and past `min_tokens` (no banned ids). Log probabilities
-    are fine: each position's come from that position's logits."""
+    would need the drafts in the history), past `min_tokens` (no banned ids) and no structured
+    outputs (each draft position would need its own grammar mask: structured rows decode one token
+    a step). Log probabilities are fine: each position's come from that position's logits."""
     p = request.sampling_params
-    return p.greedy and not p.penalized and request.num_output_tokens >= p.min_tokens
+    return (
+        p.greedy
+        and not p.penalized
+        and request.num_output_tokens >= p.min_tokens
+        and p.structured_outputs is None
+    )
 
 
 def accepted_tokens(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:

@@ -33,6 +33,10 @@ class StepStats:
         num_drafts / num_draft_tokens / num_accepted_tokens: speculative decoding in the step:
             requests that verified drafts, draft tokens verified, drafts the model agreed with
             (vLLM's `spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`).
+        num_structured_seqs: sequences sampled under a structured outputs constraint in the step.
+        num_structured_requests: requests with structured outputs added since the last step.
+        mask_time_s: host seconds the step spent filling and applying their token masks.
+        grammar_compile_s: seconds of each grammar compilation that ended since the last step.
     """
 
     step: int
@@ -55,11 +59,16 @@ class StepStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_structured_seqs: int = 0
+    num_structured_requests: int = 0
+    mask_time_s: float = 0.0
+    grammar_compile_s: tuple[float, ...] = ()
 
 
 @dataclass
 class EngineTotals:
-    """Counters since the engine started (sums over all steps).
+    """Counters since the engine started (sums over all steps; `step_time_s` and
+    `mask_time_s` in seconds).
 
     A field merges across engines (`merged`) by the function in its metadata's "merge" key, a sum
     when it has none; so a new counter is summed without touching `merged`, and a new peak declares
@@ -77,9 +86,15 @@ class EngineTotals:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    structured_requests: int = 0
+    grammars_compiled: int = 0
+    grammar_compile_s: float = 0.0
+    mask_time_s: float = 0.0
+    step_time_s: float = 0.0
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
+        self.step_time_s += s.step_time_s
         self.prompt_tokens += s.num_prompt_tokens
         self.generation_tokens += s.num_generation_tokens
         self.preemptions += s.num_preemptions
@@ -90,6 +105,10 @@ class EngineTotals:
         self.spec_decode_num_drafts += s.num_drafts
         self.spec_decode_num_draft_tokens += s.num_draft_tokens
         self.spec_decode_num_accepted_tokens += s.num_accepted_tokens
+        self.structured_requests += s.num_structured_requests
+        self.grammars_compiled += len(s.grammar_compile_s)
+        self.grammar_compile_s += sum(s.grammar_compile_s)
+        self.mask_time_s += s.mask_time_s
 
     @classmethod
     def merged(cls, totals: Iterable[EngineTotals]) -> EngineTotals:

@@ -169,11 +169,15 @@ class _EngineLoop:
         self.rows = iter(run.reader)
         self.rows_read = 0
         self.exhausted = False
+        # Structured rows of the first window, for the line said once it is read.
+        self.first_window: dict[str, int] | None = {}
 
     def run(self) -> tuple[int, bool]:
         engine, summary, metrics = self.engine, self.summary, self.metrics
         while not self.interrupt.requested:
             self._fill_window()
+            if self.first_window is not None:
+                self._say_structured()
             self._admit()
             if engine.has_unfinished_requests():
                 for out in engine.step():
@@ -185,6 +189,13 @@ class _EngineLoop:
                 break
             self.dashboard.update(summary.rows_done, summary.rows_error, engine.last_step, engine.totals)
             metrics.on_rows(self.writer.committed_rows, summary.rows_error)
+        totals = engine.totals
+        summary.structured_rows, summary.grammars_compiled = (
+            totals.structured_requests,
+            totals.grammars_compiled,
+        )
+        summary.grammar_compile_s = totals.grammar_compile_s
+        summary.mask_time_s, summary.step_time_s = totals.mask_time_s, totals.step_time_s
         finished = self.exhausted and not self.window and not self.pending
         summary.generated_tokens += engine.totals.generation_tokens
         if not finished:
@@ -217,6 +228,21 @@ class _EngineLoop:
             sp = row.params
             work = window_work(prepared.prompt_tokens, sp.n, sp.max_tokens, self.max_len)
             self.window.push(prepared, work=work, priority=sp.priority)
+            if sp.structured_outputs is not None:  # its grammar compiles while the row waits
+                self.engine.prepare(sp)
+                if self.first_window is not None:
+                    key = sp.structured_outputs.key
+                    self.first_window[key] = self.first_window.get(key, 0) + 1
+
+    def _say_structured(self) -> None:
+        """Once, after the first window is read: how many of its rows have a structured outputs
+        constraint and how many distinct ones (the dashboard then follows their compile time)."""
+        counts, self.first_window = self.first_window, None
+        if counts:
+            self.dashboard.log(
+                f"structured outputs: {sum(counts.values())} of the first {self.rows_read} rows read ask for "
+                f"a constraint, {len(counts)} distinct; each compiles once, while its rows wait in the window"
+            )
 
     def _admit(self) -> None:
         """Hand rows from the window to the engine, in policy order, while it holds fewer than

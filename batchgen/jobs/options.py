@@ -95,6 +95,13 @@ class JobSummary:
     already_complete: bool = False
     first_error: str | None = None  # this run's first error row's message, for the summary
     output_error_rows: int | None = None  # error rows in the whole finished output (earlier runs' too)
+    # Structured outputs in this run: requests with a constraint, distinct constraints compiled and
+    # the seconds their compilations took (summed over the compile threads).
+    structured_rows: int = 0
+    grammars_compiled: int = 0
+    grammar_compile_s: float = 0.0
+    mask_time_s: float = 0.0  # the steps' token masks (fill + apply), of `step_time_s` in all
+    step_time_s: float = 0.0
 
     @property
     def rows_done(self) -> int:
@@ -118,6 +125,9 @@ class JobSummary:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "generated_tokens": max(self.generated_tokens, self.completion_tokens),
+            "structured_rows": self.structured_rows,
+            "grammars_compiled": self.grammars_compiled,
+            "grammar_compile_s": round(self.grammar_compile_s, 3),
             "wall_s": round(self.wall_s, 3),
             "exit_code": exit_code,
         }

@@ -140,6 +140,9 @@ def output_result(p: Prepared, out: RequestOutput, token_bytes: TokenBytes | Non
     }
     if out.error or any(x.finish_reason == "error" for x in completions):
         message = out.error or "the engine rejected the request"
+        if p.row.constraint_field and message.startswith("structured_outputs."):
+            # The engine names structured_outputs' field; the row's own field (or flag) is clearer.
+            message = p.row.constraint_field + message[message.find(" ") :]
         values["finish_reason"] = "error"
         values["error"] = f"{p.row.where}: {message}{flag_hint(message)}"
         return result_row(p.row, **values)

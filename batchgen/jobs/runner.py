@@ -166,7 +166,29 @@ def check_run_options(options: JobOptions, check_device: bool = True) -> EngineC
         fields = [f for f in options.sampling_defaults() if str(e).startswith(f"{f} ") or f"({f})" in str(e)]
         flag = f" (flag --{fields[0].replace('_', '-')})" if fields else ""
         raise JobInputError(f"invalid sampling option: {e}{flag}") from e
+    _check_job_constraint(options)
     return config
+
+
+def _check_job_constraint(options: JobOptions) -> None:
+    """The job-wide constraint (`--json-schema`, `--regex`, `--choice`, `--grammar`) compiles in
+    the library (its time limit aside): a bad one would fail every row, so it is the command's error.
+
+    Raises:
+        JobInputError: naming the flag, what is wrong and the fix.
+    """
+    default = options.sampling_defaults().get("structured_outputs")
+    if default is None:
+        return
+    from batchgen.engine.structured_check import constraint_error
+    from batchgen.jobs.input.row_structured import constraint_flag
+
+    params = SamplingParams(structured_outputs=default).structured_outputs
+    if params is None:
+        return
+    error = constraint_error(params, constraint_flag(default) or "structured_outputs")
+    if error is not None:
+        raise JobInputError(error)
 
 
 def job_reader(options: JobOptions) -> JobReader:

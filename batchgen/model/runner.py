@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from batchgen.model.attention import AttentionMetadata, select_backend
 from batchgen.model.kernel_choice.choice import KernelChoice, apply_kernels
 from batchgen.model.layers import RotaryEmbedding, attention_heads
 from batchgen.model.llama import LlamaForCausalLM
-from batchgen.model.sampler import SampleLogprobs, Sampler, SamplingBatch, sample_logprobs
+from batchgen.model.sampler import SampleLogprobs, Sampler, SamplingBatch, TokenMasks, sample_logprobs
 from batchgen.model.step import StepInput, StepOutput
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ class ModelRunner:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
+        self.token_masks = TokenMasks(int(config.vocab_size), device)
 
     # ---- swap ----
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
@@ -216,12 +218,20 @@ class ModelRunner:
 
         Sequences must come decodes first (`StepInput.is_decode`), then prefill chunks.
 
+        A sequence's `token_mask` sets the logits of the tokens it does not allow to -inf before
+        the sampler sees them (so penalties, temperature and the filters act on the masked logits,
+        and log probabilities are those of the masked logits, as in vLLM). The masks are filled
+        on the CPU after the forward is launched: on a GPU that work overlaps the forward.
+
         Raises:
-            ValueError: draft tokens on a sequence with a penalty or banned ids (their values at
-                each draft position would need the drafts in the history; the engine never asks).
+            ValueError: draft tokens on a sequence with a penalty, banned ids or a token mask (their
+                values at each draft position would need the drafts in the history; the engine
+                never asks).
         """
-        if any(s.num_draft_tokens and (s.penalty or s.banned_token_ids) for s in seqs):
-            raise ValueError("draft tokens cannot be verified with penalties or banned token ids")
+        if any(s.num_draft_tokens and (s.penalty or s.banned_token_ids or s.token_mask) for s in seqs):
+            raise ValueError(
+                "draft tokens cannot be verified with penalties, banned token ids or token masks"
+            )
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
         scored_rows = scored_row_indices(seqs)
         scored = None
@@ -236,28 +246,18 @@ class ModelRunner:
         sampled = [s for s in seqs for _ in range(s.num_sampled)]
         if not sampled:
             return StepOutput([], [], scored=scored)
-        # Log probabilities come from the raw logits, which the sampler changes in place: copied
-        # first (indexing with a list copies), for the rows that asked only.
+        mask_start = time.perf_counter()
+        masks = self.token_masks.fill([s.token_mask for s in sampled])
+        mask_time = time.perf_counter() - mask_start
+        errors = _logit_errors(logits, seqs)  # before the masks' -inf
+        if masks is not None:
+            mask_start = time.perf_counter()
+            self.token_masks.apply(logits, masks)
+            mask_time += time.perf_counter() - mask_start
+        # Log probabilities come from the logits before the sampler, which changes them in place:
+        # copied first (indexing with a list copies), for the rows that asked only.
         asked = [i for i, s in enumerate(sampled) if s.logprobs is not None]
         raw = logits[asked] if asked else None
-        # A NaN or infinite logit (an overflow in float16, a bad weight) would be sampled as some
-        # token and the text would go on as if nothing happened: such a row fails instead, with the
-        # reason. A row sum finds them in one cheap pass (a full isnan mask costs far more: see
-        # docs/benchmarks.md); the exact rows are looked up only when one is there.
-        errors = None
-        if not bool(torch.isfinite(logits.sum(dim=-1)).all()):
-            bad_rows = (~torch.isfinite(logits).all(dim=-1)).tolist()
-            # The position of each sampled token (a draft row's j-th is d - j before the last).
-            ends = [
-                s.start + len(s.token_ids) - s.num_sampled + j + 1 for s in seqs for j in range(s.num_sampled)
-            ]
-            errors = [
-                f"the model produced NaN or infinite logits at position {end} (a "
-                "numerical overflow in this dtype, or damaged weights); try dtype bfloat16 or float32"
-                if bad
-                else None
-                for end, bad in zip(ends, bad_rows, strict=True)
-            ]
         batch = SamplingBatch(
             temperatures=[s.temperature for s in sampled],
             top_ks=[s.top_k for s in sampled],
@@ -275,7 +275,7 @@ class ModelRunner:
             )
             for i, lp in zip(asked, found, strict=True):
                 logprobs[i] = lp
-        return StepOutput(token_ids, logprobs, errors, scored)
+        return StepOutput(token_ids, logprobs, errors, scored, mask_time)
 
     def _score(self, hidden: torch.Tensor, seqs: list[StepInput]) -> list[list[SampleLogprobs] | None]:
         """The `SampleLogprobs` of each sequence's `ScoredRows` targets, from `hidden` `[R, hidden]`
@@ -298,6 +298,27 @@ class ModelRunner:
             out.append(found[at : at + len(s.scored.targets)])
             at += len(s.scored.targets)
         return out
+
+
+def _logit_errors(logits: torch.Tensor, seqs: list[StepInput]) -> list[str | None] | None:
+    """Per sampled row, why its logits cannot be sampled (NaN or infinite), or None when every row
+    is fine."""
+    # A NaN or infinite logit (an overflow in float16, a bad weight) would be sampled as some
+    # token and the text would go on as if nothing happened: such a row fails instead, with the
+    # reason. A row sum finds them in one cheap pass (a full isnan mask costs far more: see
+    # docs/benchmarks.md); the exact rows are looked up only when one is there.
+    if bool(torch.isfinite(logits.sum(dim=-1)).all()):
+        return None
+    bad_rows = (~torch.isfinite(logits).all(dim=-1)).tolist()
+    # The position of each sampled token (a draft row's j-th is d - j before the last).
+    ends = [s.start + len(s.token_ids) - s.num_sampled + j + 1 for s in seqs for j in range(s.num_sampled)]
+    return [
+        f"the model produced NaN or infinite logits at position {end} (a "
+        "numerical overflow in this dtype, or damaged weights); try dtype bfloat16 or float32"
+        if bad
+        else None
+        for end, bad in zip(ends, bad_rows, strict=True)
+    ]
 
 
 # Scored rows (prompt log probabilities) whose logits exist at once: 256 rows of a 128k vocabulary

@@ -1,10 +1,11 @@
-"""Batched sampling: presence / frequency / repetition penalties, greedy, temperature, top-k, top-p
-(nucleus), min-p, per-request seeded generators."""
+"""Batched sampling: token masks (structured outputs), presence / frequency / repetition penalties,
+greedy, temperature, top-k, top-p (nucleus), min-p, per-request seeded generators."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -103,6 +104,51 @@ class Sampler:
         # An Exp(1) draw of exactly 0 would turn 0/0 into NaN and win the argmax.
         sampled = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+class TokenMasks:
+    """The step's token bitmasks: filled on the CPU by each sampled row's `TokenMask`
+    (`batchgen.model.step`), applied to the logits before sampling (masked tokens to -inf).
+
+    One int32 buffer `[rows, ceil(vocab_size / 32)]` (pinned on CUDA, so its copy to the device
+    is asynchronous) is kept and grown as needed. Its width covers the logits' whole vocabulary,
+    the ids a model pads its lm_head with past the tokenizer's included (the grammar never allows
+    those). The apply is xgrammar's kernel (its C++ one on the CPU, its Triton one on CUDA).
+
+    Args:
+        vocab_size: the logits' width.
+        device: where the logits are.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.width = -(-vocab_size // 32)
+        self.device = device
+        self._host: torch.Tensor | None = None
+
+    def fill(self, masks: list[Any]) -> tuple[torch.Tensor, list[int]] | None:
+        """Fill the rows of the sampled rows that have a mask (`masks[i]` None: no mask); returns
+        (bitmask `[len(masks), width]` int32 on the CPU, the rows that need masking) or None when
+        none does."""
+        if all(m is None for m in masks):
+            return None
+        if self._host is None or self._host.shape[0] < len(masks):
+            rows = max(len(masks), 2 * (0 if self._host is None else self._host.shape[0]))
+            pin = self.device.type == "cuda"
+            self._host = torch.empty((rows, self.width), dtype=torch.int32, pin_memory=pin)
+        bitmask = self._host[: len(masks)]
+        masked = [i for i, m in enumerate(masks) if m is not None and m.fill_bitmask(bitmask, i)]
+        return (bitmask, masked) if masked else None
+
+    def apply(self, logits: torch.Tensor, filled: tuple[torch.Tensor, list[int]]) -> None:
+        """Set the masked tokens of `filled`'s rows of `logits` `[rows, vocab_size]` (float32,
+        bfloat16 or float16) to -inf, in place."""
+        from xgrammar import apply_token_bitmask_inplace
+
+        bitmask, rows = filled
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
 
 
 @dataclass

@@ -8,7 +8,7 @@ No request objects cross this line: the runner sees token ids, positions and blo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # types only: the scheduler imports this contract without torch (`batchgen plan`)
     import torch
@@ -43,6 +43,16 @@ class ScoredRows:
     top: int
 
 
+class TokenMask(Protocol):
+    """The tokens a sequence may sample next (a structured output's grammar matcher,
+    `batchgen.engine.structured.RequestGrammar`), as the runner asks for them."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the allowed tokens into `bitmask[row]`: int32 words on the CPU, bit `t % 32` of
+        word `t // 32` set when token `t` may be sampled. False when every token may (no mask)."""
+        ...
+
+
 @dataclass
 class StepInput:
     """One sequence's share of a step, as the runner needs it (no request objects below the engine).
@@ -61,6 +71,8 @@ class StepInput:
         logprobs: how many top log probabilities to return with the sampled token (None: none).
         scored: rows whose logits are scored (prompt log probabilities); None for the usual
             sequence, whose logits are computed at its sampled positions only.
+        token_mask: the tokens the sampled token may be (`TokenMask`), None: any; never with draft
+            tokens.
     """
 
     token_ids: list[int]
@@ -77,6 +89,7 @@ class StepInput:
     penalty: RowPenalty | None = None
     logprobs: int | None = None
     scored: ScoredRows | None = None
+    token_mask: TokenMask | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -94,9 +107,11 @@ class StepOutput:
     ids (one, or one per draft token plus one), flat; for each token its `SampleLogprobs` (None where
     the sequence asked for none) and, in `errors`, why it is not valid (NaN logits), else None;
     `errors` None = no error in the step. `scored`: per input sequence, in order, the
-    `SampleLogprobs` of its `ScoredRows` targets (None where it has none); None = none in the step."""
+    `SampleLogprobs` of its `ScoredRows` targets (None where it has none); None = none in the step.
+    `mask_time_s`: host seconds spent filling and applying token masks (`TokenMask`) in the step."""
 
     token_ids: list[int]
     logprobs: list[SampleLogprobs | None]
     errors: list[str | None] | None = None
     scored: list[list[SampleLogprobs] | None] | None = None
+    mask_time_s: float = 0.0

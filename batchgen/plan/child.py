@@ -11,7 +11,8 @@ without it) and asks a child process, one after the other, for:
 - `sizes`: the device, the dtype, the converted model's folder and the KV-cache sizes
   (`EnginePlan`), as `LLMEngine` would decide them: before the rows are read;
 - `measure`: the wall-time calibration (cached or measured now) and the machine's load before it:
-  after the rows are read.
+  after the rows are read;
+- `grammars`: the job's structured outputs constraints compiled (`batchgen.plan.grammars`).
 The child's own peak (torch, and the model during a calibration) is gone when it exits. Its
 stderr is the user's (warnings such as a lowered max_model_len); its last stdout line is the
 answer, as JSON.
@@ -69,7 +70,7 @@ def hide_torch() -> None:
 
 
 def ask_child(task: str, config: EngineConfig, **args: Any) -> dict[str, Any]:
-    """Run `task` ("sizes" or "measure") in a child interpreter and return its answer.
+    """Run `task` ("sizes", "measure" or "grammars") in a child interpreter and return its answer.
 
     Raises:
         ChildError: the child refused the options or the model, or died (its messages are on
@@ -225,8 +226,14 @@ def _main() -> None:
     request = json.loads(sys.stdin.read())
     _follow_parent(request["parent"])
     config = EngineConfig(**request["engine"])
+    answer: dict[str, Any]
     try:
-        answer = sizes(config) if request["task"] == "sizes" else measure(config, request)
+        if request["task"] == "grammars":
+            from batchgen.plan.grammars import in_this_process
+
+            answer = {"results": in_this_process(config, request["constraints"])}
+        else:
+            answer = sizes(config) if request["task"] == "sizes" else measure(config, request)
     except ChildError as e:
         answer = {"error": str(e), "kind": e.kind}
     except Exception as e:  # damaged weights and the like: one line for the user, as run's errors

@@ -166,6 +166,25 @@ class TokenizerEngine:
 
         return measure_machine(config, getattr(torch, dtype), device, lengths, options)
 
+    def compile_grammars(
+        self, config: EngineConfig, constraints: list[dict]
+    ) -> list[tuple[str | None, float]]:
+        """Each structured outputs constraint compiled as the engine would (`plan.grammars`): (the
+        error or None, compile seconds) each; in the child when this process keeps torch out.
+
+        Raises:
+            ValueError: the child could not do it (its message)."""
+        from batchgen.plan import child as plan_child
+        from batchgen.plan.grammars import in_this_process
+
+        if not self.isolated:
+            return in_this_process(config, constraints)
+        try:
+            answer = plan_child.ask_child("grammars", config, constraints=constraints)
+        except plan_child.ChildError as e:
+            raise ValueError(str(e)) from e
+        return [(error, seconds) for error, seconds in answer["results"]]
+
     def check_prompt_len(self, num_tokens: int) -> str | None:
         return self.plan.check_prompt_len(num_tokens)
 

@@ -32,6 +32,7 @@ from batchgen.jobs.output.manifest import CommittedRows
 from batchgen.jobs.output.resume import check_output_location
 from batchgen.jobs.requests import prepare_row
 from batchgen.plan.estimate import REPLAY_MAX_BLOCKS
+from batchgen.plan.grammars import Constraints, GrammarReport, as_request, report
 from batchgen.plan.inputs import CommittedOutputs, TokenizerEngine, committed_rows
 from batchgen.plan.prefix import PrefixEstimate
 from batchgen.plan.schedule import Sequences
@@ -74,6 +75,7 @@ class JobPlan:
     wall_time: WallTimeEstimate | None = None
     wall_time_note: str | None = None  # why there is no wall time estimate
     note: str | None = None  # about the rows an earlier run committed
+    structured: GrammarReport | None = None  # the job's structured outputs constraints, compiled
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,6 +102,7 @@ class _Tally:
         self.hashes: array | None = array("q")
         self.offsets: array | None = array("q", [0])
         self.committed_budget = self.committed_completion = 0
+        self.constraints = Constraints()  # the valid rows' structured outputs constraints
 
     def error(self, message: str) -> None:
         self.plan.rows_error += 1
@@ -214,6 +217,8 @@ def _read_rows(
         tally.row(
             prepared.token_ids, budget, sp, window_work(prepared.prompt_tokens, sp.n, sp.max_tokens, max_len)
         )
+        if sp.structured_outputs is not None:
+            tally.constraints.add(sp.structured_outputs, row.where, row.constraint_field)
 
 
 def _fill_sizes(plan: JobPlan, tally: _Tally, engine: TokenizerEngine, max_num_seqs: int) -> None:
@@ -306,6 +311,10 @@ def plan_job(
         )
     _read_rows(tally, options, rows, engine, committed, outputs)
     read_s = time.perf_counter() - start
+    if tally.constraints.rows:  # compiled as the engine would: the bad ones and the time it takes
+        plan.structured = report(
+            tally.constraints, engine.compile_grammars(config, as_request(tally.constraints))
+        )
     _fill_sizes(plan, tally, engine, config.max_num_seqs)
     seqs = _sequences(plan, tally, wall_time.expected_output_tokens if wall_time else None)
     del tally, prefix  # the rows as read, and the estimate's blocks: the schedules build their own
@@ -388,6 +397,8 @@ def format_plan(plan: JobPlan) -> str:
     lines += _wall_time_lines(plan)
     if plan.note:
         lines.append(f"note: {plan.note}")
+    if plan.structured is not None:
+        lines += plan.structured.lines()
     if plan.first_errors:
         lines.append(f"first error rows ({len(plan.first_errors)} of {plan.rows_error}):")
         lines += [f"  {e}" for e in plan.first_errors]

@@ -49,6 +49,7 @@ class FakeEngine:
         self.last_step: StepStats | None = None
         self.totals = EngineTotals()
         self.added: list[str] = []
+        self.prepared: list[SamplingParams] = []
 
     def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -67,6 +68,9 @@ class FakeEngine:
         if num_tokens < self.max_model_len:
             return None
         return f"prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}"
+
+    def prepare(self, sampling_params: SamplingParams) -> None:
+        self.prepared.append(sampling_params)
 
     def add_request(
         self, request_id: str, prompt, sampling_params: SamplingParams, arrival_time=None

@@ -216,7 +216,12 @@ def test_run_and_plan_take_every_sampling_default_with_its_default():
 
     for name in ("run", "plan"):
         params = {p.name: p for p in typer.main.get_command(app).commands[name].params}
+        # The job's constraint comes from four flags, one per kind (`cli_types.structured_flags`).
+        for flag in ("json_schema", "regex", "choice", "grammar"):
+            assert params[flag].opts == [f"--{flag.replace('_', '-')}"] and params[flag].default is None
         for f in dataclasses.fields(SamplingDefaults):
+            if f.name == "structured_outputs":
+                continue
             assert params[f.name].opts == [f"--{f.name.replace('_', '-')}"], (name, f.name)
             assert params[f.name].default == (None if f.default == () else f.default), (name, f.name)
     assert JobOptions("j.jsonl").sampling_defaults() == {

@@ -13,9 +13,11 @@ from batchgen.jobs.input.formats import LONE_SURROGATE, check_messages, is_utf8,
 from batchgen.jobs.input.row_sampling import (
     LOGPROB_FIELDS,
     SAMPLING_COLUMNS,
+    UNAPPLIED_REASONS,
     requested_logprobs,
     stable_hash,
 )
+from batchgen.jobs.input.row_structured import BODY_FIELDS, row_constraint
 from batchgen.jobs.input.rows import JobRow, RowParser
 
 OPENAI_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -25,6 +27,7 @@ OPENAI_BODY_FIELDS = frozenset(
     {"messages", "prompt", "model", "user", "metadata", "stream", "n", "max_tokens", "max_completion_tokens"}
     | set(SAMPLING_COLUMNS)
     | set(LOGPROB_FIELDS)
+    | set(BODY_FIELDS)
 )
 
 
@@ -59,11 +62,16 @@ class OpenAIRowParser(RowParser):
             prompt, err = _body_prompt(body, endpoint)
         if err is None:
             err = _unsupported_field_error(body)
+        field = None
         if err is None:
             values, err = _sampling_values(body, endpoint)
-            if err is None:
-                params, params_hash, err = self._sampling(values)
             err = err and err.replace("field '", "field 'body.")  # the field is in the body
+        if err is None:  # its messages name the body's fields themselves
+            values["structured_outputs"], field, err = row_constraint(body, BODY_FIELDS, prefix="body.")
+            field = field or self.flag_label
+        if err is None:
+            params, params_hash, err = self._sampling(values)
+            err = err and err.replace("field '", "field 'body.")
         if err is not None:
             return self.error_row(
                 row_index, line_number, usable_cid, err, raw=rec, endpoint=endpoint or "chat"
@@ -77,6 +85,7 @@ class OpenAIRowParser(RowParser):
             keep=None,
             row_hash=stable_hash([cid, endpoint, prompt, params_hash]),
             endpoint=endpoint,
+            constraint_field=field,
         )
 
     def _envelope_error(
@@ -138,8 +147,9 @@ def _unsupported_field_error(body: dict) -> str | None:
     if not unsupported:
         return None
     name = unsupported[0]
+    reason = UNAPPLIED_REASONS.get(name, "it would change the output")
     return (
-        f"field 'body.{name}' is not supported by batchgen (it would change the output); "
+        f"field 'body.{name}' is not supported by batchgen ({reason}); "
         f"remove it (supported: {', '.join(sorted(OPENAI_BODY_FIELDS))})"
     )
 

@@ -25,7 +25,7 @@ from batchgen.jobs.input.formats import (
 )
 from batchgen.jobs.input.openai_rows import OpenAIRowParser
 from batchgen.jobs.input.row_sampling import LOGPROB_FIELDS, SAMPLING_COLUMNS, UNAPPLIED_COLUMNS
-from batchgen.jobs.input.rows import JobRow, RowParser
+from batchgen.jobs.input.rows import STRUCTURED_FIELDS, JobRow, RowParser
 
 
 @dataclass
@@ -239,7 +239,14 @@ class JobReader:
         names = [self.prompt_column, self.messages_column, self.id_column, *self.template_fields]
         names += [
             c
-            for c in (*SAMPLING_COLUMNS, *LOGPROB_FIELDS, *UNAPPLIED_COLUMNS, "max_completion_tokens", "n")
+            for c in (
+                *SAMPLING_COLUMNS,
+                *LOGPROB_FIELDS,
+                *UNAPPLIED_COLUMNS,
+                *STRUCTURED_FIELDS,
+                "max_completion_tokens",
+                "n",
+            )
             if c in self.columns
         ]
         names += list(self.options.keep_columns)

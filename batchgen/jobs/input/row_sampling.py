@@ -46,11 +46,20 @@ UNAPPLIED_COLUMNS = {
     "best_of": 1,
     "logit_bias": None,
     "use_beam_search": False,
-    "response_format": {"type": "text"},
     "guided_json": None,
     "guided_regex": None,
     "guided_choice": None,
     "guided_grammar": None,
+}
+# Why vLLM's old structured outputs fields are refused: they have other names here.
+UNAPPLIED_REASONS = {
+    f"guided_{kind}": f"vLLM's old guided_{kind} is column '{column}' here (or vLLM's structured_outputs)"
+    for kind, column in (
+        ("json", "json_schema"),
+        ("regex", "regex"),
+        ("choice", "choice"),
+        ("grammar", "grammar"),
+    )
 }
 # The two fields that ask for generated tokens' log probabilities, in their two dialects:
 # vLLM and OpenAI's completions API take `logprobs: K`; OpenAI's chat API takes `logprobs: true`
@@ -167,7 +176,9 @@ def unapplied_field_error(rec: dict, data_columns: frozenset[str] = frozenset())
         if name == "logit_bias" and isinstance(value, dict) and all(v == 0 for v in value.values()):
             continue
         shown = _shown(value)
-        reason = f"batchgen does not apply {name} (the output would not be what the row asks for)"
+        reason = UNAPPLIED_REASONS.get(
+            name, f"batchgen does not apply {name} (the output would not be what the row asks for)"
+        )
         return (
             f"field '{name}' is {shown}, but {reason}; remove the column, set it to null"
             + (f" or {to_json(neutral)}" if neutral is not None else "")

@@ -22,6 +22,12 @@ from batchgen.jobs.input.row_sampling import (
     stable_hash,
     unapplied_field_error,
 )
+from batchgen.jobs.input.row_structured import (
+    BODY_FIELDS,
+    CONSTRAINT_COLUMNS,
+    constraint_flag,
+    row_constraint,
+)
 from batchgen.jobs.output.json_lines import to_json
 from batchgen.jobs.output.schema import LOGPROB_COLUMNS
 from batchgen.sampling_params import SamplingParams
@@ -36,9 +42,13 @@ NEAR_MISS_TARGETS = (
     *UNAPPLIED_COLUMNS,
     "top_logprobs",
     "max_completion_tokens",
+    *CONSTRAINT_COLUMNS,
+    *BODY_FIELDS,
     "prompt",
     "messages",
 )
+# The fields of a plain row that set a structured outputs constraint.
+STRUCTURED_FIELDS = (*CONSTRAINT_COLUMNS, *BODY_FIELDS)
 
 
 @dataclass(slots=True)
@@ -57,6 +67,8 @@ class JobRow:
         keep: values of the `--keep-columns` columns (None when none were asked for).
         row_hash: signed 64-bit hash of the row's input and parameters (resume identity).
         endpoint: "chat" or "completion" for OpenAI batch rows, None otherwise.
+        constraint_field: how messages name what set the row's structured outputs constraint
+            ("field 'json_schema'", or the job's flag "--json-schema"), None when it has none.
     """
 
     row_index: int
@@ -68,6 +80,7 @@ class JobRow:
     keep: dict[str, Any] | None = None
     row_hash: int = 0
     endpoint: str | None = None
+    constraint_field: str | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -144,6 +157,8 @@ class RowParser:
         self._prompt_columns = frozenset(c for c in prompt_columns if c is not None)
         self._data_columns = self._prompt_columns | {c for c in (id_column, *options.keep_columns) if c}
         self._resolve_sampling = RowSampling(options.defaults).resolve
+        # How messages name the job's own constraint (`--json-schema`, ...), which rows without one take.
+        self.flag_label = constraint_flag(options.defaults.get("structured_outputs"))
         self._greedy_choices_noted = False
         # A kept input column named like an output column of log probabilities makes the job's
         # log-probability fields data too: the output cannot hold both.
@@ -289,6 +304,12 @@ class RowParser:
             values["prompt_logprobs"] = (
                 None if "prompt_logprobs" in self._data_columns else rec.get("prompt_logprobs")
             )
+        field = None
+        if err is None:
+            values["structured_outputs"], field, err = row_constraint(
+                rec, STRUCTURED_FIELDS, self._data_columns
+            )
+            field = field or self.flag_label
         if err is None:
             params, params_hash, err = self._sampling(values)
             if err is not None and err.startswith("invalid sampling value in field 'n'"):
@@ -315,6 +336,7 @@ class RowParser:
             line_number=line_number,
             keep=keep,
             row_hash=stable_hash([rid_s, prompt, params_hash, keep]),
+            constraint_field=field,
         )
 
     def _prompt_of(self, rec: dict) -> tuple[str | list[dict] | None, str | None]:

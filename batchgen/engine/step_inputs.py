@@ -1,0 +1,62 @@
+"""A scheduler decision as the model runner takes it: one `StepInput` per scheduled request, with
+its tokens, block table and sampling settings (no request objects cross into the runner)."""
+
+from __future__ import annotations
+
+from batchgen.engine.logprobs import scored_rows
+from batchgen.engine.scheduler_output import SchedulerOutput
+from batchgen.model.sampler import RowPenalty
+from batchgen.model.step import StepInput
+
+
+def step_inputs(sched: SchedulerOutput) -> list[StepInput]:
+    """The runner's inputs for `sched`, in its order.
+
+    A sampling request below `min_tokens` bans its EOS and stop ids; one with penalties brings its
+    tokens (`RowPenalty`); one that asks for prompt log probabilities its scored rows
+    (`logprobs.scored_rows`); one with structured outputs brings its matcher (`token_mask`), first
+    brought in line with its output tokens (`RequestGrammar.sync`: a no-op unless they differ).
+
+    Raises:
+        RuntimeError: a structured request's own output tokens do not fit its grammar (cannot
+            happen unless its tokens were changed from outside).
+    """
+    inputs = []
+    for item in sched.scheduled:
+        r = item.request
+        p = r.sampling_params
+        banned = None
+        if item.samples and r.num_output_tokens < p.min_tokens:
+            banned = sorted(r.eos_token_ids | set(p.stop_token_ids or ()))
+        mask = r.grammar if item.samples else None
+        if mask is not None and not mask.sync(r.output_token_ids):
+            raise RuntimeError(f"request {r.request_id!r}: its output tokens do not fit its grammar")
+        drafts = item.spec_token_ids
+        inputs.append(
+            StepInput(
+                token_ids=r.token_ids[item.start : item.start + item.num_new_tokens - len(drafts)] + drafts,
+                start=item.start,
+                block_table=r.block_table,
+                sample=item.samples,
+                num_draft_tokens=len(drafts),
+                temperature=0.0 if p.greedy else float(p.temperature),
+                top_k=p.top_k,
+                top_p=p.top_p,
+                min_p=p.min_p,
+                generator=r.generator,
+                banned_token_ids=banned,
+                penalty=RowPenalty(
+                    r.token_ids,
+                    r.num_prompt_tokens,
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                    p.repetition_penalty,
+                )
+                if item.samples and p.penalized
+                else None,
+                logprobs=p.logprobs if item.samples else None,
+                scored=scored_rows(r, item.start, item.num_new_tokens - len(drafts)),
+                token_mask=mask,
+            )
+        )
+    return inputs

@@ -36,7 +36,7 @@ from batchgen.plan.grammars import Constraints, GrammarReport, as_request, repor
 from batchgen.plan.inputs import CommittedOutputs, TokenizerEngine, committed_rows
 from batchgen.plan.prefix import PrefixEstimate
 from batchgen.plan.schedule import Sequences
-from batchgen.plan.wall_time import WallTimeEstimate, WallTimeOptions, expected_outputs
+from batchgen.plan.wall_time import WallTimeEstimate, WallTimeOptions, duration, expected_outputs
 from batchgen.sampling_params import SamplingParams
 
 FIRST_ERRORS = 5
@@ -347,16 +347,6 @@ def plan_job(
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
-
-
-def duration(seconds: float) -> str:
-    """`seconds` as 45s, 3m05s or 2h07m."""
-    s = round(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s // 60 % 60:02d}m"
 
 
 def _wall_time_lines(plan: JobPlan) -> list[str]:

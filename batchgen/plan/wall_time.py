@@ -296,3 +296,13 @@ def _estimate(
         high_output_tokens=high.output_tokens,
         peak_seqs=peak,
     )
+
+
+def duration(seconds: float) -> str:
+    """`seconds` as 45s, 3m05s or 2h07m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s // 60 % 60:02d}m"

@@ -18,7 +18,7 @@ from batchgen.engine.request_output import request_output
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sizing import plan_engine, resolve_dtype, slow_dtype_reason
 from batchgen.engine.spec_gate import plan_speculation
-from batchgen.engine.stats import EngineTotals, StepStats
+from batchgen.engine.stats import EngineTotals, StepPhases, StepStats
 from batchgen.engine.step_inputs import step_inputs
 from batchgen.engine.structured import StructuredRequests
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
@@ -306,12 +306,16 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             return self.groups.collect(finished)
         sched = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         # Read before the update frees the blocks of the requests that finish in this step: a
         # request prefilled and finished in one step still held its blocks during it.
         kv_cache_usage = self.block_manager.usage
         self.runner.swap_out(sched.swap_out)
         self.runner.swap_in(sched.swap_in)
-        sampled = self.runner.execute(step_inputs(sched)) if sched.scheduled else StepOutput([], [])
+        inputs_began = time.perf_counter()
+        inputs = step_inputs(sched)
+        inputs_s = time.perf_counter() - inputs_began
+        sampled = self.runner.execute(inputs) if sched.scheduled else StepOutput([], [])
         now = time.perf_counter()
         for r in self.scheduler.update(sched, sampled, scheduled_at=start, now=now):
             del self.requests[r.request_id]
@@ -319,7 +323,16 @@ class LLMEngine:
         outputs = self.groups.collect(finished)
         if self.speculation is not None:  # the gate follows the job's acceptance
             self.scheduler.speculative_max_batch = self.speculation.observe(sched)
-        self._record(sched, sampled, start, now, len(outputs), kv_cache_usage)
+        end = time.perf_counter()
+        phases = StepPhases(
+            schedule_s=scheduled - start,
+            inputs_s=inputs_s + sampled.prepare_s,
+            forward_s=sampled.forward_s,
+            sample_s=sampled.sample_s,
+            mask_s=sampled.mask_time_s,
+            update_s=end - now,
+        )
+        self._record(sched, sampled, start, end, len(outputs), kv_cache_usage, phases)
         return outputs
 
     def _record(
@@ -330,6 +343,7 @@ class LLMEngine:
         now: float,
         num_finished: int,
         kv_cache_usage: float,
+        phases: StepPhases,
     ) -> None:
         decodes = sched.num_decodes + sched.num_verify_tokens  # tokens that are not prompt tokens
         stats = StepStats(
@@ -362,6 +376,7 @@ class LLMEngine:
             ),
             num_structured_requests=self._new_structured,
             mask_time_s=sampled.mask_time_s,
+            phases=phases,
             grammar_compile_s=tuple(self.structured.take_compile_times()),
         )
         self._new_structured = 0

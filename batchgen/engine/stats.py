@@ -7,6 +7,31 @@ from dataclasses import dataclass, field, fields
 
 
 @dataclass
+class StepPhases:
+    """Where one step's wall time went, in seconds (`time.perf_counter` spans).
+
+    Attributes:
+        schedule_s: `Scheduler.schedule`.
+        inputs_s: the runner's inputs: `step_inputs` (per-request lists) and `ModelRunner.prepare`
+            (flat tensors, positions, slot mapping, block tables).
+        forward_s: the model's forward.
+        sample_s: the sampler, log probabilities and the NaN check (token masks excluded). On a
+            GPU the forward only queues kernels and the sampled ids' copy to the host waits for
+            them, so the device's time lands here, not in `forward_s`.
+        mask_s: filling and applying structured outputs' token masks.
+        update_s: `Scheduler.update` (appending tokens, stop checks, freeing blocks), the finished
+            requests' outputs (detokenization) and the speculation gate.
+    """
+
+    schedule_s: float = 0.0
+    inputs_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    mask_s: float = 0.0
+    update_s: float = 0.0
+
+
+@dataclass
 class StepStats:
     """What one `LLMEngine.step()` did and the state it left.
 
@@ -37,6 +62,8 @@ class StepStats:
         num_structured_requests: requests with structured outputs added since the last step.
         mask_time_s: host seconds the step spent filling and applying their token masks.
         grammar_compile_s: seconds of each grammar compilation that ended since the last step.
+        phases: where `step_time_s` went (`StepPhases`); `host_time_s` is the part outside the
+            forward and the sampler.
     """
 
     step: int
@@ -63,12 +90,20 @@ class StepStats:
     num_structured_requests: int = 0
     mask_time_s: float = 0.0
     grammar_compile_s: tuple[float, ...] = ()
+    phases: StepPhases = field(default_factory=StepPhases)
+
+    @property
+    def host_time_s(self) -> float:
+        """Seconds of the step spent on the host outside the model's forward and the sampler:
+        scheduling, input preparation, token masks, the update and outputs, and the rest of
+        `step()` (swaps, bookkeeping). What a faster device cannot shorten."""
+        return max(0.0, self.step_time_s - self.phases.forward_s - self.phases.sample_s)
 
 
 @dataclass
 class EngineTotals:
-    """Counters since the engine started (sums over all steps; `step_time_s` and
-    `mask_time_s` in seconds).
+    """Counters since the engine started (sums over all steps; `step_time_s`, `host_time_s`
+    (`StepStats.host_time_s`) and `mask_time_s` in seconds).
 
     A field merges across engines (`merged`) by the function in its metadata's "merge" key, a sum
     when it has none; so a new counter is summed without touching `merged`, and a new peak declares
@@ -91,10 +126,12 @@ class EngineTotals:
     grammar_compile_s: float = 0.0
     mask_time_s: float = 0.0
     step_time_s: float = 0.0
+    host_time_s: float = 0.0
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
         self.step_time_s += s.step_time_s
+        self.host_time_s += s.host_time_s
         self.prompt_tokens += s.num_prompt_tokens
         self.generation_tokens += s.num_generation_tokens
         self.preemptions += s.num_preemptions

@@ -202,6 +202,8 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             verifies_drafts=any(s.num_draft_tokens for s in seqs),
         )
+        # Known here, on the host: a backend that asked the device would sync once a step.
+        meta.scratch["all_slots_valid"] = bool((slot_mapping >= 0).all())
         return (
             torch.from_numpy(input_ids).to(dev),
             torch.from_numpy(positions).to(dev),
@@ -232,7 +234,9 @@ class ModelRunner:
             raise ValueError(
                 "draft tokens cannot be verified with penalties, banned token ids or token masks"
             )
+        began = time.perf_counter()
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
+        prepared = time.perf_counter()
         scored_rows = scored_row_indices(seqs)
         scored = None
         if scored_rows is None:  # the usual step: logits of the sampled rows only
@@ -244,16 +248,13 @@ class ModelRunner:
             logits = self.model.lm_head(hidden[: len(logits_indices)])
             scored = self._score(hidden[len(logits_indices) :], seqs)
         sampled = [s for s in seqs for _ in range(s.num_sampled)]
+        forwarded = time.perf_counter()
         if not sampled:
-            return StepOutput([], [], scored=scored)
-        mask_start = time.perf_counter()
-        masks = self.token_masks.fill([s.token_mask for s in sampled])
-        mask_time = time.perf_counter() - mask_start
-        errors = _logit_errors(logits, seqs)  # before the masks' -inf
-        if masks is not None:
-            mask_start = time.perf_counter()
-            self.token_masks.apply(logits, masks)
-            mask_time += time.perf_counter() - mask_start
+            return StepOutput(
+                [], [], scored=scored, prepare_s=prepared - began, forward_s=forwarded - prepared
+            )
+        finite = finite_rows(logits)  # before the masks' -inf; read with the sampled ids
+        mask_time = self._mask(logits, sampled)
         # Log probabilities come from the logits before the sampler, which changes them in place:
         # copied first (indexing with a list copies), for the rows that asked only.
         asked = [i for i, s in enumerate(sampled) if s.logprobs is not None]
@@ -267,7 +268,9 @@ class ModelRunner:
             banned_token_ids=[s.banned_token_ids for s in sampled],
             penalties=[s.penalty for s in sampled],
         )
-        token_ids = self.sampler(logits, batch).tolist()
+        # The step's one copy to the host: the sampled ids and each row's finite flag together.
+        token_ids, finite_flags = torch.stack([self.sampler(logits, batch), finite.to(torch.int64)]).tolist()
+        errors = _logit_errors(finite_flags, seqs)
         logprobs: list[SampleLogprobs | None] = [None] * len(token_ids)
         if raw is not None:
             found = sample_logprobs(
@@ -275,7 +278,25 @@ class ModelRunner:
             )
             for i, lp in zip(asked, found, strict=True):
                 logprobs[i] = lp
-        return StepOutput(token_ids, logprobs, errors, scored, mask_time)
+        return StepOutput(
+            token_ids,
+            logprobs,
+            errors,
+            scored,
+            mask_time,
+            prepare_s=prepared - began,
+            forward_s=forwarded - prepared,
+            sample_s=time.perf_counter() - forwarded - mask_time,
+        )
+
+    def _mask(self, logits: torch.Tensor, sampled: list[StepInput]) -> float:
+        """Apply the sampled rows' token masks to `logits` `[len(sampled), vocab]` in place;
+        returns the seconds it took (fill and apply)."""
+        start = time.perf_counter()
+        masks = self.token_masks.fill([s.token_mask for s in sampled])
+        if masks is not None:
+            self.token_masks.apply(logits, masks)
+        return time.perf_counter() - start
 
     def _score(self, hidden: torch.Tensor, seqs: list[StepInput]) -> list[list[SampleLogprobs] | None]:
         """The `SampleLogprobs` of each sequence's `ScoredRows` targets, from `hidden` `[R, hidden]`
@@ -300,16 +321,25 @@ class ModelRunner:
         return out
 
 
-def _logit_errors(logits: torch.Tensor, seqs: list[StepInput]) -> list[str | None] | None:
-    """Per sampled row, why its logits cannot be sampled (NaN or infinite), or None when every row
-    is fine."""
-    # A NaN or infinite logit (an overflow in float16, a bad weight) would be sampled as some
-    # token and the text would go on as if nothing happened: such a row fails instead, with the
-    # reason. A row sum finds them in one cheap pass (a full isnan mask costs far more: see
-    # docs/benchmarks.md); the exact rows are looked up only when one is there.
-    if bool(torch.isfinite(logits.sum(dim=-1)).all()):
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Whether each row of `logits` `[B, vocab]` is free of NaN and infinities: bool `[B]` on the
+    logits' device (no copy to the host: the step reads it with the sampled ids).
+
+    A NaN or infinite logit (an overflow in float16, a bad weight) would be sampled as some token
+    and the text would go on as if nothing happened: such a row fails instead (`_logit_errors`).
+    A row sum finds them in one cheap pass (a full isnan mask costs far more: see
+    docs/benchmarks.md); summed in float32, finite float16 or bfloat16 logits cannot overflow it,
+    and a NaN or infinity makes it NaN or infinite.
+    """
+    return torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+
+
+def _logit_errors(finite: list[int], seqs: list[StepInput]) -> list[str | None] | None:
+    """Per sampled row, why its logits cannot be sampled (NaN or infinite), from `finite_rows`'
+    flags (1 finite, 0 not) on the host, or None when every row is fine."""
+    if all(finite):
         return None
-    bad_rows = (~torch.isfinite(logits).all(dim=-1)).tolist()
+    bad_rows = [not ok for ok in finite]
     # The position of each sampled token (a draft row's j-th is d - j before the last).
     ends = [s.start + len(s.token_ids) - s.num_sampled + j + 1 for s in seqs for j in range(s.num_sampled)]
     return [

@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchgen.kernels.cpu.ops import apply_token_bitmask
+
 
 @dataclass
 class RowPenalty:
@@ -113,7 +115,9 @@ class TokenMasks:
     One int32 buffer `[rows, ceil(vocab_size / 32)]` (pinned on CUDA, so its copy to the device
     is asynchronous) is kept and grown as needed. Its width covers the logits' whole vocabulary,
     the ids a model pads its lm_head with past the tokenizer's included (the grammar never allows
-    those). The apply is xgrammar's kernel (its C++ one on the CPU, its Triton one on CUDA).
+    those). The apply is batchgen's C kernel on the CPU (`kernels/cpu/csrc/token_mask.c`: xgrammar's
+    C++ one took 9.5 ms for 64 rows of a 49k vocabulary, docs/benchmarks.md), xgrammar's Triton one
+    on CUDA and its C++ one where the C library is not built.
 
     Args:
         vocab_size: the logits' width.
@@ -146,6 +150,8 @@ class TokenMasks:
         from xgrammar import apply_token_bitmask_inplace
 
         bitmask, rows = filled
+        if apply_token_bitmask(logits, bitmask, rows):  # batchgen's C kernel, on the CPU
+            return
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
         apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)

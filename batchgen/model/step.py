@@ -108,10 +108,19 @@ class StepOutput:
     the sequence asked for none) and, in `errors`, why it is not valid (NaN logits), else None;
     `errors` None = no error in the step. `scored`: per input sequence, in order, the
     `SampleLogprobs` of its `ScoredRows` targets (None where it has none); None = none in the step.
-    `mask_time_s`: host seconds spent filling and applying token masks (`TokenMask`) in the step."""
+    `mask_time_s`: host seconds spent filling and applying token masks (`TokenMask`) in the step.
+
+    Where the runner's time went, in seconds: `prepare_s` flattening the inputs into tensors
+    (`ModelRunner.prepare`), `forward_s` the model's forward (and prompt log-probability scoring),
+    `sample_s` the sampler, log probabilities and the NaN check, the masks excluded. On a CPU each
+    is the work itself; on a GPU the forward only queues kernels and the sampled ids' copy to the
+    host waits for them, so the device's time lands in `sample_s`."""
 
     token_ids: list[int]
     logprobs: list[SampleLogprobs | None]
     errors: list[str | None] | None = None
     scored: list[list[SampleLogprobs] | None] | None = None
     mask_time_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0

@@ -1,9 +1,9 @@
-"""Python entry points of the C element-wise kernels (`csrc/bf16_ops.c`, `csrc/kv_store.c`).
+"""Python entry points of the C element-wise kernels (`csrc/bf16_ops.c`, `csrc/kv_store.c`, `csrc/token_mask.c`).
 
 One-call versions of a decoder layer's bf16 element-wise chains: RMSNorm with the residual add before
 it, SiLU-and-multiply and the rotary embedding; and the write of a step's K/V rows into the paged
-cache. On a decode step each replaces one or several ATen calls whose dispatch costs more than their
-arithmetic. Each function checks shapes, dtypes and strides before it hands pointers to C; the
+cache; and structured outputs' token masks on a step's logits. On a decode step each replaces one or
+several calls whose dispatch or generality costs more than their arithmetic. Each function checks shapes, dtypes and strides before it hands pointers to C; the
 library is built and loaded by `batchgen.kernels.cpu.library`.
 """
 
@@ -219,3 +219,54 @@ def _check_store_layout(
         )
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be a contiguous int64 tensor")
+
+
+_MASK_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> bool:
+    """Set the logits of the tokens each row's bitmask disallows to -inf, in place
+    (`csrc/token_mask.c`); False (nothing done) where the C library is not built or the tensors are
+    not ones it takes, so the caller falls back to xgrammar's apply.
+
+    Args:
+        logits: `[B, vocab]` float32, bfloat16 or float16 on the CPU, rows contiguous.
+        bitmask: int32 `[>= B, >= ceil(vocab / 32)]` on the CPU, rows contiguous: bit `t % 32` of
+            word `t // 32` set when token `t` may be sampled (xgrammar's layout).
+        rows: the rows of both to mask, each in `[0, B)`.
+
+    Raises:
+        ValueError: a row outside `[0, B)`, or a bitmask narrower than the vocabulary.
+    """
+    dtype = _MASK_DTYPES.get(logits.dtype)
+    if (
+        dtype is None
+        or not (logits.is_cpu and bitmask.is_cpu)
+        or bitmask.dtype != torch.int32
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+        or bitmask.stride(1) != 1
+    ):
+        return False
+    lib = cpu_kernels.load_library()
+    if lib is None:
+        return False
+    vocab = logits.shape[1]
+    if bitmask.shape[1] * 32 < vocab or bitmask.shape[0] < logits.shape[0]:
+        raise ValueError(
+            f"a bitmask of shape {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}"
+        )
+    if any(not 0 <= r < logits.shape[0] for r in rows):
+        raise ValueError(f"mask rows must be in [0, {logits.shape[0]}), got {rows}")
+    index = torch.tensor(rows, dtype=torch.int64)
+    lib.apply_token_bitmask(
+        logits.data_ptr(),
+        logits.stride(0),
+        dtype,
+        bitmask.data_ptr(),
+        bitmask.stride(0),
+        index.data_ptr(),
+        len(rows),
+        vocab,
+    )
+    return True

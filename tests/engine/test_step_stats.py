@@ -1,9 +1,12 @@
 """`StepStats`' attention counts on a schedule worked out by hand (they set the bench's roofline), and
-`EngineTotals.merged` over every field."""
+`EngineTotals.merged` over every field, and where a step's time goes (`StepPhases`)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields
+
+import pytest
 
 from batchgen.config import EngineConfig
 from batchgen.engine.llm_engine import LLMEngine
@@ -65,3 +68,33 @@ def test_every_peak_in_engine_totals_merges_by_max() -> None:
     """A field named peak_* summed over replicas would be nonsense: it must declare max."""
     peaks = [f for f in fields(EngineTotals) if f.name.startswith("peak_")]
     assert peaks and all(f.metadata.get("merge") is max for f in peaks)
+
+
+def test_step_phases_split_the_step_time_and_host_time_excludes_the_forward(tiny_model_dir) -> None:
+    """A forward made 30 ms slower (as a slow device would be) shows in `forward_s`, not in the host
+    time; the phases never add up to more than the step."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32"))
+    model = engine.runner.model
+    forward = model.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.03)
+        return forward(*args, **kwargs)
+
+    model.forward = slow_forward
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(str(i), {"prompt_token_ids": list(range(100 + i, 110))}, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps.append(engine.last_step)
+    assert len(steps) == 3
+    for s in steps:
+        p = s.phases
+        assert p.forward_s >= 0.03
+        assert min(p.schedule_s, p.inputs_s, p.sample_s, p.update_s, p.mask_s) > 0
+        assert p.schedule_s + p.inputs_s + p.forward_s + p.sample_s + p.update_s <= s.step_time_s
+        assert s.host_time_s == pytest.approx(s.step_time_s - p.forward_s - p.sample_s)
+        assert s.host_time_s < s.step_time_s - 0.03
+    assert engine.totals.host_time_s == pytest.approx(sum(s.host_time_s for s in steps))

@@ -78,6 +78,11 @@ def step_record(stats: Any, t0: float, real_generation_tokens: int | None = None
         step_time_s=stats.step_time_s,
         num_draft_tokens=stats.num_draft_tokens,
         num_accepted_tokens=stats.num_accepted_tokens,
+        host_time_s=stats.host_time_s,
+        schedule_s=stats.phases.schedule_s,
+        inputs_s=stats.phases.inputs_s,
+        update_s=stats.phases.update_s,
+        mask_time_s=stats.mask_time_s,
     )
 
 

@@ -37,6 +37,7 @@ import numpy as np
 import psutil
 import torch
 
+from batchgen.bench.report.host_time import host_time
 from batchgen.kernels.cpu.linear import release_freed_heap
 
 # The tail starts when fewer than this many requests are left (issue 27's definition).
@@ -73,7 +74,9 @@ class StepRecord:
     (`batchgen.bench.report.roofline`, see `StepStats` for their meaning); `num_prompt_tokens` (prefill
     tokens computed, padding included) and `step_time_s` (seconds) split the run's time into
     prefill and decode; `num_draft_tokens` / `num_accepted_tokens` count speculative draft tokens
-    verified / accepted.
+    verified / accepted. `host_time_s` is the step's time outside the forward and the sampler
+    (`StepStats.host_time_s`), `schedule_s`, `inputs_s`, `update_s` and `mask_time_s` its largest
+    parts (`StepPhases`), all seconds.
     """
 
     t: float
@@ -91,6 +94,11 @@ class StepRecord:
     step_time_s: float | None = None
     num_draft_tokens: int | None = None
     num_accepted_tokens: int | None = None
+    host_time_s: float | None = None
+    schedule_s: float | None = None
+    inputs_s: float | None = None
+    update_s: float | None = None
+    mask_time_s: float | None = None
 
 
 @dataclass
@@ -215,6 +223,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "decode_step_s": sum(t for prompt, t in times if not prompt) if timed_all else None,
     }
     out |= _tail_and_speculation(result, ok, wall)
+    out |= host_time(result.steps)
     out |= {
         "num_steps": len(seqs),
         "batch_size_mean": float(np.mean(seqs)) if seqs else None,

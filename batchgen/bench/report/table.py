@@ -7,7 +7,7 @@ from typing import Any
 
 # (label, metric key, format, unit scale); `x` marks rows that show a ratio to the base column.
 # (label, metric key or (numerator, denominator) keys, format, scale, whether a ratio is shown)
-_ROWS: list[tuple[str, str | tuple[str, str], str, float, bool]] = [
+_ROWS: list[tuple[str, str | tuple[str, ...], str, float, bool]] = [
     ("output tokens/s", "output_tokens_per_s", "{:.1f}", 1, True),
     ("total tokens/s", "total_tokens_per_s", "{:.1f}", 1, True),
     ("requests/s", "requests_per_s", "{:.3f}", 1, True),
@@ -37,6 +37,19 @@ _ROWS: list[tuple[str, str | tuple[str, str], str, float, bool]] = [
     # kernel table's rate for the model's linears at the largest row bucket.
     ("prefill steps: GFLOP/s", "prefill_flops_per_s", "{:.0f}", 1e-9, False),
     ("prefill: of kernel table's rate", "prefill_table_fraction", "{:.1%}", 1, False),
+    # Host time a step outside the forward and the sampler (schedule, inputs, masks, update,
+    # outputs): what a faster device cannot shorten. Its parts, and at the widest decode batch.
+    ("host time a step (ms)", "host_ms_per_step", "{:.2f}", 1, False),
+    ("host time: share of step time", "host_share", "{:.1%}", 1, False),
+    (
+        "host: schedule / inputs / update (ms)",
+        ("schedule_ms_per_step", "inputs_ms_per_step", "update_ms_per_step"),
+        "{:.2f}",
+        1,
+        False,
+    ),  # fmt: skip
+    ("host: token masks (ms)", "mask_ms_per_step", "{:.2f}", 1, False),
+    ("host at widest decode (ms) / rows", ("host_ms_full_decode", "full_decode_rows"), "{:.2f}", 1, False),
     ("TTFT mean (s)", "ttft_mean_s", "{:.2f}", 1, True),
     ("TTFT p50 / p90", ("ttft_p50_s", "ttft_p90_s"), "{:.2f}", 1, False),
     ("TTFT p99 (s)", "ttft_p99_s", "{:.2f}", 1, True),

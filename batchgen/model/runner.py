@@ -327,11 +327,15 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
 
     A NaN or infinite logit (an overflow in float16, a bad weight) would be sampled as some token
     and the text would go on as if nothing happened: such a row fails instead (`_logit_errors`).
-    A row sum finds them in one cheap pass (a full isnan mask costs far more: see
-    docs/benchmarks.md); summed in float32, finite float16 or bfloat16 logits cannot overflow it,
-    and a NaN or infinity makes it NaN or infinite.
+    A row sum finds them in one cheap pass (a full isfinite mask, or a float32 accumulation of
+    bf16 logits, costs 4-7x more on a CPU: see docs/benchmarks.md): a NaN or infinity makes it NaN
+    or infinite, and finite float32 or bfloat16 logits cannot overflow it (their range reaches
+    3e38). float16's stops at 65504, which a row of large logits can sum past: it is summed in
+    float32.
     """
-    return torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+    if logits.dtype == torch.float16:
+        return torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+    return torch.isfinite(logits.sum(dim=-1))
 
 
 def _logit_errors(finite: list[int], seqs: list[StepInput]) -> list[str | None] | None:

@@ -119,3 +119,27 @@ def test_openai_batch_lines_carry_reasoning_content(tmp_path, model):
     ]
     assert records[2]["response"]["body"]["choices"][0]["finish_reason"] == "length"
     assert "field 'body.chat_template_kwargs' may not set tokenize" in records[3]["error"]["message"]
+
+
+def test_n_completions_each_carry_their_reasoning(tmp_path, model):
+    src = write_jsonl(tmp_path / "job.jsonl", [{"messages": ASK, "n": 2}])
+    out = tmp_path / "out.jsonl"
+    assert run(model, str(src), "--output", str(out), "--reasoning-parser", "qwen3").exit_code == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(c["reasoning"], c["output"]) for c in row["choices"]] == [(REASONING, ANSWER)] * 2
+
+
+def test_a_rerun_with_another_parser_or_template_kwargs_is_refused(tmp_path, model):
+    """Both change the rows, so they are part of the run's identity (its header)."""
+    src = write_jsonl(tmp_path / "job.jsonl", [{"messages": ASK}])
+    out = tmp_path / "out.parquet"
+    assert run(model, str(src), "--output", str(out), "--reasoning-parser", "qwen3").exit_code == 0
+    again = run(model, str(src), "--output", str(out), "--reasoning-parser", "qwen3")
+    assert again.exit_code == 0 and "already complete" in again.output
+    for other in (
+        ["--reasoning-parser", "deepseek_r1"],
+        ["--reasoning-parser", "qwen3", "--chat-template-kwargs", json.dumps(OFF)],
+    ):
+        refused = run(model, str(src), "--output", str(out), *other)
+        said = " ".join(refused.stderr.split())
+        assert refused.exit_code == 2 and "from a run with other settings" in said, said

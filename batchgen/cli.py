@@ -80,6 +80,14 @@ def run_command(
         bool,
         typer.Option("--no-chat-template", help="Send plain prompts as raw text, not as a chat user turn"),
     ] = False,
+    chat_template_kwargs: Annotated[
+        str | None,
+        typer.Option(
+            help="Extra chat template variables, a JSON object (vLLM's name), e.g. "
+            "'{\"enable_thinking\": false}' for Qwen3; a row's own chat_template_kwargs wins key by key",
+            metavar="JSON",
+        ),
+    ] = None,
     prompt_column: Annotated[str | None, typer.Option(help="Column holding prompt text")] = None,
     messages_column: Annotated[str | None, typer.Option(help="Column holding chat messages")] = None,
     id_column: Annotated[str | None, typer.Option(help="Column holding the row id")] = None,
@@ -205,6 +213,7 @@ def _job_options(values: dict[str, Any]) -> JobOptions:
         template=values["template"],
         system_prompt=values["system_prompt"],
         chat_template=not values["no_chat_template"],
+        chat_template_kwargs=_template_kwargs(values["chat_template_kwargs"]),
         keep_columns=keep,
         limit=values["limit"],
         truncate_prompt=values["truncate_prompt"],
@@ -221,6 +230,22 @@ def _job_options(values: dict[str, Any]) -> JobOptions:
         ),
         **opt.sampling_options(values),
     )
+
+
+def _template_kwargs(text: str | None) -> dict[str, Any] | None:
+    """`--chat-template-kwargs` as a dict (None when not given).
+
+    Raises:
+        typer.BadParameter: not a JSON object (a usage error naming the flag, exit 2).
+    """
+    if text is None:
+        return None
+    from batchgen.jobs.input.row_chat import parse_chat_template_kwargs
+
+    try:
+        return parse_chat_template_kwargs(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 def _scale_out(

@@ -29,6 +29,8 @@ DTYPE_ALIASES = {
     "bf16": "bfloat16",
 }
 DEVICES = ("auto", "cpu", "cuda")
+# Reasoning parsers (vLLM's `--reasoning-parser` names; `batchgen.engine.reasoning`); None = off.
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 # Speculative decoding methods (vLLM's `speculative_config["method"]` names); None = off.
 SPECULATIVE_METHODS = ("ngram",)
 # n-gram (prompt lookup) defaults when the option is not given: 4 draft tokens matched on the last 2
@@ -175,6 +177,10 @@ class EngineConfig:
         grammar_compile_timeout: most seconds one structured outputs constraint (a JSON schema,
             regex, choice list or grammar) may take to compile; a request whose constraint takes
             longer finishes with finish_reason "error" (`batchgen.engine.structured`).
+        reasoning_parser: "qwen3" or "deepseek_r1" (vLLM's names): each output's thinking
+            (`<think>...</think>`) goes to `CompletionOutput.reasoning_content` and its answer to
+            `text`; stop strings and structured outputs apply to the answer only
+            (`batchgen.engine.reasoning`). None: off, the text is the whole output.
 
     Raises:
         TypeError / ValueError: naming the option and its allowed range.
@@ -260,6 +266,14 @@ class EngineConfig:
             "take to compile; a row whose constraint takes longer is an error row"
         ),
     )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata=flag(
+            choices(REASONING_PARSERS) + ": the thinking (<think>...</think>) in a 'reasoning' column "
+            "(OpenAI batch output: message.reasoning_content), the answer in 'output'; stop strings "
+            "and structured outputs apply to the answer; default off"
+        ),
+    )
 
     def __post_init__(self) -> None:
         dtype = canonical_dtype(self.dtype)
@@ -297,6 +311,8 @@ class EngineConfig:
             raise TypeError(f"grammar_compile_timeout must be a number of seconds, got {timeout!r}")
         if not timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {timeout}")
+        if self.reasoning_parser is not None:
+            _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
 
     def _check_speculative(self) -> None:
         """Validate the speculative options and resolve their defaults (only with a method)."""

@@ -27,7 +27,9 @@ class LLM:
             "float", work too.
         **engine_options: any `EngineConfig` field (`max_num_seqs`, `max_num_batched_tokens`,
             `block_size`, `max_model_len`, `kv_cache_memory`, `swap_space`, `enable_prefix_caching`,
-            `enable_chunked_prefill`, `policy`, `preemption_mode`, `attention_backend`, ...).
+            `enable_chunked_prefill`, `policy`, `preemption_mode`, `attention_backend`,
+            `reasoning_parser` ("qwen3" or "deepseek_r1": each completion's thinking in its
+            `reasoning_content`, the answer in its `text`), ...).
 
     Raises:
         TypeError / ValueError: an unknown or invalid option (naming it).
@@ -54,12 +56,15 @@ class LLM:
         messages: Sequence[Any],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list of
-        them, each rendered with the model's chat template; otherwise as `generate`.
+        them, each rendered with the model's chat template (given `chat_template_kwargs` as extra
+        template variables, e.g. `{"enable_thinking": False}` for Qwen3); otherwise as `generate`.
 
         Raises:
-            TypeError: `messages` is not a conversation or a list of conversations.
+            TypeError: `messages` is not a conversation or a list of conversations, or
+                `chat_template_kwargs` is not a dict with string keys.
         """
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
             messages = [messages]
@@ -68,6 +73,18 @@ class LLM:
                 "messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them, "
                 f"got {type(messages).__name__}"
             )
+        if chat_template_kwargs is not None and not (
+            isinstance(chat_template_kwargs, dict) and all(isinstance(k, str) for k in chat_template_kwargs)
+        ):
+            raise TypeError(
+                "chat_template_kwargs must be a dict of chat template variables, e.g. "
+                f"{{'enable_thinking': False}}; got {chat_template_kwargs!r:.80}"
+            )
+        if chat_template_kwargs:
+            prompts: list[Prompt] = [
+                {"messages": m, "chat_template_kwargs": chat_template_kwargs} for m in messages
+            ]
+            return self.generate(prompts, sampling_params, use_tqdm)
         return self.generate(list(messages), sampling_params, use_tqdm)
 
     def generate(

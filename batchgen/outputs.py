@@ -33,6 +33,10 @@ class CompletionOutput:
         logprobs: with `SamplingParams.logprobs` set, one dict per generated token: token id ->
             `Logprob` for the `logprobs` most likely tokens and the sampled one; else None.
         cumulative_logprob: sum of the sampled tokens' log probabilities, with `logprobs` set.
+        reasoning_content: with a reasoning parser (`EngineConfig.reasoning_parser`), the
+            thinking between `<think>` and `</think>` ("" for an empty one; `text` is then the
+            answer after it, "" when the output ended inside its thinking); None when the output
+            has no thinking or the engine has no parser (`text` is then the whole output).
     """
 
     index: int
@@ -42,6 +46,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    reasoning_content: str | None = None
 
 
 @dataclass

@@ -39,7 +39,8 @@ def check_stop(request: Request, tokenizer: Tokenizer | None, max_model_len: int
     Order as in vLLM: EOS (unless `ignore_eos`), stop token ids, stop strings (text cut before the
     match), then `max_tokens` and `max_model_len`. EOS and stop ids count only once `min_tokens`
     tokens exist, stop strings only once more than `min_tokens` do (vLLM's v1 detokenizer); a stop
-    string completed before then is not looked for again.
+    string completed before then is not looked for again. With a reasoning parser
+    (`Request.reasoning`), stop strings are looked for in the answer only, never in the thinking.
     """
     params = request.sampling_params
     token = request.token_ids[-1]
@@ -54,19 +55,31 @@ def check_stop(request: Request, tokenizer: Tokenizer | None, max_model_len: int
         assert (
             tokenizer is not None
         )  # the engine's scheduler has its tokenizer; bare ones take no stop strings
-        new_text = detokenize_incrementally(tokenizer, request)  # the text is kept up to date anyway
-        if new_text and num_out > params.min_tokens and _cut_at_stop_string(request, len(new_text)):
+        detokenize_incrementally(tokenizer, request)  # the text is kept up to date anyway
+        # The text since the last check (a reasoning parser may have detokenized it already).
+        new_len = len(request.output_text) - request._stop_checked
+        request._stop_checked = len(request.output_text)
+        reasoning = request.reasoning
+        # With a reasoning parser, stop strings are looked for in the answer's text only.
+        answer_char = 0 if reasoning is None else reasoning.answer_char
+        if (
+            new_len > 0
+            and answer_char is not None
+            and num_out > params.min_tokens
+            and _cut_at_stop_string(request, new_len, answer_char)
+        ):
             return "stop"
     if num_out >= request.max_tokens or request.num_tokens >= max_model_len:
         return "length"
     return None
 
 
-def _cut_at_stop_string(request: Request, new_len: int) -> bool:
-    """Find the earliest stop string that overlaps the new text; cut the output before it."""
+def _cut_at_stop_string(request: Request, new_len: int, answer_char: int = 0) -> bool:
+    """Find the earliest stop string that overlaps the new text and lies in the answer (from
+    `answer_char` on); cut the output before it."""
     text = request.output_text
     longest = max(len(s) for s in request.sampling_params.stop_strings)
-    search_from = max(0, len(text) - new_len - longest + 1)
+    search_from = max(answer_char, len(text) - new_len - longest + 1)
     best: tuple[int, str] | None = None
     for stop in request.sampling_params.stop_strings:
         pos = text.find(stop, search_from)
@@ -88,6 +101,26 @@ def final_text(tokenizer: Tokenizer, request: Request) -> str:
     if request.stop_reason is not None and isinstance(request.stop_reason, str):
         return request.output_text
     ids = request.output_token_ids
-    if request.finish_reason == "stop" and not params.include_stop_str_in_output:
-        ids = ids[:-1]  # "stop" without a stop string: its last token is EOS or a stop token id
+    if drops_last_token(request):
+        ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+
+def drops_last_token(request: Request) -> bool:
+    """Whether the output text leaves out the request's last token: it stopped ("stop") without a
+    stop string, so on EOS or a stop token id, and `include_stop_str_in_output` is off."""
+    return (
+        request.finish_reason == "stop"
+        and not isinstance(request.stop_reason, str)
+        and not request.sampling_params.include_stop_str_in_output
+    )
+
+
+def final_texts(tokenizer: Tokenizer, request: Request) -> tuple[str | None, str]:
+    """(reasoning or None, text) of a finished request: `final_text`, split into its thinking and
+    its answer when the engine has a reasoning parser (`Request.reasoning`); (None, the whole text)
+    without one."""
+    text = final_text(tokenizer, request)
+    if request.reasoning is None:
+        return None, text
+    return request.reasoning.split(request, text, drops_last_token(request))

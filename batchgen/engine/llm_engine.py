@@ -13,6 +13,7 @@ from batchgen.engine.cpu_threads import CpuThreads
 from batchgen.engine.logprobs import TokenTexts
 from batchgen.engine.parallel_sampling import SampleGroups, child_params, link_children
 from batchgen.engine.policy import make_policy
+from batchgen.engine.reasoning import ReasoningGrammar, ReasoningParser
 from batchgen.engine.request import Request
 from batchgen.engine.request_output import request_output
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
@@ -20,7 +21,7 @@ from batchgen.engine.sizing import plan_engine, resolve_dtype, slow_dtype_reason
 from batchgen.engine.spec_gate import plan_speculation
 from batchgen.engine.stats import EngineTotals, StepPhases, StepStats
 from batchgen.engine.step_inputs import step_inputs
-from batchgen.engine.structured import StructuredRequests
+from batchgen.engine.structured import RequestGrammar, StructuredRequests
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
 from batchgen.model.loading import loader
 from batchgen.model.runner import ModelRunner
@@ -110,6 +111,9 @@ class LLMEngine:
             self.tokenizer, int(files.config.vocab_size), self.eos_token_ids, config.grammar_compile_timeout
         )
         self._new_structured = 0  # requests with structured outputs added since the last step
+        self.reasoning_parser = (
+            ReasoningParser(config.reasoning_parser, self.tokenizer) if config.reasoning_parser else None
+        )
         self.groups = SampleGroups()  # requests with n > 1
         self._rejected: list[RequestOutput] = []
         self.last_step: StepStats | None = None
@@ -225,6 +229,8 @@ class LLMEngine:
             output_logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
+        if self.reasoning_parser is not None:
+            request.reasoning = self.reasoning_parser.state(request.prompt_token_ids)
         self.requests[request_id] = request
         if params.structured_outputs is not None:
             self.structured.add(request)  # the scheduler gets it once its grammar is compiled
@@ -245,6 +251,9 @@ class LLMEngine:
         whose grammar failed into error outputs (returned by the next step)."""
         ready, failed = self.structured.release()
         for request in ready:
+            if request.reasoning is not None and isinstance(request.grammar, RequestGrammar):
+                # The grammar takes the answer only: it starts after the thinking.
+                request.grammar = ReasoningGrammar(request.grammar, request.reasoning)
             self.scheduler.add_request(request)
         for request, error in failed:
             del self.requests[request.request_id]

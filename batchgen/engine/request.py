@@ -4,14 +4,41 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from batchgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # only a type here: the scheduler and block manager run without torch (`batchgen plan`)
     import torch
 
-    from batchgen.engine.structured import RequestGrammar
+
+class Matcher(Protocol):
+    """A structured request's grammar matcher as the scheduler and runner use it
+    (`batchgen.engine.structured.RequestGrammar`, or `batchgen.engine.reasoning.ReasoningGrammar`
+    around one)."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool: ...
+
+    def accept(self, token_id: int) -> bool: ...
+
+    @property
+    def terminated(self) -> bool: ...
+
+    def sync(self, output_token_ids: list[int]) -> bool: ...
+
+
+class Reasoning(Protocol):
+    """Where a request's output is in its thinking and its answer, with a reasoning parser
+    (`batchgen.engine.reasoning.ReasoningState`)."""
+
+    @property
+    def answer_char(self) -> int | None:
+        """Offset in `output_text` where the answer begins (None while thinking)."""
+        ...
+
+    def observe(self, request: Request) -> None: ...
+
+    def split(self, request: Request, text: str, drop_last: bool) -> tuple[str | None, str]: ...
 
 
 class RequestStatus(enum.Enum):
@@ -57,7 +84,10 @@ class Request:
         wait_for: the sibling (n > 1) whose prompt this request reuses from the prefix cache: not
             admitted while that sibling is running and has not computed its prompt yet.
         grammar: the matcher of a request with `structured_outputs` (set when its grammar is
-            compiled, before the scheduler gets it), else None.
+            compiled, before the scheduler gets it; a `ReasoningGrammar` around it with a
+            reasoning parser), else None.
+        reasoning: where the output is in its thinking and answer, with a reasoning parser
+            (`batchgen.engine.reasoning.ReasoningState`), else None.
     """
 
     request_id: str
@@ -88,10 +118,12 @@ class Request:
     output_logprobs: list | None = None
     prompt_logprobs: list | None = None
     wait_for: Request | None = None
-    grammar: RequestGrammar | None = None
+    grammar: Matcher | None = None
+    reasoning: Reasoning | None = None
     output_text: str = ""
     _detok_prefix_offset: int = 0
     _detok_read_offset: int = 0
+    _stop_checked: int = 0  # characters of output_text already searched for stop strings
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

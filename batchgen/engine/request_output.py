@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.engine.detokenizer import final_text
+from batchgen.engine.detokenizer import final_texts
 from batchgen.engine.logprobs import TokenTexts, output_logprobs, prompt_logprobs
 from batchgen.engine.request import Request
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -15,6 +15,7 @@ def request_output(r: Request, tokenizer: Any, token_texts: TokenTexts) -> Reque
     """The output of a finished request (one completion: an n > 1 request's children are merged by
     `parallel_sampling.SampleGroups`). `token_texts`: the engine's token id -> text, for log
     probabilities."""
+    reasoning, text = final_texts(tokenizer, r)
     return RequestOutput(
         request_id=r.request_id,
         prompt=r.prompt,
@@ -22,11 +23,12 @@ def request_output(r: Request, tokenizer: Any, token_texts: TokenTexts) -> Reque
         outputs=[
             CompletionOutput(
                 0,
-                final_text(tokenizer, r),
+                text,
                 r.output_token_ids,
                 r.finish_reason,
                 r.stop_reason,
                 *output_logprobs(r, token_texts),
+                reasoning_content=reasoning,
             )
         ],
         finished=True,

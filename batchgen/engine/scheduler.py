@@ -325,6 +325,8 @@ class Scheduler:
                 r.output_logprobs.append(logprobs)
             if r.first_token_time is None:
                 r.first_token_time = now
+            if r.reasoning is not None:  # before the grammar: it takes answer tokens only
+                r.reasoning.observe(r)
             if r.grammar is not None and not r.grammar.accept(token):  # the mask allowed no token
                 r.error, reason = _grammar_refused(r, token), "error"
                 break

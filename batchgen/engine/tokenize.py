@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from batchgen.model.loading.tokenizer import Tokenizer
 
 
@@ -13,7 +15,9 @@ def encode_prompt(
     Accepts a string (tokenized with the tokenizer's special tokens), a list of chat messages
     (`[{"role": ..., "content": ...}]`, rendered with the tokenizer's chat template and a generation
     prompt; the template supplies the special tokens), or a dict with `prompt_token_ids`, `prompt` or
-    `messages`. A doubled BOS (template or text already starting with it) is collapsed to one.
+    `messages` (with `messages`, an optional `chat_template_kwargs` dict of extra template variables,
+    vLLM's name: `{"enable_thinking": False}` for Qwen3). A doubled BOS (template or text already
+    starting with it) is collapsed to one.
     `vocab_size`: the model's (its embedding rows), when it may be smaller than the tokenizer's
     length: token ids must lie below both, or the model's embedding lookup would fail.
 
@@ -46,7 +50,9 @@ def _has_ids(prompt: object) -> bool:
     return isinstance(prompt, dict) and "prompt_token_ids" in prompt
 
 
-def _encode(tokenizer: Tokenizer, prompt: object) -> tuple[str | None, list[int]]:
+def _encode(
+    tokenizer: Tokenizer, prompt: object, template_kwargs: dict[str, Any] | None = None
+) -> tuple[str | None, list[int]]:
     if isinstance(prompt, dict):
         if prompt.get("multi_modal_data") is not None:
             raise ValueError("multi_modal_data is not supported: batchgen runs text-only models")
@@ -60,7 +66,15 @@ def _encode(tokenizer: Tokenizer, prompt: object) -> tuple[str | None, list[int]
                 raise ValueError("prompt_token_ids is empty: give at least one token")
             return prompt.get("prompt"), list(ids)
         if "messages" in prompt:
-            return _encode(tokenizer, prompt["messages"])
+            kwargs = prompt.get("chat_template_kwargs")
+            if kwargs is not None and not (
+                isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)
+            ):
+                raise TypeError(
+                    "chat_template_kwargs must be a dict of chat template variables, e.g. "
+                    f"{{'enable_thinking': False}}; got {kwargs!r:.80}"
+                )
+            return _encode(tokenizer, prompt["messages"], kwargs or {})
         if "prompt" in prompt:
             return _encode(tokenizer, prompt["prompt"])
         raise TypeError("a prompt dict needs 'prompt_token_ids', 'prompt' or 'messages'")
@@ -89,7 +103,10 @@ def _encode(tokenizer: Tokenizer, prompt: object) -> tuple[str | None, list[int]
             messages.append({**message, "content": content})
         if not any(m["content"].strip() for m in messages):
             raise ValueError("every message is empty: give some text")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # Any: the template's own variables are keyword arguments of transformers'
+        # apply_chat_template, which the Tokenizer protocol does not list.
+        render: Any = tokenizer.apply_chat_template
+        text = render(messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
         return text, _single_bos(tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"])
     if prompt is None:
         raise ValueError("the prompt is null: give a string, chat messages or token ids")

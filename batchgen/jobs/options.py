@@ -38,6 +38,8 @@ class JobOptions(SamplingDefaults):
             rank and the most likely alternatives); with `n` > 1 (or a row's `n`), a
             `choices` column holding each row's n completions.
         truncate_prompt: None (an over-long prompt is an error row), "left" or "right" (tokens cut there).
+        chat_template_kwargs: extra variables for the chat template of every chat row
+            (`--chat-template-kwargs`, vLLM's name); a row's own `chat_template_kwargs` wins key by key.
         commit_rows / commit_seconds: commit a part at least this often (rows, seconds).
         dashboard: show the Rich live view when stdout is a terminal.
         resume_command: printed on SIGINT so the user can continue.
@@ -54,6 +56,7 @@ class JobOptions(SamplingDefaults):
     template: str | None = None
     system_prompt: str | None = None
     chat_template: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     keep_columns: tuple[str, ...] = ()
     limit: int | None = None
     truncate_prompt: str | None = None

@@ -28,6 +28,14 @@ class Prepared:
     prompt_tokens: int
 
 
+def with_template_kwargs(prompt: str | list[dict], row: JobRow) -> str | list[dict] | dict:
+    """`prompt` as the engine takes it: chat messages with the row's `chat_template_kwargs` as
+    `{"messages", "chat_template_kwargs"}`; anything else as it is."""
+    if isinstance(prompt, list) and row.chat_template_kwargs:
+        return {"messages": prompt, "chat_template_kwargs": row.chat_template_kwargs}
+    return prompt
+
+
 def engine_prompt(row: JobRow, system_prompt: str | None, chat: bool) -> str | list[dict]:
     """What the engine encodes for a row: messages (system prompt added unless present), a plain
     prompt wrapped as a user message when `chat`, or the text (OpenAI completions stay raw)."""
@@ -63,7 +71,7 @@ def prepare_row(
     """Tokenize a row and apply --truncate-prompt; (prepared, None) or (prepared or None, error)."""
     prompt = engine_prompt(row, options.system_prompt, chat)
     try:
-        _, ids = engine.encode_prompt(prompt)
+        _, ids = engine.encode_prompt(with_template_kwargs(prompt, row))
     except Exception as e:  # tokenizer and chat-template errors are this row's problem only
         return None, f"{row.where}: the prompt could not be tokenized ({e}); fix the prompt field"
     n = len(ids)
@@ -83,7 +91,7 @@ def prepare_row(
                     prompt,
                     options.truncate_prompt,
                     keep,
-                    lambda m: engine.encode_prompt(m)[1],
+                    lambda m: engine.encode_prompt(with_template_kwargs(m, row))[1],
                     engine.tokenizer,
                 )
             except Exception:  # a cut that empties the only message cannot be rendered: the row fails
@@ -150,6 +158,7 @@ def output_result(p: Prepared, out: RequestOutput, token_bytes: TokenBytes | Non
     top = params.logprobs
     token_bytes = token_bytes or TokenBytes(None)
     values["output"] = c.text
+    values["reasoning"] = c.reasoning_content
     values.update(_logprob_values(c, top, token_bytes))
     if out.prompt_logprobs is not None:
         values["prompt_logprobs"] = prompt_token_logprobs(
@@ -161,6 +170,7 @@ def output_result(p: Prepared, out: RequestOutput, token_bytes: TokenBytes | Non
                 "output": x.text,
                 "finish_reason": x.finish_reason or "length",
                 "completion_tokens": len(x.token_ids),
+                "reasoning": x.reasoning_content,
                 **_logprob_values(x, top, token_bytes),
             }
             for x in completions[1:]

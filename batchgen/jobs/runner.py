@@ -88,6 +88,8 @@ def _header_options(options: JobOptions, reader: JobReader, fmt: str) -> dict[st
         "template": options.template,
         "system_prompt": options.system_prompt,
         "chat_template": options.chat_template,
+        "chat_template_kwargs": options.chat_template_kwargs,
+        "reasoning_parser": options.engine.get("reasoning_parser"),
         "keep_columns": list(options.keep_columns),
         "limit": options.limit,
         "sampling": options.sampling_defaults(),
@@ -203,6 +205,7 @@ def job_reader(options: JobOptions) -> JobReader:
             keep_columns=tuple(options.keep_columns),
             defaults=options.sampling_defaults(),
             limit=options.limit,
+            chat_template_kwargs=options.chat_template_kwargs,
         ),
     )
 

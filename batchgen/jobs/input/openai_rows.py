@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchgen.jobs.input import row_chat
 from batchgen.jobs.input.formats import LONE_SURROGATE, check_messages, is_utf8, text_error
 from batchgen.jobs.input.row_sampling import (
     LOGPROB_FIELDS,
@@ -28,6 +29,7 @@ OPENAI_BODY_FIELDS = frozenset(
     | set(SAMPLING_COLUMNS)
     | set(LOGPROB_FIELDS)
     | set(BODY_FIELDS)
+    | {row_chat.FIELD}
 )
 
 
@@ -63,6 +65,11 @@ class OpenAIRowParser(RowParser):
         if err is None:
             err = _unsupported_field_error(body)
         field = None
+        kwargs = None
+        if err is None:
+            kwargs, err = row_chat.row_kwargs(
+                body, self.options.chat_template_kwargs, f"field 'body.{row_chat.FIELD}'"
+            )
         if err is None:
             values, err = _sampling_values(body, endpoint)
             err = err and err.replace("field '", "field 'body.")  # the field is in the body
@@ -83,9 +90,10 @@ class OpenAIRowParser(RowParser):
             sampling_params=params,
             line_number=line_number,
             keep=None,
-            row_hash=stable_hash([cid, endpoint, prompt, params_hash]),
+            row_hash=stable_hash([cid, endpoint, prompt, params_hash, *row_chat.own_kwargs(body)]),
             endpoint=endpoint,
             constraint_field=field,
+            chat_template_kwargs=kwargs,
         )
 
     def _envelope_error(

@@ -39,6 +39,8 @@ class ReaderOptions:
         defaults: SamplingParams keyword defaults from the CLI; row columns override them.
         batch_size: rows per Parquet / dataset batch (bounds the reader's memory).
         limit: read only the first `limit` rows (None: all).
+        chat_template_kwargs: the job's chat template variables (`--chat-template-kwargs`); a
+            row's own `chat_template_kwargs` is merged over them (`row_chat.row_kwargs`).
     """
 
     prompt_column: str | None = None
@@ -49,6 +51,7 @@ class ReaderOptions:
     defaults: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 1024
     limit: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class JobReader:

@@ -12,6 +12,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.jobs.input import row_chat
 from batchgen.jobs.input.formats import LONE_SURROGATE, check_messages, is_utf8, text_error
 from batchgen.jobs.input.row_sampling import (
     LOGPROB_FIELDS,
@@ -46,6 +47,7 @@ NEAR_MISS_TARGETS = (
     *BODY_FIELDS,
     "prompt",
     "messages",
+    row_chat.FIELD,
 )
 # The fields of a plain row that set a structured outputs constraint.
 STRUCTURED_FIELDS = (*CONSTRAINT_COLUMNS, *BODY_FIELDS)
@@ -69,6 +71,8 @@ class JobRow:
         endpoint: "chat" or "completion" for OpenAI batch rows, None otherwise.
         constraint_field: how messages name what set the row's structured outputs constraint
             ("field 'json_schema'", or the job's flag "--json-schema"), None when it has none.
+        chat_template_kwargs: extra chat template variables for the row's messages (the job's
+            `--chat-template-kwargs` with the row's own merged over them), None when none.
     """
 
     row_index: int
@@ -81,6 +85,7 @@ class JobRow:
     row_hash: int = 0
     endpoint: str | None = None
     constraint_field: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -305,6 +310,12 @@ class RowParser:
                 None if "prompt_logprobs" in self._data_columns else rec.get("prompt_logprobs")
             )
         field = None
+        kwargs = None
+        if err is None:  # a column of that name the job uses as data sets nothing
+            own = {} if row_chat.FIELD in self._data_columns else rec
+            kwargs, err = row_chat.row_kwargs(
+                own, self.options.chat_template_kwargs, f"field '{row_chat.FIELD}'"
+            )
         if err is None:
             values["structured_outputs"], field, err = row_constraint(
                 rec, STRUCTURED_FIELDS, self._data_columns
@@ -335,8 +346,11 @@ class RowParser:
             sampling_params=params,
             line_number=line_number,
             keep=keep,
-            row_hash=stable_hash([rid_s, prompt, params_hash, keep]),
+            row_hash=stable_hash(
+                [rid_s, prompt, params_hash, keep, *row_chat.own_kwargs(rec, self._data_columns)]
+            ),
             constraint_field=field,
+            chat_template_kwargs=kwargs,
         )
 
     def _prompt_of(self, rec: dict) -> tuple[str | list[dict] | None, str | None]:

@@ -33,6 +33,7 @@ from batchgen.jobs.output.schema import (
     INTERNAL_SCHEMA,
     OUTPUT_SCHEMA,
     PROMPT_LOGPROBS_FIELD,
+    REASONING_FIELD,
     OptionalColumns,
     choices_type,
     logprob_fields,
@@ -75,10 +76,19 @@ def has_choices(paths: list[str], header: dict[str, Any]) -> bool:
     return _some_row_holds(paths, "more_choices")
 
 
-def _choices_array(t: pa.Table, logprobs: bool) -> pa.Array:
+def has_reasoning(paths: list[str], header: dict[str, Any]) -> bool:
+    """Whether the final output gets the `reasoning` column: the job has a reasoning parser
+    (`--reasoning-parser`, in the run header) or some committed row holds a reasoning."""
+    if header.get("options", {}).get("reasoning_parser") is not None:
+        return True
+    return _some_row_holds(paths, REASONING_FIELD.name)
+
+
+def _choices_array(t: pa.Table, logprobs: bool, reasoning: bool = False) -> pa.Array:
     """The `choices` values of the rows of `t` (output columns and `more_choices`)."""
     names = ["output", "finish_reason", "completion_tokens", "more_choices"]
     names += ["cumulative_logprob", "logprobs"] if logprobs else []
+    names += [REASONING_FIELD.name] if reasoning else []
     values: list[Any] = []
     for row in t.select(names).to_pylist():
         if row["finish_reason"] == "error":
@@ -94,8 +104,10 @@ def _choices_array(t: pa.Table, logprobs: bool) -> pa.Array:
         }
         if logprobs:
             first.update(cumulative_logprob=row["cumulative_logprob"], logprobs=row["logprobs"])
+        if reasoning:
+            first["reasoning"] = row["reasoning"]
         values.append([first, *more])
-    return pa.array(values, choices_type(logprobs))
+    return pa.array(values, choices_type(logprobs, reasoning))
 
 
 def _unified_schema(
@@ -170,7 +182,9 @@ def iter_ordered_chunks(
             )
         if columns.choices:  # built from the row's output columns and more_choices, never stored in parts
             t = t.set_column(
-                t.schema.get_field_index(CHOICES_COLUMN), CHOICES_COLUMN, _choices_array(t, columns.logprobs)
+                t.schema.get_field_index(CHOICES_COLUMN),
+                CHOICES_COLUMN,
+                _choices_array(t, columns.logprobs, columns.reasoning),
             )
         yield schema, t
 
@@ -201,6 +215,7 @@ def finalize_output(
         logprobs=bool(logprob_fields(keep_columns)) and has_logprobs(paths, header),
         prompt_logprobs=bool(prompt_logprob_fields(keep_columns)) and has_prompt_logprobs(paths, header),
         choices=output_format != "openai" and has_choices(paths, header),
+        reasoning=has_reasoning(paths, header),
     )
     try:
         with open(tmp, "wb") as f:

@@ -54,7 +54,9 @@ def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
     with usage; error rows get status 400 and an `error` object). Ids derive from the row hash, so
     a resumed run writes the same lines. A row with prompt log probabilities gets them where vLLM's
     OpenAI server puts them: in each choice (completions) or in the body (chat), as
-    `vllm_prompt_logprobs`."""
+    `vllm_prompt_logprobs`. A job with a reasoning parser (its rows have a `reasoning` key) gives
+    each choice's thinking as `reasoning_content` (vLLM's OpenAI server's field): in the message
+    of chat choices, beside `text` in completion choices."""
     suffix = f"{row['row_hash'] & 0xFFFFFFFFFFFFFFFF:016x}"
     request_id = f"req_{suffix}"
     record: dict[str, Any] = {"id": f"batch_req_{suffix}", "custom_id": row["id"]}
@@ -69,8 +71,14 @@ def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
         "completion_tokens": row["completion_tokens"] or 0,
         "total_tokens": (row["prompt_tokens"] or 0) + (row["completion_tokens"] or 0),
     }
-    first = {"output": row["output"], "finish_reason": row["finish_reason"], "logprobs": row.get("logprobs")}
+    first = {
+        "output": row["output"],
+        "finish_reason": row["finish_reason"],
+        "logprobs": row.get("logprobs"),
+        "reasoning": row.get("reasoning"),
+    }
     completions = [first, *(row.get("more_choices") or ())]
+    reasons = "reasoning" in row  # the job has a reasoning parser: every choice says its thinking
     prompt_logprobs = row.get("prompt_logprobs")
     scored = {} if prompt_logprobs is None else {"prompt_logprobs": vllm_prompt_logprobs(prompt_logprobs)}
     if row["endpoint"] == "completion":
@@ -78,6 +86,7 @@ def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
             {
                 "index": i,
                 "text": c["output"],
+                **({"reasoning_content": c.get("reasoning")} if reasons else {}),
                 "logprobs": None if c.get("logprobs") is None else completion_logprobs(c["logprobs"]),
                 "finish_reason": c["finish_reason"],
                 **scored,
@@ -89,7 +98,11 @@ def openai_record(row: dict[str, Any], model: str) -> dict[str, Any]:
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": c["output"]},
+                "message": {
+                    "role": "assistant",
+                    "content": c["output"],
+                    **({"reasoning_content": c.get("reasoning")} if reasons else {}),
+                },
                 "logprobs": None if c.get("logprobs") is None else chat_logprobs(c["logprobs"]),
                 "finish_reason": c["finish_reason"],
             }

@@ -52,6 +52,9 @@ PROMPT_LOGPROBS_FIELD = pa.field(
         )
     ),
 )
+# The thinking of a reasoning model's output (`--reasoning-parser`; `output` is then the answer):
+# in every part, and in the final output of a job with a reasoning parser or some row that has it.
+REASONING_FIELD = pa.field("reasoning", pa.string())
 # Kept in parts only: resume identity and what OpenAI output lines need, among which the
 # completions after the first of a line with n > 1 (`batchgen.jobs.requests.output_result`).
 MORE_CHOICES_TYPE = pa.list_(
@@ -61,6 +64,7 @@ MORE_CHOICES_TYPE = pa.list_(
             ("finish_reason", pa.string()),
             ("completion_tokens", pa.int64()),
             *LOGPROB_SCHEMA,
+            REASONING_FIELD,
         ]
     )
 )
@@ -77,7 +81,9 @@ INTERNAL_SCHEMA = pa.schema(
 CHOICES_COLUMN = "choices"
 # Names --keep-columns may not take. The LOGPROB_SCHEMA names may be kept (as before batchgen wrote
 # log probabilities): such a job writes none (`logprob_fields`).
-RESERVED_COLUMNS = frozenset(OUTPUT_SCHEMA.names) | frozenset(INTERNAL_SCHEMA.names) | {CHOICES_COLUMN}
+RESERVED_COLUMNS = (
+    frozenset(OUTPUT_SCHEMA.names) | frozenset(INTERNAL_SCHEMA.names) | {CHOICES_COLUMN, REASONING_FIELD.name}
+)
 
 
 def logprob_fields(keep_columns: tuple[str, ...]) -> list[pa.Field]:
@@ -92,25 +98,31 @@ def prompt_logprob_fields(keep_columns: tuple[str, ...]) -> list[pa.Field]:
     return [] if PROMPT_LOGPROBS_FIELD.name in keep_columns else [PROMPT_LOGPROBS_FIELD]
 
 
-def choices_type(logprobs: bool) -> pa.DataType:
+def choices_type(logprobs: bool, reasoning: bool = False) -> pa.DataType:
     """The `choices` column: per row, its completions in sample order (the first is the one in
-    `output`), each {output, finish_reason, completion_tokens} and, with `logprobs`, its
-    {cumulative_logprob, logprobs}; null for an error row."""
+    `output`), each {output, finish_reason, completion_tokens}, with `logprobs` its
+    {cumulative_logprob, logprobs} and with `reasoning` its {reasoning}; null for an error row."""
     fields = [("output", pa.string()), ("finish_reason", pa.string()), ("completion_tokens", pa.int64())]
-    return pa.list_(pa.struct(fields + (list(LOGPROB_SCHEMA) if logprobs else [])))
+    fields += list(LOGPROB_SCHEMA) if logprobs else []
+    return pa.list_(pa.struct(fields + ([REASONING_FIELD] if reasoning else [])))
 
 
 @dataclass(frozen=True)
 class OptionalColumns:
     """Which optional columns a final output has, after OUTPUT_SCHEMA's and in this order:
-    LOGPROB_SCHEMA's (`logprobs`), PROMPT_LOGPROBS_FIELD (`prompt_logprobs`), `choices` (`choices`)."""
+    REASONING_FIELD (`reasoning`), LOGPROB_SCHEMA's (`logprobs`), PROMPT_LOGPROBS_FIELD
+    (`prompt_logprobs`), `choices` (`choices`)."""
 
     logprobs: bool = False
     prompt_logprobs: bool = False
     choices: bool = False
+    reasoning: bool = False
 
     def fields(self) -> list[pa.Field]:
-        fields = list(LOGPROB_SCHEMA) if self.logprobs else []
+        fields = [REASONING_FIELD] if self.reasoning else []
+        fields += list(LOGPROB_SCHEMA) if self.logprobs else []
         fields += [PROMPT_LOGPROBS_FIELD] if self.prompt_logprobs else []
-        fields += [pa.field(CHOICES_COLUMN, choices_type(self.logprobs))] if self.choices else []
+        fields += (
+            [pa.field(CHOICES_COLUMN, choices_type(self.logprobs, self.reasoning))] if self.choices else []
+        )
         return fields

@@ -26,6 +26,7 @@ from batchgen.jobs.output.resume import (
 from batchgen.jobs.output.schema import (
     INTERNAL_SCHEMA,
     OUTPUT_SCHEMA,
+    REASONING_FIELD,
     logprob_fields,
     prompt_logprob_fields,
 )
@@ -72,7 +73,9 @@ class PartWriter:
         self.keep_columns = keep_columns
         self.commit_rows = commit_rows
         self.commit_seconds = commit_seconds
-        self._logprob_fields = logprob_fields(keep_columns) + prompt_logprob_fields(keep_columns)
+        self._logprob_fields = (
+            logprob_fields(keep_columns) + prompt_logprob_fields(keep_columns) + [REASONING_FIELD]
+        )
         self._names = OUTPUT_SCHEMA.names + INTERNAL_SCHEMA.names + [f.name for f in self._logprob_fields]
         self._buf: dict[str, list] = {}
         self._logprob_entries = 0

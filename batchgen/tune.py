@@ -57,6 +57,7 @@ TUNE_FLAGS = (
     "kv_cache_memory",
     "attention_backend",
     "device",
+    "quantization",
     "num_threads",
 )
 

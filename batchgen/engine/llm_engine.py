@@ -92,6 +92,9 @@ class LLMEngine:
         self.num_gpu_blocks = num_blocks
         # The measured kernels: their summary is the start line's; the bench and `tune` read the rest.
         self.kernel_choice = self.runner.kernel_choice
+        # What runs quantized, and the bytes of the weights a step reads (the bench's roofline).
+        self.quantization = self.runner.quantization
+        self.weight_bytes = self.runner.weight_bytes
         self.block_manager = BlockManager(
             num_blocks, self.block_size, config.enable_prefix_caching, num_swap_blocks
         )

@@ -51,6 +51,7 @@ typedef int8_t vb __attribute__((vector_size(LANES)));
 #define ROW_BLOCK 32
 #define Q8_0_BLOCK 32
 #define Q8_0_BYTES 34
+#define PREFETCH_TILES 2
 /* Below this many multiply-adds a call runs on one thread: waking the pool costs more. */
 #define PARALLEL_MIN_MACS (1 << 16)
 
@@ -104,12 +105,14 @@ static inline uint16_t float_to_bf16(float value) {
  * copy, so any K is taken. */
 #define DEFINE_INT8_TILE(ROWS)                                                                        \
   static void int8_tile_##ROWS(const float *x, int64_t ldx, const int8_t *const *w, int64_t k,       \
-                               float sums[][CHANNELS]) {                                              \
+                               int64_t ahead, float sums[][CHANNELS]) {                               \
     vf acc[ROWS][CHANNELS];                                                                           \
     for (int r = 0; r < ROWS; r++)                                                                    \
       for (int j = 0; j < CHANNELS; j++) acc[r][j] = (vf){};                                          \
     int64_t p = 0;                                                                                    \
     for (; p + LANES <= k; p += LANES) {                                                              \
+      if ((p & 63) < LANES)                                                                           \
+        for (int j = 0; j < CHANNELS; j++) __builtin_prefetch(w[j] + p + ahead, 0, 0);                \
       vf wv[CHANNELS];                                                                                \
       for (int j = 0; j < CHANNELS; j++) wv[j] = load_i8(w[j] + p);                                   \
       for (int r = 0; r < ROWS; r++) {                                                                \
@@ -138,11 +141,12 @@ static inline uint16_t float_to_bf16(float value) {
 /* One tile of Q8_0 blocks: as int8_tile with each block's values scaled by its d first. */
 #define DEFINE_Q8_0_TILE(ROWS)                                                                        \
   static void q8_0_tile_##ROWS(const float *x, int64_t ldx, const int8_t *const *w, int64_t k,       \
-                               float sums[][CHANNELS]) {                                              \
+                               int64_t ahead, float sums[][CHANNELS]) {                               \
     vf acc[ROWS][CHANNELS];                                                                           \
     for (int r = 0; r < ROWS; r++)                                                                    \
       for (int j = 0; j < CHANNELS; j++) acc[r][j] = (vf){};                                          \
     for (int64_t b = 0; b < k / Q8_0_BLOCK; b++) {                                                    \
+      for (int j = 0; j < CHANNELS; j++) __builtin_prefetch(w[j] + b * Q8_0_BYTES + ahead, 0, 0);     \
       float d[CHANNELS];                                                                              \
       for (int j = 0; j < CHANNELS; j++) {                                                            \
         uint16_t half;                                                                                \
@@ -161,7 +165,7 @@ static inline uint16_t float_to_bf16(float value) {
     for (int r = 0; r < ROWS; r++) hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums[r]);       \
   }
 
-typedef void (*tile_fn)(const float *, int64_t, const int8_t *const *, int64_t, float[][CHANNELS]);
+typedef void (*tile_fn)(const float *, int64_t, const int8_t *const *, int64_t, int64_t, float[][CHANNELS]);
 
 DEFINE_INT8_TILE(1)
 DEFINE_INT8_TILE(2)
@@ -203,6 +207,10 @@ static int run_tiles(const tile_fn *tiles, const void *x, int x_bf16, int64_t ld
     ldx = k;
   }
   const int64_t channel_tiles = (n + CHANNELS - 1) / CHANNELS;
+  /* Each tile's rows are CHANNELS short streams, too short for the hardware prefetcher to follow
+   * from one tile into the next: the weights a tile reads are prefetched PREFETCH_TILES tiles
+   * ahead (the next channels, the next bytes of the thread's share of the matrix). */
+  const int64_t ahead = PREFETCH_TILES * CHANNELS * row_bytes;
 #pragma omp parallel num_threads(num_threads) if (parallel)
   {
 #ifdef _OPENMP
@@ -220,7 +228,7 @@ static int run_tiles(const tile_fn *tiles, const void *x, int x_bf16, int64_t ld
         for (int64_t r = block; r < block_end; r += MAX_ROWS) {
           const int64_t count = block_end - r < MAX_ROWS ? block_end - r : MAX_ROWS;
           float sums[MAX_ROWS][CHANNELS];
-          tiles[count](xf + r * ldx, ldx, rows, k, sums);
+          tiles[count](xf + r * ldx, ldx, rows, k, ahead, sums);
           for (int64_t i = 0; i < count; i++)
             for (int64_t j = 0; j < width; j++) {
               float value = sums[i][j];

@@ -114,6 +114,22 @@ def test_exact_where_every_sum_is_exact(lanes):
     assert torch.equal(Q8_0Linear(q8, None)(xq), F.linear(xq, q8.dequantize()))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+def test_a_row_does_not_depend_on_the_rows_beside_it(lanes, fmt):
+    """Many rows widen each tile once into a buffer, one or two rows read the weights directly: the
+    same sums in the same order, so a row's output is bit for bit the same alone or in a batch (the
+    engine's greedy output does not depend on the batch)."""
+    x, weight, bias = _case(37, 45, 160)
+    module = (
+        Int8Linear(Int8Weight.quantize(weight), bias)
+        if fmt == "int8"
+        else Q8_0Linear(Q8_0Weight.quantize(weight), bias)
+    )
+    together = module(x)
+    assert torch.equal(together, torch.cat([module(x[i : i + 1]) for i in range(37)]))
+    assert torch.equal(together[:5], module(x[:5]))
+
+
 def test_strided_rows_and_leading_dimensions(lanes):
     """Rows of a wider tensor (ldx > K) and a 3-D input are taken as they come."""
     x, weight, bias = _case(6, 19, 80)

@@ -42,6 +42,11 @@ class Int8Weight:
     scales: torch.Tensor
     format = "int8"
 
+    def __post_init__(self) -> None:
+        # Tensors read from a file (safetensors puts them after its header) may start anywhere; torch's
+        # int8 kernel reads them with aligned loads and crashes the process otherwise.
+        self.qweight, self.scales = _aligned(self.qweight), _aligned(self.scales)
+
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
         """Quantize a float weight `[N, K]`: each row's scale is its largest magnitude / 127, and
@@ -117,6 +122,14 @@ class Q8_0Weight:
 
 
 QuantizedWeight = Int8Weight | Q8_0Weight
+# torch's CPU allocations start at 64-byte boundaries; so must every tensor its int8 kernel reads.
+_ALIGNMENT = 64
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` contiguous and starting at a 64-byte boundary (a copy where it does not)."""
+    tensor = tensor.contiguous()
+    return tensor if tensor.data_ptr() % _ALIGNMENT == 0 else tensor.clone()
 
 
 class _QuantizedCLinear(nn.Module):
@@ -215,8 +228,8 @@ class TorchInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scales = self._scales.get(x.dtype)
         if scales is None:
-            scales = self._scales[x.dtype] = self.weight.scales.to(x.dtype)
-        rows = x.reshape(-1, self.in_features).contiguous()
+            scales = self._scales[x.dtype] = _aligned(self.weight.scales.to(x.dtype))
+        rows = _aligned(x.reshape(-1, self.in_features))
         out = torch.ops.aten._weight_int8pack_mm(rows, self.weight.qweight, scales)
         if self.bias is not None:
             out += self.bias.to(out.dtype)
@@ -226,6 +239,12 @@ class TorchInt8Linear(nn.Module):
 def torch_int8_available() -> bool:
     """Whether this torch has `aten._weight_int8pack_mm` (2.4 and later)."""
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def torch_int8_applies(weight: Int8Weight, dtype: torch.dtype) -> bool:
+    """Whether "int8_torch" takes `weight` with `dtype` activations: torch has the kernel, the
+    activations are float32 or bf16 and K is a multiple of 16 (see `TorchInt8Linear`)."""
+    return torch_int8_available() and dtype in _C_DTYPES and weight.shape[1] % 16 == 0
 
 
 def quantized_candidates(
@@ -240,7 +259,7 @@ def quantized_candidates(
     if isinstance(weight, Int8Weight):
         if c_kernels:
             builders["int8_c"] = lambda: Int8Linear(weight, bias)
-        if torch_int8_available() and dequantized.dtype in _C_DTYPES:
+        if torch_int8_applies(weight, dequantized.dtype):
             builders["int8_torch"] = lambda: TorchInt8Linear(weight, bias)
     elif c_kernels:
         builders["q8_0_c"] = lambda: Q8_0Linear(weight, bias)

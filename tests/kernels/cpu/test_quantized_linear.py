@@ -165,12 +165,42 @@ def test_int8_quantization_is_per_channel_symmetric():
     assert quantized.nbytes == 9 + 3 * 4
 
 
+def _starting_at(tensor: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of `tensor` whose data starts `offset` bytes past a 64-byte boundary (as a tensor read
+    from a safetensors file, or a view into a step's rows, can)."""
+    flat = torch.empty(tensor.numel() + 64, dtype=tensor.dtype)
+    start = ((offset - flat.data_ptr()) % 64) // tensor.element_size()
+    view = flat[start : start + tensor.numel()].view(tensor.shape)
+    view.copy_(tensor)
+    assert view.data_ptr() % 64 == offset
+    return view
+
+
 @pytest.mark.skipif(not torch_int8_available(), reason="torch has no _weight_int8pack_mm")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_int8_candidate(dtype):
+def test_torch_int8_candidate_gets_aligned_operands(dtype):
+    """torch's kernel crashes the process on an operand off a 64-byte boundary: weights, scales and
+    inputs that start elsewhere reach it as aligned copies."""
     x, weight, bias = _case(5, 24, 64)
     quantized = Int8Weight.quantize(weight)
-    _check(TorchInt8Linear(quantized, bias), x, quantized.dequantize(), bias, dtype)
+    unaligned = Int8Weight(_starting_at(quantized.qweight, 56), _starting_at(quantized.scales, 8))
+    assert unaligned.qweight.data_ptr() % 64 == 0 and torch.equal(unaligned.qweight, quantized.qweight)
+    module = TorchInt8Linear(unaligned, bias)
+    _check(
+        module,
+        _starting_at(x.to(dtype), 8 if dtype == torch.float32 else 2),
+        quantized.dequantize(),
+        bias,
+        dtype,
+    )
+
+
+def test_torch_int8_is_offered_only_where_k_is_a_multiple_of_16():
+    """K = 104 gave wrong sums and K = 120 crashed torch 2.13's kernel: such layers never reach it."""
+    for k, offered in ((64, True), (97, False), (104, False), (120, False), (576, True)):
+        weight = Int8Weight.quantize(torch.randn(8, k))
+        names = quantized_candidates(weight, weight.dequantize(), None)
+        assert ("int8_torch" in names) == (offered and torch_int8_available()), k
 
 
 def test_candidates_of_each_format():

@@ -27,6 +27,7 @@ from torch import nn
 from batchgen.cache import cache_root, write_atomically
 from batchgen.config import QUANTIZATIONS
 from batchgen.kernels.cpu.quantized_linear import Int8Weight, QuantizedWeight
+from batchgen.model.llama import LlamaForCausalLM, decoder_layers
 from batchgen.model.loading.loader import ModelFiles
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 def quantize_model(
-    model: nn.Module, method: str, files: ModelFiles | None, cache_dir: Path | None = None
+    model: LlamaForCausalLM, method: str, files: ModelFiles | None, cache_dir: Path | None = None
 ) -> Quantization:
     """Quantize `model`'s decoder linears as `method` says (weights loaded, in their dtype) and
     put each dequantized weight back into its float parameter.
@@ -135,23 +136,27 @@ def quantize_model(
 
 def _int8(
     linears: dict[str, nn.Linear], files: ModelFiles | None, dtype: torch.dtype, cache_dir: Path | None
-):
+) -> Quantization:
+    """`linears` quantized to int8: read from the cache where it holds them, else quantized now
+    and written there (no cache where `files` is None or the checkpoint has no digest)."""
     path = _cache_path(files, dtype, cache_dir)
     cached = _read_cache(path, linears) if path is not None else None
     if cached is not None:
         return Quantization("int8", cached, "from the cache")
-    weights = {name: Int8Weight.quantize(linear.weight) for name, linear in linears.items()}
+    weights: dict[str, QuantizedWeight] = {
+        name: Int8Weight.quantize(linear.weight) for name, linear in linears.items()
+    }
     if path is not None:
         _write_cache(path, weights)
     return Quantization("int8", weights, "quantized at load")
 
 
-def _gguf(linears: dict[str, nn.Linear], model: nn.Module, gguf: Path) -> Quantization:
+def _gguf(linears: dict[str, nn.Linear], model: LlamaForCausalLM, gguf: Path) -> Quantization:
     """The GGUF file's runnable blocks, each checked against the converted float weight (which
     transformers dequantized from the same blocks): a linear whose blocks differ stays float."""
     from batchgen.model.loading.gguf_blocks import gguf_linear_blocks
 
-    attn = model.model.layers[0].self_attn
+    attn = decoder_layers(model)[0].self_attn  # `linears` is not empty: the model has layers
     blocks, other_types = gguf_linear_blocks(gguf, attn.num_heads, attn.num_kv_heads)
     weights: dict[str, QuantizedWeight] = {}
     for name, weight in blocks.items():

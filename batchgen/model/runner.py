@@ -94,7 +94,7 @@ class ModelRunner:
         max_step_rows: int = 2048,
         max_logit_rows: int = 256,
         seed: int = 0,
-        quantize: Callable[[nn.Module], Quantization] | None = None,
+        quantize: Callable[[LlamaForCausalLM], Quantization] | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype

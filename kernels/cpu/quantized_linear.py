@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from torch import nn
@@ -60,7 +61,9 @@ class Int8Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.qweight.shape)
+        """`(N, K)`: output channels, input features."""
+        n, k = self.qweight.shape
+        return n, k
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +109,7 @@ class Q8_0Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """`(N, K)`: output channels, input features."""
         return (self.blocks.shape[0], self.in_features)
 
     @property
@@ -122,6 +126,8 @@ class Q8_0Weight:
 
 
 QuantizedWeight = Int8Weight | Q8_0Weight
+# The format a C-kernel linear holds (`Int8Linear` an `Int8Weight`, `Q8_0Linear` a `Q8_0Weight`).
+_Weight = TypeVar("_Weight", Int8Weight, Q8_0Weight)
 # torch's CPU allocations start at 64-byte boundaries; so must every tensor its int8 kernel reads.
 _ALIGNMENT = 64
 
@@ -132,16 +138,16 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.data_ptr() % _ALIGNMENT == 0 else tensor.clone()
 
 
-class _QuantizedCLinear(nn.Module):
+class _QuantizedCLinear(nn.Module, Generic[_Weight]):
     """`y = x @ W^T + b` through a C kernel of `csrc/int8_linear.c`: input `[..., K]` float32 or
     bf16, output `[..., N]` in the input's dtype, the bias (float32 `[N]`) added to the float32 sums
     before the one rounding."""
 
     KERNEL = ""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: _Weight, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.weight = weight
+        self.weight: _Weight = weight
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         library = cpu_kernels.load_library()
@@ -195,7 +201,7 @@ class _QuantizedCLinear(nn.Module):
 _C_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class Int8Linear(_QuantizedCLinear):
+class Int8Linear(_QuantizedCLinear[Int8Weight]):
     """ "int8_c": batchgen's kernel on an `Int8Weight` (`int8_linear` in csrc/int8_linear.c)."""
 
     KERNEL = "int8_linear"
@@ -204,7 +210,7 @@ class Int8Linear(_QuantizedCLinear):
         return (self.weight.qweight.data_ptr(), self.weight.scales.data_ptr())
 
 
-class Q8_0Linear(_QuantizedCLinear):
+class Q8_0Linear(_QuantizedCLinear[Q8_0Weight]):
     """ "q8_0_c": batchgen's kernel on a `Q8_0Weight`'s blocks as stored (`q8_0_linear`)."""
 
     KERNEL = "q8_0_linear"

@@ -42,7 +42,12 @@ from batchgen.model.kernel_choice.attention import (
     tune_prefill_attention,
     tune_triton_prefill_attention,
 )
-from batchgen.model.kernel_choice.linear import choose_linears, drop_unused_layouts, table_shape
+from batchgen.model.kernel_choice.linear import (
+    choose_linears,
+    drop_unused_layouts,
+    named_linears,
+    table_shape,
+)
 from batchgen.model.kernel_choice.stack import build_decoder_stack, cached_stack_rows, tune_decoder_stack
 from batchgen.model.llama import decoder_layers
 
@@ -269,8 +274,10 @@ def table_linear_rate(
 def _native_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantizedWeight]) -> None:
     """`--kernels native` on quantized linears: batchgen's C kernel for each (the float candidates
     only where the library is not built)."""
-    for name, weight in quantized.items():
-        linear = model.get_submodule(name)
+    for name, linear in named_linears(model):
+        weight = quantized.get(name)
+        if weight is None:
+            continue
         builders = quantized_candidates(weight, linear.weight.detach(), linear.bias)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, builders[next(iter(builders))]())

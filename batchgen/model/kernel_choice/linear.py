@@ -187,6 +187,11 @@ def plan_layouts(
     return plan
 
 
+def named_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """Every `nn.Linear` of `model` with its module name, listed before any is replaced."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+
 def choose_linears(
     model: nn.Module,
     table: TuningTable,
@@ -211,9 +216,8 @@ def choose_linears(
     """
     by_shape: dict[str, list[str]] = {}
     layer_shapes: list[str] = []  # one entry per layer linear, for `table_linear_rate`
-    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name in names:
-        linear, weight = model.get_submodule(name), quantized.get(name)
+    for name, linear in named_linears(model):
+        weight = quantized.get(name)
         is_head = name.endswith("lm_head")
         shape = shape_name(linear, weight)
         if not is_head:

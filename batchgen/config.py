@@ -31,6 +31,10 @@ DTYPE_ALIASES = {
 DEVICES = ("auto", "cpu", "cuda")
 # Reasoning parsers (vLLM's `--reasoning-parser` names; `batchgen.engine.reasoning`); None = off.
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# Weight quantization (vLLM's option `quantization`): "auto" runs a GGUF file's own blocks where a
+# kernel takes them (Q8_0) and dequantizes the rest, and a float checkpoint as it is; "none"
+# dequantizes everything; "int8" quantizes the decoder's linears at load (CPU only).
+QUANTIZATIONS = ("auto", "none", "int8")
 # Speculative decoding methods (vLLM's `speculative_config["method"]` names); None = off.
 SPECULATIVE_METHODS = ("ngram",)
 # n-gram (prompt lookup) defaults when the option is not given: 4 draft tokens matched on the last 2
@@ -164,6 +168,10 @@ class EngineConfig:
         one_weight_layout: under "auto", hold one weight layout per linear layer (no second copy
             for the row counts where another implementation is over 10% faster).
         device: "auto" (cuda when available), "cpu" or "cuda".
+        quantization: "auto" (a GGUF file's Q8_0 linears run from their blocks, the rest
+            dequantized; a float checkpoint runs as stored), "none" (everything dequantized to
+            `dtype`) or "int8" (each decoder linear quantized at load to per-output-channel
+            symmetric int8 with float32 scales; CPU only). `batchgen.model.quantization`.
         seed: seed of the generator used by sampled requests that have no `seed` of their own.
         num_threads: torch intra-op threads on CPU; None keeps torch's default.
         speculative_method: "ngram" (prompt lookup: draft tokens copied from the request's own
@@ -234,6 +242,13 @@ class EngineConfig:
         default=False, metadata=flag("--kernels auto: one weight copy per linear (less memory, maybe slower)")
     )
     device: str = field(default="auto", metadata=flag(choices(DEVICES)))
+    quantization: str = field(
+        default="auto",
+        metadata=flag(
+            choices(QUANTIZATIONS) + ": auto runs a GGUF file's Q8_0 blocks as stored (the rest "
+            "dequantized), none dequantizes everything, int8 quantizes the linears at load (CPU)"
+        ),
+    )
     seed: int = 0  # the sampling seed is a sampling flag (`--seed`, `SamplingDefaults`)
     num_threads: int | None = field(default=None, metadata=flag("torch CPU threads"))
     speculative_method: str | None = field(
@@ -303,6 +318,12 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("kernels", self.kernels, KERNEL_MODES)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        if self.quantization == "int8" and self.device == "cuda":
+            raise ValueError(
+                "quantization 'int8' runs on the CPU only (no GPU int8 kernel yet); use --device cpu, "
+                "or quantization auto / none on CUDA"
+            )
         if self.num_threads is not None:
             _check_positive_int("num_threads", self.num_threads)
         self._check_speculative()

@@ -57,6 +57,7 @@ TUNE_FLAGS = (
     "kv_cache_memory",
     "attention_backend",
     "device",
+    "quantization",
     "num_threads",
 )
 
@@ -91,7 +92,7 @@ def tune_command(
     seconds = choice.seconds
     if choice.table is None:
         typer.echo(
-            f"kernels {choice.summary()}: nothing to measure on {llm_engine.device} in {llm_engine.dtype}"
+            f"{llm_engine.runner.describe()}: nothing to measure on {llm_engine.device} in {llm_engine.dtype}"
         )
         return
     rows = table_rows(choice.table)
@@ -99,7 +100,7 @@ def tune_command(
         for row in rows:
             typer.echo(json.dumps(row))
         return
-    print_table(rows, seconds, choice.summary())
+    print_table(rows, seconds, llm_engine.runner.describe())
     typer.echo(f"cache: {choice.table.path}")
     if choice.table.measured_busy:
         typer.echo(

@@ -20,8 +20,13 @@ from batchgen.tune import TUNE_FLAGS
 # EngineConfig fields that are not engine flags: each command declares its own (`--policy`: bench's
 # is a comma list) or they are sampling flags (`--seed`, `SamplingDefaults`).
 NOT_FLAGS = {"policy", "seed"}
-# A command's own version of a flag, at the flag's place: (command, field) -> its default.
-OWN_VERSIONS = {("bench", "speculative_method"): "none", ("tune", "kv_cache_memory"): "64MiB"}
+# A command's own version of a flag, at the flag's place: (command, field) -> its default (bench's
+# --quantization and --speculative-method are comma lists of configurations to run).
+OWN_VERSIONS = {
+    ("bench", "quantization"): "auto",
+    ("bench", "speculative_method"): "none",
+    ("tune", "kv_cache_memory"): "64MiB",
+}
 
 
 def command_options(name: str) -> dict[str, tuple]:

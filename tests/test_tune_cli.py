@@ -23,6 +23,7 @@ def tune(*args: str):
         (["--dtype", "int8"], "dtype must be one of"),
         (["--kv-cache-memory", "1KiB"], "less than one KV block"),
         (["--num-threads", str((os.cpu_count() or 1) + 1)], "(flag --num-threads)"),
+        (["--quantization", "nf4"], "quantization must be one of auto, none, int8; got 'nf4'"),
     ],
 )
 def test_bad_options_are_one_line_errors(tiny_model_dir, args, says):
@@ -43,3 +44,13 @@ def test_prints_the_measured_table_and_a_second_call_measures_nothing(tiny_model
     assert all(r["ms"][r["chosen"]] == min(t for t in r["ms"].values() if t) for r in linears)
     second = tune(*args)
     assert second.exit_code == 0 and [json.loads(line) for line in second.stdout.splitlines()] == rows
+
+
+def test_a_quantized_model_is_tuned_and_named(tiny_model_dir, tmp_path, monkeypatch):
+    """`--quantization int8`: the title names it, and the decoder's linears are timed as int8 shapes."""
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    args = ["--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--num-threads", "1"]
+    result = CliRunner().invoke(app, ["tune", *args, "--quantization", "int8"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert "kernel choice (quantization int8 (8 linears" in result.stdout
+    assert "256x64/int8:float32" in result.stdout and "int8_c" in result.stdout

@@ -107,6 +107,14 @@ def bench_command(
     ] = Path("bench-profile.txt"),
     # --- engine: EngineConfig's flags (vLLM spellings; shared with run, tune and plan) ---
     engine: opt.EngineArgs = opt.ENGINE_FLAGS,
+    # bench's own --quantization, at that flag's place: a list of configurations to run.
+    quantization: Annotated[
+        str,
+        typer.Option(
+            help="Comma list of auto, none, int8: each continuous configuration runs once per item "
+            "(named <config>+<method> where there are several; int8 quantizes the linears at load)"
+        ),
+    ] = "auto",
     # bench's own --speculative-method, at that flag's place: a list of configurations to run.
     speculative_method: Annotated[
         str,
@@ -127,6 +135,9 @@ def bench_command(
     """
     from rich.console import Console
 
+    quantizations = list(dict.fromkeys(q.strip() for q in engine["quantization"].split(",") if q.strip()))
+    # The engine options carry the first quantization; each continuous configuration sets its own.
+    engine["quantization"] = quantizations[0] if quantizations else ""
     methods = _speculative_methods(engine["speculative_method"])
     # The engine options carry the method that speculates; each configuration turns it on or off.
     engine["speculative_method"] = next((m for m in methods if m is not None), None)
@@ -163,6 +174,7 @@ def bench_command(
             vllm_python=str(vllm_python) if vllm_python is not None else None,
             vllm_timeout_s=vllm_timeout or None,
             speculative_methods=methods,
+            quantizations=quantizations,
         )
         # Everything that can fail without the model fails now, not after minutes of benchmarking.
         resolve_device(settings.engine.device)

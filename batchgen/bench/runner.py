@@ -253,10 +253,12 @@ def median_run(runs: list[RunResult]) -> RunResult:
 
 
 def _record_kernels(result: RunResult, engine: BenchEngine) -> None:
-    """The engine's kernel choice in `result.extra`: its summary and the memory of the second weight
-    layouts it holds (MiB), which the report states next to the speed they buy."""
+    """The engine's quantization and kernel choice in `result.extra`: their summary, the memory of the
+    second weight layouts it holds (MiB), which the report states next to the speed they buy, and
+    the bytes of its weights (the roofline's)."""
     choice = engine.kernel_choice
-    result.extra["kernels"] = choice.summary()
+    result.extra["kernels"] = f"quantization {engine.quantization.summary()}; kernels {choice.summary()}"
+    result.extra["weight_bytes"] = engine.weight_bytes  # as run: quantized weights at their bytes
     result.extra["second_layout_mib"] = round(choice.extra_weight_bytes / 2**20, 1)
     result.extra["kernel_choice_s"] = round(choice.seconds, 3)
     result.extra["table_flops_per_s"] = choice.largest_bucket_flops_per_s

@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.bench.spec import WorkloadSpec
-from batchgen.config import FCFS, POLICY_NAMES, SPECULATIVE_FIELDS, SPECULATIVE_METHODS, EngineConfig
+from batchgen.config import (
+    FCFS,
+    POLICY_NAMES,
+    QUANTIZATIONS,
+    SPECULATIVE_FIELDS,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+)
 
 MODES = ("continuous", "static")
 BASELINES = ("hf-static", "hf-cb", "vllm")
@@ -37,6 +44,8 @@ class BenchSettings:
         vllm_timeout_s: stop a vLLM run after this many seconds (None = never).
         speculative_methods: the continuous configurations run once per item: None without
             speculative decoding, "ngram" with it (the other speculative options from `engine`).
+        quantizations: the continuous configurations run once per item too (named
+            <config>+<method> where there are several); empty: `engine.quantization` alone.
     """
 
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
@@ -51,8 +60,15 @@ class BenchSettings:
     vllm_python: str | None = None
     vllm_timeout_s: float | None = None
     speculative_methods: list[str | None] = field(default_factory=lambda: [None])
+    quantizations: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.quantizations = list(self.quantizations) or [self.engine.quantization]
+        bad = [q for q in self.quantizations if q not in QUANTIZATIONS]
+        if bad:
+            raise ValueError(
+                f"quantization must be a comma list of {', '.join(QUANTIZATIONS)}; got {', '.join(bad)}"
+            )
         for name, values, allowed in (
             ("mode", self.modes, MODES),
             ("policy", self.policies, POLICY_NAMES),
@@ -109,6 +125,7 @@ class ConfigPlan:
     kind: str
     policy: str | None = None
     speculative: str | None = None
+    quantization: str | None = None  # None: the engine options'
 
 
 def plan_configs(settings: BenchSettings) -> list[ConfigPlan]:
@@ -117,10 +134,18 @@ def plan_configs(settings: BenchSettings) -> list[ConfigPlan]:
     plans: list[ConfigPlan] = []
     for mode in settings.modes:
         if mode == "continuous":
+            several = len(settings.quantizations) > 1
             plans += [
-                ConfigPlan(f"continuous/{p}" + (f"+{m}" if m else ""), "continuous", p, m)
+                ConfigPlan(
+                    f"continuous/{p}" + (f"+{m}" if m else "") + (f"+{q}" if several else ""),
+                    "continuous",
+                    p,
+                    m,
+                    q,
+                )
                 for p in settings.policies
                 for m in settings.speculative_methods
+                for q in settings.quantizations
             ]
         else:
             plans.append(ConfigPlan(f"static/b{b}", "static", FCFS))
@@ -133,9 +158,12 @@ def plan_configs(settings: BenchSettings) -> list[ConfigPlan]:
 
 def engine_config_for(settings: BenchSettings, plan: ConfigPlan) -> EngineConfig:
     """The engine options of one batchgen configuration: the policy, prefix caching off for static,
-    and the speculative options only for a configuration that speculates."""
+    its quantization, and the speculative options only for a configuration that speculates."""
     caching = settings.engine.enable_prefix_caching and plan.kind != "static"
-    config = dataclasses.replace(settings.engine, policy=plan.policy or FCFS, enable_prefix_caching=caching)
+    quantization = plan.quantization or settings.quantizations[0]
+    config = dataclasses.replace(
+        settings.engine, policy=plan.policy or FCFS, enable_prefix_caching=caching, quantization=quantization
+    )
     if plan.speculative is None and config.speculative_method is not None:
         off: dict[str, Any] = dict.fromkeys(SPECULATIVE_FIELDS)  # each one None
         config = dataclasses.replace(config, speculative_method=None, **off)

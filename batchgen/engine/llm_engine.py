@@ -24,6 +24,7 @@ from batchgen.engine.step_inputs import step_inputs
 from batchgen.engine.structured import RequestGrammar, StructuredRequests
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
 from batchgen.model.loading import loader
+from batchgen.model.quantization import check_quantization, quantize_model
 from batchgen.model.runner import ModelRunner
 from batchgen.model.step import StepOutput
 from batchgen.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -53,6 +54,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         # Before any model work: "cuda" without CUDA is a ValueError naming `device`, not torch's assert.
         self.device = torch.device(resolve_device(config.device))
+        check_quantization(config.quantization, self.device)  # --device auto on a GPU: before any loading
         files = loader.resolve_model(config.model)
         self.model_files = files
         self.model_config = files.config
@@ -85,10 +87,14 @@ class LLMEngine:
             max_step_rows=self.max_num_batched_tokens,
             max_logit_rows=config.max_num_seqs,
             seed=config.seed,
+            quantize=lambda model: quantize_model(model, config.quantization, files),
         )
         self.num_gpu_blocks = num_blocks
         # The measured kernels: their summary is the start line's; the bench and `tune` read the rest.
         self.kernel_choice = self.runner.kernel_choice
+        # What runs quantized, and the bytes of the weights a step reads (the bench's roofline).
+        self.quantization = self.runner.quantization
+        self.weight_bytes = self.runner.weight_bytes
         self.block_manager = BlockManager(
             num_blocks, self.block_size, config.enable_prefix_caching, num_swap_blocks
         )
@@ -126,9 +132,9 @@ class LLMEngine:
 
     @property
     def start_line(self) -> str:
-        """What the engine settled on at start, for the job's log: the kernel choice and the
-        speculative decoding gate."""
-        parts = [f"kernels {summary}"] if (summary := self.kernel_choice.summary()) else []
+        """What the engine settled on at start, for the job's log: the quantization, the kernel
+        choice and the speculative decoding gate."""
+        parts = [self.runner.describe()]
         if self.speculation is not None:
             parts.append(self.speculation.describe())
         return "; ".join(parts)

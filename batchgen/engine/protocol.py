@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from batchgen.engine.spec_gate import SpeculationPlan
     from batchgen.model.kernel_choice.choice import KernelChoice
     from batchgen.model.loading.loader import ModelFiles
+    from batchgen.model.quantization import Quantization
 
 
 class Engine(Protocol):
@@ -98,6 +99,8 @@ class BenchEngine(Engine, Protocol):
         num_gpu_blocks: KV-cache blocks (vLLM's name, on a CPU too).
         max_num_batched_tokens: the token budget of a step as the engine resolved it.
         kernel_choice: the kernels measured at start (`summary()`, `seconds`, `extra_weight_bytes`).
+        quantization: what runs quantized (`batchgen.model.quantization.Quantization`, `summary()`).
+        weight_bytes: bytes of the weights a step reads, quantized ones at their size.
         speculation: the speculative decoding proposer and gate; None without `speculative_method`.
     """
 
@@ -108,4 +111,6 @@ class BenchEngine(Engine, Protocol):
     num_gpu_blocks: int
     max_num_batched_tokens: int
     kernel_choice: KernelChoice
+    quantization: Quantization
+    weight_bytes: int
     speculation: SpeculationPlan | None

@@ -79,8 +79,9 @@ def _model_label(options: JobOptions) -> str:
 
 
 def _header_options(options: JobOptions, reader: JobReader, fmt: str) -> dict[str, Any]:
-    """Options that change the output rows (engine options that only change speed are left out)."""
-    return {
+    """Options that change the output rows (engine options that only change speed are left out).
+    The quantization only where it is not "auto", so a job written before the option resumes."""
+    header = {
         "output_format": fmt,
         "prompt_column": reader.prompt_column,
         "messages_column": reader.messages_column,
@@ -97,6 +98,9 @@ def _header_options(options: JobOptions, reader: JobReader, fmt: str) -> dict[st
         "dtype": options.engine.get("dtype", "auto"),
         "max_model_len": options.engine.get("max_model_len"),
     }
+    if (quantization := options.engine.get("quantization", "auto")) != "auto":
+        header["quantization"] = quantization
+    return header
 
 
 def job_header(options: JobOptions, reader: JobReader, fmt: str) -> dict[str, Any]:

@@ -11,16 +11,18 @@ import itertools
 import math
 import mmap
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from torch import nn
 
 from batchgen.model.attention import AttentionMetadata, select_backend
 from batchgen.model.kernel_choice.choice import KernelChoice, apply_kernels
 from batchgen.model.layers import RotaryEmbedding, attention_heads
 from batchgen.model.llama import LlamaForCausalLM
+from batchgen.model.quantization import Quantization
 from batchgen.model.sampler import SampleLogprobs, Sampler, SamplingBatch, TokenMasks, sample_logprobs
 from batchgen.model.step import StepInput, StepOutput
 
@@ -73,6 +75,8 @@ class ModelRunner:
         max_step_rows / max_logit_rows: the most rows of a step (`max_num_batched_tokens`) and of
             its logits (`max_num_seqs`): the row buckets kernels are chosen for.
         seed: seed of the shared sampling generator.
+        quantize: called on the model once its weights are loaded, before the kernels are chosen:
+            quantizes its linears (`batchgen.model.quantization.quantize_model`); None: none.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class ModelRunner:
         max_step_rows: int = 2048,
         max_logit_rows: int = 256,
         seed: int = 0,
+        quantize: Callable[[LlamaForCausalLM], Quantization] | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -108,6 +113,16 @@ class ModelRunner:
         _, kv_heads, head_dim = attention_heads(config)
         model.model.rotary = RotaryEmbedding(config, head_dim, max_positions).to(device)
         model.load_weights(weights)
+        self.quantization = quantize(model) if quantize is not None else Quantization()
+        # Bytes of the weights a step reads once: the linears (quantized where they are; the LM head's
+        # float) as the roofline counts them. Read before the kernels repack the weights.
+        self.weight_bytes = sum(
+            self.quantization.weights[name].nbytes
+            if name in self.quantization.weights
+            else module.weight.numel() * module.weight.element_size()
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Linear)
+        )
         self.kernel_choice: KernelChoice = apply_kernels(
             model,
             kernels,
@@ -116,6 +131,7 @@ class ModelRunner:
             max_logit_rows,
             one_layout=one_weight_layout,
             block_size=block_size,
+            quantized=self.quantization.weights,
         )
         self.model = model.eval()
         shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -138,6 +154,11 @@ class ModelRunner:
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
         self.token_masks = TokenMasks(int(config.vocab_size), device)
+
+    def describe(self) -> str:
+        """The quantization and the kernel choice in a few words, for the start line."""
+        kernels = self.kernel_choice.summary()
+        return f"quantization {self.quantization.summary()}" + (f"; kernels {kernels}" if kernels else "")
 
     # ---- swap ----
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:

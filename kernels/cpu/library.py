@@ -10,8 +10,9 @@ that level instead of `native`, and no kernel above it is offered. Where there i
 The library holds the paged decode and prefill attention (wrapped by `batchgen.kernels.cpu.attention`), one-call
 versions of a decoder layer's bf16 element-wise chains and the write of a step's K/V rows into the
 paged cache (wrapped by `batchgen.kernels.cpu.ops`), the bf16 linear layers for CPUs with AVX512-BF16
-and with AMX (wrapped by `batchgen.kernels.cpu.linear.Bf16Linear` and `AmxLinear`), and a driver that runs all of a step's decoder
-layers through these kernels in one call (wrapped by `batchgen.kernels.cpu.stack`).
+and with AMX (wrapped by `batchgen.kernels.cpu.linear.Bf16Linear` and `AmxLinear`), the linears on
+int8 and GGUF Q8_0 weights (`batchgen.kernels.cpu.quantized_linear`), and a driver that runs all of
+a step's decoder layers through these kernels in one call (wrapped by `batchgen.kernels.cpu.stack`).
 """
 
 from __future__ import annotations
@@ -362,6 +363,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     # (x, ldx, w_packed, bias, y, ldy, m, intermediate, k, num_threads) -> status; csrc/amx_linear.c.
     lib.amx_swiglu.restype = i32
     lib.amx_swiglu.argtypes = lib.bf16_linear.argtypes
+    _declare_quantized_linears(lib)
     lib.store_kv_rows.restype = i64
     lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     # decoder_stack_bf16(layers, num_layers, dims, eps, scale, num_tokens, hidden, delta, cos, sin,
@@ -373,3 +375,15 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.decoder_stack_bf16.restype = i32
     lib.decoder_stack_bf16.argtypes = [ptr, i32, ptr, f32, f32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]
     lib.decoder_stack_bf16.argtypes += [i32, i32, ptr, ptr, i32, i32, i32]
+
+
+def _declare_quantized_linears(lib: ctypes.CDLL) -> None:
+    """csrc/int8_linear.c: (x, x_bf16, ldx, weight, [int8: scales,] bias, y, y_bf16, ldy, m, n, k,
+    num_threads) -> status."""
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.int8_linear_lanes.restype = i32
+    lib.int8_linear_lanes.argtypes = []
+    lib.int8_linear.restype = i32
+    lib.int8_linear.argtypes = [ptr, i32, i64, ptr, ptr, ptr, ptr, i32, i64, i64, i64, i64, i32]
+    lib.q8_0_linear.restype = i32
+    lib.q8_0_linear.argtypes = [ptr, i32, i64, ptr, ptr, ptr, i32, i64, i64, i64, i64, i32]

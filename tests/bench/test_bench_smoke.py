@@ -459,6 +459,32 @@ def test_ctrl_c_during_the_bench_exits_130_without_a_report(tiny_model_dir, tmp_
     assert not report.exists()
 
 
+def test_quantizations_run_side_by_side_with_their_own_weight_bytes(tiny_model_dir, tmp_path: Path) -> None:
+    """`--quantization none,int8`: each continuous configuration once per method, named by it, its
+    kernel line naming the quantization and its roofline priced at the bytes its weights hold."""
+    args = tiny_run_args(tiny_model_dir("llama"), tmp_path, "--num-prompts", "4", "--scale", "0.05")
+    result = invoke_bench(
+        [*args, "--quantization", "none,int8", "--kernels", "native", "--ceiling", "--dtype", "float32"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    configs = {c["name"]: c for c in report["configurations"]}
+    assert list(configs) == ["continuous/fcfs+none", "continuous/fcfs+int8"]
+    none, int8 = configs["continuous/fcfs+none"]["extra"], configs["continuous/fcfs+int8"]["extra"]
+    assert none["kernels"].startswith("quantization none;") and none["kernels"] in result.output
+    assert int8["kernels"].startswith("quantization int8 (8 linears, ") and int8["kernels"] in result.output
+    # The tiny Llama's 2 layers of linears (73,728 weights) at 4 bytes, then 1 byte plus the scales;
+    # its untied LM head (49152 x 64) in float32 in both.
+    head = 49152 * 64 * 4
+    assert none["weight_bytes"] == head + 73728 * 4
+    assert int8["weight_bytes"] == head + 73728 + 4 * 2 * (128 + 64 + 256 + 64)
+    assert none["roofline_s"] and int8["roofline_s"]
+    bad = invoke_bench([*args, "--quantization", "none,fp4"])
+    assert (
+        bad.exit_code == 2 and "quantization must be a comma list of auto, none, int8; got fp4" in bad.output
+    )
+
+
 def test_a_configuration_named_twice_runs_once() -> None:
     from batchgen.bench.cli import _split
 

@@ -49,6 +49,14 @@ def test_each_step_takes_the_slower_of_compute_and_memory() -> None:
     )
 
 
+def test_a_quantized_run_counts_its_own_weight_bytes() -> None:
+    """An int8 run reads its linears at a byte each: the engine's `weight_bytes` replaces the dtype's."""
+    assert step_bytes(SHAPE, 2, tokens=3, context_tokens=10, weights=1000) == 1000 + 32 * 13
+    steps = [step(1, 11, 1, 11)]  # 3168 FLOPs; 1000 + 32 * 12 bytes
+    assert roofline_seconds(steps, SHAPE, 2, 1e9, 1000, weights=1000) == pytest.approx(1.384)
+    assert roofline_seconds(steps, SHAPE, 2, 1e9, 1000) == pytest.approx(2.848)
+
+
 def test_steps_without_counts_have_no_roofline() -> None:
     baseline_step = StepRecord(t=0.0, num_seqs=1, num_batched_tokens=3, num_generation_tokens=1)
     assert roofline_seconds([step(3, 20, 1, 10), baseline_step], SHAPE, 2, 1.0, 1.0) is None

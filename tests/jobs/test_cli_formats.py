@@ -193,10 +193,12 @@ def test_run_and_bench_take_the_same_engine_options():
 
     run, bench = options("run"), options("bench")
     assert set(run) == set(bench) == set(ENGINE_OPTIONS)
-    # bench takes a comma list of methods (each continuous configuration runs once per item).
-    compared = set(ENGINE_OPTIONS) - {"speculative_method"}
+    # bench takes comma lists of methods (each continuous configuration runs once per item).
+    lists = {"speculative_method", "quantization"}
+    compared = set(ENGINE_OPTIONS) - lists
     assert {k: run[k] for k in compared} == {k: bench[k] for k in compared}
     assert run["speculative_method"][0] == bench["speculative_method"][0] == ("--speculative-method",)
+    assert run["quantization"][:2] == bench["quantization"][:2] == (("--quantization",), "auto")
     assert set(ENGINE_OPTIONS) <= set(EngineConfig.__dataclass_fields__)
     assert run["max_num_seqs"][:2] == (("--max-num-seqs",), EngineConfig.max_num_seqs)
 

@@ -76,8 +76,7 @@ def test_a_slow_candidate_is_never_chosen_and_a_wrong_one_is_dropped(
         builders["wrong"] = lambda: _Wrong(weight.detach(), bias)
         return builders
 
-    monkeypatch.setattr(kernel_choice, "linear_candidates", with_bad_ones)  # what the model builds
-    monkeypatch.setattr(linear_choice, "linear_candidates", with_bad_ones)  # what is timed
+    monkeypatch.setattr(linear_choice, "linear_candidates", with_bad_ones)  # what is timed and built
     with caplog.at_level("WARNING", logger="batchgen.kernels.registry"):
         llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4, device="cpu", kernels="auto")
     choice = llm.llm_engine.runner.kernel_choice

@@ -78,11 +78,13 @@ class RateSamples:
                 continue
             # The bandwidth is the median for both: a single copy can read well above the median after
             # some runs, which would move a run's share by itself.
+            # The weights' bytes as the run held them (quantized ones at their size), where it says.
+            weights = result.extra.get("weight_bytes")
             result.extra["roofline_s"] = roofline_seconds(
-                result.steps, self.shape, dtype_bytes, median_rate["flops_per_s"], bandwidth
+                result.steps, self.shape, dtype_bytes, median_rate["flops_per_s"], bandwidth, weights
             )
             result.extra["roofline_own_rate_s"] = roofline_seconds(
-                result.steps, self.shape, dtype_bytes, own_rate, bandwidth
+                result.steps, self.shape, dtype_bytes, own_rate, bandwidth, weights
             )
         return ceiling
 

@@ -39,12 +39,14 @@ def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
 
 
-def step_bytes(shape: ModelShape, dtype_bytes: int, tokens: int, context_tokens: int) -> int:
-    """Least memory traffic of one step, in bytes: weights once, the KV cache of `context_tokens`
-    positions read, and that of `tokens` new positions written."""
-    return weight_bytes(shape, dtype_bytes) + kv_bytes_per_token(shape, dtype_bytes) * (
-        context_tokens + tokens
-    )
+def step_bytes(
+    shape: ModelShape, dtype_bytes: int, tokens: int, context_tokens: int, weights: int | None = None
+) -> int:
+    """Least memory traffic of one step, in bytes: weights once (`weights` bytes where given, e.g. a
+    quantized model's; else `weight_bytes` in the dtype), the KV cache of `context_tokens` positions
+    read, and that of `tokens` new positions written."""
+    weights = weight_bytes(shape, dtype_bytes) if weights is None else weights
+    return weights + kv_bytes_per_token(shape, dtype_bytes) * (context_tokens + tokens)
 
 
 def measure_memory_bandwidth(
@@ -87,7 +89,12 @@ def measure_memory_bandwidth(
 
 
 def roofline_seconds(
-    steps: list[Any], shape: ModelShape, dtype_bytes: int, flops_per_s: float, bytes_per_s: float
+    steps: list[Any],
+    shape: ModelShape,
+    dtype_bytes: int,
+    flops_per_s: float,
+    bytes_per_s: float,
+    weights: int | None = None,
 ) -> float | None:
     """Sum over `steps` of max(FLOPs / `flops_per_s`, bytes / `bytes_per_s`), in seconds.
 
@@ -95,13 +102,15 @@ def roofline_seconds(
         steps: `StepRecord`s with `num_batched_tokens`, `num_sampled`, `num_attended_keys` and
             `num_context_tokens`; None when any of those is unknown (the Hugging Face baselines).
         dtype_bytes: bytes per weight and per KV-cache element.
+        weights: bytes of the weights a step reads, as the run held them (the engine's
+            `ModelRunner.weight_bytes`: int8 weights at a byte each); None: `weight_bytes` in the dtype.
     """
     total = 0.0
     for s in steps:
         if s.num_sampled is None or s.num_attended_keys is None or s.num_context_tokens is None:
             return None
         flops = forward_flops(shape, s.num_batched_tokens, s.num_attended_keys, s.num_sampled)["total"]
-        moved = step_bytes(shape, dtype_bytes, s.num_batched_tokens, s.num_context_tokens)
+        moved = step_bytes(shape, dtype_bytes, s.num_batched_tokens, s.num_context_tokens, weights)
         total += max(flops / flops_per_s, moved / bytes_per_s)
     return total
 

@@ -17,24 +17,16 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
-from torch import nn
 
 from batchgen.config import KERNEL_MODES
 from batchgen.kernels.cpu import attention as cpu_attention
-from batchgen.kernels.cpu.linear import (
-    WEIGHT_LAYOUTS,
-    TunedLinear,
-    can_prepack,
-    linear_candidates,
-    prepack_linears,
-    release_freed_heap,
-)
+from batchgen.kernels.cpu.linear import can_prepack, prepack_linears, release_freed_heap
+from batchgen.kernels.cpu.quantized_linear import QuantizedWeight, quantized_candidates
 from batchgen.kernels.machine_load import LoadSample
 from batchgen.kernels.registry import (
     ROW_BUCKETS,
@@ -50,7 +42,12 @@ from batchgen.model.kernel_choice.attention import (
     tune_prefill_attention,
     tune_triton_prefill_attention,
 )
-from batchgen.model.kernel_choice.linear import plan_layouts, shape_name, table_shape, tune_linear
+from batchgen.model.kernel_choice.linear import (
+    choose_linears,
+    drop_unused_layouts,
+    named_linears,
+    table_shape,
+)
 from batchgen.model.kernel_choice.stack import build_decoder_stack, cached_stack_rows, tune_decoder_stack
 from batchgen.model.llama import decoder_layers
 
@@ -170,51 +167,6 @@ def _by_rows(kinds: list[str]) -> str:
     return ", ".join(words) + " rows"
 
 
-def _named_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            yield name, module
-
-
-def _choose_linears(
-    model: nn.Module,
-    table: TuningTable,
-    max_rows: int,
-    max_logit_rows: int,
-    one_layout: bool,
-    stack_possible: bool,
-    choice: KernelChoice,
-) -> list[str]:
-    """Measure (or look up) each linear shape's implementation per row bucket, put them into `model`
-    (a `TunedLinear` where buckets differ) and record them in `choice.linears`; with `stack_possible`
-    every layer linear also holds batchgen's bf16 layout for the decoder stack's measurement.
-    Returns `shape_name` of every layer linear (the LM head aside), repeats included."""
-    by_shape: dict[str, list[str]] = {}
-    layer_shapes: list[str] = []  # one entry per layer linear, for `table_linear_rate`
-    for name, linear in list(_named_linears(model)):
-        is_head = name.endswith("lm_head")
-        if not is_head:
-            layer_shapes.append(shape_name(linear))
-        rows = max_logit_rows if is_head else max_rows
-        key = f"{shape_name(linear)}@{rows}"
-        if key not in by_shape:
-            by_shape[key] = plan_layouts(tune_linear(table, linear, rows), one_layout)
-        by_bucket = by_shape[key]
-        choice.linears[key] = by_bucket
-        builders = linear_candidates(linear.weight, linear.bias)
-        kinds = list(dict.fromkeys(by_bucket))
-        packed = {k for k in kinds if WEIGHT_LAYOUTS.get(k) == "packed_bf16"}
-        if stack_possible and not is_head and "bf16_c" in builders and not packed:
-            kinds.append("bf16_c")
-        impls = {kind: builders[kind]() for kind in kinds}
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(
-            parent, child, TunedLinear(impls, by_bucket) if len(impls) > 1 else next(iter(impls.values()))
-        )
-    return layer_shapes
-
-
 def apply_kernels(
     model: LlamaForCausalLM,
     mode: str,
@@ -223,6 +175,7 @@ def apply_kernels(
     max_logit_rows: int,
     one_layout: bool = False,
     block_size: int = 16,
+    quantized: dict[str, QuantizedWeight] | None = None,
 ) -> KernelChoice:
     """Put the chosen linear implementations into `model` (weights loaded) and set its decoder stack;
     on CUDA, set the Triton backend's measured prefill attention (`_choose_triton_attention`).
@@ -234,6 +187,8 @@ def apply_kernels(
         max_logit_rows: the most rows the LM head sees in a step (`max_num_seqs`).
         one_layout: hold one weight layout per linear (`plan_layouts`), at some speed.
         block_size: tokens per KV-cache block, as the engine's cache holds them.
+        quantized: module name -> the quantized weight that linear runs (`model.quantization`; its
+            float weight is the dequantized one, which "reference" runs). Not on CUDA.
 
     Raises:
         ValueError: an unknown `mode`.
@@ -245,7 +200,9 @@ def apply_kernels(
         return _choose_triton_attention(model, dtype, device, max_rows, block_size)
     if mode == "reference" or not can_prepack(dtype, device):
         return KernelChoice(mode if device.type == "cpu" else "reference", device_type=device.type)
+    quantized = quantized or {}
     if mode == "native":
+        _native_quantized(model, quantized)
         prepack_linears(model)
         model.decoder_stack = build_decoder_stack(model, max_rows=0)
         return KernelChoice("native", stack_max_rows=0 if model.decoder_stack is not None else None)
@@ -254,9 +211,19 @@ def apply_kernels(
     choice = KernelChoice("auto", table=table)
     # The decoder stack needs every layer linear in batchgen's bf16 layout: held for its measurement
     # even where the per-layer path does not use it, and dropped again where the stack loses.
-    stack_possible = dtype == torch.bfloat16 and not one_layout and _fused_cpu_backend(model)
+    stack_possible = (
+        dtype == torch.bfloat16 and not one_layout and not quantized and _fused_cpu_backend(model)
+    )
     stack_possible = stack_possible and cached_stack_rows(model, table, max_logit_rows) != 0
-    layer_shapes = _choose_linears(model, table, max_rows, max_logit_rows, one_layout, stack_possible, choice)
+    layer_shapes = choose_linears(
+        model,
+        table,
+        lambda name: max_logit_rows if name.endswith("lm_head") else max_rows,
+        one_layout,
+        stack_possible,
+        quantized,
+        choice.linears,
+    )
     choice.largest_bucket_flops_per_s = table_linear_rate(layer_shapes, table, dtype, max_rows)
     _choose_attention(model, table, dtype, max_rows, max_logit_rows, choice)
     stack = build_decoder_stack(model, max_rows=0)
@@ -269,7 +236,7 @@ def apply_kernels(
         choice.stack_linears = stack_linears
     model.decoder_stack = stack if stack_rows else None
     choice.stack_max_rows = stack_rows or None
-    choice.extra_weight_bytes = _drop_unused_layouts(
+    choice.extra_weight_bytes = drop_unused_layouts(
         model, keep_stack_layout=bool(stack_rows), element_size=torch.empty((), dtype=dtype).element_size()
     )
     table.note_load(LoadSample().other_cores_since(load_before))
@@ -304,32 +271,21 @@ def table_linear_rate(
     return flops / seconds if seconds else None
 
 
+def _native_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantizedWeight]) -> None:
+    """`--kernels native` on quantized linears: batchgen's C kernel for each (the float candidates
+    only where the library is not built)."""
+    for name, linear in named_linears(model):
+        weight = quantized.get(name)
+        if weight is None:
+            continue
+        builders = quantized_candidates(weight, linear.weight.detach(), linear.bias)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, builders[next(iter(builders))]())
+
+
 def _fused_cpu_backend(model: LlamaForCausalLM) -> bool:
     layers = decoder_layers(model)
     return bool(layers) and getattr(layers[0].self_attn.backend, "fused_cpu_ops", False)
-
-
-def _drop_unused_layouts(model: LlamaForCausalLM, keep_stack_layout: bool, element_size: int) -> int:
-    """Remove the implementations no row bucket runs (the bf16 layout held for the stack's
-    measurement, unless the stack runs); a layer left with one is replaced by it. Returns the bytes
-    of the second weight layouts still held."""
-    extra = 0
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, TunedLinear):
-            continue
-        keep = set(module.by_bucket)
-        if keep_stack_layout and not any(WEIGHT_LAYOUTS.get(k) == "packed_bf16" for k in keep):
-            keep.add("bf16_c")
-        for kind in [k for k in module.impls if k not in keep]:
-            del module.impls[kind]
-        weight_bytes = module.in_features * module.out_features * element_size
-        layouts = {WEIGHT_LAYOUTS.get(kind, kind) for kind in module.impls}
-        extra += (len(layouts) - 1) * weight_bytes
-        if len(module.impls) == 1:
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, next(iter(module.impls.values())))
-    return extra
 
 
 def _choose_attention(

@@ -51,3 +51,21 @@ def check_architecture(raw_config: dict[str, Any]) -> str:
     raise UnsupportedModelError(
         f"unsupported model architecture: {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
+
+
+def check_not_quantized(raw_config: dict[str, Any], where: object) -> None:
+    """Refuse a Hugging Face checkpoint stored quantized (a `quantization_config` in its config.json:
+    GPTQ, AWQ, bitsandbytes, FP8, ...), whose packed weights the model cannot load as floats.
+
+    Raises:
+        UnsupportedModelError: naming the method and what batchgen runs instead.
+    """
+    quantization = raw_config.get("quantization_config")
+    if not quantization:
+        return
+    method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
+    raise UnsupportedModelError(
+        f"{where}: the checkpoint is quantized ({method}), a format batchgen does not run; batchgen runs "
+        "float safetensors checkpoints (float32, bfloat16, float16), which quantization='int8' quantizes "
+        "at load, and GGUF files (Q8_0 blocks as stored, other types dequantized)"
+    )

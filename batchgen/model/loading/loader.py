@@ -27,6 +27,7 @@ from batchgen.model.loading.architectures import (  # noqa: F401  (part of the l
     ModelNotFoundError,
     UnsupportedModelError,
     check_architecture,
+    check_not_quantized,
 )
 from batchgen.model.loading.tokenizer import Tokenizer
 
@@ -68,12 +69,14 @@ class ModelFiles:
         config: the parsed `config.json`; `architectures` is one of `SUPPORTED_ARCHITECTURES`.
         generation_config: the parsed `generation_config.json`, None when there is none.
         name: short display name (GGUF stem, hub repo name or directory name).
+        gguf: the GGUF file `path` was converted from; None for a Hugging Face directory.
     """
 
     path: Path
     config: transformers.PretrainedConfig
     generation_config: transformers.GenerationConfig | None
     name: str
+    gguf: Path | None = None
 
 
 def default_cache_dir() -> Path:
@@ -108,13 +111,13 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ModelFiles
     cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
     if spec is None:
         gguf = _default_gguf_path()
-        return _load_files(gguf_cache.cached_gguf(gguf, cache_dir), name=gguf.stem)
+        return _load_files(gguf_cache.cached_gguf(gguf, cache_dir), name=gguf.stem, gguf=gguf)
 
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
-        return _load_files(gguf_cache.cached_gguf(path, cache_dir), name=path.stem)
+        return _load_files(gguf_cache.cached_gguf(path, cache_dir), name=path.stem, gguf=path)
     if path.is_dir():
         return _load_files(path, name=path.resolve().name)
     if path.exists():
@@ -181,15 +184,18 @@ def eos_token_ids(files: ModelFiles, tokenizer: Tokenizer) -> frozenset[int]:
 # Directories and configs
 
 
-def _load_files(path: Path, name: str) -> ModelFiles:
-    """Validate `path` (config, architecture, weights) and parse its configs."""
+def _load_files(path: Path, name: str, gguf: Path | None = None) -> ModelFiles:
+    """Validate `path` (config, architecture, a checkpoint that is not quantized, weights) and parse
+    its configs."""
     from transformers import AutoConfig, GenerationConfig
 
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelNotFoundError(f"{path} is not a Hugging Face model directory: config.json is missing")
     # Checked on the raw JSON first, so a model_type transformers does not know still gets our message.
-    check_architecture(json.loads(config_file.read_text()))
+    raw = json.loads(config_file.read_text())
+    check_architecture(raw)
+    check_not_quantized(raw, path)
     _weight_files(path)
     config = AutoConfig.from_pretrained(path)
     if not getattr(config, "architectures", None):
@@ -197,7 +203,7 @@ def _load_files(path: Path, name: str) -> ModelFiles:
     generation_config = None
     if (path / "generation_config.json").is_file():
         generation_config = GenerationConfig.from_pretrained(path)
-    return ModelFiles(path=path, config=config, generation_config=generation_config, name=name)
+    return ModelFiles(path=path, config=config, generation_config=generation_config, name=name, gguf=gguf)
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -413,6 +413,16 @@ def test_resume_refuses_a_model_whose_files_changed(tmp_path):
     )
 
 
+def test_resume_refuses_another_quantization(tmp_path):
+    """int8 weights give other rows than float ones: a run resumes only under the same method (and
+    a job written before the option, with "auto", still resumes under "auto")."""
+    src = job_file(tmp_path)
+    assert run(JobOptions(src, engine={"quantization": "auto"})).complete
+    assert run(JobOptions(src)).already_complete  # "auto" is the default and not in the header
+    with pytest.raises(JobInputError, match="quantization None -> 'int8'"):
+        run(JobOptions(src, engine={"quantization": "int8"}))
+
+
 def test_a_moved_input_and_model_resume_by_content(tmp_path):
     """A job restarted where its files are mounted at other paths (another node, another folder)
     resumes: the input and a local model are known by their content, not their paths."""

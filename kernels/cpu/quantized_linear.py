@@ -1,0 +1,273 @@
+"""CPU linear layers on 8-bit weights: the two weight formats, and the candidates the kernel registry
+times for a layer that holds one.
+
+Formats (each with `dequantize()`, the float32 weight its kernels compute with):
+- `Int8Weight`: per-output-channel symmetric int8, `W[n, k] = scales[n] * q[n, k]` (what
+  `--quantization int8` makes of a float checkpoint at load).
+- `Q8_0Weight`: GGUF Q8_0 blocks as the file stores them, 34 bytes per 32 weights of a row: a
+  float16 scale d, then 32 int8 values q, `W = d * q` (ggml's `block_q8_0`).
+
+Candidates (`quantized_candidates`):
+- "int8_c" (`Int8Linear`) and "q8_0_c" (`Q8_0Linear`): batchgen's C kernels (`csrc/int8_linear.c`),
+  which widen the 8-bit weights in registers (W8A16: float32 or bf16 activations);
+- "int8_torch" (`TorchInt8Linear`): torch's `aten._weight_int8pack_mm` on the same int8 tensors;
+- the float candidates of `linear.linear_candidates` on the dequantized weight, so the registry can
+  still pick a float kernel where it wins (at the price of a float copy of the weight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+from torch import nn
+
+from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.cpu.linear import linear_candidates
+
+Q8_0_BLOCK = 32  # weights per block
+Q8_0_BYTES = 34  # bytes per block: a float16 scale and 32 int8 values
+# The weight layout each quantized implementation holds (as `linear.WEIGHT_LAYOUTS`): torch's int8
+# kernel and batchgen's run on the very same int8 tensors.
+QUANTIZED_LAYOUTS = {"int8_c": "int8", "int8_torch": "int8", "q8_0_c": "q8_0"}
+
+
+@dataclass
+class Int8Weight:
+    """Per-output-channel symmetric int8: `qweight` int8 `[N, K]` and `scales` float32 `[N]`, the
+    weight being `scales[:, None] * qweight` (no zero point)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    format = "int8"
+
+    def __post_init__(self) -> None:
+        # Tensors read from a file (safetensors puts them after its header) may start anywhere; torch's
+        # int8 kernel reads them with aligned loads and crashes the process otherwise.
+        self.qweight, self.scales = _aligned(self.qweight), _aligned(self.scales)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        """Quantize a float weight `[N, K]`: each row's scale is its largest magnitude / 127, and
+        each value is rounded to the nearest multiple of it (ties to even), in [-127, 127]. A row of
+        zeros gets scale 1."""
+        w = weight.detach().float()
+        absmax = w.abs().amax(dim=1)
+        scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+        qweight = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(qweight.contiguous(), scales.contiguous())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`(N, K)`: output channels, input features."""
+        n, k = self.qweight.shape
+        return n, k
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward pass reads: the int8 values and the scales."""
+        return self.qweight.numel() + 4 * self.scales.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight `[N, K]` the kernels compute with."""
+        return self.qweight.float() * self.scales[:, None]
+
+
+@dataclass
+class Q8_0Weight:
+    """GGUF Q8_0 blocks: `blocks` uint8 `[N, K / 32 * 34]`, each row K/32 blocks of a float16 scale
+    then 32 int8 values; K a multiple of 32."""
+
+    blocks: torch.Tensor
+    in_features: int
+    format = "q8_0"
+
+    def __post_init__(self) -> None:
+        if (
+            self.in_features % Q8_0_BLOCK
+            or self.blocks.shape[1] != self.in_features // Q8_0_BLOCK * Q8_0_BYTES
+        ):
+            raise ValueError(
+                f"Q8_0 rows of {self.in_features} weights must be a multiple of {Q8_0_BLOCK} held in "
+                f"{Q8_0_BYTES}-byte blocks; got {self.blocks.shape[1]} bytes a row"
+            )
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Q8_0Weight:
+        """Quantize a float weight `[N, K]` (K a multiple of 32) as ggml does: per block of 32,
+        d = largest magnitude / 127 (stored as float16), q = round(w / d)."""
+        n, k = weight.shape
+        w = weight.detach().float().reshape(n, k // Q8_0_BLOCK, Q8_0_BLOCK)
+        d = w.abs().amax(dim=-1) / 127.0
+        inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.round(w * inverse[..., None]).clamp_(-127, 127).to(torch.int8)
+        scales = d.to(torch.float16).unsqueeze(-1).view(torch.uint8)
+        blocks = torch.cat([scales, q.view(torch.uint8)], dim=-1).reshape(n, -1)
+        return cls(blocks.contiguous(), k)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`(N, K)`: output channels, input features."""
+        return (self.blocks.shape[0], self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight `[N, K]`: d * q per block (exact in float32), as gguf-py dequantizes."""
+        n = self.blocks.shape[0]
+        blocks = self.blocks.reshape(n, -1, Q8_0_BYTES)
+        d = blocks[..., :2].contiguous().view(torch.float16).float()
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(n, self.in_features)
+
+
+QuantizedWeight = Int8Weight | Q8_0Weight
+# The format a C-kernel linear holds (`Int8Linear` an `Int8Weight`, `Q8_0Linear` a `Q8_0Weight`).
+_Weight = TypeVar("_Weight", Int8Weight, Q8_0Weight)
+# torch's CPU allocations start at 64-byte boundaries; so must every tensor its int8 kernel reads.
+_ALIGNMENT = 64
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` contiguous and starting at a 64-byte boundary (a copy where it does not)."""
+    tensor = tensor.contiguous()
+    return tensor if tensor.data_ptr() % _ALIGNMENT == 0 else tensor.clone()
+
+
+class _QuantizedCLinear(nn.Module, Generic[_Weight]):
+    """`y = x @ W^T + b` through a C kernel of `csrc/int8_linear.c`: input `[..., K]` float32 or
+    bf16, output `[..., N]` in the input's dtype, the bias (float32 `[N]`) added to the float32 sums
+    before the one rounding."""
+
+    KERNEL = ""
+
+    def __init__(self, weight: _Weight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight: _Weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        library = cpu_kernels.load_library()
+        if library is None:
+            raise RuntimeError(
+                f"batchgen's {self.KERNEL} kernel needs the C library, which is not built here"
+            )
+        self._kernel = getattr(library, self.KERNEL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` float32 or bf16 `[..., in_features]` -> `[..., out_features]` of its dtype.
+
+        Raises:
+            ValueError: another dtype, or a last dimension other than `in_features`.
+        """
+        if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == self.in_features and x.dtype in _C_DTYPES:
+            return self._rows(x)
+        if x.dtype not in _C_DTYPES or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{type(self).__name__} takes float32 or bf16 [..., {self.in_features}] input; got "
+                f"{x.dtype} {tuple(x.shape)}"
+            )
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        return self._rows(rows).view(*x.shape[:-1], self.out_features)
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        m, bf16 = rows.shape[0], int(rows.dtype == torch.bfloat16)
+        out = torch.empty((m, self.out_features), dtype=rows.dtype)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        status = self._kernel(
+            rows.data_ptr(), bf16, rows.stride(0), *self._weight_args(), bias, out.data_ptr(), bf16,
+            self.out_features, m, self.out_features, self.in_features, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:  # the weight was checked when it was built: a failure here is a bug or no memory
+            raise RuntimeError(
+                f"{self.KERNEL} failed ({status}) on [{m}, {self.in_features}] x {self.extra_repr()}"
+            )
+        return out
+
+    def _weight_args(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+_C_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Int8Linear(_QuantizedCLinear[Int8Weight]):
+    """ "int8_c": batchgen's kernel on an `Int8Weight` (`int8_linear` in csrc/int8_linear.c)."""
+
+    KERNEL = "int8_linear"
+
+    def _weight_args(self) -> tuple[int, ...]:
+        return (self.weight.qweight.data_ptr(), self.weight.scales.data_ptr())
+
+
+class Q8_0Linear(_QuantizedCLinear[Q8_0Weight]):
+    """ "q8_0_c": batchgen's kernel on a `Q8_0Weight`'s blocks as stored (`q8_0_linear`)."""
+
+    KERNEL = "q8_0_linear"
+
+    def _weight_args(self) -> tuple[int, ...]:
+        return (self.weight.blocks.data_ptr(),)
+
+
+class TorchInt8Linear(nn.Module):
+    """ "int8_torch": torch's `aten._weight_int8pack_mm(x, qweight, scales)` on an `Int8Weight` (its
+    int8 tensor shared, the scales cast to the input's dtype once), plus the bias. Input
+    `[..., K]` float32 or bf16, output `[..., N]` of its dtype."""
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach()
+        self._scales: dict[torch.dtype, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scales = self._scales.get(x.dtype)
+        if scales is None:
+            scales = self._scales[x.dtype] = _aligned(self.weight.scales.to(x.dtype))
+        rows = _aligned(x.reshape(-1, self.in_features))
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight.qweight, scales)
+        if self.bias is not None:
+            out += self.bias.to(out.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def torch_int8_available() -> bool:
+    """Whether this torch has `aten._weight_int8pack_mm` (2.4 and later)."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def torch_int8_applies(weight: Int8Weight, dtype: torch.dtype) -> bool:
+    """Whether "int8_torch" takes `weight` with `dtype` activations: torch has the kernel, the
+    activations are float32 or bf16 and K is a multiple of 16 (see `TorchInt8Linear`)."""
+    return torch_int8_available() and dtype in _C_DTYPES and weight.shape[1] % 16 == 0
+
+
+def quantized_candidates(
+    weight: QuantizedWeight, dequantized: torch.Tensor, bias: torch.Tensor | None
+) -> dict[str, Callable[[], nn.Module]]:
+    """Builders of every implementation that runs `weight` on the CPU: "int8_c" and "int8_torch"
+    for an `Int8Weight`, "q8_0_c" for a `Q8_0Weight` (the C kernels where the library is built and
+    the activations are float32 or bf16), then the float candidates of `linear_candidates` on
+    `dequantized` (the weight dequantized to the activations' dtype, `[N, K]`)."""
+    builders: dict[str, Callable[[], nn.Module]] = {}
+    c_kernels = dequantized.dtype in _C_DTYPES and cpu_kernels.load_library() is not None
+    if isinstance(weight, Int8Weight):
+        if c_kernels:
+            builders["int8_c"] = lambda: Int8Linear(weight, bias)
+        if torch_int8_applies(weight, dequantized.dtype):
+            builders["int8_torch"] = lambda: TorchInt8Linear(weight, bias)
+    elif c_kernels:
+        builders["q8_0_c"] = lambda: Q8_0Linear(weight, bias)
+    builders.update(linear_candidates(dequantized, bias))
+    return builders

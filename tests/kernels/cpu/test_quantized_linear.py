@@ -1,0 +1,216 @@
+"""The linears on 8-bit weights (`kernels/cpu/quantized_linear.py`, `csrc/int8_linear.c`): each
+kernel against the float32 product with the same quantized weights, dequantized, on odd shapes (K
+not a multiple of the vector width or of 32, one row, 2,049 rows, one channel), in this machine's
+build and in the AVX2 build that `BATCHGEN_MAX_CPU_ISA=AVX2` makes (x86-64-v3, 8 lanes)."""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from batchgen.kernels.cpu import attention as cpu_attention
+from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.cpu.quantized_linear import (
+    Int8Linear,
+    Int8Weight,
+    Q8_0Linear,
+    Q8_0Weight,
+    TorchInt8Linear,
+    quantized_candidates,
+    torch_int8_available,
+)
+
+if cpu_kernels.load_library() is None:
+    pytest.skip(
+        "the C kernels are not built here (no compiler, or BATCHGEN_CPU_KERNELS=0)", allow_module_level=True
+    )
+
+# Relative to the reference's largest magnitude: float32 sums in another order; bf16 output rounding.
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+INT8_SHAPES = [(1, 7, 97), (1, 1, 5), (3, 33, 129), (5, 64, 16), (9, 40, 1536), (2049, 20, 70)]
+Q8_0_SHAPES = [(1, 7, 32), (3, 33, 96), (6, 5, 160), (2049, 20, 64)]
+ISAS = ["native"] + (["AVX2"] if platform.machine() == "x86_64" else [])
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def lanes(request, tmp_path_factory):
+    """The library built for this machine, or for AVX2 into a cache of its own; its vector width."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "AVX2":
+            patch.setenv("BATCHGEN_MAX_CPU_ISA", "AVX2")
+            patch.setenv("BATCHGEN_CACHE", str(tmp_path_factory.mktemp("avx2-cache")))
+        cpu_kernels.load_library.cache_clear()
+        cpu_attention.supports.cache_clear()
+        library = cpu_kernels.load_library()
+        assert library is not None
+        yield library.int8_linear_lanes()
+    cpu_kernels.load_library.cache_clear()
+    cpu_attention.supports.cache_clear()
+
+
+def _case(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator) * 0.05
+    bias = torch.randn(n, generator=generator)
+    x = torch.randn(m, k, generator=generator)
+    return x, weight, bias
+
+
+def _check(module, x: torch.Tensor, dequantized: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    x = x.to(dtype)
+    expected = F.linear(x.float(), dequantized, bias)
+    out = module(x)
+    assert out.dtype == dtype and out.shape == expected.shape
+    error = (out.float() - expected).abs().max().item()
+    assert error <= RTOL[dtype] * expected.abs().max().item(), f"max error {error:g}"
+
+
+def test_this_build_is_avx512_or_avx2_as_asked(lanes):
+    flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+    if cpu_kernels.isa_cap() == "AVX2":
+        assert lanes == 8
+    elif " avx512f " in flags and " avx512bw " in flags:
+        assert lanes == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), INT8_SHAPES)
+def test_int8_kernel_matches_the_dequantized_product(lanes, m, n, k, dtype):
+    x, weight, bias = _case(m, n, k)
+    quantized = Int8Weight.quantize(weight)
+    _check(Int8Linear(quantized, bias), x, quantized.dequantize(), bias, dtype)
+    _check(Int8Linear(quantized, None), x, quantized.dequantize(), None, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), Q8_0_SHAPES)
+def test_q8_0_kernel_matches_the_dequantized_product(lanes, m, n, k, dtype):
+    x, weight, bias = _case(m, n, k)
+    quantized = Q8_0Weight.quantize(weight)
+    _check(Q8_0Linear(quantized, bias), x, quantized.dequantize(), bias, dtype)
+
+
+def test_exact_where_every_sum_is_exact(lanes):
+    """Integer inputs and power-of-two scales: every product and partial sum is an integer below
+    2^24 (times the scale), so any order of the sums gives the reference's value bit for bit."""
+    generator = torch.Generator().manual_seed(1)
+    m, n, k = 7, 21, 333
+    qweight = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    scales = 2.0 ** torch.randint(-8, 2, (n,), generator=generator).float()
+    x = torch.randint(-16, 17, (m, k), generator=generator).float()
+    weight = Int8Weight(qweight, scales)
+    assert torch.equal(Int8Linear(weight, None)(x), F.linear(x, weight.dequantize()))
+    d = torch.full((n, k // 32 * 32 // 32), 0.25, dtype=torch.float16)  # a power of two as float16
+    blocks = torch.cat(
+        [d.unsqueeze(-1).view(torch.uint8), qweight[:, : k // 32 * 32].reshape(n, -1, 32).view(torch.uint8)],
+        -1,
+    )
+    q8 = Q8_0Weight(blocks.reshape(n, -1).contiguous(), k // 32 * 32)
+    xq = x[:, : q8.in_features].contiguous()
+    assert torch.equal(Q8_0Linear(q8, None)(xq), F.linear(xq, q8.dequantize()))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+def test_a_row_does_not_depend_on_the_rows_beside_it(lanes, fmt):
+    """Many rows widen each tile once into a buffer, one or two rows read the weights directly: the
+    same sums in the same order, so a row's output is bit for bit the same alone or in a batch (the
+    engine's greedy output does not depend on the batch)."""
+    x, weight, bias = _case(37, 45, 160)
+    module = (
+        Int8Linear(Int8Weight.quantize(weight), bias)
+        if fmt == "int8"
+        else Q8_0Linear(Q8_0Weight.quantize(weight), bias)
+    )
+    together = module(x)
+    assert torch.equal(together, torch.cat([module(x[i : i + 1]) for i in range(37)]))
+    assert torch.equal(together[:5], module(x[:5]))
+
+
+def test_strided_rows_and_leading_dimensions(lanes):
+    """Rows of a wider tensor (ldx > K) and a 3-D input are taken as they come."""
+    x, weight, bias = _case(6, 19, 80)
+    wide = torch.randn(6, 200)
+    wide[:, 50:130] = x
+    quantized = Int8Weight.quantize(weight)
+    expected = F.linear(x, quantized.dequantize(), bias)
+    module = Int8Linear(quantized, bias)
+    torch.testing.assert_close(module(wide[:, 50:130]), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(module(x.view(2, 3, 80)), expected.view(2, 3, 19), rtol=1e-5, atol=1e-5)
+
+
+def test_q8_0_matches_gguf_py():
+    """Blocks as ggml lays them out: gguf-py's Q8_0 quantizer gives the same bytes, and its
+    dequantizer the same weights."""
+    quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    weight = torch.randn(9, 128, generator=torch.Generator().manual_seed(2))
+    ours = Q8_0Weight.quantize(weight)
+    theirs = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
+    assert np.array_equal(ours.blocks.numpy(), theirs)
+    dequantized = quants.dequantize(theirs, GGMLQuantizationType.Q8_0)
+    assert np.array_equal(ours.dequantize().numpy(), dequantized)
+
+
+def test_int8_quantization_is_per_channel_symmetric():
+    weight = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -0.75]])
+    quantized = Int8Weight.quantize(weight)
+    assert quantized.qweight.dtype == torch.int8 and quantized.scales.dtype == torch.float32
+    assert quantized.qweight.tolist() == [[64, -127, 32], [0, 0, 0], [127, 64, -32]]
+    torch.testing.assert_close(quantized.scales, torch.tensor([1 / 127, 1.0, 3 / 127]))
+    assert quantized.nbytes == 9 + 3 * 4
+
+
+def _starting_at(tensor: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of `tensor` whose data starts `offset` bytes past a 64-byte boundary (as a tensor read
+    from a safetensors file, or a view into a step's rows, can)."""
+    flat = torch.empty(tensor.numel() + 64, dtype=tensor.dtype)
+    start = ((offset - flat.data_ptr()) % 64) // tensor.element_size()
+    view = flat[start : start + tensor.numel()].view(tensor.shape)
+    view.copy_(tensor)
+    assert view.data_ptr() % 64 == offset
+    return view
+
+
+@pytest.mark.skipif(not torch_int8_available(), reason="torch has no _weight_int8pack_mm")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_int8_candidate_gets_aligned_operands(dtype):
+    """torch's kernel crashes the process on an operand off a 64-byte boundary: weights, scales and
+    inputs that start elsewhere reach it as aligned copies."""
+    x, weight, bias = _case(5, 24, 64)
+    quantized = Int8Weight.quantize(weight)
+    unaligned = Int8Weight(_starting_at(quantized.qweight, 56), _starting_at(quantized.scales, 8))
+    assert unaligned.qweight.data_ptr() % 64 == 0 and torch.equal(unaligned.qweight, quantized.qweight)
+    module = TorchInt8Linear(unaligned, bias)
+    _check(
+        module,
+        _starting_at(x.to(dtype), 8 if dtype == torch.float32 else 2),
+        quantized.dequantize(),
+        bias,
+        dtype,
+    )
+
+
+def test_torch_int8_is_offered_only_where_k_is_a_multiple_of_16():
+    """K = 104 gave wrong sums and K = 120 crashed torch 2.13's kernel: such layers never reach it."""
+    for k, offered in ((64, True), (97, False), (104, False), (120, False), (576, True)):
+        weight = Int8Weight.quantize(torch.randn(8, k))
+        names = quantized_candidates(weight, weight.dequantize(), None)
+        assert ("int8_torch" in names) == (offered and torch_int8_available()), k
+
+
+def test_candidates_of_each_format():
+    weight = torch.randn(16, 64)
+    int8 = Int8Weight.quantize(weight)
+    names = set(quantized_candidates(int8, int8.dequantize(), None))
+    assert {"int8_c", "torch"} <= names and "q8_0_c" not in names
+    assert ("int8_torch" in names) == torch_int8_available()
+    q8 = Q8_0Weight.quantize(weight)
+    names = set(quantized_candidates(q8, q8.dequantize(), None))
+    assert {"q8_0_c", "torch"} <= names and "int8_c" not in names
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q8_0Weight(torch.zeros(2, 34, dtype=torch.uint8), 40)

@@ -1,0 +1,278 @@
+"""Quantized weights in the engine (`batchgen/model/quantization.py`): `quantization="int8"` on a
+tiny random Llama (greedy output the same in any batch, teacher-forced top-1 agreement with the
+float model, the quantized-weight cache), a GGUF file's Q8_0 blocks run as stored under "auto"
+(equal to the dequantized run within the kernels' tolerance), and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from batchgen import LLM, SamplingParams
+from batchgen.config import EngineConfig
+from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.cpu.quantized_linear import Int8Linear, Int8Weight, Q8_0Linear, Q8_0Weight
+from batchgen.model.loading.architectures import UnsupportedModelError
+from batchgen.model.quantization import check_quantization, decoder_linears
+
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello"]
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.load_library() is None, reason="the C kernels are not built here"
+)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, tokenizer_dir) -> Path:
+    """batchgen's cache in a folder of this module's own: the kernel library is built there once, and
+    the GGUF file converted once; each test starts without quantized weights cached. (The tiny
+    models' tokenizer, the default model, is resolved first, in the usual cache.)"""
+    path = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BATCHGEN_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(autouse=True)
+def _no_quantized_cache(cache) -> None:
+    shutil.rmtree(cache / "quantized", ignore_errors=True)
+
+
+def _tokens(llm: LLM, prompts, max_tokens: int = 12) -> list[list[int]]:
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_unknown_methods_and_int8_on_cuda_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^quantization must be one of auto, none, int8; got 'gptq'$"):
+        EngineConfig(quantization="gptq")
+    with pytest.raises(ValueError, match=r"quantization 'int8' runs on the CPU only"):
+        EngineConfig(quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match=r"runs on the CPU only \(this engine runs on cuda\)"):
+        check_quantization("int8", torch.device("cuda"))  # what --device auto resolves to on a GPU
+    check_quantization("auto", torch.device("cuda"))
+
+
+def test_the_cli_refuses_an_unknown_quantization(tmp_path):
+    from batchgen.cli import app
+
+    job = tmp_path / "job.jsonl"
+    job.write_text('{"prompt": "hi"}\n')
+    result = CliRunner().invoke(app, ["run", str(job), "--quantization", "awq", "--no-dashboard"])
+    assert result.exit_code == 2, result.output
+    assert "quantization must be one of auto, none, int8; got 'awq'" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_a_checkpoint_stored_quantized_is_refused_by_name(tiny_model_dir, tmp_path):
+    path = tmp_path / "gptq"
+    shutil.copytree(tiny_model_dir("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    for method in ("auto", "none", "int8"):
+        with pytest.raises(
+            UnsupportedModelError, match=r"is quantized \(gptq\), a format batchgen does not run"
+        ):
+            LLM(str(path), device="cpu", quantization=method)
+
+
+@needs_kernels
+def test_int8_runs_int8_weights_and_keeps_the_embedding_and_head_float(tiny_model_dir, cache):
+    llm = LLM(
+        str(tiny_model_dir("llama")), dtype="float32", device="cpu", quantization="int8", kernels="native"
+    )
+    engine = llm.llm_engine
+    model, quantization = engine.runner.model, engine.runner.quantization
+    assert quantization.method == "int8" and quantization.source == "quantized at load"
+    assert set(quantization.weights) == {
+        f"model.layers.{i}.{m}"
+        for i in range(2)
+        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    }
+    assert isinstance(model.model.layers[1].mlp.down_proj, Int8Linear)
+    assert not isinstance(model.lm_head, Int8Linear) and model.lm_head.packed_weight.dtype == torch.float32
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert engine.start_line.startswith("quantization int8 (8 linears, ")
+    # 2 layers x (qkv 128x64 + o 64x64 + gate/up 256x64 + down 64x128): int8 values and float32 scales
+    assert quantization.nbytes == 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) + 2 * 4 * (
+        128 + 64 + 256 + 64
+    )
+
+
+@needs_kernels
+def test_int8_greedy_output_is_the_same_in_any_batch(tiny_model_dir, cache):
+    """float32 activations: a request's tokens do not depend on the batch it shares (per-row sums
+    in a fixed order), here alone, four together, and with chunked prefill through 2-row steps."""
+    path = str(tiny_model_dir("llama"))
+    llm = LLM(path, dtype="float32", device="cpu", quantization="int8", kernels="native")
+    together = _tokens(llm, PROMPTS)
+    alone = [_tokens(llm, [p])[0] for p in PROMPTS]
+    small = LLM(path, dtype="float32", device="cpu", quantization="int8", kernels="native", max_num_seqs=2,
+                max_num_batched_tokens=8, enable_prefix_caching=False)  # fmt: skip
+    assert together == alone == _tokens(small, PROMPTS)
+
+
+@needs_kernels
+def test_int8_teacher_forced_top1_agrees_with_the_float_model(tiny_model_dir, cache):
+    """The next-token argmax at every position of a fixed text, quantized against unquantized: the
+    prompts are the text's prefixes, one generated token each."""
+    path = str(tiny_model_dir("llama"))
+    runs = {}
+    for method in ("none", "int8"):
+        llm = LLM(path, dtype="float32", device="cpu", quantization=method, kernels="native", max_num_seqs=64)
+        ids = llm.get_tokenizer()(" ".join(["The quick brown fox jumps over the lazy dog."] * 12))[
+            "input_ids"
+        ]
+        prompts = [{"prompt_token_ids": ids[:i]} for i in range(1, 101)]
+        runs[method] = [t[0] for t in _tokens(llm, prompts, max_tokens=1)]
+    agree = sum(a == b for a, b in zip(runs["none"], runs["int8"], strict=True)) / len(runs["none"])
+    assert agree >= 0.98, agree
+
+
+@needs_kernels
+def test_a_second_start_reads_the_quantized_cache(tiny_model_dir, cache):
+    path = str(tiny_model_dir("llama"))
+    first = LLM(path, dtype="float32", device="cpu", quantization="int8", kernels="native")
+    assert first.llm_engine.runner.quantization.source == "quantized at load"
+    files = list((cache / "quantized").glob("*-int8-float32-*.safetensors"))
+    assert len(files) == 1
+    second = LLM(path, dtype="float32", device="cpu", quantization="int8", kernels="native")
+    quantization = second.llm_engine.runner.quantization
+    assert quantization.source == "from the cache" and "from the cache" in second.llm_engine.start_line
+    for name, weight in first.llm_engine.runner.quantization.weights.items():
+        assert torch.equal(quantization.weights[name].qweight, weight.qweight)
+    assert _tokens(first, PROMPTS) == _tokens(second, PROMPTS)
+    files[0].write_bytes(b"damaged")  # a damaged file is quantized again, and rewritten
+    third = LLM(path, dtype="float32", device="cpu", quantization="int8", kernels="native")
+    assert third.llm_engine.runner.quantization.source == "quantized at load"
+    assert _tokens(third, PROMPTS) == _tokens(first, PROMPTS)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@needs_kernels
+def test_int8_under_each_kernel_mode_runs_the_quantized_weights(tiny_model_dir, cache, kernels):
+    """ "auto" times the quantized candidates beside the float ones on the dequantized weights (all
+    of them checked against the same reference), "reference" runs plain torch on the dequantized
+    weights: the greedy tokens are the native int8 kernel's."""
+    path = str(tiny_model_dir("llama"))
+    native = LLM(path, dtype="float32", device="cpu", quantization="int8", kernels="native")
+    other = LLM(path, dtype="float32", device="cpu", quantization="int8", kernels=kernels)
+    if kernels == "auto":  # the decoder's shapes are timed as int8 ones, the LM head's as float
+        shapes = set(other.llm_engine.runner.kernel_choice.linears)
+        assert {s for s in shapes if not s.startswith("49152x")} == {
+            "128x64/int8@2048", "64x64/int8@2048", "256x64/int8@2048", "64x128/int8@2048"
+        }  # fmt: skip
+    assert set(other.llm_engine.runner.quantization.weights) == set(
+        native.llm_engine.runner.quantization.weights
+    )
+    assert _tokens(native, PROMPTS) == _tokens(other, PROMPTS)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF Q8_0
+
+
+def _write_q8_0_gguf(hf_dir: Path, tokenizer_gguf: Path, out: Path) -> None:
+    """`hf_dir`'s tiny Llama as a GGUF file, written as llama.cpp's converter writes one: q/k rows
+    permuted for its rotary layout, every decoder linear in Q8_0, the rest float32, the tokenizer
+    fields of the default model's GGUF (the tiny models share its tokenizer)."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(hf_dir / "model.safetensors")
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = GGUFWriter(out, "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(config["vocab_size"])
+    for name, field in GGUFReader(tokenizer_gguf).fields.items():
+        if name.startswith("tokenizer."):
+            sub_type = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+
+    def permute(w: torch.Tensor, n: int) -> torch.Tensor:
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip
+    writer.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"].numpy())
+    writer.add_tensor("output_norm.weight", tensors["model.norm.weight"].numpy())
+    writer.add_tensor("output.weight", tensors["lm_head.weight"].numpy())
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}."
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", tensors[prefix + "input_layernorm.weight"].numpy())
+        writer.add_tensor(
+            f"blk.{i}.ffn_norm.weight", tensors[prefix + "post_attention_layernorm.weight"].numpy()
+        )
+        for hf, gg in names.items():
+            part = "self_attn" if hf.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            weight = tensors[f"{prefix}{part}.{hf}.weight"]
+            if hf in ("q_proj", "k_proj"):
+                weight = permute(weight, heads if hf == "q_proj" else kv_heads)
+            blocks = Q8_0Weight.quantize(weight).blocks.numpy()
+            writer.add_tensor(f"blk.{i}.{gg}.weight", blocks, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def q8_0_gguf(tiny_model_dir, default_model_files, tmp_path_factory) -> Path:
+    if default_model_files.gguf is None:
+        pytest.skip("the default model is not a GGUF file here")
+    path = tmp_path_factory.mktemp("gguf") / "tiny.Q8_0.gguf"
+    _write_q8_0_gguf(tiny_model_dir("llama"), default_model_files.gguf, path)
+    return path
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_q8_0_runs_its_blocks_as_the_dequantized_model_does(q8_0_gguf, cache, dtype):
+    """ "auto" keeps every decoder linear's Q8_0 blocks (each checked to dequantize to the converted
+    weight, which also checks the q/k row order) and runs the Q8_0 kernel on them; "none" runs the
+    dequantized floats: the logits agree within the kernels' tolerance, the greedy tokens too."""
+    blocks = LLM(str(q8_0_gguf), dtype=dtype, device="cpu", quantization="auto", kernels="native")
+    floats = LLM(str(q8_0_gguf), dtype=dtype, device="cpu", quantization="none", kernels="native")
+    quantization = blocks.llm_engine.runner.quantization
+    assert quantization.method == "gguf" and len(quantization.weights) == 8
+    assert all(isinstance(w, Q8_0Weight) for w in quantization.weights.values())
+    assert isinstance(blocks.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj, Q8_0Linear)
+    assert blocks.llm_engine.start_line.startswith("quantization q8_0 (8 linears")
+    assert floats.llm_engine.runner.quantization.weights == {}
+    for name, linear in decoder_linears(floats.llm_engine.runner.model).items():
+        stored = quantization.weights[name].dequantize().to(linear.weight.dtype)
+        assert torch.equal(stored, linear.weight.detach()), name
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+    a, b = blocks.generate(PROMPTS, params), floats.generate(PROMPTS, params)
+    tolerance = 1e-4 if dtype == "float32" else 5e-2
+    for x, y in zip(a, b, strict=True):
+        if dtype == "float32":
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        first_x, first_y = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
+        for token, logprob in first_y.items():
+            if token in first_x:
+                assert abs(first_x[token].logprob - logprob.logprob) <= tolerance
+
+
+def test_int8_weight_of_a_gguf_file_is_quantized_from_its_floats(q8_0_gguf, cache):
+    """ "int8" on a GGUF file quantizes the dequantized floats per channel (its own blocks unused)."""
+    llm = LLM(str(q8_0_gguf), dtype="float32", device="cpu", quantization="int8", kernels="reference")
+    weights = llm.llm_engine.runner.quantization.weights
+    assert len(weights) == 8 and all(isinstance(w, Int8Weight) for w in weights.values())
+    assert np.isfinite(
+        llm.llm_engine.runner.model.model.layers[0].mlp.down_proj.weight.detach().numpy()
+    ).all()

@@ -7,7 +7,6 @@ one token batch with no padding: `input_ids[T]`, `positions[T]`, `slot_mapping[T
 
 from __future__ import annotations
 
-import itertools
 import math
 import mmap
 import time
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from batchgen.model.attention import AttentionMetadata, select_backend
+from batchgen.model.flat_step import flatten_step
 from batchgen.model.kernel_choice.choice import KernelChoice, apply_kernels
 from batchgen.model.layers import RotaryEmbedding, attention_heads
 from batchgen.model.llama import LlamaForCausalLM
@@ -185,63 +185,9 @@ class ModelRunner:
     def prepare(
         self, seqs: list[StepInput]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flatten the step: (input_ids [T], positions [T], metadata, logits_indices [B']), B' the
-        sum of the sequences' `num_sampled`.
-
-        One pass over the sequences collects their lengths, tokens and block tables; the rest is
-        numpy on whole arrays (a Python loop a sequence cost 6-8 us each at 256 rows)."""
-        bs, n = self.block_size, len(seqs)
-        query_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)
-        starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
-        table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
-        num_sampled = np.fromiter((s.num_sampled for s in seqs), dtype=np.int64, count=n)
-        seq_lens = starts + query_lens
-        num_tokens = int(query_lens.sum())
-        input_ids = np.fromiter(
-            itertools.chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=num_tokens
-        )
-        query_start_loc = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        seq_index = np.repeat(np.arange(n), query_lens)
-        positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_index] + starts[seq_index]
-        block_tables = np.zeros((n, int(table_lens.max())), dtype=np.int32)
-        # Row-major order of the mask is the order of the chained tables.
-        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(s.block_table for s in seqs),
-            dtype=np.int32,
-            count=int(table_lens.sum()),
-        )
-        slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-        # A sequence with draft tokens needs logits at its last `num_draft_tokens + 1` positions.
-        sampled_before = np.repeat(np.cumsum(num_sampled) - num_sampled, num_sampled)
-        logits_indices = (
-            np.repeat(query_start_loc[1:] - num_sampled, num_sampled)
-            + np.arange(int(num_sampled.sum()))
-            - sampled_before
-        )
-        decodes = (query_lens == 1) & np.fromiter((s.sample for s in seqs), dtype=bool, count=n)
-        num_decodes = n if decodes.all() else int(np.argmin(decodes))  # the leading run of decodes
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            num_decodes=num_decodes,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=query_lens.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            verifies_drafts=bool((num_sampled > 1).any()),
-        )
-        # Known here, on the host: a backend that asked the device would sync once a step.
-        meta.scratch["all_slots_valid"] = bool((slot_mapping >= 0).all())
-        return (
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            meta,
-            torch.from_numpy(logits_indices.astype(np.int64)).to(dev),
-        )
+        """Flatten the step (`flat_step.flatten_step`): (input_ids [T], positions [T], metadata,
+        logits_indices [B']), B' the sum of the sequences' `num_sampled`."""
+        return flatten_step(seqs, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, seqs: list[StepInput]) -> StepOutput:

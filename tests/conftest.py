@@ -31,7 +31,10 @@ from batchgen.stop_signals import STOP_SIGNALS
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral_window", "smollm3", "phi3", "gemma2", "gemma3")
+# The tiny models' sliding window in tokens: shorter than most test prompts, so the window bites in
+# prefill, in chunked prefill, after a cached prefix and in decode.
+TINY_WINDOW = 8
 
 # Special tokens of the default model's tokenizer: 0 <|endoftext|>, 1 <|im_start|>, 2 <|im_end|>.
 _BOS, _EOS, _END_OF_TEXT = 1, 2, 0
@@ -93,6 +96,9 @@ def _tiny_config(arch: str):
     """Config of a tiny model (hidden 64, 2 layers) exercising one feature of each architecture."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+    if arch.startswith("gemma"):
+        return _tiny_gemma_config(arch)
+
     common = dict(
         vocab_size=_VOCAB,
         hidden_size=64,
@@ -135,7 +141,95 @@ def _tiny_config(arch: str):
     if arch == "mistral":
         # One KV head (MQA); sliding_window 4096 > max_position_embeddings, so it never applies.
         return MistralConfig(**common, num_key_value_heads=1, architectures=["MistralForCausalLM"])
+    if arch == "mistral_window":
+        # Every layer slides over TINY_WINDOW tokens (GQA 4/2).
+        return MistralConfig(
+            **common, num_key_value_heads=2, sliding_window=TINY_WINDOW, architectures=["MistralForCausalLM"]
+        )
+    if arch == "phi3":
+        from transformers import Phi3Config
+
+        # LongRoPE with an original length of 48 tokens: test_fidelity's 80-token prompt runs on the
+        # long factors, the others (at most 23 tokens + 24 outputs) on the short ones; none crosses
+        # 48 while decoding (transformers then recomputes the whole cache, batchgen does not:
+        # `batchgen.model.phi`). A partial rotary (12 of 16 dims, as Phi-4-mini's 0.75), a window.
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0],
+            "original_max_position_embeddings": 48,
+        }
+        return Phi3Config(
+            **common,
+            num_key_value_heads=2,
+            rope_parameters=rope,
+            original_max_position_embeddings=48,
+            sliding_window=TINY_WINDOW,
+            # Weights 5x the default scale: attention logits large enough for the rotary to matter.
+            initializer_range=0.1,
+            architectures=["Phi3ForCausalLM"],
+        )
+    if arch == "smollm3":
+        from transformers import SmolLM3Config
+
+        # The second layer has no rotary (NoPE) and slides over TINY_WINDOW tokens (SmolLM3 gives
+        # its sliding windows to the NoPE layers); the first is global with rotary.
+        return SmolLM3Config(
+            **common,
+            num_key_value_heads=2,
+            no_rope_layers=[1, 0],
+            use_sliding_window=True,
+            sliding_window=TINY_WINDOW,
+            # Weights 15x the default scale: the NoPE layer changes 8 of test_fidelity's 8 greedy
+            # outputs against rotary everywhere (at 0.02, none).
+            initializer_range=0.3,
+            architectures=["SmolLM3ForCausalLM"],
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; choose from {', '.join(TINY_ARCHS)}")
+
+
+def _tiny_gemma_config(arch: str):
+    """Gemma 2 or Gemma 3 text, hidden 64, 2 layers (one sliding over TINY_WINDOW tokens, one
+    global), 4 query heads over 2 KV heads of 16, query_pre_attn_scalar 24 (not head_dim, so the
+    scale is tested). Gemma 2: weights 5x the default scale and an attention softcap of 0.5, so the
+    cap changes 5 of test_fidelity's 8 greedy outputs (at scale 0.02 and cap 2.0, none); final
+    softcap 30 (monotonic: it changes log probabilities, not greedy tokens). Gemma 3: q/k norms,
+    local base 10,000 and a global base of 1,000,000 with linear scaling (factor 4), as the real
+    models have (local against global bases change all 8 outputs)."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    common = dict(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        max_position_embeddings=2048,
+        sliding_window=TINY_WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        bos_token_id=_BOS,
+        eos_token_id=_EOS,
+        pad_token_id=_EOS,
+        dtype=torch.float32,
+    )
+    if arch == "gemma2":
+        return Gemma2Config(
+            **common,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=30.0,
+            initializer_range=0.1,
+            architectures=["Gemma2ForCausalLM"],
+        )
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+    }
+    return Gemma3TextConfig(**common, rope_parameters=rope, architectures=["Gemma3ForCausalLM"])
 
 
 @pytest.fixture(scope="session")
@@ -160,7 +254,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
     """Factory `tiny_model_dir(arch) -> Path` of a tiny random-weight model, built once per session.
 
     arch is one of "llama" (GQA 4/2 heads, llama3 rope scaling), "qwen2" (attention bias, tied
-    embeddings), "qwen3" (q/k norm, head_dim 32, tied) or "mistral" (one KV head). Every model has
+    embeddings), "qwen3" (q/k norm, head_dim 32, tied), "mistral" (one KV head), "mistral_window"
+    (every layer sliding over TINY_WINDOW tokens), "smollm3" (a NoPE layer, sliding), "phi3"
+    (LongRoPE, partial rotary, sliding), "gemma2" or
+    "gemma3" (`_tiny_gemma_config`). Every model has
     hidden size 64, 2 layers, intermediate size 128, max_position_embeddings 2048, float32 weights
     (seeded with `torch.manual_seed(0)`), the default model's tokenizer (vocab 49152, from
     `tokenizer_dir`), and a generation config whose eos ids are [2 (<|im_end|>), 0 (<|endoftext|>)].

@@ -79,7 +79,6 @@ def plan_engine(
     if config.max_model_len is not None and config.max_model_len > model_len:
         raise ValueError(
             f"max_model_len {config.max_model_len} exceeds the model's limit of {model_len} tokens"
-            f"{model_limit_reason(model_config)}"
         )
     capacity = num_blocks * config.block_size
     more_memory = "kv_cache_memory" + (" (or gpu_memory_utilization)" if device.type == "cuda" else "")
@@ -92,7 +91,7 @@ def plan_engine(
     max_model_len = min(config.max_model_len or model_len, capacity)
     note, fix = "", "shorten or truncate the prompt, or raise max_model_len"
     if max_model_len == model_len:  # at the model's own limit, raising max_model_len is no option
-        fix = f"shorten or truncate the prompt: {model_len} tokens is the model's limit{model_limit_reason(model_config)}"
+        fix = f"shorten or truncate the prompt: {model_len} tokens is the model's limit"
     elif config.max_model_len is None:  # lowered to what the cache holds
         note = (
             f" (lowered from the model's {model_len}: the KV cache holds only {capacity} tokens; "
@@ -200,37 +199,10 @@ def check_fits_in_memory(cache_bytes: int) -> None:
 
 
 def model_max_len(config: PretrainedConfig) -> int:
-    """The longest sequence the model serves exactly: `max_position_embeddings` (2048 if unset),
-    within a Mistral sliding window (sliding-window attention is not implemented)."""
-    limit = _position_limit(config)
-    window = sliding_window(config)
-    return int(min(limit, window) if window else limit)
-
-
-def _position_limit(config: PretrainedConfig) -> int:
-    """`max_position_embeddings`, 2048 where the config does not say."""
-    return getattr(config, "max_position_embeddings", None) or 2048
-
-
-def sliding_window(config: PretrainedConfig) -> int | None:
-    """The config's attention window in tokens where the model uses one (Mistral, Qwen2 with
-    `use_sliding_window`), else None. Sliding-window attention is not implemented, so sequences
-    stay inside the window and outputs stay exact."""
-    window = getattr(config, "sliding_window", None)
-    if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
-        return int(window)
-    return None
-
-
-def model_limit_reason(config: PretrainedConfig) -> str:
-    """Why `model_max_len(config)` is what it is, for messages: the sliding window when it decides."""
-    window = sliding_window(config)
-    if window and window < _position_limit(config):
-        return (
-            f" (its sliding_window: batchgen does not implement sliding-window attention, so a sequence "
-            f"stays within the {window}-token window)"
-        )
-    return ""
+    """The longest sequence the model serves exactly: `max_position_embeddings` (2048 if unset).
+    A sliding window does not limit it: its layers attend to their window only
+    (`batchgen.model.layers.layer_windows`), as transformers' do."""
+    return int(getattr(config, "max_position_embeddings", None) or 2048)
 
 
 def num_parameters(config: PretrainedConfig) -> int:

@@ -36,6 +36,7 @@ def step_inputs(sched: SchedulerOutput) -> list[StepInput]:
             StepInput(
                 token_ids=r.token_ids[item.start : item.start + item.num_new_tokens - len(drafts)] + drafts,
                 start=item.start,
+                num_prompt_tokens=r.num_prompt_tokens,
                 block_table=r.block_table,
                 sample=item.samples,
                 num_draft_tokens=len(drafts),

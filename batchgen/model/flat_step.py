@@ -65,6 +65,7 @@ def flatten_step(
         query_lens_cpu=query_lens.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
         verifies_drafts=bool((num_sampled > 1).any()),
+        prompt_lens_cpu=[s.num_prompt_tokens for s in seqs],
     )
     # Known here, on the host: a backend that asked the device would sync once a step.
     meta.scratch["all_slots_valid"] = bool((slot_mapping >= 0).all())

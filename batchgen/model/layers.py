@@ -85,16 +85,23 @@ def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
     return params
 
 
-def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(
+    config: PretrainedConfig, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
     """Rotary inverse frequencies `[head_dim // 2]` float32 and the cos/sin scale factor.
 
     The default rule is RoFormer's (Su et al. 2021); scaled variants (llama3, linear, yarn, ...) come
-    from transformers' own `ROPE_INIT_FUNCTIONS`, so they match the reference exactly.
+    from transformers' own `ROPE_INIT_FUNCTIONS`, so they match the reference exactly. `layer_type`
+    ("sliding_attention" or "full_attention") picks one of a config whose `rope_parameters` hold
+    one set per layer type (Gemma 3's local and global bases).
 
     Raises:
         ValueError: for "dynamic" scaling, whose frequencies change with the sequence length.
     """
     params = rope_parameters(config)
+    if layer_type is not None:
+        params = dict(params[layer_type])
+        params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     rope_type = params["rope_type"]
     if rope_type == "default":
         base = float(params["rope_theta"])
@@ -106,6 +113,9 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     init = ROPE_INIT_FUNCTIONS[rope_type]
+    if layer_type is not None:
+        inv_freq, scale = init(config, None, layer_type=layer_type)
+        return inv_freq.float(), float(scale)
     try:
         inv_freq, scale = init(config)
     except TypeError:  # transformers 4.x: init(config, device)
@@ -116,16 +126,20 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding tables (RoFormer, Su et al. 2021), as Hugging Face applies them.
 
-    cos/sin are precomputed in float32 for `max_positions` positions (`[max_positions, head_dim]`)
-    and cast to the activation dtype when used, exactly as the reference does per call.
+    cos/sin are precomputed in float32 for `max_positions` positions (`[max_positions, R]`, R the
+    rotary dims: `head_dim` times the config's `partial_rotary_factor`, Phi-4-mini's 0.75) and cast
+    to the activation dtype when used, exactly as the reference does per call.
     """
 
-    cos: torch.Tensor  # buffers `[max_positions, head_dim]` float32
+    cos: torch.Tensor  # buffers `[max_positions, R]` float32
     sin: torch.Tensor
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, max_positions: int, layer_type: str | None = None
+    ) -> None:
         super().__init__()
-        inv_freq, scale = inverse_frequencies(config, head_dim)
+        factor = rope_parameters(config).get("partial_rotary_factor") or 1.0
+        inv_freq, scale = inverse_frequencies(config, int(head_dim * float(factor)), layer_type)
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -133,13 +147,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[T, 1, head_dim]` for int64 positions `[T]`, in `dtype`; computed once a step."""
+        """cos and sin `[T, 1, R]` for int64 positions `[T]`, in `dtype`; computed once a step."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate x `[T, H, D]` (queries and keys together) by the step's (cos, sin) `[T, 1, D]`."""
+    """Rotate x `[T, H, D]` (queries and keys together) by the step's (cos, sin) `[T, 1, R]`: its
+    first R dims (all of them unless the rotary is partial, R < D; the rest pass unchanged)."""
     cos, sin = cos_sin
+    if cos.shape[-1] < x.shape[-1]:
+        rotary_dims = cos.shape[-1]
+        return torch.cat((apply_rotary(x[..., :rotary_dims], cos_sin), x[..., rotary_dims:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -180,26 +198,76 @@ def attention_heads(config: PretrainedConfig) -> tuple[int, int, int]:
     return num_heads, num_kv_heads, head_dim
 
 
+def layer_rotary(config: PretrainedConfig) -> list[bool]:
+    """Whether each decoder layer rotates its queries and keys: all of them, except where
+    SmolLM3's `no_rope_layers` holds 0 (its NoPE layers)."""
+    flags = getattr(config, "no_rope_layers", None)
+    if not flags:
+        return [True] * int(config.num_hidden_layers)
+    return [bool(flag) for flag in flags]
+
+
+def layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each decoder layer's sliding attention window in tokens, None for a global layer.
+
+    As transformers reads them: `layer_types` ("sliding_attention" layers get `sliding_window`;
+    Gemma 2/3 interleave them, Qwen2/3 with `use_sliding_window` slide from `max_window_layers`
+    on), or, for Mistral and Phi-3 (no `layer_types`), `sliding_window` on every layer.
+    """
+    layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return [None] * layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [int(window) if t == "sliding_attention" else None for t in types]
+    if config.model_type in ("mistral", "phi3"):
+        return [int(window)] * layers
+    return [None] * layers
+
+
 class Attention(nn.Module):
-    """Self-attention with fused QKV, optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3).
+    """Self-attention with fused QKV, optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3;
+    Gemma 3 passes its own norm class as `qk_norm`).
 
     forward(hidden `[T, hidden]`, the step's rotary (cos, sin), kv cache pair, metadata) -> `[T, hidden]`.
+    `window` (tokens, None: global) and `softcap` (Gemma 2's attention logit cap) go to the
+    backend with every call; `scale` overrides the softmax scale `head_dim ** -0.5`; `rotary`
+    False leaves queries and keys unrotated (SmolLM3's NoPE layers).
+
+    Raises:
+        ValueError: from `backend.check_layer`, where the backend cannot run this layer.
     """
 
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        window: int | None = None,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
+        qk_norm: type[RMSNorm] | None = None,
+        rotary: bool = True,
+    ) -> None:
         super().__init__()
+        self.rotary = rotary
         self.num_heads, self.num_kv_heads, self.head_dim = attention_heads(config)
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else scale
+        backend.check_layer(window, softcap)
+        self.window, self.softcap = window, softcap
         qkv_bias = bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = nn.Linear(
             q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False))
         )
-        self.qk_norm = config.model_type == "qwen3"
-        if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend.fused_cpu_ops)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend.fused_cpu_ops)
+        if qk_norm is None and config.model_type == "qwen3":
+            qk_norm = RMSNorm
+        self.qk_norm = qk_norm is not None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps, backend.fused_cpu_ops)
+            self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps, backend.fused_cpu_ops)
         self.backend = backend
         self.q_size, self.kv_size = q_size, kv_size
 
@@ -215,7 +283,13 @@ class Attention(nn.Module):
             qk = torch.cat(
                 (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
             )
-        if self.backend.fused_cpu_ops and cpu_ops.bf16_ops_apply(qk):
+        if not self.rotary:
+            return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+        if (
+            self.backend.fused_cpu_ops
+            and cpu_ops.bf16_ops_apply(qk)
+            and cos_sin[0].shape[-1] == self.head_dim
+        ):
             q, k = cpu_ops.rotary_bf16(qk, *cos_sin, self.num_heads)
             return q, k, v
         # One rotation for queries and keys together: half the element-wise passes.
@@ -231,7 +305,9 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Store the step's K/V and attend: `[T, Hq, D]`, `[T, Hkv, D]`, `[T, Hkv, D]` -> `[T, Hq * D]`."""
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap
+        )
         return out.reshape(-1, self.q_size)
 
     def forward(
@@ -245,16 +321,35 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(q, k, v, kv_cache, meta))
 
 
+# Gate activations of the gated MLP by Hugging Face name: SwiGLU ("silu", "swish") and Gemma's
+# GeGLU with the tanh approximation of GELU ("gelu_pytorch_tanh").
+GATE_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer") with one fused
-    gate/up matmul: `[T, hidden_size]` -> `[T, 2 * intermediate_size]` -> SiLU(gate) * up
-    `[T, intermediate_size]` -> `[T, hidden_size]`, in the input's dtype."""
+    """Gated feed-forward (Shazeer 2020, "GLU Variants Improve Transformer") with one fused
+    gate/up matmul: `[T, hidden_size]` -> `[T, 2 * intermediate_size]` -> act(gate) * up
+    `[T, intermediate_size]` -> `[T, hidden_size]`, in the input's dtype. `activation` is one of
+    `GATE_ACTIVATIONS`: SiLU (SwiGLU, with the C kernels' fused paths) or tanh-GELU (GeGLU, torch).
+
+    Raises:
+        ValueError: an activation not in `GATE_ACTIVATIONS`.
+    """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, c_ops: bool = False
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        c_ops: bool = False,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
-        self.c_ops = c_ops  # SiLU-and-multiply in C for bf16 on CPU (the "cpu" attention backend)
+        if activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {', '.join(GATE_ACTIVATIONS)}; got {activation!r}")
+        self.gelu = activation == "gelu_pytorch_tanh"
+        # SiLU-and-multiply in C for bf16 on CPU (the "cpu" attention backend); SwiGLU only
+        self.c_ops = c_ops and not self.gelu
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.intermediate_size = intermediate_size
@@ -270,4 +365,6 @@ class MLP(nn.Module):
         if self.c_ops and _c_rows(gate_up):
             return self.down_proj(cpu_ops.silu_mul_bf16(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.gelu:
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(F.silu(gate) * up)

@@ -1,8 +1,11 @@
-"""One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3 and SmolLM.
+"""One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3 and SmolLM 2/3.
 
 The differences between these architectures are a few switches read from the Hugging Face config:
 GQA (`num_key_value_heads`), tied embeddings, QKV bias (Qwen2), per-head q/k norm (Qwen3), explicit
-`head_dim` and the rotary scaling rule (llama3 and friends).
+`head_dim`, the rotary scaling rule (llama3 and friends), sliding-window layers (Mistral's
+`sliding_window`, Qwen2/3's `use_sliding_window`; `layers.layer_windows`) and layers without
+rotary (SmolLM3's `no_rope_layers`; `layers.layer_rotary`). Other families
+(`gemma`) subclass `LlamaForCausalLM` and reuse its weight loading and step.
 """
 
 from __future__ import annotations
@@ -14,14 +17,23 @@ import torch
 from torch import nn
 
 from batchgen.model.attention.base import AttentionBackend, AttentionMetadata
-from batchgen.model.layers import MLP, Attention, MergedLinear, RMSNorm, RotaryEmbedding, attention_heads
+from batchgen.model.layers import (
+    MLP,
+    Attention,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    attention_heads,
+    layer_rotary,
+    layer_windows,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from batchgen.kernels.cpu.stack import DecoderStack
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
 
 # Hugging Face projection name -> (our fused module, shard index)
 _FUSED = {
@@ -37,9 +49,15 @@ class DecoderLayer(nn.Module):
     """One pre-norm decoder layer: RMSNorm -> attention -> residual add -> RMSNorm -> SwiGLU MLP ->
     residual add, on `[T, hidden_size]` rows in the model's dtype."""
 
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        window: int | None = None,
+        rotary: bool = True,
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, window, rotary=rotary)
         c_ops = backend.fused_cpu_ops
         self.mlp = MLP(
             config.hidden_size,
@@ -111,7 +129,10 @@ class LlamaModel(nn.Module):
         _, _, head_dim = attention_heads(config)
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, window, rotary)
+            for window, rotary in zip(layer_windows(config), layer_rotary(config), strict=True)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.fused_cpu_ops)
 
 
@@ -142,6 +163,9 @@ class LlamaForCausalLM(nn.Module):
         # All layers of a step in one C call (`cpu_stack.DecoderStack`), set by the runner once the
         # linears are packed where it applies; None runs the layers one by one.
         self.decoder_stack: DecoderStack | None = None
+        # Whether the stack's C code computes this model's layers (its rotary is the full-width
+        # table of `rotary_cos_sin`; a family that differs sets False).
+        self.fits_decoder_stack = True
 
     @torch.inference_mode()
     def forward(
@@ -165,7 +189,25 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             logits `[B', vocab_size]` in the model dtype (the sampler widens them when it needs to).
         """
-        return self.lm_head(self.final_hidden(input_ids, positions, kv_caches, meta, logits_indices))
+        return self.logits(self.final_hidden(input_ids, positions, kv_caches, meta, logits_indices))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits `[R, vocab_size]` of final-norm hidden states `[R, hidden_size]` (the
+        LM head; a family with a final logit cap applies it here)."""
+        return self.lm_head(hidden)
+
+    def rotary_cos_sin(
+        self, positions: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rotary cos and sin `[T, 1, R]` in `dtype` for int64 `positions` `[T]` (a
+        family whose rotary depends on more than the position reads `meta`)."""
+        return self.model.rotary.cos_sin(positions, dtype)
+
+    def rebuild_rotary(self, max_positions: int, device: torch.device) -> None:
+        """Build the rotary tables again, for real and in float32 as the reference does (the runner
+        builds the model on the meta device, where they hold nothing)."""
+        _, _, head_dim = attention_heads(self.config)
+        self.model.rotary = RotaryEmbedding(self.config, head_dim, max_positions).to(device)
 
     @torch.inference_mode()
     def final_hidden(
@@ -181,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         hidden_size]` in the model dtype, which `lm_head` turns into logits (a caller scoring many
         rows applies it a slice at a time)."""
         hidden = self.model.embed_tokens(input_ids)  # a new tensor: the layers add into it in place
-        cos_sin = self.model.rotary.cos_sin(positions, hidden.dtype)
+        cos_sin = self.rotary_cos_sin(positions, meta, hidden.dtype)
         row_chunk = prefill_row_chunk(self.config, hidden.dtype, hidden.device)
         if self.decoder_stack is not None and self.decoder_stack.takes(hidden, row_chunk):
             delta = self.decoder_stack(hidden, cos_sin, kv_caches, meta)
@@ -225,6 +267,10 @@ class LlamaForCausalLM(nn.Module):
                 )
             params[name].data.copy_(tensor)
             loaded.add(name)
+            # A checkpoint that stores a fused projection whole (Phi-3's qkv_proj, gate_up_proj, in
+            # our layout) fills every shard at once.
+            shards = getattr(self.get_submodule(name.rpartition(".")[0]), "shard_sizes", None)
+            loaded.update(f"{name}#{i}" for i in range(len(shards or ())))
         missing = []
         for pname, _ in self.named_parameters():
             module_name = pname.rpartition(".")[0]

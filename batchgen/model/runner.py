@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from batchgen.model.attention import AttentionMetadata, select_backend
+from batchgen.model.families import model_class
 from batchgen.model.flat_step import flatten_step
 from batchgen.model.kernel_choice.choice import KernelChoice, apply_kernels
-from batchgen.model.layers import RotaryEmbedding, attention_heads
+from batchgen.model.layers import attention_heads
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.quantization import Quantization
 from batchgen.model.sampler import SampleLogprobs, Sampler, SamplingBatch, TokenMasks, sample_logprobs
@@ -105,13 +106,12 @@ class ModelRunner:
             attention_backend = "torch"
         self.backend = select_backend(attention_backend, device)
         with torch.device("meta"):
-            model = LlamaForCausalLM(config, self.backend, max_positions)
+            model = model_class(config)(config, self.backend, max_positions)
         model = model.to_empty(device=device).to(dtype)
         if model.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        # Rotary tables were built on meta: rebuild them for real, and in float32 as the reference does.
         _, kv_heads, head_dim = attention_heads(config)
-        model.model.rotary = RotaryEmbedding(config, head_dim, max_positions).to(device)
+        model.rebuild_rotary(max_positions, device)
         model.load_weights(weights)
         self.quantization = quantize(model) if quantize is not None else Quantization()
         # Bytes of the weights a step reads once: the linears (quantized where they are; the LM head's
@@ -223,7 +223,7 @@ class ModelRunner:
             rows = torch.cat([logits_indices, torch.from_numpy(scored_rows).to(self.device)])
             hidden = self.model.final_hidden(input_ids, positions, self.kv_caches, meta, rows)
             # The sampled rows' logits as in a step without scoring (one LM head call of their own).
-            logits = self.model.lm_head(hidden[: len(logits_indices)])
+            logits = self.model.logits(hidden[: len(logits_indices)])
             scored = self._score(hidden[len(logits_indices) :], seqs)
         sampled = [s for s in seqs for _ in range(s.num_sampled)]
         forwarded = time.perf_counter()
@@ -287,7 +287,7 @@ class ModelRunner:
         found: list[SampleLogprobs] = []
         for lo in range(0, len(targets), SCORE_SLICE_ROWS):
             hi = lo + SCORE_SLICE_ROWS
-            found += sample_logprobs(self.model.lm_head(hidden[lo:hi]), targets[lo:hi], tops[lo:hi])
+            found += sample_logprobs(self.model.logits(hidden[lo:hi]), targets[lo:hi], tops[lo:hi])
         out: list[list[SampleLogprobs] | None] = []
         at = 0
         for s in seqs:

@@ -73,6 +73,8 @@ class StepInput:
             sequence, whose logits are computed at its sampled positions only.
         token_mask: the tokens the sampled token may be (`TokenMask`), None: any; never with draft
             tokens.
+        num_prompt_tokens: the sequence's prompt length (Phi-3's LongRoPE picks its frequencies by
+            it); 0 where the caller does not say (a benchmark's synthetic step).
     """
 
     token_ids: list[int]
@@ -90,6 +92,7 @@ class StepInput:
     logprobs: int | None = None
     scored: ScoredRows | None = None
     token_mask: TokenMask | None = None
+    num_prompt_tokens: int = 0
 
     @property
     def is_decode(self) -> bool:

@@ -36,6 +36,7 @@ def paged_decode_attention_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     check_bounds: bool = True,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence to its paged context, in place (no gather).
 
@@ -48,6 +49,9 @@ def paged_decode_attention_cpu(
         scale: softmax scale, usually `D ** -0.5`.
         check_bounds: check that every length and block id stays inside the tables and the cache
             (the kernel does not); a caller that calls once per layer with the same tables checks once.
+        window: a sliding-window layer's window in tokens: each query sees only the `window` keys
+            up to its own position (Hugging Face's `kv_idx > q_idx - sliding_window`), and blocks
+            wholly before that are not read; None sees the whole context.
 
     Returns:
         `[B, Hq, D]` in the query's dtype.
@@ -60,8 +64,29 @@ def paged_decode_attention_cpu(
     if check_bounds and query.shape[0]:
         check_table_bounds(k_cache, block_tables, seq_lens, min_len=1)
     return _launch(
-        lib.paged_decode_attention, "decode", query, k_cache, v_cache, block_tables, seq_lens, scale
+        lib.paged_decode_attention,
+        "decode",
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        extra=(window_arg(window),),
     )
+
+
+def window_arg(window: int | None) -> int:
+    """The C kernels' `window` argument: the window in tokens, 0 for none.
+
+    Raises:
+        ValueError: a window below 1.
+    """
+    if window is None:
+        return 0
+    if window < 1:
+        raise ValueError(f"window must be None or at least 1 token; got {window}")
+    return int(window)
 
 
 @functools.cache
@@ -111,6 +136,7 @@ def paged_prefill_attention_cpu(
     out: torch.Tensor | None = None,
     kernel: str = "c",
     short_chunks: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of prefill chunks to their paged context, in place (no gather).
 
@@ -137,6 +163,8 @@ def paged_prefill_attention_cpu(
         kernel: "c" (`csrc/paged_prefill_attention.c`) or "amx" (`csrc/amx_prefill_attention.c`,
             bf16 on AMX tiles, where `supports_prefill_amx`).
         short_chunks: route chunks of a few rows to the decode kernel's walk (above).
+        window: a sliding-window layer's window in tokens (as `paged_decode_attention_cpu`'s);
+            only the "c" kernel takes one.
 
     Returns:
         `[T, Hq, D]` in the query's dtype (`out` when given).
@@ -148,6 +176,8 @@ def paged_prefill_attention_cpu(
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if kernel not in ("c", "amx"):
         raise ValueError(f'kernel must be "c" or "amx"; got {kernel!r}')
+    if kernel == "amx" and window is not None:
+        raise ValueError('the "amx" prefill kernel has no sliding window; use kernel="c"')
     supported = supports_prefill if kernel == "c" else supports_prefill_amx
     lib = _checked_library(query, k_cache, v_cache, block_tables, seq_lens, num_seqs, supported)
     _check_chunk_arguments(query, query_starts, num_seqs, out)
@@ -165,7 +195,7 @@ def paged_prefill_attention_cpu(
         scale,
         query_starts,
         out=out,
-        extra=(int(short_chunks),),
+        extra=(int(short_chunks),) if kernel == "amx" else (int(short_chunks), window_arg(window)),
     )
 
 

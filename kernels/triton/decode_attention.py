@@ -102,6 +102,13 @@ def load_rows(
 
 
 @triton.jit
+def window_start(seq_len, window):
+    """The first key a sequence's last position sees: `seq_len - window` in a sliding window
+    (`window` > 0, Hugging Face's `kv_idx > q_idx - sliding_window`), else 0."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+
+
+@triton.jit
 def split_length(seq_len, num_splits, BLOCK_N: tl.constexpr):
     """Tokens per split of one sequence: an even share rounded up to whole tiles (>= one tile)."""
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -120,6 +127,7 @@ def _decode_kernel(
     part_lse_ptr,
     qk_scale,
     num_splits,
+    window,
     stride_qb,
     stride_qh,
     stride_ob,
@@ -143,12 +151,14 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Only the keys from `first` on are attended (a sliding window's), and only they are split.
+    first = window_start(seq_len, window)
     if SPLIT:
-        per_split = split_length(seq_len, num_splits, BLOCK_N)
-        start = split * per_split
+        per_split = split_length(seq_len - first, num_splits, BLOCK_N)
+        start = first + split * per_split
         end = tl.minimum(start + per_split, seq_len)
     else:
-        start = 0
+        start = first
         end = seq_len
 
     heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
@@ -203,6 +213,7 @@ def _decode_reduce_kernel(
     seq_lens_ptr,
     out_ptr,
     num_splits,
+    window,
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
@@ -214,7 +225,8 @@ def _decode_reduce_kernel(
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     # Only the splits that held tokens wrote partials; this count mirrors the decode kernel's ranges.
-    num_active = tl.cdiv(seq_len, split_length(seq_len, num_splits, BLOCK_N))
+    attended = seq_len - window_start(seq_len, window)
+    num_active = tl.cdiv(attended, split_length(attended, num_splits, BLOCK_N))
     splits = tl.arange(0, SPLITS_PAD)
     active = splits < num_active
     part = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits + splits
@@ -230,6 +242,19 @@ def _decode_reduce_kernel(
     o = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     out = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def check_window(window: int | None) -> int:
+    """The kernels' `window` argument: the window in tokens, 0 for none.
+
+    Raises:
+        ValueError: a window that is not None or an int >= 1.
+    """
+    if window is None:
+        return 0
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be None or an int >= 1; got {window!r}")
+    return window
 
 
 @functools.cache
@@ -281,6 +306,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -300,6 +326,8 @@ def paged_decode_attention(
             `max_blocks * block_size`, an upper bound known without a device sync.
         out: optional `[B, Hq, D]` tensor of the query's dtype to write into (head_dim stride 1).
         config: tile overrides (`BLOCK_N`, `num_warps`, `num_stages`) for benchmarking.
+        window: a sliding-window layer's window in tokens: each query sees only its last `window`
+            keys (its own included), and the blocks before them are not read; None: all of them.
 
     Returns:
         `[B, Hq, D]` in the query's dtype (`out` when given). Softmax and accumulation are float32.
@@ -337,6 +365,7 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be None or an int in [1, {MAX_SPLITS}]; got {num_splits!r}")
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 0):
         raise ValueError(f"max_seq_len must be None or an int >= 0; got {max_seq_len!r}")
+    window_arg = check_window(window)
     tensors = {
         "query": query,
         "k_cache": k_cache,
@@ -360,6 +389,7 @@ def paged_decode_attention(
     cfg.update(config or {})
     if num_splits is None:
         longest = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
+        longest = longest if window is None else min(longest, window)
         num_splits = choose_num_splits(batch, num_kv_heads, longest, num_sms(device))
     group = num_q_heads // num_kv_heads
     head_dim_pad = padded_dim(head_dim)
@@ -385,6 +415,7 @@ def paged_decode_attention(
             part_lse,
             float(scale) * LOG2E,
             num_splits,
+            window_arg,
             query.stride(0),
             query.stride(1),
             out.stride(0),
@@ -413,7 +444,7 @@ def paged_decode_attention(
         launch(
             _decode_reduce_kernel,
             (batch, num_q_heads),
-            (part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1)),
+            (part_out, part_lse, seq_lens, out, num_splits, window_arg, out.stride(0), out.stride(1)),
             dict(
                 HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=head_dim_pad,

@@ -9,7 +9,8 @@ One program computes BLOCK_M query rows of one head of one sequence with FlashAt
 softmax (Dao 2023, https://arxiv.org/abs/2307.08691), accumulating in float32. K/V tiles of BLOCK_N
 tokens are gathered through the block table (PagedAttention, Kwon et al. 2023,
 https://arxiv.org/abs/2309.06180). Tiles entirely before the row block's first position need no mask;
-only the tiles on the causal diagonal are masked.
+only the tiles on the causal diagonal are masked. In a sliding window (`window`) every tile from the
+block's first window on is masked, and the tiles before it are not read.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.triton.decode_attention import LOG2E, load_rows, mma, paged_rows
+from batchgen.kernels.triton.decode_attention import LOG2E, check_window, load_rows, mma, paged_rows
 from batchgen.kernels.triton.store_kv_cache import (
     FLOAT_DTYPES,
     check_device,
@@ -41,6 +42,7 @@ def _attend_tile(
     l_i,
     tile_start,
     positions,
+    row_lo,
     seq_len,
     table,
     k_cache_ptr,
@@ -60,7 +62,8 @@ def _attend_tile(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One online-softmax step of a query block over the K/V tile starting at `tile_start`."""
+    """One online-softmax step of a query block over the K/V tile starting at `tile_start`; a row
+    sees the keys after `row_lo` (its window's start - 1) up to its position."""
     tokens = tile_start + tl.arange(0, BLOCK_N)
     token_mask = tokens < seq_len
     rows = paged_rows(
@@ -70,13 +73,15 @@ def _attend_tile(
     v = load_rows(v_cache_ptr, rows, token_mask, dims, HEAD_DIM, HEAD_DIM_PAD, MASKED)
     s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION, UPCAST) * qk_scale
     if MASKED:
-        allowed = (tokens[None, :] <= positions[:, None]) & token_mask[None, :]
-        s = tl.where(allowed, s, float("-inf"))
-    # Each row sees at least one allowed key in its first tile (the unmasked tiles come first, and a
-    # diagonal tile starts at or before the block's first position), so m_new is finite.
+        allowed = (tokens[None, :] <= positions[:, None]) & (tokens[None, :] > row_lo[:, None])
+        s = tl.where(allowed & token_mask[None, :], s, float("-inf"))
+    # Without a window each row sees a key in its first tile (the unmasked tiles come first, and a
+    # diagonal tile starts at or before the block's first position); in a window a row may see none
+    # of a tile yet, so a maximum still -inf counts as 0 (exp2(-inf) = 0, no NaN).
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = mma(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
     return acc, m_new, l_i
@@ -92,6 +97,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     out_ptr,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -132,14 +138,20 @@ def _prefill_kernel(
     # Keys before the block's first position are visible to every row: no mask. Tiles from there to
     # the block's last position straddle the causal diagonal. A block past the chunk does nothing.
     active = first_row < query_len
+    # A sliding window: every row's keys after row_lo; the tiles start at the first row's window (not
+    # rounded down to a tile: no key before every window is read) and are all masked. Else row_lo
+    # is -1 and the keys from 0 to the diagonal need no mask.
+    row_lo = tl.where(window > 0, positions - window, -1)
+    lo = tl.where(window > 0, tl.maximum(prefix + first_row - window + 1, 0), 0)
     diagonal = tl.where(active, (prefix + first_row) // BLOCK_N * BLOCK_N, 0)
+    diagonal = tl.where(window > 0, lo, diagonal)
     end = tl.where(active, tl.minimum(seq_len, prefix + first_row + BLOCK_M), 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_btb
-    for tile_start in range(0, diagonal, BLOCK_N):
+    for tile_start in range(lo, diagonal, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q,
             acc,
@@ -147,6 +159,7 @@ def _prefill_kernel(
             l_i,
             tile_start,
             positions,
+            row_lo,
             seq_len,
             table,
             k_cache_ptr,
@@ -174,6 +187,7 @@ def _prefill_kernel(
             l_i,
             tile_start,
             positions,
+            row_lo,
             seq_len,
             table,
             k_cache_ptr,
@@ -226,6 +240,7 @@ def paged_prefill_attention(
     *,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length query chunks over their paged contexts (chunked prefill).
 
@@ -244,6 +259,8 @@ def paged_prefill_attention(
         scale: softmax scale applied to q.k.
         out: optional `[T, Hq, D]` tensor of the query's dtype to write into (head_dim stride 1).
         config: tile overrides (`BLOCK_M`, `BLOCK_N`, `num_warps`, `num_stages`) for benchmarking.
+        window: a sliding-window layer's window in tokens: each query row sees only the `window`
+            keys up to its own position; None: its whole context.
 
     Returns:
         `[T, Hq, D]` in the query's dtype (`out` when given); rows outside every chunk are not written.
@@ -286,6 +303,7 @@ def paged_prefill_attention(
         raise ValueError(f"max_query_len must be a positive int (the longest chunk); got {max_query_len!r}")
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number; got {scale!r}")
+    window_arg = check_window(window)
     tensors = {
         "query": query,
         "k_cache": k_cache,
@@ -320,6 +338,7 @@ def paged_prefill_attention(
             seq_lens,
             out,
             float(scale) * LOG2E,
+            window_arg,
             query.stride(0),
             query.stride(1),
             out.stride(0),

@@ -61,3 +61,23 @@ def test_prefix_chunk_attention_matches_one_masked_call(prefix: int, chunk: int)
         enable_gqa=True,
     )[0].transpose(0, 1)
     torch.testing.assert_close(causal_attention(q, k, v, 0.2), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_windows_and_rotary_follow_transformers_configs() -> None:
+    """Which layers slide and which rotate, read as transformers reads each config."""
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config, SmolLM3Config
+
+    from batchgen.model.layers import layer_rotary, layer_windows
+
+    assert layer_windows(MistralConfig(num_hidden_layers=3, sliding_window=64)) == [64, 64, 64]
+    assert layer_windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == [None, None]
+    # Qwen2 slides only with use_sliding_window, from max_window_layers on.
+    assert layer_windows(Qwen2Config(num_hidden_layers=3, sliding_window=32)) == [None] * 3
+    qwen = Qwen2Config(num_hidden_layers=3, sliding_window=32, use_sliding_window=True, max_window_layers=1)
+    assert layer_windows(qwen) == [None, 32, 32]
+    assert layer_windows(Gemma2Config(num_hidden_layers=4, sliding_window=16)) == [16, None, 16, None]
+    assert layer_windows(Gemma3TextConfig(num_hidden_layers=7, sliding_window=8)) == [8] * 5 + [None, 8]
+    smol = SmolLM3Config(num_hidden_layers=4, sliding_window=8, use_sliding_window=False)
+    assert layer_windows(smol) == [None] * 4
+    assert layer_rotary(smol) == [True, True, True, False]
+    assert layer_rotary(MistralConfig(num_hidden_layers=2)) == [True, True]

@@ -483,3 +483,19 @@ def test_a_conversion_parses_the_gguf_file_once_and_writes_the_same_model(defaul
     assert after == wrappers  # what gguf held before the conversion is back
     weights = (tmp_path / "model.safetensors").read_bytes()
     assert weights == (default_model_dir / "model.safetensors").read_bytes()
+
+
+def test_gemmas_gate_activation_is_checked_by_its_own_field(tiny_model_dir, tmp_path):
+    """Gemma's MLP is GeGLU with tanh GELU (`hidden_activation`): exact GELU would give plausible
+    but wrong text, so it is refused; the Llama family's `hidden_act` check does not apply."""
+    copy = tmp_path / "gemma"
+    shutil.copytree(tiny_model_dir("gemma2"), copy)
+    raw = json.loads((copy / "config.json").read_text())
+    assert raw["hidden_activation"] == "gelu_pytorch_tanh"
+    raw["hidden_act"] = "gelu_pytorch_tanh"  # transformers' own checkpoints carry both
+    (copy / "config.json").write_text(json.dumps(raw))
+    assert resolve_model(str(copy)).config.architectures == ["Gemma2ForCausalLM"]
+    raw["hidden_activation"] = "gelu"
+    (copy / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModelError, match="hidden_activation 'gelu'.*GeGLU.*'gelu_pytorch_tanh'"):
+        resolve_model(str(copy))

@@ -410,3 +410,18 @@ def test_the_set_up_estimate_adds_kernel_measuring_where_the_run_will_measure() 
     assert "model load and set-up 23.0 s, 18.9 s of it measuring kernels" in _wall_time_lines(plan)[0]
     unknown = _with_kernel_measuring(estimate, SimpleNamespace(cached=True, kernel_measure_s=None), False)
     assert unknown.startup_s == 4.1 and "the kernel table is not cached" in unknown.assumption
+
+
+@pytest.mark.parametrize("arch, head_dim", [("gemma3", 16), ("phi3", 16), ("mistral_window", 16)])
+def test_plan_counts_every_layers_kv_for_the_new_families(tmp_path, tiny_model_dir, arch, head_dim):
+    """The engine keeps every block of a sequence, also those wholly outside a sliding window
+    (docs/engine.md), so a token costs K and V in every layer: 2 layers x 2 KV heads x head_dim x
+    4 bytes (float32) x 2; and the plan's KV cache holds what the engine's does."""
+    src = tmp_path / "job.jsonl"
+    src.write_text(
+        json.dumps({"prompt": "a prompt well past the eight-token window of the tiny models"}) + "\n"
+    )
+    engine = {"model": str(tiny_model_dir(arch)), "dtype": "float32", "kv_cache_memory": 2**20}
+    plan = plan_job(JobOptions(str(src), max_tokens=8, engine=engine))
+    assert plan.kv_bytes_per_token == 2 * 2 * 2 * head_dim * 4 == 512
+    assert plan.kv_cache_tokens == 2**20 // 512

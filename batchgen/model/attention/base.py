@@ -32,6 +32,8 @@ class AttentionMetadata:
         verifies_drafts: some sequence verifies speculative draft tokens this step: the CPU
             kernels may then walk short chunks' contexts once (`paged_prefill_attention_cpu`'s
             `short_chunks`); without drafts a prompt row's result never depends on its chunking.
+        prompt_lens_cpu: each sequence's prompt length in tokens, for a rotary that depends on it
+            (Phi-3's LongRoPE); None where the caller does not know them.
         scratch: per-step values a backend derives from the above on the first layer and reuses in
             the others (the torch backend's decode groups); empty when the step starts.
     """
@@ -46,6 +48,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     verifies_drafts: bool = False
+    prompt_lens_cpu: list[int] | None = None
     scratch: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -76,9 +79,11 @@ class AttentionMetadata:
 class AttentionBackend:
     """Interface every attention backend implements.
 
-    `forward(query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D], k_cache, v_cache, meta, scale)`
-    stores key/value into `k_cache`/`v_cache` (`[num_blocks, block_size, Hkv, D]`) and returns the
-    attention output `[T, Hq, D]` in the query's dtype. Hq must be a multiple of Hkv (GQA).
+    `forward(query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D], k_cache, v_cache, meta, scale,
+    window, softcap)` stores key/value into `k_cache`/`v_cache` (`[num_blocks, block_size, Hkv, D]`)
+    and returns the attention output `[T, Hq, D]` in the query's dtype. Hq must be a multiple of Hkv
+    (GQA). `window` (a sliding-window layer) and `softcap` (Gemma 2's attention logit soft-capping)
+    are per layer; a backend that cannot honour one says so in `check_layer`, never ignores it.
     """
 
     name = "abstract"
@@ -95,7 +100,26 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store the step's K/V rows, then attend; shapes as in the class docstring, `scale` is
-        the softmax scale (1/sqrt(head_dim) unless the model says otherwise)."""
+        the softmax scale (1/sqrt(head_dim) unless the model says otherwise), `window` the layer's
+        sliding window in tokens (each query sees the `window` keys up to its own position; None:
+        all), `softcap` its attention logit cap (`tanh(s / cap) * cap` of the scaled scores; None:
+        none)."""
         raise NotImplementedError
+
+    # Whether `forward` takes a `softcap` (the torch and cpu backends do; the Triton kernels do not).
+    supports_softcap = True
+
+    def check_layer(self, window: int | None, softcap: float | None) -> None:
+        """Raise ValueError, naming the fix, where this backend cannot run a layer with this
+        `window` and `softcap` (checked when the model is built)."""
+        if window is not None and window < 1:
+            raise ValueError(f"sliding_window must be at least 1 token; got {window}")
+        if softcap is not None and not self.supports_softcap:
+            raise ValueError(
+                f"attention_backend {self.name!r} has no attention logit soft-capping (Gemma 2's "
+                "attn_logit_softcapping); use attention_backend='torch' or 'cpu'"
+            )

@@ -23,7 +23,9 @@ class CPUAttentionBackend(TorchAttentionBackend):
     See `batchgen.kernels.cpu.attention` (its decodes read the cache in place instead of gathering
     it for SDPA; which kernel runs at which size is measured on the machine, `attention_choice`). With this backend the model's bf16
     element-wise ops run as C kernels too (`fused_cpu_ops`). A dtype or head size the kernels are
-    not compiled for takes the torch path.
+    not compiled for takes the torch path, and so does a layer with an attention softcap (Gemma 2;
+    the C kernels have none). A sliding window runs in the C kernels (the "c" prefill kernel: the
+    AMX one has no window, so a windowed layer's chunks measured fastest on AMX take "c").
     """
 
     name = "cpu"
@@ -63,10 +65,16 @@ class CPUAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         _, num_heads, head_dim = query.shape
-        if not cpu_attention.supports_prefill(query.dtype, head_dim, num_heads, k_cache.shape[2]):
-            TorchAttentionBackend._prefill(query, key, value, k_cache, v_cache, meta, scale, out)
+        if softcap is not None or not cpu_attention.supports_prefill(
+            query.dtype, head_dim, num_heads, k_cache.shape[2]
+        ):
+            TorchAttentionBackend._prefill(
+                query, key, value, k_cache, v_cache, meta, scale, out, window, softcap
+            )
             return
         segments = meta.scratch.get("prefill_segments")
         first_layer = segments is None  # the same tables in every layer: check them once
@@ -80,7 +88,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 else:
                     k = gather_context(k_cache, meta.block_tables[seqs.start], seq_len)
                     v = gather_context(v_cache, meta.block_tables[seqs.start], seq_len)
-                out[rows] = causal_attention(query[rows], k, v, scale)
+                out[rows] = causal_attention(query[rows], k, v, scale, window)
                 continue
             cpu_attention.paged_prefill_attention_cpu(
                 query[rows].contiguous(),
@@ -92,8 +100,9 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 scale,
                 check_bounds=first_layer,
                 out=out[rows],
-                kernel=kind,
+                kernel="c" if window is not None else kind,
                 short_chunks=meta.verifies_drafts,
+                window=window,
             )
 
     def _prefill_segments(self, meta: AttentionMetadata) -> list[tuple[str, slice, slice, Any]]:
@@ -133,13 +142,20 @@ class CPUAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_decodes, num_heads, head_dim = query.shape
         by_bucket = self.decode_by_bucket
-        if not cpu_attention.supports(query.dtype, head_dim, num_heads, k_cache.shape[2]) or (
-            by_bucket is not None and by_bucket[min(bucket_index(num_decodes), len(by_bucket) - 1)] == "torch"
+        if (
+            softcap is not None
+            or not cpu_attention.supports(query.dtype, head_dim, num_heads, k_cache.shape[2])
+            or (
+                by_bucket is not None
+                and by_bucket[min(bucket_index(num_decodes), len(by_bucket) - 1)] == "torch"
+            )
         ):
-            return TorchAttentionBackend._decode(query, k_cache, v_cache, meta, scale)
+            return TorchAttentionBackend._decode(query, k_cache, v_cache, meta, scale, window, softcap)
         # The tables are the same for every layer of the step: check their bounds on the first only.
         first_layer = "cpu_decode_checked" not in meta.scratch
         meta.scratch["cpu_decode_checked"] = True
@@ -151,4 +167,5 @@ class CPUAttentionBackend(TorchAttentionBackend):
             meta.seq_lens[:num_decodes],
             scale,
             check_bounds=first_layer,
+            window=window,
         )

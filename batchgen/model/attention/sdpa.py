@@ -4,6 +4,12 @@
 `F.scaled_dot_product_attention`: decodes in groups of similar context length, gathered from the
 paged cache into one padded, masked batch each (`decode_groups`, `decode_group_attention`), and
 prefill chunks one call each, causally, after any cached prefix (`causal_attention`).
+
+Two per-layer options reach both: a sliding `window` (each query sees only the `window` keys up to
+its own position, Hugging Face's `kv_idx > q_idx - sliding_window`; None: all of them) and Gemma 2's
+attention logit `softcap` (scores `tanh(s / cap) * cap` before the mask and softmax, as
+transformers' eager attention computes them; SDPA has no such step, so those layers take `attend`'s
+explicit products).
 """
 
 from __future__ import annotations
@@ -59,10 +65,11 @@ class DecodeGroup:
 
 
 def decode_groups(
-    meta: AttentionMetadata, num_decodes: int, block_size: int, dtype: torch.dtype
+    meta: AttentionMetadata, num_decodes: int, block_size: int, dtype: torch.dtype, window: int | None = None
 ) -> list[DecodeGroup]:
     """The step's first `num_decodes` sequences (of `meta`, an `AttentionMetadata`) as groups of
-    similar context length, each with its block ids and length mask (`dtype`) built once a step."""
+    similar context length, each with its block ids and length mask (`dtype`) built once a step;
+    with a `window`, the mask also hides each row's keys before its last `window`."""
     groups = []
     device = meta.block_tables.device
     row_groups = length_groups(meta.seq_lens_cpu[:num_decodes], block_size)
@@ -76,6 +83,8 @@ def decode_groups(
         lens = meta.seq_lens[:num_decodes] if in_order else meta.seq_lens[index]
         positions = torch.arange(max_blocks * block_size, device=device)
         outside = positions[None, :] >= lens[:, None]
+        if window is not None:
+            outside |= positions[None, :] < lens[:, None] - window
         mask = torch.zeros(outside.shape, dtype=dtype, device=device).masked_fill_(outside, float("-inf"))
         groups.append(
             DecodeGroup(
@@ -91,15 +100,35 @@ def decode_group_attention(
     v_cache: torch.Tensor,
     group: DecodeGroup,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """One group's attention: query `[b, Hkv, G, D]` -> `[b, Hkv, G, D]`."""
+    """One group's attention: query `[b, Hkv, G, D]` -> `[b, Hkv, G, D]` (`softcap` as `attend`'s)."""
     num_rows = grouped_query.shape[0]
     shape = (num_rows, group.mask.shape[-1], k_cache.shape[2], k_cache.shape[3])
     k = gather_blocks(k_cache, group.block_ids).view(shape).transpose(1, 2)  # [b, Hkv, L, D]
     v = gather_blocks(v_cache, group.block_ids).view(shape).transpose(1, 2)
-    return F.scaled_dot_product_attention(
-        grouped_query, k.to(grouped_query.dtype), v.to(grouped_query.dtype), attn_mask=group.mask, scale=scale
+    return attend(
+        grouped_query, k.to(grouped_query.dtype), v.to(grouped_query.dtype), group.mask, scale, softcap
     )
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """`softmax(q k^T * scale + mask) v` over 4-D `[b, H, Q, D]` queries and `[b, Hkv, L, D]` keys and
+    values (H a multiple of Hkv) with an additive `mask` broadcast to `[b, H, Q, L]`: SDPA, or with a
+    `softcap` the explicit products in transformers' eager order (scale, `tanh(s / cap) * cap`, mask,
+    float32 softmax back to the query dtype, then V)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def length_groups(seq_lens: list[int], block_size: int, slack: float = 1.25) -> list[list[int]]:
@@ -128,38 +157,50 @@ def length_groups(seq_lens: list[int], block_size: int, slack: float = 1.25) -> 
 PREFIX_CHUNK_QUERY_TILE = 256
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """q `[Q, Hq, D]` attends to k/v `[L, Hkv, D]` where the queries are the last Q of the L positions.
 
     Without a prefix (Q == L) one causal SDPA call. With one, SDPA needs an explicit mask and then
     computes the whole Q x L rectangle, masked half included, so the queries go in tiles of
     `PREFIX_CHUNK_QUERY_TILE` rows, each attending only to the keys up to its last row: about the
     causal triangle plus the prefix (measured: docs/benchmarks.md). The mask is additive, in the query dtype: SDPA converts a
-    boolean one on every call.
+    boolean one on every call. With a sliding `window` or a `softcap` (the module docstring) the
+    tiles are used at any prefix, each reading only the keys from its first row's window on.
     """
     qlen, klen = q.shape[0], k.shape[0]
     # 4-D inputs: with 3-D ones, SDPA on CPU falls back to its slow unfused math kernel.
     qh = q.transpose(0, 1)[None]
     kh = k.transpose(0, 1).to(q.dtype)[None]
     vh = v.transpose(0, 1).to(q.dtype)[None]
-    if qlen == klen:
+    if qlen == klen and window is None and softcap is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     offset = klen - qlen
     rows = torch.arange(qlen, device=q.device)[:, None] + offset
-    future = torch.arange(klen, device=q.device)[None, :] > rows
-    mask = torch.zeros(future.shape, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
+    keys_at = torch.arange(klen, device=q.device)[None, :]
+    hidden = keys_at > rows
+    if window is not None:
+        hidden |= keys_at <= rows - window
+    mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
     out = torch.empty_like(q)
     for first in range(0, qlen, PREFIX_CHUNK_QUERY_TILE):
         last = min(qlen, first + PREFIX_CHUNK_QUERY_TILE)
         keys = offset + last
-        tile = F.scaled_dot_product_attention(
+        start = 0 if window is None else max(0, offset + first - window + 1)
+        tile = attend(
             qh[:, :, first:last],
-            kh[:, :, :keys],
-            vh[:, :, :keys],
-            attn_mask=mask[first:last, :keys],
-            scale=scale,
-            enable_gqa=True,
+            kh[:, :, start:keys],
+            vh[:, :, start:keys],
+            mask[first:last, start:keys],
+            scale,
+            softcap,
         )
         out[first:last] = tile[0].transpose(0, 1)
     return out

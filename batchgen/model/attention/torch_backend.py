@@ -44,7 +44,8 @@ class TorchAttentionBackend(AttentionBackend):
     are gathered into one padded `[b, max_blocks * block_size, Hkv, D]` tensor, masked by length, one
     SDPA call a group.
     Prefill chunks run one SDPA call each: the chunk's queries attend to the sequence's cached prefix
-    fully and to the chunk itself causally.
+    fully and to the chunk itself causally. A sliding window and a softcap are applied as `sdpa`
+    describes.
     """
 
     name = "torch"
@@ -58,16 +59,20 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if meta.slot_mapping.numel():
             self._store(key, value, k_cache, v_cache, meta)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
-            return self._decode(query, k_cache, v_cache, meta, scale)
+            return self._decode(query, k_cache, v_cache, meta, scale, window, softcap)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale)
-        self._prefill(query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta, scale, out[nd:])
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale, window, softcap)
+        self._prefill(
+            query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta, scale, out[nd:], window, softcap
+        )
         return out
 
     @staticmethod
@@ -80,6 +85,8 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """The prefill chunks' attention into `out`: `query` / `key` / `value` / `out` are the rows
         after the decodes."""
@@ -94,7 +101,7 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 k = gather_context(k_cache, meta.block_tables[i], seq_len)
                 v = gather_context(v_cache, meta.block_tables[i], seq_len)
-            out[start : start + qlen] = causal_attention(q, k, v, scale)
+            out[start : start + qlen] = causal_attention(q, k, v, scale, window, softcap)
             start += qlen
 
     @staticmethod
@@ -117,20 +124,24 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_kv_heads = k_cache.shape[2]
         # [B, Hq, D] -> [B, Hkv, G, D]: each KV head's query group becomes a query-length axis, so
         # SDPA needs no GQA expansion of K/V.
         grouped = query.view(query.shape[0], num_kv_heads, -1, query.shape[-1])
-        groups = meta.scratch.get("decode_groups")
+        key = f"decode_groups/{window}"  # the masks differ between windows
+        groups = meta.scratch.get(key)
         if groups is None:
-            groups = meta.scratch["decode_groups"] = decode_groups(
-                meta, query.shape[0], k_cache.shape[1], query.dtype
+            groups = meta.scratch[key] = decode_groups(
+                meta, query.shape[0], k_cache.shape[1], query.dtype, window
             )
         if len(groups) == 1 and groups[0].index is None:
-            return decode_group_attention(grouped, k_cache, v_cache, groups[0], scale).reshape(query.shape)
+            attn = decode_group_attention(grouped, k_cache, v_cache, groups[0], scale, softcap)
+            return attn.reshape(query.shape)
         out = torch.empty_like(query)
         for group in groups:
-            attn = decode_group_attention(grouped[group.index], k_cache, v_cache, group, scale)
+            attn = decode_group_attention(grouped[group.index], k_cache, v_cache, group, scale, softcap)
             out[group.index] = attn.reshape(-1, *query.shape[1:])
         return out

@@ -23,6 +23,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention through Triton kernels; see `AttentionBackend` for the contract."""
 
     name = "triton"
+    supports_softcap = False  # the kernels have no attention logit soft-capping (Gemma 2)
 
     # Per row bucket (`kernels.registry.ROW_BUCKETS`) of a prefill chunk with no cached prefix:
     # "triton" or "sdpa", as measured on the device; None: the Triton kernel for every chunk.
@@ -37,7 +38,11 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if softcap is not None:  # refused when the model is built (`check_layer`); never ignored
+            raise ValueError("the Triton attention kernels have no attention logit soft-capping")
         if meta.slot_mapping.numel():
             store_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -52,6 +57,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_seq_len=max(meta.seq_lens_cpu[:nd]),
                 out=out[:nd],
+                window=window,
             )
         if nd < meta.num_seqs:
             segments = meta.scratch.get("triton_prefill_segments")
@@ -59,7 +65,7 @@ class TritonAttentionBackend(AttentionBackend):
                 segments = meta.scratch["triton_prefill_segments"] = self._prefill_segments(meta)
             for kind, rows, seqs, query_starts in segments:
                 if kind == "sdpa":  # one chunk, no cached prefix: its own K/V are its whole context
-                    out[rows] = causal_attention(query[rows], key[rows], value[rows], scale)
+                    out[rows] = causal_attention(query[rows], key[rows], value[rows], scale, window)
                     continue
                 assert query_starts is not None  # a chunk on the kernel has its query starts
                 paged_prefill_attention(
@@ -72,6 +78,7 @@ class TritonAttentionBackend(AttentionBackend):
                     max(meta.query_lens_cpu[seqs]),
                     scale,
                     out=out[rows],
+                    window=window,
                 )
         return out
 

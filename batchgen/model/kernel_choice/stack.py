@@ -22,7 +22,7 @@ from batchgen.kernels.cpu.linear import AmxLinear, Bf16Linear, TunedLinear, fuse
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
 from batchgen.kernels.registry import Run, Setup, TuningTable, buckets_up_to, choose, entry_key, matches
 from batchgen.model.attention.base import AttentionMetadata
-from batchgen.model.llama import decoder_layers
+from batchgen.model.llama import DecoderLayer, decoder_layers
 
 if TYPE_CHECKING:
     from batchgen.model.llama import LlamaForCausalLM
@@ -225,9 +225,21 @@ def _bf16_weight(linear: nn.Module | None) -> torch.Tensor | None:
 def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack | None:
     """The C decoder stack for `model`, or None where it does not apply: a bf16 model on the "cpu"
     attention backend whose layer linears all hold batchgen's bf16 kernel, without biases or
-    Qwen3's q/k norms, with one attention scale. `max_rows`: the stack's row limit (0: none)."""
+    Qwen3's q/k norms, with one attention scale, Llama-family layers (`DecoderLayer`: the stack's C
+    code is their arithmetic) with rotary and no sliding window or softcap (the stack rotates
+    every layer and attends globally).
+    `max_rows`: the stack's row limit (0: none)."""
     layers = decoder_layers(model)
     if not layers or not getattr(layers[0].self_attn.backend, "fused_cpu_ops", False):
+        return None
+    if any(
+        type(layer) is not DecoderLayer
+        or layer.self_attn.window is not None
+        or layer.self_attn.softcap is not None
+        or not layer.self_attn.rotary
+        or not model.fits_decoder_stack
+        for layer in layers
+    ):
         return None
     first = layers[0].self_attn
     config = model.config

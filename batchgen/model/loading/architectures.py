@@ -8,13 +8,26 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
 # For configs without `architectures` (GGUF conversions, hand-written configs).
 ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -26,20 +39,31 @@ class UnsupportedModelError(ValueError):
     """The model's architecture is not one our model implements."""
 
 
-# The MLP's gate activation: batchgen's MLP is SwiGLU ("swish" is transformers' alias of SiLU).
-SUPPORTED_ACTIVATIONS = ("silu", "swish")
+# The MLP's gate activation per architecture: (the config field transformers reads, its default,
+# the values batchgen's MLP computes). The Llama family is SwiGLU ("swish" is transformers' alias of
+# SiLU); Gemma 2/3 are GeGLU with the tanh approximation of GELU.
+_SWIGLU = ("hidden_act", "silu", ("silu", "swish"), "SwiGLU")
+_GEGLU = ("hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",), "GeGLU")
+ACTIVATIONS = {arch: _GEGLU if arch.startswith("Gemma") else _SWIGLU for arch in SUPPORTED_ARCHITECTURES}
 
 
 def check_architecture(raw_config: dict[str, Any]) -> str:
     """Return the supported architecture of a raw `config.json` dict, or raise UnsupportedModelError
-    (also for a `hidden_act` other than SiLU, which the model would otherwise run as SiLU and give
-    plausible but wrong text)."""
-    activation = raw_config.get("hidden_act", "silu")
-    if activation not in SUPPORTED_ACTIVATIONS:
+    (also for a gate activation the architecture's MLP does not compute, which the model would
+    otherwise run as its own and give plausible but wrong text)."""
+    arch = _architecture(raw_config)
+    field, default, allowed, kind = ACTIVATIONS[arch]
+    activation = raw_config.get(field) or default
+    if activation not in allowed:
         raise UnsupportedModelError(
-            f"config.json sets hidden_act {activation!r}; batchgen's MLP is SwiGLU and supports only "
-            f"{' or '.join(repr(a) for a in SUPPORTED_ACTIVATIONS)}"
+            f"config.json sets {field} {activation!r}; batchgen's {arch} MLP is {kind} and supports only "
+            f"{' or '.join(repr(a) for a in allowed)}"
         )
+    return arch
+
+
+def _architecture(raw_config: dict[str, Any]) -> str:
+    """The supported architecture a raw config names (or implies by its `model_type`)."""
     architectures = raw_config.get("architectures") or []
     for arch in architectures:
         if arch in SUPPORTED_ARCHITECTURES:

@@ -38,13 +38,19 @@
  * rows hold every KV head side by side, so the heads are walked inside the block loop: each block is
  * read as one contiguous run of memory (walking one head at a time read a third of every row and ran
  * at half the bandwidth). `scores` holds (h1 - h0) * q_len * group * padded floats; `qv` and `acc`
- * hold (h1 - h0) * q_len * group * D. */
+ * hold (h1 - h0) * q_len * group * D. With `window` > 0 (a sliding-window layer) row j sees only the
+ * `window` keys up to its own position: the blocks before the first row's window are not read, and
+ * each row's scores before its own window are masked. */
 #define DEFINE_ITEM(SUFFIX, T, LOADV, STOREV, D)                                                      \
   static void item_##SUFFIX(const void *q_, const void *kc_, const void *vc_, const int32_t *table,  \
                             int len, int q_len, int64_t q_stride, int h0, int h1, int num_kv_heads,    \
                             int group, int64_t row_stride, int64_t block_stride, int block_size,       \
-                            float scale, void *out_, float *scores, vf *qv, vf *acc) {                 \
+                            float scale, int window, void *out_, float *scores, vf *qv, vf *acc) {     \
     enum { NV = D / LANES };                                                                           \
+    /* The first key any row sees (the first row's window start), its block and its score vector. */  \
+    int lo = window > 0 ? len - (q_len - 1) - window : 0;                                              \
+    lo = lo < 0 ? 0 : lo;                                                                              \
+    const int first_block = lo / block_size * block_size, base = lo / LANES * LANES;                   \
     const T *q = q_, *kc = kc_, *vc = vc_;                                                             \
     T *out = out_;                                                                                     \
     const int head_rows = q_len * group;    /* query rows of one KV head: (position, group head) */    \
@@ -60,7 +66,7 @@
     const int padded = (len + LANES - 1) / LANES * LANES;                                              \
     /* A block's bytes from head h0 of its first row to head h1 - 1 of its last. */                   \
     const size_t span = ((size_t)block_stride - (size_t)(num_kv_heads - (h1 - h0)) * D) * sizeof(T);   \
-    for (int t0 = 0; t0 < len; t0 += block_size) {                                                    \
+    for (int t0 = first_block; t0 < len; t0 += block_size) {                                          \
       const T *block = kc + (int64_t)table[t0 / block_size] * block_stride;                            \
       const int rows = len - t0 < block_size ? len - t0 : block_size;                                  \
       const char *next = t0 + block_size < len                                                         \
@@ -128,25 +134,28 @@
       float *si = scores + (int64_t)i * padded;                                                        \
       const int row_len = len - (q_len - 1 - i % head_rows / group); /* causal: its own position on */ \
       for (int t = row_len; t < padded; t++) si[t] = -INFINITY; /* exp(-inf - m) = 0 */               \
-      vf mv = load_f32(si);                                                                            \
-      for (int t = LANES; t < padded; t += LANES) {                                                    \
+      const int row_lo = window > 0 ? row_len - window : 0; /* the first key of its window */         \
+      for (int t = base; t < row_lo; t++) si[t] = -INFINITY;                                           \
+      vf mv = load_f32(si + base);                                                                     \
+      for (int t = base + LANES; t < padded; t += LANES) {                                             \
         vf x = load_f32(si + t);                                                                       \
         mv = vselect(x > mv, x, mv);                                                                   \
       }                                                                                                \
       float m = mv[0];                                                                                 \
       for (int l = 1; l < LANES; l++) m = mv[l] > m ? mv[l] : m;                                       \
       vf sum = (vf){};                                                                                 \
-      for (int t = 0; t < padded; t += LANES) {                                                        \
+      for (int t = base; t < padded; t += LANES) {                                                     \
         vf e = vexp(load_f32(si + t) - m);                                                             \
         store_f32(si + t, e);                                                                          \
         sum += e;                                                                                      \
       }                                                                                                \
       const float inv = 1.f / hsum(sum);                                                               \
-      for (int t = 0; t < padded; t += LANES) store_f32(si + t, load_f32(si + t) * inv);               \
+      for (int t = base; t < padded; t += LANES) store_f32(si + t, load_f32(si + t) * inv);            \
     }                                                                                                  \
-    for (int t0 = 0; t0 < len; t0 += block_size) {                                                    \
+    for (int t0 = first_block; t0 < len; t0 += block_size) {                                          \
       const T *block = vc + (int64_t)table[t0 / block_size] * block_stride;                            \
       const int rows = len - t0 < block_size ? len - t0 : block_size;                                  \
+      const int r_lo = lo > t0 ? lo - t0 : 0; /* V rows before every window: never read */            \
       const char *next = t0 + block_size < len                                                         \
           ? (const char *)(vc + (int64_t)table[t0 / block_size + 1] * block_stride + h0 * D)           \
           : NULL;                                                                                      \
@@ -162,7 +171,7 @@
             for (int j0 = 0; j0 < NV; j0 += JB) {                                                      \
               vf a[JB];                                                                                \
               for (int j = 0; j < JB; j++) a[j] = ah[g * NV + j0 + j];                                 \
-              for (int r = 0; r < rows; r++) {                                                         \
+              for (int r = r_lo; r < rows; r++) {                                                      \
                 const float p = sh[g * padded + r];                                                    \
                 for (int j = 0; j < JB; j++) a[j] += p * LOADV(vb + r * row_stride + (j0 + j) * LANES); \
               }                                                                                        \
@@ -179,7 +188,7 @@
           for (int g = 0; g < MAX_G; g++)                                                              \
             if (g < n)                                                                                 \
               for (int j = 0; j < NV; j++) a[g * NV + j] = ah[(g0 + g) * NV + j];                      \
-          for (int r = 0; r < rows; r++) {                                                             \
+          for (int r = r_lo; r < rows; r++) {                                                          \
             vf vv[NV];                                                                                 \
             for (int j = 0; j < NV; j++) vv[j] = LOADV(vb + r * row_stride + j * LANES);               \
             for (int g = 0; g < MAX_G; g++)                                                            \
@@ -211,7 +220,7 @@ DEFINE_ITEM(bf16_64, uint16_t, load_bf16, store_bf16, 64)
 DEFINE_ITEM(bf16_128, uint16_t, load_bf16, store_bf16, 128)
 
 typedef void (*item_fn)(const void *, const void *, const void *, const int32_t *, int, int, int64_t, int, int,
-                        int, int, int64_t, int64_t, int, float, void *, float *, vf *, vf *);
+                        int, int, int64_t, int64_t, int, float, int, void *, float *, vf *, vf *);
 
 static item_fn find_item(int is_bf16, int head_dim) {
   RETURN_HEAD_DIM_VARIANT(item, is_bf16, head_dim)
@@ -237,7 +246,7 @@ int short_chunk_rows(int short_chunks, int is_bf16, int head_dim, int group, int
 static int decode_rows(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                        const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                        const int32_t *query_starts, int max_rows, int num_seqs, int num_q_heads, int num_kv_heads,
-                       int head_dim, int block_size, float scale, void *out, int num_threads) {
+                       int head_dim, int block_size, float scale, void *out, int num_threads, int window) {
   if (num_seqs <= 0 || max_rows < 1) return 0; /* nothing to do is never refused (the prefill kernels' "none") */
   /* The sequences computed, `which` (NULL: all, one row each), and their longest chunk. */
   int count = num_seqs, max_q_len = 1, *which = NULL;
@@ -294,7 +303,8 @@ static int decode_rows(int is_bf16, const void *query, const void *k_cache, cons
       const int q_len = query_starts ? query_starts[b + 1] - first : 1;
       const size_t offset = (size_t)first * q_stride * elem;
       item((const char *)query + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b], q_len,
-           q_stride, h0, h1, num_kv_heads, group, row_stride, block_stride, block_size, scale, (char *)out + offset,
+           q_stride, h0, h1, num_kv_heads, group, row_stride, block_stride, block_size, scale, window,
+           (char *)out + offset,
            scores, qv, acc);
     }
     free(scores);
@@ -305,24 +315,26 @@ static int decode_rows(int is_bf16, const void *query, const void *k_cache, cons
   return failed;
 }
 
-/* One query row a sequence (row b for sequence b). Returns as `decode_rows`. */
+/* One query row a sequence (row b for sequence b); window > 0: each row sees only its last `window`
+ * keys (a sliding-window layer), 0: all of them. Returns as `decode_rows`. */
 int paged_decode_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                            int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                           float scale, void *out, int num_threads) {
+                           float scale, void *out, int num_threads, int window) {
   return decode_rows(is_bf16, query, k_cache, v_cache, block_tables, table_stride, seq_lens, NULL, 1, num_seqs,
-                     num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads);
+                     num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, window);
 }
 
 /* The prefill kernels' layouts (query_starts [num_seqs + 1]), for the sequences whose chunk has at
  * most `max_rows` query rows (their callers pass a limit only in steps that verify draft tokens):
  * each walks its context once for all its rows, where the prefill kernels' tiles of query
- * positions pay per key for a whole tile. The other sequences' rows are left untouched. Returns as
- * `decode_rows`. */
+ * positions pay per key for a whole tile. The other sequences' rows are left untouched. `window` as
+ * `paged_decode_attention`'s. Returns as `decode_rows`. */
 int paged_short_chunk_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                                 const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                 const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
-                                int head_dim, int block_size, float scale, void *out, int num_threads, int max_rows) {
+                                int head_dim, int block_size, float scale, void *out, int num_threads, int max_rows,
+                                int window) {
   return decode_rows(is_bf16, query, k_cache, v_cache, block_tables, table_stride, seq_lens, query_starts, max_rows,
-                     num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads);
+                     num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, window);
 }

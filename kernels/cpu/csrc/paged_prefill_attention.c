@@ -36,7 +36,8 @@
 int paged_short_chunk_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                                 const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                 const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
-                                int head_dim, int block_size, float scale, void *out, int num_threads, int max_rows);
+                                int head_dim, int block_size, float scale, void *out, int num_threads, int max_rows,
+                                int window);
 int short_chunk_rows(int short_chunks, int is_bf16, int head_dim, int group, int limit);
 
 /* Chunks of up to this many query rows go to `paged_short_chunk_attention`, which is as fast as
@@ -79,11 +80,13 @@ typedef struct {
   int num_q_heads, num_kv_heads, group, block_size;
   float scale;
   void *out;
+  int window; /* > 0: each row sees only the `window` keys up to its position (sliding window) */
 } PrefillArgs;
 
 typedef struct {
   int seq, head, first; /* tile's first query row within its sequence's chunk */
-  int64_t keys;         /* context keys the tile reads: its work, for ordering */
+  int64_t keys;         /* the context up to the tile's last row */
+  int64_t work;         /* keys the tile reads (fewer in a window), for ordering */
 } Item;
 
 /* Per-thread buffers, float32: the tile's queries and outputs [rows][D], the chunk's scores
@@ -240,20 +243,23 @@ static inline void hmax4(const vf v[4], float *out) {
  * way because the one-row-at-a-time loop kept its scores on the stack and waited on each row's
  * chain of horizontal reductions (measured: docs/benchmarks.md). */
 static inline __attribute__((always_inline)) void softmax_pairs(Scratch *w, int rows, int kv_used, int masked,
-                                                                int first_pos, int n, int64_t c0, float scale) {
+                                                                int first_pos, int n, int64_t c0, float scale,
+                                                                int window) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int r0 = 0; r0 < rows; r0 += 4) {
     int row[4];
-    __m512i last_key[4]; /* the row's last visible key, relative to the chunk */
+    __m512i last_key[4], first_key[4]; /* the row's last and first visible keys, relative to the chunk */
     vf mx[4];
     for (int i = 0; i < 4; i++) {
       row[i] = r0 + i < rows ? r0 + i : r0; /* past the end: a repeat of the first, not stored */
       last_key[i] = _mm512_set1_epi32(masked ? first_pos + row[i] % n - (int)c0 : KEY_CHUNK);
+      first_key[i] = _mm512_set1_epi32(masked && window > 0 ? first_pos + row[i] % n - window + 1 - (int)c0 : -1);
       const float *s = w->s + row[i] * KEY_CHUNK;
       __m512 m = _mm512_set1_ps(-INFINITY);
       for (int j = 0; j < kv_used; j++) {
-        const __mmask16 keep = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(j * LANES)), last_key[i]);
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(j * LANES));
+        const __mmask16 keep = _mm512_cmple_epi32_mask(key, last_key[i]) & _mm512_cmpge_epi32_mask(key, first_key[i]);
         m = _mm512_mask_max_ps(m, keep, m, _mm512_loadu_ps(s + j * LANES));
       }
       mx[i] = (vf)m;
@@ -264,7 +270,7 @@ static inline __attribute__((always_inline)) void softmax_pairs(Scratch *w, int 
     for (int i = 0; i < 4; i++) {
       m_old[i] = w->m[row[i]];
       const float scaled = chunk_max[i] * scale; /* = the largest scaled score: rounding is monotonic */
-      m_new[i] = scaled > m_old[i] ? scaled : m_old[i]; /* finite: key 0 is in every row */
+      m_new[i] = scaled > m_old[i] ? scaled : m_old[i]; /* finite: every row sees a key of its first chunk */
       const float *s = w->s + row[i] * KEY_CHUNK;
       const __m512 minus_max = _mm512_set1_ps(-m_new[i]);
       __m512 sum = _mm512_setzero_ps();
@@ -272,7 +278,9 @@ static inline __attribute__((always_inline)) void softmax_pairs(Scratch *w, int 
         __m512 e[2];
         for (int t = 0; t < 2; t++) {
           const int v = j + t;
-          const __mmask16 keep = v < kv_used ? _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(v * LANES)), last_key[i]) : 0;
+          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(v * LANES));
+          const __mmask16 keep =
+              v < kv_used ? _mm512_cmple_epi32_mask(key, last_key[i]) & _mm512_cmpge_epi32_mask(key, first_key[i]) : 0;
           e[t] = (__m512)vexp_where((vf)_mm512_fmadd_ps(_mm512_loadu_ps(s + v * LANES), scale_v, minus_max), keep);
           sum = _mm512_add_ps(sum, e[t]);
         }
@@ -404,10 +412,13 @@ static inline __attribute__((always_inline)) void prefill_item(const PrefillArgs
     w->l[r] = 0.f;
     for (int j = 0; j < NVD; j++) store_f32(w->o + (int64_t)r * D + j * LANES, (vf){});
   }
-  const int tile_first_pos = first_pos + it->first;
+  const int tile_first_pos = first_pos + it->first, window = a->window;
+  /* A sliding window starts at the first row's window; each later row's window starts within
+   * TILE_POS <= KEY_CHUNK keys of it, so every row sees a key of the first chunk. */
+  const int64_t c_first = window > 0 && tile_first_pos - window + 1 > 0 ? tile_first_pos - window + 1 : 0;
   vi lane;
   for (int l = 0; l < LANES; l++) lane[l] = l;
-  for (int64_t c0 = 0; c0 < num_keys; c0 += KEY_CHUNK) {
+  for (int64_t c0 = c_first; c0 < num_keys; c0 += KEY_CHUNK) {
     const int kc = num_keys - c0 < KEY_CHUNK ? (int)(num_keys - c0) : KEY_CHUNK;
     const int kv_used = (kc + LANES - 1) / LANES; /* key vectors holding a key of the context */
 #if USE_DPBF16
@@ -417,11 +428,12 @@ static inline __attribute__((always_inline)) void prefill_item(const PrefillArgs
 #endif
       stage_chunk_f32(a, w, table, h, c0, kc, D, is_bf16);
     scores(w, rows, kv_used, D, pairs);
-    /* Causal mask where the chunk reaches past a row's position, then the online softmax. */
-    const int masked = c0 + KEY_CHUNK - 1 > tile_first_pos;
+    /* Causal mask where the chunk reaches past a row's position (or, in a window, starts before the
+     * last row's window), then the online softmax. */
+    const int masked = c0 + KEY_CHUNK - 1 > tile_first_pos || (window > 0 && c0 < tile_first_pos + n - window);
 #if USE_DPBF16
     if (pairs)
-      softmax_pairs(w, rows, kv_used, masked, tile_first_pos, n, c0, a->scale);
+      softmax_pairs(w, rows, kv_used, masked, tile_first_pos, n, c0, a->scale, window);
     else
 #endif
     for (int r = 0; r < rows; r++) {
@@ -434,13 +446,14 @@ static inline __attribute__((always_inline)) void prefill_item(const PrefillArgs
         for (int j = 0; j < kv_used; j++) {
           const vi key = lane + (int)(c0 + j * LANES);
           x[j] = vselect(key > pos, (vf){} - INFINITY, x[j]);
+          if (window > 0) x[j] = vselect(key < pos - window + 1, (vf){} - INFINITY, x[j]);
         }
       }
       vf mx = x[0];
       for (int j = 1; j < kv_used; j++) mx = vmax(x[j], mx);
       const float chunk_max = hmax(mx);
       const float m_old = w->m[r];
-      const float m_new = chunk_max > m_old ? chunk_max : m_old; /* finite: key 0 is in every row */
+      const float m_new = chunk_max > m_old ? chunk_max : m_old; /* finite: every row sees a key of its first chunk */
       vf sum = (vf){};
       for (int j = 0; j < kv_used; j++) {
         x[j] = vexp(x[j] - m_new);
@@ -490,7 +503,7 @@ static prefill_fn find_prefill_item(int is_bf16, int head_dim) {
 }
 
 static int by_keys_descending(const void *x, const void *y) {
-  const int64_t a = ((const Item *)x)->keys, b = ((const Item *)y)->keys;
+  const int64_t a = ((const Item *)x)->work, b = ((const Item *)y)->work;
   return (a < b) - (a > b);
 }
 
@@ -504,12 +517,14 @@ int paged_prefill_attention_supported(int is_bf16, int head_dim, int group) {
 
 /* Returns 0 on success, 1 for an unsupported shape, 2 when memory could not be allocated. Work
  * items are (sequence, KV head, tile of TILE_POS query rows), largest first, spread over
- * `num_threads` OpenMP threads. short_chunks: 1 where the step verifies draft tokens (below). */
+ * `num_threads` OpenMP threads. short_chunks: 1 where the step verifies draft tokens (below).
+ * window > 0: each row sees only the `window` keys up to its own position (a sliding-window layer;
+ * keys before the tile's first window are not read), 0: its whole context. */
 int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                             const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                             const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
                             int head_dim, int block_size, float scale, void *out, int num_threads,
-                            int short_chunks) {
+                            int short_chunks, int window) {
   const int group = num_q_heads / num_kv_heads;
   prefill_fn run = find_prefill_item(is_bf16, head_dim);
   if (run == NULL || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_q_heads) return 1;
@@ -521,7 +536,7 @@ int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache,
   const int short_rows = short_chunk_rows(short_chunks, is_bf16, head_dim, group, SHORT_CHUNK_ROWS);
   const int status = paged_short_chunk_attention(is_bf16, query, k_cache, v_cache, block_tables, table_stride,
                                                  seq_lens, query_starts, num_seqs, num_q_heads, num_kv_heads,
-                                                 head_dim, block_size, scale, out, num_threads, short_rows);
+                                                 head_dim, block_size, scale, out, num_threads, short_rows, window);
   if (status) return status;
   int64_t num_items = 0;
   for (int b = 0; b < num_seqs; b++) {
@@ -537,8 +552,9 @@ int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache,
     if (q_len <= short_rows) continue;
     for (int first = 0; first < q_len; first += TILE_POS) {
       const int last = first + TILE_POS < q_len ? first + TILE_POS : q_len;
-      for (int h = 0; h < num_kv_heads; h++)
-        items[k++] = (Item){b, h, first, (int64_t)seq_lens[b] - q_len + last};
+      const int64_t end = (int64_t)seq_lens[b] - q_len + last, start = end - (last - first) - window + 1;
+      for (int h = 0; h < num_kv_heads; h++) /* keys: the context end; the work, for the order */
+        items[k++] = (Item){b, h, first, end, window > 0 && start > 0 ? end - start : end};
     }
   }
   qsort(items, num_items, sizeof(Item), by_keys_descending); /* long items first: even finish */
@@ -556,7 +572,8 @@ int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache,
                             group,
                             block_size,
                             scale,
-                            out};
+                            out,
+                            window};
   const size_t rows = (size_t)TILE_POS * group;
   int failed = 0;
 #pragma omp parallel num_threads(num_threads)

@@ -65,3 +65,35 @@ def assert_cpu_backend_matches_torch(
     backend.prefill_after_prefix_by_bucket = after_prefix_by_bucket
     got = backend.forward(query, key, value, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def windowed_reference(query, k_cache, v_cache, tables, seq_lens, starts, scale, window=None):
+    """Each query row alone, in float64: the keys of its context from `position - window + 1` (0
+    without a window) up to its own position, softmax, weighted V. Sequence b's rows are
+    `query[starts[b]:starts[b + 1]]`, the last positions of its `seq_lens[b]` tokens."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for seq, length in enumerate(seq_lens.tolist()):
+        slots = [int(tables[seq, t // block_size]) * block_size + t % block_size for t in range(length)]
+        k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
+        v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
+        first, last = int(starts[seq]), int(starts[seq + 1])
+        for row in range(first, last):
+            position = length - (last - first) + (row - first)
+            lo = 0 if window is None else max(0, position - window + 1)
+            scores = torch.einsum("hd,lhd->hl", query[row].double() * scale, k[lo : position + 1])
+            out[row] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[lo : position + 1])
+    return out
+
+
+def poison_before_windows(k_cache, v_cache, tables, seq_lens, starts, window):
+    """Fill with NaN every cached K/V row that lies before all of its sequence's query rows'
+    windows: a kernel that reads one (instead of skipping it) gives NaN."""
+    block_size = k_cache.shape[1]
+    for seq, length in enumerate(seq_lens.tolist()):
+        first_position = length - (int(starts[seq + 1]) - int(starts[seq]))
+        for t in range(max(0, first_position - window + 1)):
+            block, offset = int(tables[seq, t // block_size]), t % block_size
+            k_cache[block, offset] = float("nan")
+            v_cache[block, offset] = float("nan")

@@ -1,0 +1,42 @@
+"""Which model class runs which Hugging Face `model_type`: the one table the runner reads.
+
+Each family lives in its own module on the shared layers (`layers`): the Llama family (`llama`:
+Llama, Mistral, Qwen2, Qwen3, SmolLM3), Phi-3/4 (`phi`) and Gemma 2/3 (`gemma`). The architectures a checkpoint may name are
+checked before this, by `loading.architectures.check_architecture`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from batchgen.model.gemma import GemmaForCausalLM
+from batchgen.model.llama import LlamaForCausalLM
+from batchgen.model.phi import PhiForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "smollm3": LlamaForCausalLM,
+    "phi3": PhiForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
+}
+
+
+def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
+    """The class that runs `config`'s `model_type`.
+
+    Raises:
+        ValueError: a `model_type` none of the families implements, naming the ones they do.
+    """
+    cls = MODEL_CLASSES.get(config.model_type)
+    if cls is None:
+        raise ValueError(
+            f"model_type {config.model_type!r} is not supported; supported: {', '.join(MODEL_CLASSES)}"
+        )
+    return cls

@@ -35,6 +35,12 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral_window", "smollm3",
 # The tiny models' sliding window in tokens: shorter than most test prompts, so the window bites in
 # prefill, in chunked prefill, after a cached prefix and in decode.
 TINY_WINDOW = 8
+# Mixture-of-experts tiny models (`_tiny_moe_config`).
+TINY_MOE_ARCHS = ("qwen3_moe", "mixtral")
+# Tiny MoE routers are scaled by this after the random init: transformers' std 0.02 gives
+# near-uniform routing, where a rounding difference upstream could flip an expert; scaled, a token's
+# top-k is decisive (logits a few units apart) and steps still route unevenly.
+_ROUTER_SCALE = 50.0
 
 # Special tokens of the default model's tokenizer: 0 <|endoftext|>, 1 <|im_start|>, 2 <|im_end|>.
 _BOS, _EOS, _END_OF_TEXT = 1, 2, 0
@@ -232,6 +238,48 @@ def _tiny_gemma_config(arch: str):
     return Gemma3TextConfig(**common, rope_parameters=rope, architectures=["Gemma3ForCausalLM"])
 
 
+def _tiny_moe_config(arch: str):
+    """A tiny mixture of experts (hidden 64, 8 experts of width 32): "qwen3_moe" (3 layers, the
+    middle one dense through `mlp_only_layers`, top-3 without `norm_topk_prob`, q/k norm, head_dim
+    32) or "mixtral" (2 layers, top-2 of 8, renormalized)."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=_BOS,
+        eos_token_id=_EOS,
+        pad_token_id=_EOS,
+        dtype=torch.float32,
+    )
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common,
+            num_hidden_layers=3,
+            head_dim=32,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            architectures=["Qwen3MoeForCausalLM"],
+        )
+    if arch == "mixtral":
+        return MixtralConfig(
+            **common,
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            architectures=["MixtralForCausalLM"],
+        )
+    raise ValueError(f"unknown tiny MoE arch {arch!r}; choose from {', '.join(TINY_MOE_ARCHS)}")
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(request: pytest.FixtureRequest) -> Path:
     """Where the tiny models' tokenizer files come from: `$BATCHGEN_TEST_TOKENIZER_DIR` when set (a GPU
@@ -257,7 +305,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
     embeddings), "qwen3" (q/k norm, head_dim 32, tied), "mistral" (one KV head), "mistral_window"
     (every layer sliding over TINY_WINDOW tokens), "smollm3" (a NoPE layer, sliding), "phi3"
     (LongRoPE, partial rotary, sliding), "gemma2" or
-    "gemma3" (`_tiny_gemma_config`). Every model has
+    "gemma3" (`_tiny_gemma_config`), or a mixture of experts of `TINY_MOE_ARCHS`
+    (`_tiny_moe_config`; routers scaled by `_ROUTER_SCALE`). Every model has
     hidden size 64, 2 layers, intermediate size 128, max_position_embeddings 2048, float32 weights
     (seeded with `torch.manual_seed(0)`), the default model's tokenizer (vocab 49152, from
     `tokenizer_dir`), and a generation config whose eos ids are [2 (<|im_end|>), 0 (<|endoftext|>)].
@@ -269,9 +318,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
     def make(arch: str) -> Path:
         if arch in built:
             return built[arch]
-        config = _tiny_config(arch)
+        config = _tiny_moe_config(arch) if arch in TINY_MOE_ARCHS else _tiny_config(arch)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight") and arch in TINY_MOE_ARCHS:
+                    param.mul_(_ROUTER_SCALE)
         model.generation_config = GenerationConfig(
             bos_token_id=_BOS, eos_token_id=[_EOS, _END_OF_TEXT], pad_token_id=_EOS
         )

@@ -127,6 +127,7 @@ def run_bench(
             "dtype": str(facts.dtype).replace("torch.", ""),
             "device": facts.device,
             "non_embedding_params": shape.non_embedding_params,
+            "active_params": shape.active_params,
             "max_model_len": facts.max_model_len,
             "kv_cache_tokens": facts.kv_cache_tokens,
             "max_num_batched_tokens": facts.max_num_batched_tokens,

@@ -16,6 +16,7 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.engine.engine_plan import EnginePlan
 from batchgen.kernels.cpu.linear import cpu_has_native_bf16
+from batchgen.model import moe
 from batchgen.model.layers import attention_heads
 
 if TYPE_CHECKING:
@@ -206,12 +207,10 @@ def model_max_len(config: PretrainedConfig) -> int:
 
 
 def num_parameters(config: PretrainedConfig) -> int:
-    """Approximate parameter count of a Llama-family config (attention as 4 x hidden^2, the MLP,
-    untied embeddings): the weights' share of a CUDA memory budget."""
-    h, i, layers, vocab = (
-        config.hidden_size,
-        config.intermediate_size,
-        config.num_hidden_layers,
-        config.vocab_size,
-    )
-    return layers * (4 * h * h + 3 * h * i) + 2 * vocab * h
+    """Parameter count of a Llama-family config's linears (q, k, v, o; the MLP, or every expert of a
+    mixture with its router) and untied embeddings (norms and biases left out): the weights' share
+    of a CUDA memory budget."""
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads, kv_heads, head_dim = attention_heads(config)
+    attention = h * head_dim * (2 * heads + 2 * kv_heads)
+    return layers * attention + moe.feed_forward_parameters(config) + 2 * vocab * h

@@ -1,7 +1,8 @@
 """Which model class runs which Hugging Face `model_type`: the one table the runner reads.
 
 Each family lives in its own module on the shared layers (`layers`): the Llama family (`llama`:
-Llama, Mistral, Qwen2, Qwen3, SmolLM3), Phi-3/4 (`phi`) and Gemma 2/3 (`gemma`). The architectures a checkpoint may name are
+Llama, Mistral, Qwen2, Qwen3, SmolLM3, and the mixtures of experts Qwen3-MoE and Mixtral),
+Phi-3/4 (`phi`) and Gemma 2/3 (`gemma`). The architectures a checkpoint may name are
 checked before this, by `loading.architectures.check_architecture`.
 """
 
@@ -25,6 +26,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "phi3": PhiForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,  # experts in place of the MLP where the config says (`moe`)
+    "mixtral": LlamaForCausalLM,
 }
 
 

@@ -212,7 +212,8 @@ def layer_windows(config: PretrainedConfig) -> list[int | None]:
 
     As transformers reads them: `layer_types` ("sliding_attention" layers get `sliding_window`;
     Gemma 2/3 interleave them, Qwen2/3 with `use_sliding_window` slide from `max_window_layers`
-    on), or, for Mistral and Phi-3 (no `layer_types`), `sliding_window` on every layer.
+    on), or, for Mistral, Phi-3, Mixtral and Qwen3-MoE (no `layer_types`), `sliding_window` on
+    every layer.
     """
     layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
@@ -221,13 +222,14 @@ def layer_windows(config: PretrainedConfig) -> list[int | None]:
     types = getattr(config, "layer_types", None)
     if types:
         return [int(window) if t == "sliding_attention" else None for t in types]
-    if config.model_type in ("mistral", "phi3"):
+    if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return [int(window)] * layers
     return [None] * layers
 
 
 class Attention(nn.Module):
-    """Self-attention with fused QKV, optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3;
+    """Self-attention with fused QKV, optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3,
+    Qwen3-MoE;
     Gemma 3 passes its own norm class as `qk_norm`).
 
     forward(hidden `[T, hidden]`, the step's rotary (cos, sin), kv cache pair, metadata) -> `[T, hidden]`.
@@ -262,7 +264,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(
             q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False))
         )
-        if qk_norm is None and config.model_type == "qwen3":
+        if qk_norm is None and config.model_type in ("qwen3", "qwen3_moe"):
             qk_norm = RMSNorm
         self.qk_norm = qk_norm is not None
         if qk_norm is not None:

@@ -1,10 +1,12 @@
-"""One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3 and SmolLM 2/3.
+"""One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM 2/3, and the
+mixtures of experts Qwen3-MoE and Mixtral.
 
 The differences between these architectures are a few switches read from the Hugging Face config:
-GQA (`num_key_value_heads`), tied embeddings, QKV bias (Qwen2), per-head q/k norm (Qwen3), explicit
-`head_dim`, the rotary scaling rule (llama3 and friends), sliding-window layers (Mistral's
-`sliding_window`, Qwen2/3's `use_sliding_window`; `layers.layer_windows`) and layers without
-rotary (SmolLM3's `no_rope_layers`; `layers.layer_rotary`). Other families
+GQA (`num_key_value_heads`), tied embeddings, QKV bias (Qwen2), per-head q/k norm (Qwen3 and
+Qwen3-MoE), explicit `head_dim`, the rotary scaling rule (llama3 and friends), sliding-window layers
+(Mistral's `sliding_window`, Qwen2/3's `use_sliding_window`; `layers.layer_windows`), layers without
+rotary (SmolLM3's `no_rope_layers`; `layers.layer_rotary`) and which layers' feed-forward is a
+sparse mixture of experts (`moe.feed_forward`). Other families
 (`gemma`) subclass `LlamaForCausalLM` and reuse its weight loading and step.
 """
 
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from batchgen.model import moe
 from batchgen.model.attention.base import AttentionBackend, AttentionMetadata
 from batchgen.model.layers import (
     MLP,
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
 
     from batchgen.kernels.cpu.stack import DecoderStack
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", *moe.MOE_MODEL_TYPES)
 
 # Hugging Face projection name -> (our fused module, shard index)
 _FUSED = {
@@ -46,8 +49,9 @@ _FUSED = {
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm decoder layer: RMSNorm -> attention -> residual add -> RMSNorm -> SwiGLU MLP ->
-    residual add, on `[T, hidden_size]` rows in the model's dtype."""
+    """One pre-norm decoder layer: RMSNorm -> attention -> residual add -> RMSNorm -> SwiGLU MLP (or
+    the mixture of experts where the config puts one at layer `index`) -> residual add, on
+    `[T, hidden_size]` rows in the model's dtype."""
 
     def __init__(
         self,
@@ -55,16 +59,12 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         window: int | None = None,
         rotary: bool = True,
+        index: int = 0,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, backend, window, rotary=rotary)
         c_ops = backend.fused_cpu_ops
-        self.mlp = MLP(
-            config.hidden_size,
-            config.intermediate_size,
-            bias=bool(getattr(config, "mlp_bias", False)),
-            c_ops=c_ops,
-        )
+        self.mlp: MLP | moe.SparseMoeBlock = moe.feed_forward(config, index, c_ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, c_ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, c_ops)
 
@@ -130,8 +130,10 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, window, rotary)
-            for window, rotary in zip(layer_windows(config), layer_rotary(config), strict=True)
+            DecoderLayer(config, backend, window, rotary, index)
+            for index, (window, rotary) in enumerate(
+                zip(layer_windows(config), layer_rotary(config), strict=True)
+            )
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.fused_cpu_ops)
 
@@ -237,7 +239,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_forward(hidden[rows], rows_delta)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the model (fusing q/k/v and gate/up).
+        """Copy Hugging Face-named tensors into the model (fusing q/k/v and gate/up, and stacking
+        per-expert weights: `moe.load_expert_weight`).
 
         Raises:
             ValueError: a weight has an unexpected name or shape, or a parameter was never loaded.
@@ -246,6 +249,11 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
+                continue
+            name = moe.checkpoint_name(name)
+            expert_key = moe.load_expert_weight(self, name, tensor)
+            if expert_key is not None:
+                loaded.add(expert_key)
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
@@ -273,9 +281,11 @@ class LlamaForCausalLM(nn.Module):
             loaded.update(f"{name}#{i}" for i in range(len(shards or ())))
         missing = []
         for pname, _ in self.named_parameters():
-            module_name = pname.rpartition(".")[0]
-            shards = getattr(self.get_submodule(module_name), "shard_sizes", None)
-            if shards is not None:
+            module = self.get_submodule(pname.rpartition(".")[0])
+            shards = getattr(module, "shard_sizes", None)
+            if isinstance(module, moe.FusedExperts):
+                missing += module.missing(pname, loaded)
+            elif shards is not None:
                 missing += [f"{pname} (part {i})" for i in range(len(shards)) if f"{pname}#{i}" not in loaded]
             elif pname not in loaded and not (pname == "lm_head.weight" and self.tie_word_embeddings):
                 missing.append(pname)

@@ -75,3 +75,53 @@ def test_memory_bandwidth_is_measured() -> None:
     result = measure_memory_bandwidth(nbytes=2**20, repeats=2)
     assert result["buffer_bytes"] == 2**20 and result["device"] == "cpu"
     assert result["bytes_per_s"] > 1e8  # any machine copies a MiB faster than 100 MB/s
+
+
+# SHAPE with its second layer a mixture: 4 experts of width 4, top-2. Attention 192 a layer; layer 1's
+# MLP 384; layer 2's router 8 x 4 = 32 and experts 3 x 8 x 4 = 96 each.
+MOE = ModelShape(
+    hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=10,
+    num_sparse_layers=1, num_experts=4, experts_per_token=2, expert_intermediate_size=4,
+)  # fmt: skip
+
+
+def test_moe_counts_only_routed_experts() -> None:
+    assert MOE.non_embedding_params == 2 * 192 + 384 + 32 + 4 * 96 == 1184
+    assert MOE.active_params == 2 * 192 + 384 + 32 + 2 * 96 == 992
+    # one token reads its 2 experts; two tokens 4 x (1 - (1/2)^2) = 3 on average; many nearly all 4
+    assert MOE.routed_experts(1) == 2.0 and MOE.routed_experts(2) == 3.0
+    assert MOE.routed_experts(64) == pytest.approx(4.0)
+    assert step_bytes(MOE, 2, tokens=1, context_tokens=10) == (992 + 80) * 2 + 32 * 11
+    assert step_bytes(MOE, 2, tokens=2, context_tokens=10) == (1088 + 80) * 2 + 32 * 12
+    assert weight_bytes(MOE, 2) == (1184 + 80) * 2  # memory: every expert
+    assert forward_flops(MOE, tokens=3, attended_keys=0, sampled=0)["linear"] == 2 * 992 * 3
+    # a dense model reads all its weights at any step size
+    assert SHAPE.step_weight_params(1) == SHAPE.step_weight_params(64) == SHAPE.non_embedding_params
+
+
+def test_moe_shape_from_config_matches_transformers() -> None:
+    """`ModelShape.from_config` of a Qwen3-MoE config (one dense layer) counts transformers' own
+    linear parameters; at Qwen3-30B-A3B's shape the counts are its model card's (29.9B non-embedding,
+    3.3B activated)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+        moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, num_hidden_layers=3,
+        mlp_only_layers=[0], vocab_size=100,
+    )  # fmt: skip
+    shape = ModelShape.from_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linears = sum(p.numel() for n, p in model.model.layers.named_parameters() if "norm" not in n)
+    assert shape.num_sparse_layers == 2 and shape.non_embedding_params == linears
+    a3b = ModelShape.from_config(
+        Qwen3MoeConfig(
+            hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_hidden_layers=48,
+            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, vocab_size=151936,
+        )
+    )  # fmt: skip
+    embeddings = 2 * 2048 * 151936
+    assert round(a3b.non_embedding_params / 1e9, 1) == 29.9  # the model card's non-embedding count
+    assert 3.3e9 < a3b.active_params + embeddings < 3.4e9  # "3.3B activated"

@@ -78,3 +78,37 @@ def test_cuda_budget_counts_the_memory_a_dropped_engine_left_in_torchs_allocator
     weights = int(num_parameters(MODEL) * 4 * 1.5)
     blocks = num_kv_blocks(EngineConfig(block_size=16), torch.device("cuda"), torch.float32, 8192, MODEL)
     assert blocks == (int(total * 0.9) - weights) // 8192
+
+
+def _linear_and_embedding_params(config) -> int:
+    """transformers' own count for `config`, built on the meta device: every parameter but the norms."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "mixtral"])
+def test_num_parameters_counts_every_expert(kind) -> None:
+    """The CUDA budget's weight count equals transformers' parameter count (norms aside), all
+    experts and routers of a mixture included; Qwen3-30B-A3B's shape gives its published 30.5B."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    from batchgen.engine.sizing import num_parameters
+
+    heads = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    config = {
+        "llama": LlamaConfig(**heads, intermediate_size=96, num_hidden_layers=2, head_dim=32),
+        "qwen3_moe": Qwen3MoeConfig(
+            **heads, intermediate_size=96, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+            num_hidden_layers=4, mlp_only_layers=[2], head_dim=32,
+        ),
+        "mixtral": MixtralConfig(**heads, intermediate_size=40, num_local_experts=6, num_hidden_layers=2),
+    }[kind]  # fmt: skip
+    assert num_parameters(config) == _linear_and_embedding_params(config)
+    a3b = Qwen3MoeConfig(
+        hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_hidden_layers=48,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, vocab_size=151936,
+    )  # fmt: skip
+    assert round(num_parameters(a3b) / 1e9, 1) == 30.5

@@ -23,12 +23,18 @@ from batchgen.kernels.cpu.linear import (
     pack_weight,
     prepacked_linear,
 )
+from batchgen.model import moe
 from batchgen.model.layers import attention_heads
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a Llama-family decoder that set its FLOPs."""
+    """The sizes of a Llama-family decoder that set its FLOPs and the weight bytes its steps read.
+
+    A mixture of experts (Qwen3-MoE, Mixtral) has `num_sparse_layers` layers whose feed-forward is
+    `num_experts` experts of width `expert_intermediate_size` behind a router, of which each token
+    uses `experts_per_token`; its other layers have the dense MLP of `intermediate_size`.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -37,11 +43,16 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    num_sparse_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
-        """From a transformers `PretrainedConfig` (Llama, Mistral, Qwen2/3, SmolLM)."""
+        """From a transformers `PretrainedConfig` (Llama, Mistral, Qwen2/3, SmolLM, Qwen3-MoE, Mixtral)."""
         heads, kv_heads, head_dim = attention_heads(config)
+        spec = moe.moe_spec(config)
         return cls(
             hidden_size=int(config.hidden_size),
             intermediate_size=int(config.intermediate_size),
@@ -50,24 +61,65 @@ class ModelShape:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=int(config.vocab_size),
+            num_sparse_layers=moe.sparse_layer_count(config),
+            num_experts=spec.num_experts if spec else 0,
+            experts_per_token=spec.top_k if spec else 0,
+            expert_intermediate_size=spec.intermediate_size if spec else 0,
         )
 
     @property
     def layer_linear_params(self) -> int:
-        """Weights of one layer's q, k, v, o, gate, up and down projections."""
-        d, hd, i = self.hidden_size, self.head_dim, self.intermediate_size
-        return d * hd * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * hd * d + 3 * d * i
+        """Weights of one dense layer's q, k, v, o, gate, up and down projections."""
+        return self.attention_params + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def attention_params(self) -> int:
+        """Weights of one layer's q, k, v and o projections."""
+        d, hd = self.hidden_size, self.head_dim
+        return d * hd * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * hd * d
 
     @property
     def non_embedding_params(self) -> int:
-        """Linear weights of all layers (norms, embeddings and the LM head excluded)."""
-        return self.num_layers * self.layer_linear_params
+        """Linear weights of all layers, every expert and router included (norms, embeddings and
+        the LM head excluded): what the weights occupy."""
+        return int(self._layer_params(self.num_experts))
+
+    @property
+    def active_params(self) -> int:
+        """The linear weights one token is multiplied by: `non_embedding_params` with each sparse
+        layer's `experts_per_token` experts instead of all (equal for a dense model)."""
+        return int(self._layer_params(self.experts_per_token))
+
+    def routed_experts(self, tokens: int) -> float:
+        """Experts a step of `tokens` tokens reads in each sparse layer, expected under uniform
+        routing: E * (1 - (1 - k/E)^tokens) (each expert is missed by every token with probability
+        1 - k/E); k at one token, near E at many."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.experts_per_token / self.num_experts) ** tokens)
+
+    def step_weight_params(self, tokens: int) -> float:
+        """Linear weights a step of `tokens` tokens reads: a dense model's all; a mixture's attention,
+        dense layers, routers and the experts it routes to (`routed_experts`)."""
+        if not self.num_sparse_layers:
+            return float(self.non_embedding_params)
+        return self._layer_params(self.routed_experts(tokens))
+
+    def _layer_params(self, experts: float) -> float:
+        """Linear weights of all layers with `experts` experts counted in each sparse layer."""
+        d = self.hidden_size
+        dense = (self.num_layers - self.num_sparse_layers) * 3 * d * self.intermediate_size
+        sparse = self.num_sparse_layers * (
+            d * self.num_experts + experts * 3 * d * self.expert_intermediate_size
+        )
+        return self.num_layers * self.attention_params + dense + sparse
 
 
 def forward_flops(shape: ModelShape, tokens: int, attended_keys: int, sampled: int) -> dict[str, float]:
     """FLOPs of a forward pass over `tokens` tokens (one step, or a whole workload).
 
-    Per token: 2 x non-embedding parameters (one multiply-add per weight; Kaplan et al. 2020). Per
+    Per token: 2 x active non-embedding parameters (one multiply-add per weight a token meets;
+    Kaplan et al. 2020; a mixture of experts' token meets its top-k experts only). Per
     attended key: 4 x layers x (heads x head_dim) (QK^T and attention x V, one multiply-add each).
     The LM head (2 x hidden x vocab) counts once per sampled token: logits are needed only where a
     token is sampled. Embedding lookups, norms, rotary and activations are left out (well under 1%).
@@ -79,7 +131,7 @@ def forward_flops(shape: ModelShape, tokens: int, attended_keys: int, sampled: i
     Returns:
         dict with `linear`, `attention`, `lm_head` and `total` FLOPs.
     """
-    linear = 2.0 * shape.non_embedding_params * tokens
+    linear = 2.0 * shape.active_params * tokens
     attention = 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * attended_keys
     lm_head = 2.0 * shape.hidden_size * shape.vocab_size * sampled
     return {
@@ -111,6 +163,7 @@ def workload_flops(shape: ModelShape, lengths: list[tuple[int, int]]) -> dict[st
         **flops,
         "per_token": flops["total"] / tokens if tokens else 0.0,
         "non_embedding_params": shape.non_embedding_params,
+        "active_params": shape.active_params,
     }
 
 

@@ -70,6 +70,8 @@ class RateSamples:
             "samples_bytes_per_s": bytes_samples,
             "weight_bytes": weight_bytes(self.shape, dtype_bytes),
             "kv_bytes_per_token": kv_bytes_per_token(self.shape, dtype_bytes),
+            # a mixture of experts: a step reads its routed experts' weights only (`step_bytes`)
+            "routed_experts": self.shape.num_sparse_layers > 0,
         }
         bandwidth = ceiling["memory"]["bytes_per_s"]
         for result in results:

@@ -41,12 +41,15 @@ def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
 
 def step_bytes(
     shape: ModelShape, dtype_bytes: int, tokens: int, context_tokens: int, weights: int | None = None
-) -> int:
-    """Least memory traffic of one step, in bytes: weights once (`weights` bytes where given, e.g. a
-    quantized model's; else `weight_bytes` in the dtype), the KV cache of `context_tokens` positions
-    read, and that of `tokens` new positions written."""
-    weights = weight_bytes(shape, dtype_bytes) if weights is None else weights
-    return weights + kv_bytes_per_token(shape, dtype_bytes) * (context_tokens + tokens)
+) -> float:
+    """Least memory traffic of one step, in bytes: the weights it reads once (`weights` bytes where
+    given, e.g. a quantized model's; else `weight_bytes` in the dtype), of a mixture of experts the
+    routed experts' share only (`ModelShape.step_weight_params`), the KV cache of `context_tokens`
+    positions read, and that of `tokens` new positions written."""
+    held = weight_bytes(shape, dtype_bytes) if weights is None else weights
+    head = shape.hidden_size * shape.vocab_size
+    read = held * (shape.step_weight_params(tokens) + head) / (shape.non_embedding_params + head)
+    return read + kv_bytes_per_token(shape, dtype_bytes) * (context_tokens + tokens)
 
 
 def measure_memory_bandwidth(

@@ -104,11 +104,25 @@ def ceiling_line(report: dict[str, Any]) -> str:
     )
     return (
         f"compute ceiling: {f['tokens']:,} tokens x {f['per_token'] / 1e9:.3f} GFLOP/token "
-        f"(2 x {f['non_embedding_params'] / 1e6:.1f}M non-embedding params + attention + LM head on outputs) "
+        f"(2 x {_params_text(f)} + attention + LM head on outputs) "
         f"/ {mm['flops_per_s'] / 1e9:.0f} GFLOP/s ({spread}{mm['dtype']} matmul at the model's shapes, "
         f"{mm['threads']} threads) = {c['seconds']:.1f} s, {c['tokens_per_s']:.0f} tokens/s; each run's "
         "share is against the rate measured around it" + _roofline_text(c.get("memory"))
     )
+
+
+def _params_text(flops: dict) -> str:
+    """ "12.3M non-embedding params", or for a mixture of experts the params a token meets out of all."""
+    total, active = flops["non_embedding_params"], flops.get("active_params", flops["non_embedding_params"])
+    if active == total:
+        return f"{total / 1e6:.1f}M non-embedding params"
+    return f"{active / 1e6:.1f}M active of {total / 1e6:.1f}M non-embedding params (routed experts only)"
+
+
+def _routed(memory: dict[str, Any]) -> str:
+    if not memory.get("routed_experts"):
+        return ""
+    return " of which a step reads its routed experts only, expected under uniform routing"
 
 
 def _roofline_text(memory: dict[str, Any] | None) -> str:
@@ -117,7 +131,7 @@ def _roofline_text(memory: dict[str, Any] | None) -> str:
     samples = memory.get("samples_bytes_per_s") or [memory["bytes_per_s"]]
     return (
         f"; roofline: per step, its FLOPs at the median rate or its bytes (weights "
-        f"{memory['weight_bytes'] / 1e6:.0f} MB + KV cache read and written, "
+        f"{memory['weight_bytes'] / 1e6:.0f} MB{_routed(memory)} + KV cache read and written, "
         f"{memory['kv_bytes_per_token'] / 1e3:.1f} kB/token) at {memory['bytes_per_s'] / 1e9:.1f} GB/s "
         f"(memory copy rate, median of {len(samples)}, {min(samples) / 1e9:.1f}-{max(samples) / 1e9:.1f}), "
         "whichever is slower; each run's share against the matmul rate measured around it"

@@ -49,6 +49,7 @@ from batchgen.model.kernel_choice.linear import (
     table_shape,
 )
 from batchgen.model.kernel_choice.stack import build_decoder_stack, cached_stack_rows, tune_decoder_stack
+from batchgen.model.layers import MLP
 from batchgen.model.llama import decoder_layers
 
 if TYPE_CHECKING:
@@ -214,6 +215,7 @@ def apply_kernels(
     stack_possible = (
         dtype == torch.bfloat16 and not one_layout and not quantized and _fused_cpu_backend(model)
     )
+    stack_possible = stack_possible and all(isinstance(layer.mlp, MLP) for layer in decoder_layers(model))
     stack_possible = stack_possible and cached_stack_rows(model, table, max_logit_rows) != 0
     layer_shapes = choose_linears(
         model,

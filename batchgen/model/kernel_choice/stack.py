@@ -22,6 +22,7 @@ from batchgen.kernels.cpu.linear import AmxLinear, Bf16Linear, TunedLinear, fuse
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
 from batchgen.kernels.registry import Run, Setup, TuningTable, buckets_up_to, choose, entry_key, matches
 from batchgen.model.attention.base import AttentionMetadata
+from batchgen.model.layers import MLP
 from batchgen.model.llama import DecoderLayer, decoder_layers
 
 if TYPE_CHECKING:
@@ -224,8 +225,8 @@ def _bf16_weight(linear: nn.Module | None) -> torch.Tensor | None:
 
 def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack | None:
     """The C decoder stack for `model`, or None where it does not apply: a bf16 model on the "cpu"
-    attention backend whose layer linears all hold batchgen's bf16 kernel, without biases or
-    Qwen3's q/k norms, with one attention scale, Llama-family layers (`DecoderLayer`: the stack's C
+    attention backend whose layer linears all hold batchgen's bf16 kernel, without biases,
+    Qwen3's q/k norms or experts, with one attention scale, Llama-family layers (`DecoderLayer`: the stack's C
     code is their arithmetic) with rotary and no sliding window or softcap (the stack rotates
     every layer and attends globally).
     `max_rows`: the stack's row limit (0: none)."""
@@ -257,6 +258,8 @@ def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack 
     stack_layers = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, MLP):  # a mixture of experts: the stack runs dense layers only
+            return None
         projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         weights = [w for w in (_bf16_weight(p) for p in projections) if w is not None]
         if len(weights) < len(projections):

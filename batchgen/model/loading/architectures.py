@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 # For configs without `architectures` (GGUF conversions, hand-written configs).
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -28,6 +30,8 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 

@@ -63,3 +63,30 @@ def test_triton_backend_matches_hf_with_sliding_windows(tiny_model_dir, arch):
 def test_triton_backend_refuses_gemma2s_attention_softcap(tiny_model_dir):
     with pytest.raises(ValueError, match="no attention logit soft-capping.*attention_backend='torch'"):
         LLM(str(tiny_model_dir("gemma2")), attention_backend="triton", dtype="float32")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_on_triton_kernels_matches_hf(tiny_model_dir, arch, monkeypatch):
+    """A mixture of experts with Triton attention and the Triton grouped GEMM for its experts (as on
+    CUDA) gives Hugging Face `generate`'s greedy tokens."""
+    import transformers
+
+    from batchgen.model import moe
+    from tests.engine.test_fidelity import hf_greedy
+
+    path = tiny_model_dir(arch)
+    used = []
+
+    def triton_experts(*args):
+        used.append(True)
+        return moe.experts_triton(*args)
+
+    monkeypatch.setattr(moe, "default_experts_matmul", lambda device_type: triton_experts)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
+    expected = hf_greedy(path, prompt_ids, 6, ignore_eos=True)
+    llm = LLM(str(path), attention_backend="triton", dtype="float32", block_size=8, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert used, "the experts were meant to run on the Triton kernel"

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.kernels.cpu.moe import bf16_experts, bf16_experts_apply, pack_experts
 from batchgen.model.layers import MLP
 
 if TYPE_CHECKING:
@@ -208,6 +209,26 @@ def experts_triton(
     from batchgen.kernels.triton.fused_moe import fused_moe_experts  # imports Triton: CUDA only
 
     return fused_moe_experts(x, gate_up, down, groups.counts)
+
+
+def experts_bf16_c(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, groups: ExpertGroups
+) -> torch.Tensor:
+    """batchgen's AVX512-BF16 linear kernel, one call per expert that received rows, on weights
+    packed by `use_bf16_kernel` (`kernels/cpu/moe.py`)."""
+    return bf16_experts(x, gate_up, down, groups.counts.tolist())
+
+
+def use_bf16_kernel(experts: FusedExperts) -> bool:
+    """Pack `experts`' stacked weights for batchgen's bf16 CPU kernel and run it (`experts_bf16_c`),
+    where it applies (`bf16_experts_apply`: bf16 on a CPU with AVX512-BF16); the plain weights are
+    released. Returns whether it did."""
+    if not bf16_experts_apply(experts.gate_up_proj, experts.down_proj):
+        return False
+    experts.gate_up_proj = nn.Parameter(pack_experts(experts.gate_up_proj), requires_grad=False)
+    experts.down_proj = nn.Parameter(pack_experts(experts.down_proj), requires_grad=False)
+    experts.matmul = experts_bf16_c
+    return True
 
 
 @functools.cache

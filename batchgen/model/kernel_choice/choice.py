@@ -36,6 +36,7 @@ from batchgen.kernels.registry import (
     files_hash,
     machine_key,
 )
+from batchgen.model import moe
 from batchgen.model.attention.cpu_backend import CPUAttentionBackend
 from batchgen.model.kernel_choice.attention import (
     tune_decode_attention,
@@ -113,6 +114,9 @@ class KernelChoice:
     # time in the table (`table_linear_rate`): the registry's own figure for the machine's matmul rate.
     largest_bucket_flops_per_s: float | None = None
     device_type: str = "cpu"  # on CUDA: torch's linears, and only `prefill_attention` is measured
+    experts: str = (
+        ""  # a mixture of experts' matmuls where batchgen's kernel runs them ("bf16_c"; not measured)
+    )
 
     def summary(self) -> str:
         """A few words for the start line, e.g. "auto: linear onednn 80%, torch 20%" (shares of the
@@ -151,7 +155,8 @@ class KernelChoice:
         if "torch" in self.decode_attention:
             first = ROW_BUCKETS[self.decode_attention.index("torch")]
             attention += f"; decode attention torch from {first} sequences"
-        return f"{self.mode}: linear " + ", ".join(parts) + stack + attention + memory
+        experts = f"; experts {self.experts}" if self.experts else ""
+        return f"{self.mode}: linear " + ", ".join(parts) + stack + attention + experts + memory
 
 
 def _by_rows(kinds: list[str]) -> str:
@@ -202,6 +207,7 @@ def apply_kernels(
     if mode == "reference" or not can_prepack(dtype, device):
         return KernelChoice(mode if device.type == "cpu" else "reference", device_type=device.type)
     quantized = quantized or {}
+    packed_experts = sum(moe.use_bf16_kernel(m) for m in list(model.modules()) if isinstance(m, moe.FusedExperts))
     if mode == "native":
         _native_quantized(model, quantized)
         prepack_linears(model)
@@ -209,7 +215,7 @@ def apply_kernels(
         return KernelChoice("native", stack_max_rows=0 if model.decoder_stack is not None else None)
     start, load_before = time.perf_counter(), LoadSample()
     table = TuningTable.load(tuning_key(dtype))
-    choice = KernelChoice("auto", table=table)
+    choice = KernelChoice("auto", table=table, experts="bf16_c" if packed_experts else "")
     # The decoder stack needs every layer linear in batchgen's bf16 layout: held for its measurement
     # even where the per-layer path does not use it, and dropped again where the stack loses.
     stack_possible = (

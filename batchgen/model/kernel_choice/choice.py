@@ -207,7 +207,7 @@ def apply_kernels(
     if mode == "reference" or not can_prepack(dtype, device):
         return KernelChoice(mode if device.type == "cpu" else "reference", device_type=device.type)
     quantized = quantized or {}
-    packed_experts = sum(moe.use_bf16_kernel(m) for m in list(model.modules()) if isinstance(m, moe.FusedExperts))
+    experts = _pack_experts(model)
     if mode == "native":
         _native_quantized(model, quantized)
         prepack_linears(model)
@@ -215,13 +215,12 @@ def apply_kernels(
         return KernelChoice("native", stack_max_rows=0 if model.decoder_stack is not None else None)
     start, load_before = time.perf_counter(), LoadSample()
     table = TuningTable.load(tuning_key(dtype))
-    choice = KernelChoice("auto", table=table, experts="bf16_c" if packed_experts else "")
+    choice = KernelChoice("auto", table=table, experts=experts)
     # The decoder stack needs every layer linear in batchgen's bf16 layout: held for its measurement
     # even where the per-layer path does not use it, and dropped again where the stack loses.
     stack_possible = (
         dtype == torch.bfloat16 and not one_layout and not quantized and _fused_cpu_backend(model)
     )
-    stack_possible = stack_possible and all(isinstance(layer.mlp, MLP) for layer in decoder_layers(model))
     stack_possible = stack_possible and cached_stack_rows(model, table, max_logit_rows) != 0
     layer_shapes = choose_linears(
         model,
@@ -292,8 +291,17 @@ def _native_quantized(model: LlamaForCausalLM, quantized: dict[str, QuantizedWei
 
 
 def _fused_cpu_backend(model: LlamaForCausalLM) -> bool:
+    """Whether `model` runs on the "cpu" backend with dense layers only (the decoder stack's case)."""
     layers = decoder_layers(model)
-    return bool(layers) and getattr(layers[0].self_attn.backend, "fused_cpu_ops", False)
+    dense = all(isinstance(layer.mlp, MLP) for layer in layers)
+    return bool(layers) and dense and getattr(layers[0].self_attn.backend, "fused_cpu_ops", False)
+
+
+def _pack_experts(model: LlamaForCausalLM) -> str:
+    """Put every mixture-of-experts layer of `model` on batchgen's bf16 kernel where it applies
+    (`moe.use_bf16_kernel`); returns "bf16_c" where it did, else ""."""
+    experts = [m for m in model.modules() if isinstance(m, moe.FusedExperts)]
+    return "bf16_c" if sum(moe.use_bf16_kernel(m) for m in experts) else ""
 
 
 def _choose_attention(

@@ -36,7 +36,7 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral_window", "smollm3",
 # prefill, in chunked prefill, after a cached prefix and in decode.
 TINY_WINDOW = 8
 # Mixture-of-experts tiny models (`_tiny_moe_config`).
-TINY_MOE_ARCHS = ("qwen3_moe", "mixtral")
+TINY_MOE_ARCHS = ("qwen3_moe", "mixtral", "mixtral_window")
 # Tiny MoE routers are scaled by this after the random init: transformers' std 0.02 gives
 # near-uniform routing, where a rounding difference upstream could flip an expert; scaled, a token's
 # top-k is decisive (logits a few units apart) and steps still route unevenly.
@@ -241,7 +241,8 @@ def _tiny_gemma_config(arch: str):
 def _tiny_moe_config(arch: str):
     """A tiny mixture of experts (hidden 64, 8 experts of width 32): "qwen3_moe" (3 layers, the
     middle one dense through `mlp_only_layers`, top-3 without `norm_topk_prob`, q/k norm, head_dim
-    32) or "mixtral" (2 layers, top-2 of 8, renormalized)."""
+    32) or "mixtral" (2 layers, top-2 of 8, renormalized; "mixtral_window": every layer sliding
+    over TINY_WINDOW tokens)."""
     from transformers import MixtralConfig, Qwen3MoeConfig
 
     common = dict(
@@ -268,8 +269,10 @@ def _tiny_moe_config(arch: str):
             mlp_only_layers=[1],
             architectures=["Qwen3MoeForCausalLM"],
         )
-    if arch == "mixtral":
+    if arch in ("mixtral", "mixtral_window"):
+        window = {"sliding_window": TINY_WINDOW} if arch == "mixtral_window" else {}
         return MixtralConfig(
+            **window,
             **common,
             num_hidden_layers=2,
             intermediate_size=32,

@@ -70,6 +70,18 @@ STRESS = {
 }
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_moe_sliding_window_matches_hf(tiny_model_dir, backend):
+    """Mixtral's `sliding_window` (8 tokens here, shorter than most prompts) on every layer, in
+    prefill, chunked prefill and decode."""
+    path = tiny_model_dir("mixtral_window")
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompt_ids = [tok(p)["input_ids"] for p in TEXT_PROMPTS]
+    expected = hf_greedy(path, prompt_ids, GREEDY.max_tokens, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", attention_backend=backend, device="cpu", max_num_batched_tokens=16)
+    assert token_ids(llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY)) == expected
+
+
 @pytest.mark.parametrize("name", list(STRESS))
 def test_moe_stress_modes_match_hf(moe_case, name):
     path, prompt_ids, expected = moe_case

@@ -98,6 +98,24 @@ def default_model_dir(default_model_files: ModelFiles) -> Path:
     return default_model_files.path
 
 
+def _tiny_common(**fields) -> dict:
+    """The fields every tiny model shares (vocabulary, hidden 64, 4 query heads, special tokens,
+    float32), with `fields` added or overriding."""
+    return (
+        dict(
+            vocab_size=_VOCAB,
+            hidden_size=64,
+            num_attention_heads=4,
+            max_position_embeddings=2048,
+            bos_token_id=_BOS,
+            eos_token_id=_EOS,
+            pad_token_id=_EOS,
+            dtype=torch.float32,
+        )
+        | fields
+    )
+
+
 def _tiny_config(arch: str):
     """Config of a tiny model (hidden 64, 2 layers) exercising one feature of each architecture."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
@@ -105,18 +123,7 @@ def _tiny_config(arch: str):
     if arch.startswith("gemma"):
         return _tiny_gemma_config(arch)
 
-    common = dict(
-        vocab_size=_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=2048,
-        bos_token_id=_BOS,
-        eos_token_id=_EOS,
-        pad_token_id=_EOS,
-        dtype=torch.float32,
-    )
+    common = _tiny_common(intermediate_size=128, num_hidden_layers=2)
     if arch == "llama":
         # GQA plus Llama 3.1's rope scaling (transformers 5 calls `rope_scaling` `rope_parameters`).
         rope = {
@@ -206,22 +213,14 @@ def _tiny_gemma_config(arch: str):
     models have (local against global bases change all 8 outputs)."""
     from transformers import Gemma2Config, Gemma3TextConfig
 
-    common = dict(
-        vocab_size=_VOCAB,
-        hidden_size=64,
+    common = _tiny_common(
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         query_pre_attn_scalar=24,
-        max_position_embeddings=2048,
         sliding_window=TINY_WINDOW,
         layer_types=["sliding_attention", "full_attention"],
-        bos_token_id=_BOS,
-        eos_token_id=_EOS,
-        pad_token_id=_EOS,
-        dtype=torch.float32,
     )
     if arch == "gemma2":
         return Gemma2Config(
@@ -245,17 +244,7 @@ def _tiny_moe_config(arch: str):
     over TINY_WINDOW tokens)."""
     from transformers import MixtralConfig, Qwen3MoeConfig
 
-    common = dict(
-        vocab_size=_VOCAB,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=_BOS,
-        eos_token_id=_EOS,
-        pad_token_id=_EOS,
-        dtype=torch.float32,
-    )
+    common = _tiny_common(num_key_value_heads=2)
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(
             **common,

@@ -49,7 +49,8 @@ _ROWS: list[tuple[str, str | tuple[str, ...], str, float, bool]] = [
         False,
     ),  # fmt: skip
     ("host: token masks (ms)", "mask_ms_per_step", "{:.2f}", 1, False),
-    ("host at widest decode (ms) / rows", ("host_ms_full_decode", "full_decode_rows"), "{:.2f}", 1, False),
+    ("host at widest decode batch (ms)", "host_ms_full_decode", "{:.2f}", 1, False),
+    ("widest decode batch (mean rows)", "full_decode_rows", "{:.1f}", 1, False),
     ("TTFT mean (s)", "ttft_mean_s", "{:.2f}", 1, True),
     ("TTFT p50 / p90", ("ttft_p50_s", "ttft_p90_s"), "{:.2f}", 1, False),
     ("TTFT p99 (s)", "ttft_p99_s", "{:.2f}", 1, True),

@@ -19,10 +19,11 @@ def structured_flags(values: dict[str, Any]) -> dict[str, Any] | None:
     when none is given. Whether the library can compile it is checked with the job's options.
 
     Raises:
-        typer.BadParameter: two flags, a file that cannot be read, a schema that is not JSON, or
-            an empty choice list (exit 2).
+        typer.BadParameter: two flags, a file that cannot be read, a schema that is not JSON, an
+            empty regex, grammar file or choice list, or an empty choice in the list (exit 2).
     """
-    given = [name for name in STRUCTURED_FLAGS if values.get(name)]
+    # An empty --regex '' is given (and refused below), not "no constraint".
+    given = [name for name in STRUCTURED_FLAGS if values.get(name) not in (None, [], ())]
     if not given:
         return None
     flag = f"--{given[0].replace('_', '-')}"
@@ -34,12 +35,21 @@ def structured_flags(values: dict[str, Any]) -> dict[str, Any] | None:
         )
     value = values[given[0]]
     if given[0] == "regex":
+        if not value:
+            raise typer.BadParameter(
+                "the regex is empty; give a pattern, e.g. --regex '[0-9]+'", param_hint=flag
+            )
         return {"regex": value}
     if given[0] == "choice":
-        choices = [c.strip() for item in value for c in item.split(",") if c.strip()]
-        if not choices:
+        choices = [c.strip() for item in value for c in item.split(",")]
+        if not any(choices):
             raise typer.BadParameter(
                 "the choice list is empty; give the strings, e.g. --choice yes,no", param_hint=flag
+            )
+        if not all(choices):  # as a row's list with an empty string: an error, not dropped
+            raise typer.BadParameter(
+                f"an empty choice in {','.join(value)!r}; give non-empty strings, e.g. --choice yes,no",
+                param_hint=flag,
             )
         return {"choice": choices}
     try:
@@ -47,6 +57,8 @@ def structured_flags(values: dict[str, Any]) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError) as e:
         raise typer.BadParameter(f"cannot read {value}: {e}", param_hint=flag) from None
     if given[0] == "grammar":
+        if not text.strip():
+            raise typer.BadParameter(f"{value} is empty; give an EBNF (GBNF) grammar file", param_hint=flag)
         return {"grammar": text}
     import json
 

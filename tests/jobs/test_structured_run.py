@@ -170,12 +170,17 @@ def test_job_flags_apply_to_rows_without_their_own(tmp_path, tiny):
     assert pick["output"] in ("red", "blue")
     bad_schema = tmp_path / "bad.json"
     bad_schema.write_text('{"type": "object", "not": {}}')
+    empty = tmp_path / "empty.gbnf"
+    empty.write_text("\n")
     for args, message in [
         (["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
         (["--json-schema", str(src)], "is not JSON"),
         (["--json-schema", str(bad_schema)], "--json-schema uses keyword 'not' at #"),
         (["--regex", "a", "--choice", "x,y"], "give one of --json-schema, --regex, --choice, --grammar"),
         (["--choice", ","], "the choice list is empty"),
+        (["--choice", "a,,b"], "an empty choice in 'a,,b'"),
+        (["--regex", ""], "the regex is empty"),
+        (["--grammar", str(empty)], "is empty; give an EBNF (GBNF) grammar file"),
     ]:
         result = invoke(
             str(src), "--output", str(tmp_path / "x.parquet"), "--model", "/nonexistent/model", *args

@@ -108,6 +108,14 @@ class JobMetrics:
             cls = {"gauge": prom.Gauge, "counter": prom.Counter, "histogram": prom.Histogram}[kind]
             extra = {"buckets": buckets[0]} if buckets else {}
             self._families[key] = cls(PREFIX + name, doc, labels, registry=self.registry, **extra)
+        # One series of value 1 whose labels say what runs (vLLM publishes its configuration as
+        # such info series): the model's dtype and quantization.
+        self._model_info = prom.Gauge(
+            PREFIX + "model_info",
+            "The model this job runs, value 1: its dtype and its quantization (none, int8, gguf) as labels.",
+            ("model_name", "dtype", "quantization"),
+            registry=self.registry,
+        )
         self._m: dict[str, Any] = {}  # the series of the local engine (no replica label)
         self._replicas: dict[int, dict[str, Any]] = {}  # replica -> its series
         self._model_name: str | None = None
@@ -212,10 +220,20 @@ class JobMetrics:
 
     # ----- values -----
 
-    def bind(self, model_name: str, total_rows: int | None, rows_resumed: int) -> None:
+    def bind(
+        self,
+        model_name: str,
+        total_rows: int | None,
+        rows_resumed: int,
+        model_info: dict[str, str] | None = None,
+    ) -> None:
         """Create the `model_name` series (before this, a scrape shows only the metric names).
-        `rows_resumed`: the writer's committed rows at the start (earlier runs')."""
+        `rows_resumed`: the writer's committed rows at the start (earlier runs'); `model_info`:
+        the `dtype` and `quantization` of the `batchgen:model_info` series (None: no engine
+        started, so none)."""
         self._model_name = model_name
+        if model_info is not None:
+            self._model_info.labels(model_name=model_name, **model_info).set(1)
         self._committed_base = rows_resumed
         f = self._families
         f["job_rows"].labels(model_name=model_name).set(float("nan") if total_rows is None else total_rows)

@@ -274,7 +274,7 @@ def run_job(
             dashboard.log(f"--overwrite: removed the earlier output {output}; this run writes it anew")
         writer = PartWriter(state, tuple(options.keep_columns), options.commit_rows, options.commit_seconds)
         model_name = (engine and engine.model_name) or os.path.basename(_model_label(options).rstrip("/"))
-        metrics.bind(model_name, total, writer.committed_rows)
+        metrics.bind(model_name, total, writer.committed_rows, _model_info(engine))
         if metrics.url:
             dashboard.log(f"metrics at {metrics.url}")
         common = (reader, state, writer, dashboard, summary, Interrupt(), metrics)
@@ -312,6 +312,16 @@ def _loading_line(options: JobOptions) -> str:
     happens (`batchgen.progress` notes, shown by `_start_engine`)."""
     label = _model_label(options)
     return f"[batchgen] loading {'the default model' if label == 'default' else label}"
+
+
+def _model_info(engine: object) -> dict[str, str] | None:
+    """The engine's dtype and quantization method for the metrics' `model_info` series; None
+    without an engine or where it does not hold the model itself (a Ray replica set's driver)."""
+    dtype = getattr(engine, "dtype", None)
+    quantization = getattr(getattr(engine, "runner", None), "quantization", None)
+    if dtype is None or quantization is None:
+        return None
+    return {"dtype": str(dtype).removeprefix("torch."), "quantization": quantization.method}
 
 
 def _start_engine(

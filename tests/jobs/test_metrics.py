@@ -59,8 +59,11 @@ def test_scrape_during_a_tiny_model_run_and_final_counts(tmp_path, tiny_model_di
     port = free_port()
     scrapes: list[tuple[dict[str, float], dict[str, float]]] = []  # (scrape, engine state then)
 
+    engines = []
+
     def factory(config):
         engine = LLMEngine(config)
+        engines.append(engine)
         step = engine.step
 
         def scraping_step():
@@ -131,6 +134,11 @@ def test_scrape_during_a_tiny_model_run_and_final_counts(tmp_path, tiny_model_di
     assert final[P + "e2e_request_latency_seconds_count"] == 12
     assert final[P + "num_requests_running"] == 0 and final[P + "kv_cache_usage_perc"] == 0
     assert final[P + "rows_resumed"] == 0
+    # What runs: the tiny model in the engine's dtype, not quantized.
+    dtype = str(engines[0].dtype).removeprefix("torch.")
+    assert {k: v for k, v in final.items() if k.startswith(P + "model_info")} == {
+        P + f"model_info{{dtype={dtype},quantization=none}}": 1.0
+    }
     # The server is gone once the job has ended.
     with pytest.raises(OSError):
         scrape(port)

@@ -48,6 +48,7 @@ class JobPlan:
 
     input: str
     model: str
+    quantization: str = "auto"  # the run's `quantization` option (the calibration runs it)
     rows: int = 0
     rows_resumed: int = 0  # committed by an earlier run: not planned
     rows_valid: int = 0
@@ -300,6 +301,7 @@ def plan_job(
     start = time.perf_counter()
     plan = JobPlan(reader.source, engine.model_name or str(config.model or "default"), note=note)
     plan.prefix_caching = config.enable_prefix_caching
+    plan.quantization = config.quantization
     prefix = PrefixEstimate(engine.block_size, engine.num_blocks) if config.enable_prefix_caching else None
     tally = _Tally(plan, prefix, engine.block_size)
     rows: Any = reader
@@ -368,7 +370,7 @@ def format_plan(plan: JobPlan) -> str:
     resumed = f"{plan.rows_resumed} committed by an earlier run; of the rest " if plan.rows_resumed else ""
     saved = 100 * plan.prefix_cache_tokens / plan.prompt_tokens if plan.prompt_tokens else 0.0
     lines = [
-        f"job: {plan.input} (model {plan.model})",
+        f"job: {plan.input} (model {plan.model}, quantization {plan.quantization})",
         f"rows: {plan.rows} ({resumed}{plan.rows_valid} valid, {plan.rows_error} error rows, "
         f"{plan.rows_too_long} of them too long for max_model_len {plan.max_model_len})",
         f"prompt tokens: {plan.prompt_tokens} (p50 {plan.prompt_tokens_p50}, p99 {plan.prompt_tokens_p99}, "

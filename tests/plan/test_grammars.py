@@ -42,6 +42,7 @@ def test_plan_compiles_each_distinct_constraint_and_lists_the_bad(tmp_path, tiny
     ]
     assert g.compile_s > 0.05
     text = format_plan(plan)
+    assert text.startswith(f"job: {src} (model ") and ", quantization auto)" in text.splitlines()[0]
     assert "structured outputs: 4 rows, 3 distinct constraints, compiled in " in text
     assert "2 rows' constraint fails (error rows in run):" in text
 

@@ -16,10 +16,12 @@ compute with the very weights the quantized kernels read.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -125,7 +127,7 @@ def quantize_model(
     if method == "int8" and linears:
         result = _int8(linears, files, dtype, cache_dir)
     elif method == "auto" and files is not None and files.gguf is not None and linears:
-        result = _gguf(linears, model, files.gguf)
+        result = _gguf(linears, model, files.gguf, files.path / GGUF_LINEARS_NOTE)
     else:
         return Quantization()
     for name, weight in result.weights.items():
@@ -151,13 +153,31 @@ def _int8(
     return Quantization("int8", weights, "quantized at load")
 
 
-def _gguf(linears: dict[str, nn.Linear], model: LlamaForCausalLM, gguf: Path) -> Quantization:
+# Beside a GGUF file's converted directory: whether the file has linears a kernel runs as stored,
+# and the types of the rest. gguf-py parses a file's whole metadata (the vocabulary's strings
+# too) to list its tensors: about 3 s a start for the default model, whose linears are all Q4_1.
+GGUF_LINEARS_NOTE = "gguf_linears.json"
+
+
+def _gguf(linears: dict[str, nn.Linear], model: LlamaForCausalLM, gguf: Path, note: Path) -> Quantization:
     """The GGUF file's runnable blocks, each checked against the converted float weight (which
-    transformers dequantized from the same blocks): a linear whose blocks differ stays float."""
+    transformers dequantized from the same blocks): a linear whose blocks differ stays float.
+    `note` (`GGUF_LINEARS_NOTE` in the converted directory, which is keyed by the file's digest)
+    says when an earlier start found none, so the file is not parsed again."""
     from batchgen.model.loading.gguf_blocks import gguf_linear_blocks
 
+    known = _read_note(note)
+    if known is not None and not known["runnable"]:
+        return Quantization("gguf", {}, "GGUF file", dequantized=known["dequantized"])
     attn = decoder_layers(model)[0].self_attn  # `linears` is not empty: the model has layers
     blocks, other_types = gguf_linear_blocks(gguf, attn.num_heads, attn.num_kv_heads)
+    if known is None:
+        try:
+            write_atomically(
+                note, json.dumps({"runnable": bool(blocks), "dequantized": other_types}).encode()
+            )
+        except OSError:  # a read-only cache: parsed again next time
+            pass
     weights: dict[str, QuantizedWeight] = {}
     for name, weight in blocks.items():
         linear = linears.get(name)
@@ -170,6 +190,16 @@ def _gguf(linears: dict[str, nn.Linear], model: LlamaForCausalLM, gguf: Path) ->
             continue
         weights[name] = weight
     return Quantization("gguf", weights, "GGUF file", dequantized=other_types)
+
+
+def _read_note(note: Path) -> dict[str, Any] | None:
+    """`_gguf`'s note, or None when it is missing or damaged."""
+    try:
+        known = json.loads(note.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(known, dict) and isinstance(known.get("runnable"), bool)
+    return known if ok and isinstance(known.get("dequantized"), dict) else None
 
 
 # ---------------------------------------------------------------------------------------------

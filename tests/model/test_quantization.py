@@ -276,3 +276,35 @@ def test_int8_weight_of_a_gguf_file_is_quantized_from_its_floats(q8_0_gguf, cach
     assert np.isfinite(
         llm.llm_engine.runner.model.model.layers[0].mlp.down_proj.weight.detach().numpy()
     ).all()
+
+
+def test_a_gguf_file_without_runnable_linears_is_not_parsed_again(tmp_path, monkeypatch):
+    """The note beside a converted GGUF directory says an earlier start found no linear a kernel
+    runs as stored (the default model: all Q4_1): "auto" then reads it instead of parsing the file
+    (about 3 s of gguf-py's metadata parsing a start)."""
+    import batchgen.model.loading.gguf_blocks as gguf_blocks
+    from batchgen.model import quantization as q
+
+    note = tmp_path / q.GGUF_LINEARS_NOTE
+    note.write_text(json.dumps({"runnable": False, "dequantized": {"model.layers.0.mlp.down_proj": "Q4_1"}}))
+
+    def parse(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed although the note says it has no runnable linear")
+
+    monkeypatch.setattr(gguf_blocks, "gguf_linear_blocks", parse)
+    result = q._gguf({}, None, tmp_path / "model.gguf", note)  # type: ignore[arg-type]
+    assert result.method == "gguf" and result.weights == {}
+    assert result.dequantized == {"model.layers.0.mlp.down_proj": "Q4_1"}
+    for damaged in ("{damaged", '{"runnable": "no", "dequantized": {}}', "[]"):  # read as no note
+        note.write_text(damaged)
+        assert q._read_note(note) is None
+
+
+def test_a_gguf_file_with_q8_0_linears_notes_it(q8_0_gguf, cache):
+    """After a start with "auto", the note says the file has runnable linears (so each start reads
+    their blocks from the file, as it must)."""
+    from batchgen.model.quantization import GGUF_LINEARS_NOTE
+
+    LLM(str(q8_0_gguf), dtype="float32", device="cpu", quantization="auto", kernels="reference")
+    notes = list(Path(cache).rglob(GGUF_LINEARS_NOTE))
+    assert len(notes) == 1 and json.loads(notes[0].read_text()) == {"runnable": True, "dequantized": {}}

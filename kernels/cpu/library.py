@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.cache import cache_root, write_atomically
+from batchgen.kernels.cpu.compile import compile_and_link
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +158,7 @@ def _build(compiler: list[str], target: Path) -> dict:
     for flags in sets:
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as workdir:
             out = Path(workdir) / "lib.so"
-            command = [*compiler, *BASE_FLAGS, *flags, *map(str, SOURCES), "-o", str(out), "-lm"]
-            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            result = compile_and_link([*compiler, *BASE_FLAGS, *flags], SOURCES, Path(workdir), out)
             if result.returncode != 0:
                 error = result.stderr.strip()[-2000:]
                 first_error = first_error or error

@@ -344,7 +344,6 @@ class LLMEngine:
             inputs_s=inputs_s + sampled.prepare_s,
             forward_s=sampled.forward_s,
             sample_s=sampled.sample_s,
-            mask_s=sampled.mask_time_s,
             update_s=end - now,
         )
         self._record(sched, sampled, start, end, len(outputs), kv_cache_usage, phases)

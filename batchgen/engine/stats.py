@@ -17,8 +17,8 @@ class StepPhases:
         forward_s: the model's forward.
         sample_s: the sampler, log probabilities and the NaN check (token masks excluded). On a
             GPU the forward only queues kernels and the sampled ids' copy to the host waits for
-            them, so the device's time lands here, not in `forward_s`.
-        mask_s: filling and applying structured outputs' token masks.
+            them, so the device's time lands here, not in `forward_s`. (The token masks' time is
+            `StepStats.mask_time_s`.)
         update_s: `Scheduler.update` (appending tokens, stop checks, freeing blocks), the finished
             requests' outputs (detokenization) and the speculation gate.
     """
@@ -27,7 +27,6 @@ class StepPhases:
     inputs_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
-    mask_s: float = 0.0
     update_s: float = 0.0
 
 

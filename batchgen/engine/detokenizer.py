@@ -51,7 +51,7 @@ def check_stop(request: Request, tokenizer: Tokenizer | None, max_model_len: int
         if params.stop_token_ids and token in params.stop_token_ids:
             request.stop_reason = token
             return "stop"
-    if params.stop_strings:
+    if params.stop is not None and params.stop_strings:  # (the property builds a list)
         assert (
             tokenizer is not None
         )  # the engine's scheduler has its tokenizer; bare ones take no stop strings

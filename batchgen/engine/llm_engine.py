@@ -338,15 +338,8 @@ class LLMEngine:
         outputs = self.groups.collect(finished)
         if self.speculation is not None:  # the gate follows the job's acceptance
             self.scheduler.speculative_max_batch = self.speculation.observe(sched)
-        end = time.perf_counter()
-        phases = StepPhases(
-            schedule_s=scheduled - start,
-            inputs_s=inputs_s + sampled.prepare_s,
-            forward_s=sampled.forward_s,
-            sample_s=sampled.sample_s,
-            update_s=end - now,
-        )
-        self._record(sched, sampled, start, end, len(outputs), kv_cache_usage, phases)
+        phases = StepPhases(schedule_s=scheduled - start, inputs_s=inputs_s + sampled.prepare_s)
+        self._record(sched, sampled, start, now, phases, len(outputs), kv_cache_usage)
         return outputs
 
     def _record(
@@ -354,19 +347,26 @@ class LLMEngine:
         sched: SchedulerOutput,
         sampled: StepOutput,
         start: float,
-        now: float,
+        updated_at: float,
+        phases: StepPhases,
         num_finished: int,
         kv_cache_usage: float,
-        phases: StepPhases,
     ) -> None:
-        decodes = sched.num_decodes + sched.num_verify_tokens  # tokens that are not prompt tokens
+        """The step's `StepStats`, kept in `last_step` and added to `totals`. The step's time ends
+        after its counters are summed here (a pass over the step's requests is host time too):
+        `start` and `updated_at` are `perf_counter` seconds at the step's start and once the
+        runner returned; `phases` holds the schedule and inputs phases, the rest is set here."""
+        counts = sched.counts()
+        end = time.perf_counter()
+        phases.forward_s, phases.sample_s = sampled.forward_s, sampled.sample_s
+        phases.update_s = end - updated_at
         stats = StepStats(
             step=self.totals.steps,
-            time=now,
-            step_time_s=now - start,
+            time=end,
+            step_time_s=end - start,
             num_seqs=len(sched.scheduled),
-            num_batched_tokens=sched.num_batched_tokens,
-            num_prompt_tokens=sched.num_batched_tokens - decodes,
+            num_batched_tokens=counts.num_batched_tokens,
+            num_prompt_tokens=counts.num_prompt_tokens,
             num_generation_tokens=sched.num_output_tokens,
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
@@ -376,18 +376,12 @@ class LLMEngine:
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
             num_finished=num_finished,
-            num_drafts=sched.num_drafts,
-            num_draft_tokens=sched.num_draft_tokens,
+            num_drafts=counts.num_drafts,
+            num_draft_tokens=counts.num_draft_tokens,
             num_accepted_tokens=sched.num_accepted_tokens,
-            num_context_tokens=sum(s.start + s.num_new_tokens for s in sched.scheduled),
-            # tokens start .. start + n - 1 attend to start + 1 .. start + n keys
-            num_attended_keys=sum(
-                s.num_new_tokens * s.start + s.num_new_tokens * (s.num_new_tokens + 1) // 2
-                for s in sched.scheduled
-            ),
-            num_structured_seqs=sum(
-                1 for s in sched.scheduled if s.samples and s.request.grammar is not None
-            ),
+            num_context_tokens=counts.num_context_tokens,
+            num_attended_keys=counts.num_attended_keys,
+            num_structured_seqs=counts.num_structured_seqs,
             num_structured_requests=self._new_structured,
             mask_time_s=sampled.mask_time_s,
             phases=phases,

@@ -27,6 +27,7 @@ from batchgen.engine.policy import Policy
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from batchgen.engine.spec_decode import NgramProposer, ShadowDrafts, accepted_tokens, can_speculate
+from batchgen.engine.structured_check import grammar_refused
 from batchgen.model.loading.tokenizer import Tokenizer
 from batchgen.model.step import StepOutput
 
@@ -115,36 +116,49 @@ class Scheduler:
         """Build one step. Never exceeds `max_num_batched_tokens` or `max_num_seqs`."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_running: list[Request] = []
-        queue = list(self.running)
+        queue = self.running
         speculate = self.proposer is not None and len(queue) <= self.speculative_max_batch
         if self.shadow is not None and not speculate:  # the gate learns the acceptance while closed
             self.shadow.propose(self.running)
-        while queue and budget > 0:
-            request = queue.pop(0)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if speculate and request.num_tokens - request.num_computed_tokens == 1:
-                drafts = self._draft(request, budget, len(queue))
+        slots_held = self.block_manager.block_size  # tokens a block holds
+        i = 0
+        while i < len(queue) and budget > 0:
+            request = queue[i]
+            i += 1
+            uncomputed = len(request.token_ids) - request.num_computed_tokens
+            if (
+                uncomputed == 1
+                and not speculate
+                and len(request.token_ids) <= len(request.block_table) * slots_held
+            ):
+                # The usual decode: its slot is in a block it holds already (no allocation).
+                out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, 1, samples=True))
+                budget -= 1
+                continue
+            num_new = min(uncomputed, budget)
+            if speculate and uncomputed == 1:
+                drafts = self._draft(request, budget, len(queue) - i)
                 if drafts:
                     assert self.shadow is not None  # drafts come from the proposer, which has one
                     self.shadow.drop(request.request_id)
-                    scheduled_running.append(request)
                     out.scheduled.append(
                         ScheduledRequest(request, request.num_computed_tokens, 1 + len(drafts), drafts)
                     )
                     budget -= 1 + len(drafts)
                     continue
             while self.block_manager.allocate_slots(request, num_new) is None:
-                victim = self.policy.victim(queue + [request])
+                # The victim is one of the requests not scheduled yet, this one included.
+                victim = self.policy.victim(queue[i - 1 :])
                 self._preempt(victim, out)
+                del queue[queue.index(victim, i - 1)]
                 if victim is request:
+                    i -= 1  # the next request now sits where this one was
                     break
-                queue.remove(victim)
             else:
-                scheduled_running.append(request)
                 out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
                 budget -= num_new
-        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        # The running requests this step reached no budget for stay running, unscheduled.
+        self.running = [r for r in queue if r.status is RequestStatus.RUNNING]
 
         # Swapped and waiting requests are admitted only when nothing was preempted this step;
         # otherwise the freed blocks would be fought over in the same step.
@@ -154,7 +168,7 @@ class Scheduler:
                 self._admit_waiting(out, budget)
 
         # Decodes first: the attention backends expect them at the front of the flat batch.
-        out.scheduled.sort(key=lambda s: 0 if s.is_decode else 1)
+        out.scheduled.sort(key=_prefill_last)
         self.step_index += 1
         return out
 
@@ -278,9 +292,12 @@ class Scheduler:
         now = time.perf_counter() if now is None else now
         scheduled_at = now if scheduled_at is None else scheduled_at
         finished: list[Request] = []
-        errors = sampled.errors or [None] * len(sampled.token_ids)
-        tokens = iter(zip(sampled.token_ids, sampled.logprobs, errors, strict=True))
+        token_ids, errors = sampled.token_ids, sampled.errors
+        errors_or_none = errors or [None] * len(token_ids)
+        at = 0  # index of the next request's first sampled token
         scored = sampled.scored or [None] * len(out.scheduled)
+        caching = self.block_manager.enable_prefix_caching
+        block_size = self.block_manager.block_size
         for item, prompt_logprobs in zip(out.scheduled, scored, strict=True):
             r = item.request
             if r.first_scheduled_time is None:  # the wait ends when the step that serves it begins
@@ -291,19 +308,39 @@ class Scheduler:
                 r.num_computed_tokens = item.start + item.num_new_tokens
                 self.block_manager.cache_full_blocks(r)
                 continue
-            samples = [next(tokens) for _ in range(1 + len(item.spec_token_ids))]
-            before = r.num_tokens
-            reason = self._append(item, samples, out, now)
+            before = len(r.token_ids)
+            if errors is None and not item.spec_token_ids and r.appends_plainly:
+                reason = self._append_one(r, token_ids[at], now)
+                at += 1
+                out.num_output_tokens += 1
+            else:
+                end = at + 1 + len(item.spec_token_ids)
+                samples = list(
+                    zip(token_ids[at:end], sampled.logprobs[at:end], errors_or_none[at:end], strict=True)
+                )
+                at = end
+                reason = self._append(item, samples, out, now)
             if self.shadow is not None:
                 settled, produced = self.shadow.check(r, r.token_ids[before:])
                 out.num_shadow_drafts += settled
                 out.num_shadow_accepted_tokens += produced
-            self.block_manager.cache_full_blocks(r)
+            if caching and r.num_computed_tokens >= (len(r.block_hashes) + 1) * block_size:
+                self.block_manager.cache_full_blocks(r)  # a block filled up
             if item.spec_token_ids:
                 self.block_manager.free_tail(r, r.num_computed_tokens)
             if reason is not None:
                 finished.append(self._finish(r, reason, now))
         return finished
+
+    def _append_one(self, r: Request, token: int, now: float) -> str | None:
+        """`_append` for a request that `appends_plainly`: one sampled token (no drafts, no error): the
+        decode fast path, one call a running request a step."""
+        r.token_ids.append(token)
+        if r.first_token_time is None:
+            r.first_token_time = now
+        reason = check_stop(r, self.tokenizer, self.max_model_len)
+        r.num_computed_tokens = len(r.token_ids) - 1
+        return reason
 
     def _append(
         self, item: ScheduledRequest, samples: list[tuple], out: SchedulerOutput, now: float
@@ -328,7 +365,7 @@ class Scheduler:
             if r.reasoning is not None:  # before the grammar: it takes answer tokens only
                 r.reasoning.observe(r)
             if r.grammar is not None and not r.grammar.accept(token):  # the mask allowed no token
-                r.error, reason = _grammar_refused(r, token), "error"
+                r.error, reason = grammar_refused(r, token), "error"
                 break
             if (reason := check_stop(r, self.tokenizer, self.max_model_len)) is not None:
                 break
@@ -351,11 +388,7 @@ class Scheduler:
         return request
 
 
-def _grammar_refused(request: Request, token: int) -> str:
-    """The error of a structured request whose sampled token its grammar refuses: its mask left no
-    token (every allowed one banned, or -inf), so the sampler took a disallowed one."""
-    return (
-        f"the sampled token {token} is not allowed by the request's structured_outputs constraint at "
-        f"output token {request.num_output_tokens}: no allowed token had a finite logit; check that "
-        "the model can write what the constraint asks"
-    )
+def _prefill_last(item: ScheduledRequest) -> bool:
+    """Sort key putting decodes (`ScheduledRequest.is_decode`, inlined: it runs per request a
+    step) before prefill chunks."""
+    return item.num_new_tokens != 1 or not item.samples

@@ -4,33 +4,67 @@ it), consumed by the engine and, through it, the model runner (vLLM v1's `sched/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from batchgen.engine.request import Request
 from batchgen.model.step import is_decode
 
 
-@dataclass
 class ScheduledRequest:
     """A request's share of a step: `num_new_tokens` tokens from position `start` on.
 
     `spec_token_ids`: draft tokens to verify, the last `len(spec_token_ids)` of the
     `num_new_tokens` (they follow the request's last token and are not in `request.token_ids`).
     `samples` (set at construction, so it still holds once the step's tokens are appended): the
-    step reaches the request's last token, so a new token is sampled (one per position with drafts).
+    step reaches the request's last token, so a new token is sampled (one per position with drafts);
+    a caller that knows it may pass it (the scheduler's decode fast path), else it is computed.
+
+    A plain class with slots: the scheduler builds one per running request a step (a dataclass's
+    `__post_init__` cost a third of the decode fast path).
     """
 
-    request: Request
-    start: int
-    num_new_tokens: int
-    spec_token_ids: list[int] = field(default_factory=list)
-    samples: bool = field(init=False)
+    __slots__ = ("num_new_tokens", "request", "samples", "spec_token_ids", "start")
 
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens - len(self.spec_token_ids) == self.request.num_tokens
+    def __init__(
+        self,
+        request: Request,
+        start: int,
+        num_new_tokens: int,
+        spec_token_ids: list[int] | None = None,
+        samples: bool | None = None,
+    ) -> None:
+        self.request = request
+        self.start = start
+        self.num_new_tokens = num_new_tokens
+        self.spec_token_ids = [] if spec_token_ids is None else spec_token_ids
+        self.samples = (
+            start + num_new_tokens - len(self.spec_token_ids) == len(request.token_ids)
+            if samples is None
+            else samples
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ScheduledRequest({self.request.request_id!r}, start={self.start}, "
+            f"num_new_tokens={self.num_new_tokens}, spec_token_ids={self.spec_token_ids})"
+        )
 
     @property
     def is_decode(self) -> bool:
         return is_decode(self.num_new_tokens, self.samples)
+
+
+class StepCounts(NamedTuple):
+    """A step's sizes, summed in one pass over its requests (`SchedulerOutput.counts`); the
+    fields of `batchgen.engine.stats.StepStats` of the same names."""
+
+    num_batched_tokens: int
+    num_prompt_tokens: int  # tokens that are neither decodes nor drafts being verified
+    num_drafts: int
+    num_draft_tokens: int
+    num_context_tokens: int
+    num_attended_keys: int
+    num_structured_seqs: int
 
 
 @dataclass
@@ -83,3 +117,32 @@ class SchedulerOutput:
     def num_verify_tokens(self) -> int:
         """Tokens of the requests verifying drafts (their last token and the drafts)."""
         return sum(s.num_new_tokens for s in self.scheduled if s.spec_token_ids)
+
+    def counts(self) -> StepCounts:
+        """The step's `StepCounts`, in one pass over `scheduled` (each property above is a pass
+        of its own)."""
+        num_tokens = num_decode_tokens = num_drafts = num_draft_tokens = 0
+        num_context = num_attended = num_structured = 0
+        for s in self.scheduled:
+            n, begin = s.num_new_tokens, s.start
+            num_tokens += n
+            num_context += begin + n
+            # tokens begin .. begin + n - 1 attend to begin + 1 .. begin + n keys
+            num_attended += n * begin + n * (n + 1) // 2
+            if s.spec_token_ids:  # the last token and its drafts: not prompt tokens
+                num_drafts += 1
+                num_draft_tokens += len(s.spec_token_ids)
+                num_decode_tokens += n
+            elif n == 1 and s.samples:  # a decode (`is_decode`)
+                num_decode_tokens += 1
+            if s.samples and s.request.grammar is not None:
+                num_structured += 1
+        return StepCounts(
+            num_tokens,
+            num_tokens - num_decode_tokens,
+            num_drafts,
+            num_draft_tokens,
+            num_context,
+            num_attended,
+            num_structured,
+        )

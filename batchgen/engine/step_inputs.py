@@ -4,6 +4,7 @@ its tokens, block table and sampling settings (no request objects cross into the
 from __future__ import annotations
 
 from batchgen.engine.logprobs import scored_rows
+from batchgen.engine.request import Request
 from batchgen.engine.scheduler_output import SchedulerOutput
 from batchgen.model.sampler import RowPenalty
 from batchgen.model.step import StepInput
@@ -25,6 +26,30 @@ def step_inputs(sched: SchedulerOutput) -> list[StepInput]:
     for item in sched.scheduled:
         r = item.request
         p = r.sampling_params
+        if item.num_new_tokens == 1 and item.samples and _plain_decode(r):
+            # The usual decode (no drafts, bans, penalties, log probabilities or mask): positional,
+            # one call a running request a step.
+            inputs.append(
+                StepInput(
+                    [r.token_ids[item.start]],
+                    item.start,
+                    r.block_table,
+                    True,
+                    0,
+                    0.0 if p.greedy else float(p.temperature),
+                    p.top_k,
+                    p.top_p,
+                    p.min_p,
+                    r.generator,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    r.num_prompt_tokens,
+                )
+            )
+            continue
         banned = None
         if item.samples and r.num_output_tokens < p.min_tokens:
             banned = sorted(r.eos_token_ids | set(p.stop_token_ids or ()))
@@ -61,3 +86,16 @@ def step_inputs(sched: SchedulerOutput) -> list[StepInput]:
             )
         )
     return inputs
+
+
+def _plain_decode(r: Request) -> bool:
+    """Whether a decode of `r` needs none of `StepInput`'s optional parts: past `min_tokens`,
+    no penalty, log probabilities, prompt scoring or token mask."""
+    p = r.sampling_params
+    return (
+        r.grammar is None
+        and p.logprobs is None
+        and r.prompt_logprobs is None
+        and len(r.token_ids) - r.num_prompt_tokens >= p.min_tokens
+        and not p.penalized
+    )

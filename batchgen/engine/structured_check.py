@@ -18,6 +18,7 @@ import re
 from collections import OrderedDict
 from typing import Any
 
+from batchgen.engine.request import Request
 from batchgen.sampling_params import StructuredOutputsParams
 
 # JSON Schema keywords that constrain a value but that xgrammar does not enforce.
@@ -219,3 +220,13 @@ def _refused(
 def _pointer(name: str) -> str:
     """A property name as a JSON pointer token (RFC 6901: ~ as ~0, / as ~1)."""
     return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def grammar_refused(request: Request, token: int) -> str:
+    """The error of a structured request whose sampled token its grammar refuses: its mask left no
+    token (every allowed one banned, or -inf), so the sampler took a disallowed one."""
+    return (
+        f"the sampled token {token} is not allowed by the request's structured_outputs constraint at "
+        f"output token {request.num_output_tokens}: no allowed token had a finite logit; check that "
+        "the model can write what the constraint asks"
+    )

@@ -24,6 +24,8 @@ def flatten_step(
     docs/benchmarks.md)."""
     bs, n = block_size, len(seqs)
     query_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)
+    if n and int(query_lens.sum()) == n and all(s.sample for s in seqs):
+        return _flatten_decodes(seqs, block_size, device)
     starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
     table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
     num_sampled = np.fromiter((s.num_sampled for s in seqs), dtype=np.int64, count=n)
@@ -36,13 +38,7 @@ def flatten_step(
     np.cumsum(query_lens, out=query_start_loc[1:])
     seq_index = np.repeat(np.arange(n), query_lens)
     positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_index] + starts[seq_index]
-    block_tables = np.zeros((n, int(table_lens.max())), dtype=np.int32)
-    # Row-major order of the mask is the order of the chained tables.
-    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(s.block_table for s in seqs),
-        dtype=np.int32,
-        count=int(table_lens.sum()),
-    )
+    block_tables = _block_tables(seqs, table_lens)
     slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
     # A sequence with draft tokens needs logits at its last `num_draft_tokens + 1` positions.
     sampled_before = np.repeat(np.cumsum(num_sampled) - num_sampled, num_sampled)
@@ -75,3 +71,46 @@ def flatten_step(
         meta,
         torch.from_numpy(logits_indices.astype(np.int64)).to(dev),
     )
+
+
+def _block_tables(seqs: list[StepInput], table_lens: np.ndarray) -> np.ndarray:
+    """The sequences' block tables as one int32 array `[n, max blocks]`, zero-padded."""
+    block_tables = np.zeros((len(seqs), int(table_lens.max())), dtype=np.int32)
+    # Row-major order of the mask is the order of the chained tables.
+    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(s.block_table for s in seqs),
+        dtype=np.int32,
+        count=int(table_lens.sum()),
+    )
+    return block_tables
+
+
+def _flatten_decodes(
+    seqs: list[StepInput], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """`flatten_step` for a step of decodes only (one token each, each sampled; so no drafts):
+    the usual step at a full batch, without the per-token index arithmetic a mixed step needs."""
+    bs, n = block_size, len(seqs)
+    positions = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
+    input_ids = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=n)
+    table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+    block_tables = _block_tables(seqs, table_lens)
+    slot_mapping = block_tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+    seq_lens = positions + 1
+    rows = torch.arange(n, dtype=torch.int64)
+    dev = device
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32).to(dev),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+        block_tables=torch.from_numpy(block_tables).to(dev),
+        num_decodes=n,
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+        query_lens_cpu=[1] * n,
+        seq_lens_cpu=seq_lens.tolist(),
+        verifies_drafts=False,
+        prompt_lens_cpu=[s.num_prompt_tokens for s in seqs],
+    )
+    meta.scratch["all_slots_valid"] = bool((slot_mapping >= 0).all())
+    return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta, rows.to(dev)

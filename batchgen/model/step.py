@@ -53,7 +53,7 @@ class TokenMask(Protocol):
         ...
 
 
-@dataclass
+@dataclass(slots=True)
 class StepInput:
     """One sequence's share of a step, as the runner needs it (no request objects below the engine).
 

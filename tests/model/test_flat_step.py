@@ -62,3 +62,28 @@ def test_flat_inputs_equal_a_loop_a_sequence_on_random_steps() -> None:
         assert meta.query_lens_cpu == [len(s.token_ids) for s in seqs]
         assert meta.verifies_drafts == any(s.num_draft_tokens for s in seqs)
         assert meta.scratch["all_slots_valid"]
+
+
+def test_decode_only_steps_take_their_own_path_and_equal_the_loop() -> None:
+    """A step of plain decodes (the usual step at a full batch) is flattened by its own shorter path
+    (`_flatten_decodes`): the same values and dtypes as the reference, at 1 to 300 rows."""
+    rng = random.Random(1)
+    for n in [1, 2, 7, 64, 255, 300]:
+        seqs = []
+        for _ in range(n):
+            start = rng.randint(0, 500)
+            seqs.append(StepInput([rng.randint(0, 999)], start, rng.sample(range(900), start // BLOCK + 1), True,
+                                  num_prompt_tokens=rng.randint(1, start + 1)))  # fmt: skip
+        want = _reference(seqs)
+        ids, positions, meta, logits_rows = flatten_step(seqs, BLOCK, torch.device("cpu"))
+        assert ids.tolist() == want["ids"] and positions.tolist() == want["positions"]
+        assert meta.slot_mapping.tolist() == want["slots"] and logits_rows.tolist() == want["logits"]
+        assert meta.block_tables.tolist() == want["tables"] and meta.num_decodes == n
+        assert meta.seq_lens.tolist() == want["seq_lens"] == meta.seq_lens_cpu
+        assert meta.query_lens_cpu == [1] * n and meta.max_query_len == 1 and not meta.verifies_drafts
+        assert meta.prompt_lens_cpu == [s.num_prompt_tokens for s in seqs]
+        assert meta.query_start_loc.tolist() == list(range(n + 1))
+        assert (ids.dtype, positions.dtype, logits_rows.dtype) == (torch.int64,) * 3
+        assert (meta.slot_mapping.dtype, meta.seq_lens.dtype, meta.block_tables.dtype) == (
+            torch.int64, torch.int32, torch.int32)  # fmt: skip
+        assert meta.query_start_loc.dtype == torch.int32

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import shlex
 import sys
 from typing import TYPE_CHECKING, Annotated, Any, get_args
 
@@ -19,7 +18,7 @@ import typer
 
 from batchgen import cli_types as opt
 from batchgen.bench.cli import bench_command
-from batchgen.cli_run import check_summary_json, run_and_exit, write_summary_json
+from batchgen.cli_run import check_summary_json, resume_command, run_and_exit, write_summary_json
 from batchgen.config import POLICY_NAMES
 from batchgen.sampling_params import SamplingDefaults
 from batchgen.tune import tune_command
@@ -201,7 +200,6 @@ def _job_options(values: dict[str, Any]) -> JobOptions:
             c.strip() for item in values["keep_columns"] or () for c in item.split(",") if c.strip()
         )
     )
-    resume_args = [a for a in sys.argv[1:] if a != "--overwrite"]
     return JobOptions(
         input=values["input"],
         output=values["output"],
@@ -224,7 +222,7 @@ def _job_options(values: dict[str, Any]) -> JobOptions:
         commit_seconds=values["commit_interval"],
         dashboard=not values["no_dashboard"],
         progress_interval=values["progress_interval"],
-        resume_command="batchgen " + shlex.join(resume_args),
+        resume_command=resume_command(sys.argv[1:]),
         metrics=MetricsOptions(
             port=values["metrics_port"], host=values["metrics_host"], file=values["metrics_file"]
         ),

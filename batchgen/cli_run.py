@@ -5,7 +5,10 @@ driver), the messages of a failed or interrupted run, `--summary-json`, and the 
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
+import sys
 from typing import TYPE_CHECKING
 
 import typer
@@ -15,6 +18,38 @@ from batchgen.stop_signals import STOP_SIGNALS, handled_stop_signals
 if TYPE_CHECKING:
     from batchgen.distributed.pool import ReplicaOptions
     from batchgen.jobs.options import JobOptions, JobSummary
+
+
+def resume_command(args: list[str]) -> str:
+    """The command that resumes this run, shell-quoted: the program as the user started it
+    (`_program`), then `args` (the command's arguments) without `--overwrite`, which would
+    discard the committed rows the resumed run is to keep."""
+    return shlex.join([*_program(), *(a for a in args if a != "--overwrite")])
+
+
+def _program() -> list[str]:
+    """How the user started batchgen: the interpreter and `-m batchgen` as typed (`sys.orig_argv`)
+    when it runs as a module; else `sys.argv[0]` as given (`.venv/bin/batchgen`), or the bare name
+    where that name on PATH is this very file (the shell passes a PATH lookup's full path on)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name in ("batchgen", "batchgen.__main__"):  # python -m batchgen
+        typed = list(getattr(sys, "orig_argv", ()))
+        for i, arg in enumerate(typed):
+            if arg == "-m" and typed[i + 1 : i + 2] in (["batchgen"], ["batchgen.__main__"]):
+                return typed[: i + 2]
+            if arg in ("-mbatchgen", "-mbatchgen.__main__"):
+                return typed[: i + 1]
+        return [sys.executable, "-m", "batchgen"]
+    program = sys.argv[0]
+    name = os.path.basename(program)
+    found = shutil.which(name)
+    try:
+        if found and os.path.samefile(found, program):
+            return [name]
+    except OSError:  # argv[0] is no file (an embedding host's name): keep it as given
+        pass
+    return [program]
 
 
 def run_and_exit(

@@ -126,6 +126,7 @@ class SamplingParams:
             elif isinstance(value, numbers.Real) and not isinstance(value, int | float):
                 setattr(self, f.name, float(value))
         self.validate()
+        self.top_k = canonical_top_k(self.top_k)
 
     def validate(self) -> None:
         """Check every field (types and ranges).
@@ -289,9 +290,17 @@ class SamplingDefaults:
         defaults = {}
         for f in fields(SamplingDefaults):
             value, unset = _as_keyword(getattr(self, f.name)), _as_keyword(f.default)
+            if f.name == "top_k":
+                value = canonical_top_k(value)
             if not f.metadata.get("added_later") or value != unset:
                 defaults[f.name] = value
         return defaults
+
+
+def canonical_top_k(top_k: Any) -> Any:
+    """`top_k` in one form: -1 as 0, vLLM's two words for "off", so requests and job options that
+    mean the same hash (and resume) alike; any other value as given."""
+    return 0 if top_k == -1 else top_k
 
 
 def _as_keyword(value: Any) -> Any:

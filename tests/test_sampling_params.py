@@ -44,6 +44,14 @@ def test_extreme_seeds_are_accepted():
         SamplingParams(seed=seed)
 
 
+def test_top_k_off_has_one_form():
+    """-1 and 0 both turn top_k off (vLLM's two words): one value, so the two hash alike (a job's
+    row hash, its resume identity) and a job resumed with the other word keeps its rows."""
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(top_k=-1).to_dict() == SamplingParams(top_k=0).to_dict()
+    assert SamplingParams(top_k=5).top_k == 5
+
+
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dir):
     return LLM(str(tiny_model_dir("llama")), dtype="float32", num_threads=1)

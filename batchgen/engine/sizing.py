@@ -18,6 +18,7 @@ from batchgen.engine.engine_plan import EnginePlan
 from batchgen.kernels.cpu.linear import cpu_has_native_bf16
 from batchgen.model import moe
 from batchgen.model.layers import attention_heads
+from batchgen.model.loading.model_defaults import model_max_len
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -197,13 +198,6 @@ def check_fits_in_memory(cache_bytes: int) -> None:
             f"kv_cache_memory plus swap_space is {cache_bytes / 2**30:.1f} GiB but only "
             f"{available / 2**30:.1f} GiB of memory is available; lower --kv-cache-memory (or --swap-space)"
         )
-
-
-def model_max_len(config: PretrainedConfig) -> int:
-    """The longest sequence the model serves exactly: `max_position_embeddings` (2048 if unset).
-    A sliding window does not limit it: its layers attend to their window only
-    (`batchgen.model.layers.layer_windows`), as transformers' do."""
-    return int(getattr(config, "max_position_embeddings", None) or 2048)
 
 
 def num_parameters(config: PretrainedConfig) -> int:

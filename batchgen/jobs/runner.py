@@ -33,6 +33,7 @@ from batchgen.jobs.options import (
 )
 from batchgen.jobs.output.final_output import count_output_errors, finalize_output
 from batchgen.jobs.output.header import make_header
+from batchgen.jobs.output.header_options import canonical_options
 from batchgen.jobs.output.resume import ResumeState, prepare_output, remove_earlier_output
 from batchgen.jobs.output.writer import PartWriter
 from batchgen.metrics import JobMetrics, NullMetrics
@@ -79,8 +80,9 @@ def _model_label(options: JobOptions) -> str:
 
 
 def _header_options(options: JobOptions, reader: JobReader, fmt: str) -> dict[str, Any]:
-    """Options that change the output rows (engine options that only change speed are left out).
-    The quantization only where it is not "auto", so a job written before the option resumes."""
+    """Options that change the output rows (engine options that only change speed are left out),
+    each in one form per meaning (`canonical_options`). The quantization only where it is not
+    "auto", so a job written before the option resumes."""
     header = {
         "output_format": fmt,
         "prompt_column": reader.prompt_column,
@@ -100,7 +102,7 @@ def _header_options(options: JobOptions, reader: JobReader, fmt: str) -> dict[st
     }
     if (quantization := options.engine.get("quantization", "auto")) != "auto":
         header["quantization"] = quantization
-    return header
+    return canonical_options(header, _model_label(options))
 
 
 def job_header(options: JobOptions, reader: JobReader, fmt: str) -> dict[str, Any]:

@@ -21,7 +21,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +30,7 @@ from batchgen.config import QUANTIZATIONS
 from batchgen.kernels.cpu.quantized_linear import Int8Weight, QuantizedWeight
 from batchgen.model.llama import LlamaForCausalLM, decoder_layers
 from batchgen.model.loading.loader import ModelFiles
+from batchgen.model.loading.model_defaults import GGUF_LINEARS_NOTE, read_gguf_note
 
 logger = logging.getLogger(__name__)
 
@@ -153,12 +153,6 @@ def _int8(
     return Quantization("int8", weights, "quantized at load")
 
 
-# Beside a GGUF file's converted directory: whether the file has linears a kernel runs as stored,
-# and the types of the rest. gguf-py parses a file's whole metadata (the vocabulary's strings
-# too) to list its tensors: about 3 s a start for the default model, whose linears are all Q4_1.
-GGUF_LINEARS_NOTE = "gguf_linears.json"
-
-
 def _gguf(linears: dict[str, nn.Linear], model: LlamaForCausalLM, gguf: Path, note: Path) -> Quantization:
     """The GGUF file's runnable blocks, each checked against the converted float weight (which
     transformers dequantized from the same blocks): a linear whose blocks differ stays float.
@@ -166,7 +160,7 @@ def _gguf(linears: dict[str, nn.Linear], model: LlamaForCausalLM, gguf: Path, no
     says when an earlier start found none, so the file is not parsed again."""
     from batchgen.model.loading.gguf_blocks import gguf_linear_blocks
 
-    known = _read_note(note)
+    known = read_gguf_note(note)
     if known is not None and not known["runnable"]:
         return Quantization("gguf", {}, "GGUF file", dequantized=known["dequantized"])
     attn = decoder_layers(model)[0].self_attn  # `linears` is not empty: the model has layers
@@ -190,16 +184,6 @@ def _gguf(linears: dict[str, nn.Linear], model: LlamaForCausalLM, gguf: Path, no
             continue
         weights[name] = weight
     return Quantization("gguf", weights, "GGUF file", dequantized=other_types)
-
-
-def _read_note(note: Path) -> dict[str, Any] | None:
-    """`_gguf`'s note, or None when it is missing or damaged."""
-    try:
-        known = json.loads(note.read_text())
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(known, dict) and isinstance(known.get("runnable"), bool)
-    return known if ok and isinstance(known.get("dequantized"), dict) else None
 
 
 # ---------------------------------------------------------------------------------------------

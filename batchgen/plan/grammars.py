@@ -109,6 +109,21 @@ def report(constraints: Constraints, results: list[tuple[str | None, float]]) ->
     return out
 
 
+def failing(constraints: Constraints, results: list[tuple[str | None, float]]) -> dict[str, str]:
+    """The constraints that failed to compile, by canonical text (`StructuredOutputsParams.key`):
+    their error after the field name, as the engine gives it."""
+    return {
+        key: error for key, (error, _) in zip(constraints.seen, results, strict=True) if error is not None
+    }
+
+
+def row_error(where: str, label: str, error: str) -> str:
+    """The error row `batchgen run` writes for a row whose constraint failed with `error` (the
+    engine's message after the field name; `batchgen.jobs.requests.output_result`'s wording)."""
+    message = f"{label} {error}"
+    return f"{where}: {message}{flag_hint(message)}"
+
+
 def as_request(constraints: Constraints) -> list[dict]:
     """The constraints as JSON-ready `StructuredOutputsParams` fields (for the child)."""
     return [

@@ -3,7 +3,10 @@ its wall time from a few steps measured on this machine.
 
 The rows go through the same reader, sampling columns and error rules as `batchgen run`
 (`prepare_row`, the engine's stop-token check), so the error rows and the prompt-token counts are
-the ones `run` writes. The token counts load no weights: the KV-cache size comes from the same
+the ones `run` writes. A structured outputs constraint that does not compile (the job's distinct
+constraints are compiled once the rows are read, as the engine compiles them) makes its rows error
+rows in run: when there is one, the job is read a second time with those rows as error rows, so
+they take no place in the token counts or the schedule. The token counts load no weights: the KV-cache size comes from the same
 sizing rules as the engine's (`batchgen.engine.sizing`). The wall time (`batchgen.plan.wall_time`)
 simulates the job's schedule at step costs measured by a calibration run of a few steps (the model
 is loaded for it, once per machine and job shape: the result is cached; `--no-calibrate` skips it).
@@ -17,29 +20,20 @@ from __future__ import annotations
 
 import math
 import time
-from array import array
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from batchgen.jobs.errors import JobInputError
-from batchgen.jobs.input.rows import JobRow
-from batchgen.jobs.loop import window_work
 from batchgen.jobs.options import JobOptions, check_output_path, flag_hint, output_format
-from batchgen.jobs.output.manifest import CommittedRows
 from batchgen.jobs.output.resume import check_output_location
-from batchgen.jobs.requests import prepare_row
-from batchgen.plan.estimate import REPLAY_MAX_BLOCKS
-from batchgen.plan.grammars import Constraints, GrammarReport, as_request, report
-from batchgen.plan.inputs import CommittedOutputs, TokenizerEngine, committed_rows
+from batchgen.plan.grammars import GrammarReport, as_request, failing, report
+from batchgen.plan.inputs import TokenizerEngine, committed_rows
 from batchgen.plan.prefix import PrefixEstimate
 from batchgen.plan.schedule import Sequences
+from batchgen.plan.tally import Tally, read_rows
 from batchgen.plan.wall_time import WallTimeEstimate, WallTimeOptions, duration, expected_outputs
-from batchgen.sampling_params import SamplingParams
-
-FIRST_ERRORS = 5
 
 
 @dataclass
@@ -86,68 +80,6 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-class _Tally:
-    """What the plan keeps of the rows it reads: per row its prompt and output budget, per sequence
-    (n of a row) what the schedule needs (`Sequences`), and the output an earlier run's rows used."""
-
-    def __init__(self, plan: JobPlan, prefix: PrefixEstimate | None, block_size: int) -> None:
-        self.plan = plan
-        self.prefix = prefix
-        self.block_size = block_size
-        self.prompts, self.budgets = array("q"), array("q")  # per row; budgets times n
-        self.seq: dict[str, array] = {
-            k: array("q") for k in ("prompts", "cached", "budgets", "work", "priority")
-        }
-        self.first, self.scores = array("b"), array("b")
-        # The sequences' full prompt blocks for the replay; None once more than it would replay.
-        self.hashes: array | None = array("q")
-        self.offsets: array | None = array("q", [0])
-        self.committed_budget = self.committed_completion = 0
-        self.constraints = Constraints()  # the valid rows' structured outputs constraints
-
-    def error(self, message: str) -> None:
-        self.plan.rows_error += 1
-        if len(self.plan.first_errors) < FIRST_ERRORS:
-            self.plan.first_errors.append(message)
-
-    def row(self, token_ids: list[int], budget: int, sp: SamplingParams, work: int) -> None:
-        """A valid row: `budget` output tokens a sequence, `sp.n` sequences, `work` in the window;
-        a row asking for prompt log probabilities takes no prefix-cache hits for its first sequence
-        (as the engine: the sequence that scores the prompt)."""
-        prompt = len(token_ids)
-        self.prompts.append(prompt)
-        self.budgets.append(sp.n * budget)
-        scores = sp.prompt_logprobs is not None
-        hits, hashes = self.prefix.add(token_ids, served=not scores) if self.prefix is not None else (0, [])
-        # Siblings (n > 1) are admitted once the first one's prompt blocks are cached.
-        sibling_hits = (prompt - 1) // self.block_size * self.block_size if self.prefix is not None else 0
-        seq = self.seq
-        for i in range(sp.n):
-            seq["prompts"].append(prompt)
-            seq["cached"].append(hits if i == 0 else sibling_hits)
-            seq["budgets"].append(budget)
-            seq["work"].append(work)
-            seq["priority"].append(sp.priority)
-            self.first.append(i == 0)
-            self.scores.append(scores and i == 0)
-            if self.hashes is not None and self.offsets is not None:
-                self.hashes.extend(hashes)
-                self.offsets.append(len(self.hashes))
-        if self.hashes is not None and len(self.hashes) > REPLAY_MAX_BLOCKS:
-            self.hashes = self.offsets = None
-
-    def committed(
-        self, outputs: CommittedOutputs | None, row_index: int, sp: SamplingParams | None, max_len: int
-    ) -> None:
-        """A row an earlier run committed: its output against its budget, when it ran."""
-        found = outputs.lookup(row_index) if outputs is not None else None
-        if found is not None and sp is not None:  # it ran: not an error row
-            prompt, completion = found
-            room = max(max_len - prompt, 1)
-            self.committed_budget += sp.n * (room if sp.max_tokens is None else min(sp.max_tokens, room))
-            self.committed_completion += completion
-
-
 def _open_job(options: JobOptions, engine: Any, torch_free: bool) -> tuple[Any, ...]:
     """(engine config, reader, tokenizer engine, committed rows, their outputs, a note on them)."""
     from batchgen.jobs.runner import check_run_options, job_header, job_reader, validate_job
@@ -176,53 +108,7 @@ def _open_job(options: JobOptions, engine: Any, torch_free: bool) -> tuple[Any, 
     return config, reader, engine, committed, outputs, note
 
 
-def _read_rows(
-    tally: _Tally,
-    options: JobOptions,
-    reader: Iterable[JobRow],
-    engine: TokenizerEngine,
-    committed: CommittedRows | None,
-    outputs: CommittedOutputs | None,
-) -> None:
-    """Every row as `run` would take it: committed, error row, or a valid row with its tokens."""
-    plan = tally.plan
-    tokenizer = engine.tokenizer
-    chat = options.chat_template and bool(getattr(tokenizer, "chat_template", None))
-    bos = getattr(tokenizer, "bos_token_id", None)
-    max_len = engine.max_model_len
-    for row in reader:
-        plan.rows = row.row_index + 1
-        if committed is not None and committed.is_committed(row.row_index, row.row_hash, row.where):
-            plan.rows_resumed += 1
-            tally.committed(outputs, row.row_index, row.sampling_params, max_len)
-            continue
-        if row.error is not None:
-            tally.error(row.error)
-            continue
-        prepared, message = prepare_row(row, engine, options, chat, bos, max_len)
-        if message is not None:
-            plan.rows_too_long += prepared is not None
-            tally.error(message)
-            continue
-        assert prepared is not None and prepared.token_ids is not None  # a row, no engine took its ids
-        sp = row.params
-        unknown = [t for t in sp.stop_token_ids or () if t >= engine.vocab_limit]
-        if unknown:  # the engine's own check (LLMEngine._add_one), worded as run's error row
-            tally.error(
-                f"{row.where}: stop_token_ids holds ids outside the vocabulary [0, {engine.vocab_limit}): "
-                f"{unknown[:5]}; fix or remove them"
-            )
-            continue
-        room = max_len - prepared.prompt_tokens
-        budget = room if sp.max_tokens is None else min(sp.max_tokens, room)
-        tally.row(
-            prepared.token_ids, budget, sp, window_work(prepared.prompt_tokens, sp.n, sp.max_tokens, max_len)
-        )
-        if sp.structured_outputs is not None:
-            tally.constraints.add(sp.structured_outputs, row.where, row.constraint_field)
-
-
-def _fill_sizes(plan: JobPlan, tally: _Tally, engine: TokenizerEngine, max_num_seqs: int) -> None:
+def _fill_sizes(plan: JobPlan, tally: Tally, engine: TokenizerEngine, max_num_seqs: int) -> None:
     """Token statistics and the KV cache's fit, from the rows read."""
     plan.rows_valid = len(tally.prompts)
     plan.max_model_len = engine.max_model_len
@@ -247,7 +133,7 @@ def _fill_sizes(plan: JobPlan, tally: _Tally, engine: TokenizerEngine, max_num_s
     plan.seqs_that_fit = min(engine.num_blocks // max(per_row, 1), max_num_seqs)
 
 
-def _sequences(plan: JobPlan, tally: _Tally, given: int | None) -> Sequences:
+def _sequences(plan: JobPlan, tally: Tally, given: int | None) -> Sequences:
     """The sequences to run, with their expected outputs (also summed into `plan`)."""
     arrays = {k: np.array(a, dtype=np.int64) for k, a in tally.seq.items()}
     hashes = None if tally.hashes is None else np.array(tally.hashes, dtype=np.int64)
@@ -268,6 +154,27 @@ def _sequences(plan: JobPlan, tally: _Tally, given: int | None) -> Sequences:
     plan.expected_output_basis = seqs.basis
     plan.expected_output_tokens = int(seqs.expected.sum())
     return seqs
+
+
+def _read_job(
+    job: tuple[Any, ...], options: JobOptions, progress: bool, failing: dict[str, str] | None = None
+) -> tuple[JobPlan, Tally]:
+    """A plan of `_open_job`'s job with its rows read (`read_rows`); `failing`: the constraints
+    whose rows are error rows."""
+    config, reader, engine, committed, outputs, note = job
+    plan = JobPlan(reader.source, engine.model_name or str(config.model or "default"), note=note)
+    plan.prefix_caching = config.enable_prefix_caching
+    plan.quantization = config.quantization
+    prefix = PrefixEstimate(engine.block_size, engine.num_blocks) if config.enable_prefix_caching else None
+    tally = Tally(plan, prefix, engine.block_size)
+    rows: Any = reader
+    if progress:
+        from tqdm import tqdm
+
+        desc = "tokenizing" if failing is None else "tokenizing again, without the failed constraints' rows"
+        rows = tqdm(reader, total=reader.count_rows(), unit=" rows", desc=desc, disable=None, leave=False)
+    read_rows(tally, options, rows, engine, committed, outputs, failing)
+    return plan, tally
 
 
 def plan_job(
@@ -296,30 +203,22 @@ def plan_job(
     from batchgen.plan.schedule import ScheduleLimits
     from batchgen.plan.wall_time import estimate_wall_time
 
-    config, reader, engine, committed, outputs, note = _open_job(options, engine, torch_free)
+    job = _open_job(options, engine, torch_free)
+    config, reader, engine = job[:3]
     # From here: run reads and tokenizes the same rows (its start-up is the calibration's startup_s).
     start = time.perf_counter()
-    plan = JobPlan(reader.source, engine.model_name or str(config.model or "default"), note=note)
-    plan.prefix_caching = config.enable_prefix_caching
-    plan.quantization = config.quantization
-    prefix = PrefixEstimate(engine.block_size, engine.num_blocks) if config.enable_prefix_caching else None
-    tally = _Tally(plan, prefix, engine.block_size)
-    rows: Any = reader
-    if progress:
-        from tqdm import tqdm
-
-        rows = tqdm(
-            reader, total=reader.count_rows(), unit=" rows", desc="tokenizing", disable=None, leave=False
-        )
-    _read_rows(tally, options, rows, engine, committed, outputs)
+    plan, tally = _read_job(job, options, progress)
     read_s = time.perf_counter() - start
     if tally.constraints.rows:  # compiled as the engine would: the bad ones and the time it takes
-        plan.structured = report(
-            tally.constraints, engine.compile_grammars(config, as_request(tally.constraints))
-        )
+        results = engine.compile_grammars(config, as_request(tally.constraints))
+        structured = report(tally.constraints, results)
+        if bad := failing(tally.constraints, results):
+            # run makes their rows error rows, which take no tokens: read the job again so.
+            plan, tally = _read_job(job, options, progress, bad)
+        plan.structured = structured
     _fill_sizes(plan, tally, engine, config.max_num_seqs)
     seqs = _sequences(plan, tally, wall_time.expected_output_tokens if wall_time else None)
-    del tally, prefix  # the rows as read, and the estimate's blocks: the schedules build their own
+    del tally  # the rows as read, and the estimate's blocks: the schedules build their own
     if wall_time is None:
         return plan
     limits = ScheduleLimits(

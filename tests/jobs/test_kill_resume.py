@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -99,7 +100,8 @@ def interrupt_and_resume(setup, out: Path, sig: int, kills: int, seed: int) -> l
             break
         if sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a clean stop: 130 / 143 / 129
             assert proc.returncode == 128 + sig, stderr
-            assert "Resume with:" in stderr and "batchgen run" in stderr, stderr
+            # the command as typed: this interpreter's path and -m batchgen, quoted
+            assert f"Resume with:\n  {shlex.join(command(src, out, model))}\n" in stderr, stderr
     proc = subprocess.run(command(src, out, model), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return codes

@@ -297,7 +297,7 @@ def test_a_gguf_file_without_runnable_linears_is_not_parsed_again(tmp_path, monk
     assert result.dequantized == {"model.layers.0.mlp.down_proj": "Q4_1"}
     for damaged in ("{damaged", '{"runnable": "no", "dequantized": {}}', "[]"):  # read as no note
         note.write_text(damaged)
-        assert q._read_note(note) is None
+        assert q.read_gguf_note(note) is None
 
 
 def test_a_gguf_file_with_q8_0_linears_notes_it(q8_0_gguf, cache):

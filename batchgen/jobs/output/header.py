@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchgen.jobs.output.header_options import canonical_options
+
 # 2: the input is identified by the SHA-256 of its whole content (1: of its first and last MiB).
 HEADER_VERSION = 2
 
@@ -63,7 +65,7 @@ def _input_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
 def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Human-readable list of what changed between two headers (empty when equal). The input and
     model are compared by content where their content is hashed, not by path (`_same_input`,
-    `_same_model`)."""
+    `_same_model`); the options by meaning, not wording (`canonical_options`)."""
     diffs = []
     if old.get("version") != new.get("version"):
         diffs.append(f"header version {old.get('version')} -> {new.get('version')}")
@@ -77,7 +79,11 @@ def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         diffs.append(
             f"the files of model {new.get('model')!r} changed (weights, configs, tokenizer or chat template)"
         )
-    diffs += _option_differences(old.get("options", {}), new.get("options", {}))
+    # Both in one form per meaning: a header written before a form was chosen still compares.
+    model = new.get("model")
+    diffs += _option_differences(
+        canonical_options(old.get("options", {}), model), canonical_options(new.get("options", {}), model)
+    )
     return diffs
 
 

@@ -189,6 +189,10 @@ class EngineConfig:
             (`<think>...</think>`) goes to `CompletionOutput.reasoning_content` and its answer to
             `text`; stop strings and structured outputs apply to the answer only
             (`batchgen.engine.reasoning`). None: off, the text is the whole output.
+        decode_buckets: batch sizes a step of decodes only is padded to, in persistent input
+            buffers (`batchgen.model.decode_buffers`): the fixed shapes CUDA graphs replay. None
+            (the default): steps run unpadded, as on a CPU padding rows are only extra work. Not a
+            flag: `default_decode_buckets(max_num_seqs)` gives nano-vllm's sizes.
 
     Raises:
         TypeError / ValueError: naming the option and its allowed range.
@@ -290,6 +294,8 @@ class EngineConfig:
         ),
     )
 
+    decode_buckets: tuple[int, ...] | None = None
+
     def __post_init__(self) -> None:
         dtype = canonical_dtype(self.dtype)
         _check_choice("dtype", dtype, DTYPES)
@@ -334,6 +340,10 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {timeout}")
         if self.reasoning_parser is not None:
             _check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        if self.decode_buckets is not None:
+            self.decode_buckets = tuple(self.decode_buckets)
+            for size in self.decode_buckets:
+                _check_positive_int("decode_buckets", size)
 
     def _check_speculative(self) -> None:
         """Validate the speculative options and resolve their defaults (only with a method)."""

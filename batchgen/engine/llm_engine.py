@@ -88,6 +88,7 @@ class LLMEngine:
             max_logit_rows=config.max_num_seqs,
             seed=config.seed,
             quantize=lambda model: quantize_model(model, config.quantization, files),
+            decode_buckets=config.decode_buckets,
         )
         self.num_gpu_blocks = num_blocks
         # The measured kernels: their summary is the start line's; the bench and `tune` read the rest.

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from batchgen.model.attention import AttentionMetadata, select_backend
+from batchgen.model.decode_buffers import DecodeBuffers
 from batchgen.model.families import model_class
 from batchgen.model.flat_step import flatten_step
 from batchgen.model.kernel_choice.choice import KernelChoice, apply_kernels
@@ -57,6 +58,20 @@ def allocate_kv_caches(
     return [(view(2 * layer), view(2 * layer + 1)) for layer in range(num_layers)]
 
 
+def allocate_swap_caches(
+    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """CPU (K, V) swap caches of `shape` `[num_swap_blocks, block_size, Hkv, D]` for each layer
+    (pinned when `device` is CUDA, so copies to and from it are asynchronous); none without blocks."""
+    if not shape[0]:
+        return []
+    pin = device.type == "cuda"
+    return [
+        (torch.empty(shape, dtype=dtype, pin_memory=pin), torch.empty(shape, dtype=dtype, pin_memory=pin))
+        for _ in range(num_layers)
+    ]
+
+
 class ModelRunner:
     """Builds the model on `device`, allocates the KV cache, and runs steps.
 
@@ -78,6 +93,9 @@ class ModelRunner:
         seed: seed of the shared sampling generator.
         quantize: called on the model once its weights are loaded, before the kernels are chosen:
             quantizes its linears (`batchgen.model.quantization.quantize_model`); None: none.
+        decode_buckets: batch sizes a step of decodes only is padded to, in persistent input
+            buffers (`decode_buffers.DecodeBuffers`; the cache gets one more block, the padding
+            rows' scratch block); None: steps run unpadded.
     """
 
     def __init__(
@@ -97,6 +115,7 @@ class ModelRunner:
         max_logit_rows: int = 256,
         seed: int = 0,
         quantize: Callable[[LlamaForCausalLM], Quantization] | None = None,
+        decode_buckets: tuple[int, ...] | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -134,22 +153,18 @@ class ModelRunner:
             quantized=self.quantization.weights,
         )
         self.model = model.eval()
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        # Padded decodes store their padding rows' K/V in one more block, never handed out.
+        scratch = 1 if decode_buckets else 0
+        shape = (num_blocks + scratch, block_size, kv_heads, head_dim)
         self.kv_caches = allocate_kv_caches(config.num_hidden_layers, shape, dtype, device)
         self.num_blocks = num_blocks
-        swap_shape = (num_swap_blocks, block_size, kv_heads, head_dim)
-        pin = device.type == "cuda"
-        self.swap_caches = (
-            [
-                (
-                    torch.empty(swap_shape, dtype=dtype, pin_memory=pin),
-                    torch.empty(swap_shape, dtype=dtype, pin_memory=pin),
-                )
-                for _ in range(config.num_hidden_layers)
-            ]
-            if num_swap_blocks
-            else []
+        self.decode_buffers = (
+            DecodeBuffers(decode_buckets, -(-max_positions // block_size) + 1, num_blocks, block_size, device)
+            if decode_buckets
+            else None
         )
+        swap_shape = (num_swap_blocks, block_size, kv_heads, head_dim)
+        self.swap_caches = allocate_swap_caches(config.num_hidden_layers, swap_shape, dtype, device)
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.sampler = Sampler(generator)
@@ -186,8 +201,20 @@ class ModelRunner:
         self, seqs: list[StepInput]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the step (`flat_step.flatten_step`): (input_ids [T], positions [T], metadata,
-        logits_indices [B']), B' the sum of the sequences' `num_sampled`."""
-        return flatten_step(seqs, self.block_size, self.device)
+        logits_indices [B']), B' the sum of the sequences' `num_sampled`. With `decode_buckets`, a
+        step of decodes only is padded to its bucket (`DecodeBuffers.pad`): then B' is the bucket,
+        and the first `len(seqs)` logits rows are the sequences'."""
+        input_ids, positions, meta, logits_indices = flatten_step(seqs, self.block_size, self.device)
+        buffers = self.decode_buffers
+        if (
+            buffers is not None
+            and meta.num_decodes == len(seqs)
+            and meta.block_tables.shape[1] <= buffers.block_tables.shape[1]
+            and (bucket := buffers.bucket(len(seqs))) is not None
+            and all(s.scored is None for s in seqs)
+        ):
+            return buffers.pad(input_ids, positions, meta, bucket)
+        return input_ids, positions, meta, logits_indices
 
     @torch.inference_mode()
     def execute(self, seqs: list[StepInput]) -> StepOutput:
@@ -226,6 +253,7 @@ class ModelRunner:
             logits = self.model.logits(hidden[: len(logits_indices)])
             scored = self._score(hidden[len(logits_indices) :], seqs)
         sampled = [s for s in seqs for _ in range(s.num_sampled)]
+        logits = logits[: len(sampled)]  # a padded step's padding rows (`prepare`) come last
         forwarded = time.perf_counter()
         if not sampled:
             return StepOutput(

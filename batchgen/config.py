@@ -193,6 +193,10 @@ class EngineConfig:
             buffers (`batchgen.model.decode_buffers`): the fixed shapes CUDA graphs replay. None
             (the default): steps run unpadded, as on a CPU padding rows are only extra work. Not a
             flag: `default_decode_buckets(max_num_seqs)` gives nano-vllm's sizes.
+        async_scheduling: launch each step while the one before it still runs, and apply that
+            one's tokens after (vLLM's option; `batchgen.engine.overlap`): the host's scheduling
+            and input preparation hide behind the device's work. Plain requests only (others make
+            their steps synchronous); not a flag yet.
 
     Raises:
         TypeError / ValueError: naming the option and its allowed range.
@@ -295,6 +299,7 @@ class EngineConfig:
     )
 
     decode_buckets: tuple[int, ...] | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         dtype = canonical_dtype(self.dtype)

@@ -11,15 +11,16 @@ from batchgen.config import EngineConfig, resolve_device
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cpu_threads import CpuThreads
 from batchgen.engine.logprobs import TokenTexts
+from batchgen.engine.overlap import OverlappedSteps, overlappable
 from batchgen.engine.parallel_sampling import SampleGroups, child_params, link_children
 from batchgen.engine.policy import make_policy
 from batchgen.engine.reasoning import ReasoningGrammar, ReasoningParser
-from batchgen.engine.request import Request
+from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.request_output import request_output
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sizing import plan_engine, resolve_dtype, slow_dtype_reason
 from batchgen.engine.spec_gate import plan_speculation
-from batchgen.engine.stats import EngineTotals, StepPhases, StepStats
+from batchgen.engine.stats import EngineTotals, StepPhases, StepStats, step_stats
 from batchgen.engine.step_inputs import step_inputs
 from batchgen.engine.structured import RequestGrammar, StructuredRequests
 from batchgen.engine.tokenize import encode_prompt, vocabulary_limit
@@ -72,24 +73,7 @@ class LLMEngine:
         self.max_num_batched_tokens = self.plan.max_num_batched_tokens
         num_blocks, num_swap_blocks = self.plan.num_blocks, self.plan.num_swap_blocks
 
-        self.runner = ModelRunner(
-            files.config,
-            loader.iter_weights(files),
-            self.dtype,
-            self.device,
-            self.block_size,
-            num_blocks,
-            num_swap_blocks,
-            max_positions=self.max_model_len + 1,
-            attention_backend=config.attention_backend,
-            kernels=config.kernels,
-            one_weight_layout=config.one_weight_layout,
-            max_step_rows=self.max_num_batched_tokens,
-            max_logit_rows=config.max_num_seqs,
-            seed=config.seed,
-            quantize=lambda model: quantize_model(model, config.quantization, files),
-            decode_buckets=config.decode_buckets,
-        )
+        self.runner = self._make_runner(files, num_blocks, num_swap_blocks)
         self.num_gpu_blocks = num_blocks
         # The measured kernels: their summary is the start line's; the bench and `tune` read the rest.
         self.kernel_choice = self.runner.kernel_choice
@@ -125,6 +109,29 @@ class LLMEngine:
         self._rejected: list[RequestOutput] = []
         self.last_step: StepStats | None = None
         self.totals = EngineTotals()
+        self.overlap = OverlappedSteps(self) if config.async_scheduling else None
+
+    def _make_runner(self, files: loader.ModelFiles, num_blocks: int, num_swap_blocks: int) -> ModelRunner:
+        """The model runner: weights loaded (and quantized), kernels chosen, KV cache allocated."""
+        config = self.config
+        return ModelRunner(
+            files.config,
+            loader.iter_weights(files),
+            self.dtype,
+            self.device,
+            self.block_size,
+            num_blocks,
+            num_swap_blocks,
+            max_positions=self.max_model_len + 1,
+            attention_backend=config.attention_backend,
+            kernels=config.kernels,
+            one_weight_layout=config.one_weight_layout,
+            max_step_rows=self.max_num_batched_tokens,
+            max_logit_rows=config.max_num_seqs,
+            seed=config.seed,
+            quantize=lambda model: quantize_model(model, config.quantization, files),
+            decode_buckets=config.decode_buckets,
+        )
 
     @property
     def model_name(self) -> str:
@@ -239,6 +246,8 @@ class LLMEngine:
         if self.reasoning_parser is not None:
             request.reasoning = self.reasoning_parser.state(request.prompt_token_ids)
         self.requests[request_id] = request
+        if self.overlap is not None and not overlappable(params):
+            self.overlap.sync_only.add(request_id)
         if params.structured_outputs is not None:
             self.structured.add(request)  # the scheduler gets it once its grammar is compiled
             self._release_structured()
@@ -277,6 +286,8 @@ class LLMEngine:
         self, request_id: str, text: str | None, token_ids: list[int], arrival: float, message: str
     ) -> None:
         now = time.perf_counter()
+        if self.overlap is not None:
+            self.overlap.sync_only.discard(request_id)
         self._rejected.append(
             RequestOutput(
                 request_id=request_id,
@@ -295,11 +306,15 @@ class LLMEngine:
             request = self.requests.pop(rid, None)
             if request is not None and not request.is_finished and not self.structured.drop(request):
                 self.scheduler.remove(request)
+                request.status = RequestStatus.FINISHED  # so a step in flight drops its row
+            if self.overlap is not None:
+                self.overlap.sync_only.discard(rid)
             self._rejected = [out for out in self._rejected if out.request_id != rid]
         self.groups.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished() or bool(self.structured)
+        in_flight = self.overlap is not None and self.overlap.in_flight is not None
+        return bool(self._rejected) or self.scheduler.has_unfinished() or bool(self.structured) or in_flight
 
     def num_unfinished_requests(self) -> int:
         """Requests whose output has not come back yet; one with n > 1 counts once, as in vLLM."""
@@ -319,6 +334,8 @@ class LLMEngine:
             self._release_structured()
         finished = self._rejected
         self._rejected = []
+        if self.overlap is not None and (done := self.overlap.step(start)) is not None:
+            return self._finished_outputs(finished, done)
         if not self.scheduler.has_unfinished():
             return self.groups.collect(finished)
         sched = self.scheduler.schedule()
@@ -333,17 +350,23 @@ class LLMEngine:
         inputs_s = time.perf_counter() - inputs_began
         sampled = self.runner.execute(inputs) if sched.scheduled else StepOutput([], [])
         now = time.perf_counter()
-        for r in self.scheduler.update(sched, sampled, scheduled_at=start, now=now):
-            del self.requests[r.request_id]
-            finished.append(request_output(r, self.tokenizer, self.token_texts))
-        outputs = self.groups.collect(finished)
+        outputs = self._finished_outputs(finished, self.scheduler.update(sched, sampled, start, now))
         if self.speculation is not None:  # the gate follows the job's acceptance
             self.scheduler.speculative_max_batch = self.speculation.observe(sched)
         phases = StepPhases(schedule_s=scheduled - start, inputs_s=inputs_s + sampled.prepare_s)
-        self._record(sched, sampled, start, now, phases, len(outputs), kv_cache_usage)
+        self.record_step(sched, sampled, start, now, phases, len(outputs), kv_cache_usage)
         return outputs
 
-    def _record(
+    def _finished_outputs(self, outputs: list[RequestOutput], requests: list[Request]) -> list[RequestOutput]:
+        """`outputs` and those of the finished `requests` (which leave the engine), n > 1 merged."""
+        for r in requests:
+            del self.requests[r.request_id]
+            if self.overlap is not None:
+                self.overlap.sync_only.discard(r.request_id)
+            outputs.append(request_output(r, self.tokenizer, self.token_texts))
+        return self.groups.collect(outputs)
+
+    def record_step(
         self,
         sched: SchedulerOutput,
         sampled: StepOutput,
@@ -353,40 +376,18 @@ class LLMEngine:
         num_finished: int,
         kv_cache_usage: float,
     ) -> None:
-        """The step's `StepStats`, kept in `last_step` and added to `totals`. The step's time ends
-        after its counters are summed here (a pass over the step's requests is host time too):
-        `start` and `updated_at` are `perf_counter` seconds at the step's start and once the
-        runner returned; `phases` holds the schedule and inputs phases, the rest is set here."""
-        counts = sched.counts()
-        end = time.perf_counter()
-        phases.forward_s, phases.sample_s = sampled.forward_s, sampled.sample_s
-        phases.update_s = end - updated_at
-        stats = StepStats(
-            step=self.totals.steps,
-            time=end,
-            step_time_s=end - start,
-            num_seqs=len(sched.scheduled),
-            num_batched_tokens=counts.num_batched_tokens,
-            num_prompt_tokens=counts.num_prompt_tokens,
-            num_generation_tokens=sched.num_output_tokens,
-            num_running=len(self.scheduler.running),
-            num_waiting=self.scheduler.num_waiting,
-            num_swapped=len(self.scheduler.swapped),
-            kv_cache_usage=kv_cache_usage,
-            num_preemptions=len(sched.preempted),
-            prefix_cache_queries=sched.prefix_cache_queries,
-            prefix_cache_hits=sched.prefix_cache_hits,
-            num_finished=num_finished,
-            num_drafts=counts.num_drafts,
-            num_draft_tokens=counts.num_draft_tokens,
-            num_accepted_tokens=sched.num_accepted_tokens,
-            num_context_tokens=counts.num_context_tokens,
-            num_attended_keys=counts.num_attended_keys,
-            num_structured_seqs=counts.num_structured_seqs,
-            num_structured_requests=self._new_structured,
-            mask_time_s=sampled.mask_time_s,
-            phases=phases,
-            grammar_compile_s=tuple(self.structured.take_compile_times()),
+        """The step's `StepStats` (`stats.step_stats`), kept in `last_step` and added to `totals`."""
+        stats = step_stats(
+            self.totals.steps,
+            sched,
+            sampled,
+            (start, updated_at),
+            phases,
+            num_finished,
+            kv_cache_usage,
+            self.scheduler,
+            self._new_structured,
+            tuple(self.structured.take_compile_times()),
         )
         self._new_structured = 0
         self.last_step = stats

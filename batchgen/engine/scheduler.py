@@ -26,7 +26,7 @@ from batchgen.engine.detokenizer import check_stop
 from batchgen.engine.policy import Policy
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from batchgen.engine.spec_decode import NgramProposer, ShadowDrafts, accepted_tokens, can_speculate
+from batchgen.engine.spec_decode import NgramProposer, ShadowDrafts, accepted_tokens, draft_with_slots
 from batchgen.engine.structured_check import grammar_refused
 from batchgen.model.loading.tokenizer import Tokenizer
 from batchgen.model.step import StepOutput
@@ -112,8 +112,12 @@ class Scheduler:
         self.block_manager.free(request)
 
     # ---- the step ----
-    def schedule(self) -> SchedulerOutput:
-        """Build one step. Never exceeds `max_num_batched_tokens` or `max_num_seqs`."""
+    def schedule(self, allow_preemption: bool = True) -> SchedulerOutput:
+        """Build one step. Never exceeds `max_num_batched_tokens` or `max_num_seqs`.
+
+        `allow_preemption` False (while an earlier step is still running on the device, whose
+        requests must keep their blocks, `engine.overlap`): where a running request finds no free
+        block the step ends there, with `stalled` set, and admits nobody."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         queue = self.running
@@ -137,7 +141,7 @@ class Scheduler:
                 continue
             num_new = min(uncomputed, budget)
             if speculate and uncomputed == 1:
-                drafts = self._draft(request, budget, len(queue) - i)
+                drafts = draft_with_slots(self.proposer, self.block_manager, request, budget, len(queue) - i)
                 if drafts:
                     assert self.shadow is not None  # drafts come from the proposer, which has one
                     self.shadow.drop(request.request_id)
@@ -146,7 +150,11 @@ class Scheduler:
                     )
                     budget -= 1 + len(drafts)
                     continue
-            while self.block_manager.allocate_slots(request, num_new) is None:
+            allocated = self.block_manager.allocate_slots(request, num_new) is not None
+            if not allocated and not allow_preemption:
+                out.stalled = True
+                break
+            while not allocated and self.block_manager.allocate_slots(request, num_new) is None:
                 # The victim is one of the requests not scheduled yet, this one included.
                 victim = self.policy.victim(queue[i - 1 :])
                 self._preempt(victim, out)
@@ -162,7 +170,7 @@ class Scheduler:
 
         # Swapped and waiting requests are admitted only when nothing was preempted this step;
         # otherwise the freed blocks would be fought over in the same step.
-        if not out.preempted:
+        if not out.preempted and not out.stalled:
             budget = self._admit_swapped(out, budget)
             if not self.swapped:
                 self._admit_waiting(out, budget)
@@ -171,29 +179,6 @@ class Scheduler:
         out.scheduled.sort(key=_prefill_last)
         self.step_index += 1
         return out
-
-    def _draft(self, request: Request, budget: int, num_after: int) -> list[int]:
-        """Draft tokens for a running decode, with their slots allocated, or [] (then the request
-        is scheduled as a plain decode). Drafts never cost another request its place: each of the
-        `num_after` running requests still to schedule keeps one token of `budget` and one free
-        block, so drafts never cause a preemption. Their extra blocks are fresh ones only (never
-        a cached prefix evicted for a draft that may be rejected), and they never run past
-        `max_tokens`."""
-        if self.proposer is None or not can_speculate(request):
-            return []
-        room = min(budget - 1 - num_after, request.max_tokens - request.num_output_tokens - 1)
-        drafts = self.proposer.propose(request.token_ids, room) if room > 0 else []
-        if not drafts:
-            return []
-        bm = self.block_manager
-        most_extra = max(bm.blocks_needed(request.num_tokens + len(drafts)) - len(request.block_table), 0)
-        extra = max(bm.num_fresh_free_blocks(num_after + most_extra) - num_after, 0)
-        # Slots for the last token and the drafts (positions up to num_tokens - 1 + d) in the
-        # blocks held and the extra ones.
-        drafts = drafts[: (len(request.block_table) + extra) * bm.block_size - request.num_tokens]
-        if not drafts or bm.allocate_slots(request, 1 + len(drafts)) is None:
-            return []
-        return drafts
 
     def _admit_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:

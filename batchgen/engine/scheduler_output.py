@@ -83,6 +83,8 @@ class SchedulerOutput:
         num_shadow_drafts / num_shadow_accepted_tokens: drafts proposed while the gate was closed
             (never verified) whose fate the step's tokens settled, and how many of their tokens
             the model produced (`spec_decode.ShadowDrafts`), set by `Scheduler.update`.
+        stalled: a running request found no free block and preemption was not allowed
+            (`Scheduler.schedule(allow_preemption=False)`): the requests after it were left out.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -95,6 +97,7 @@ class SchedulerOutput:
     num_output_tokens: int = 0
     num_shadow_drafts: int = 0
     num_shadow_accepted_tokens: int = 0
+    stalled: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

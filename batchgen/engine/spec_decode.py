@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.request import Request
 
 
@@ -174,3 +175,27 @@ class ShadowDrafts:
             return 0, 0
         del self._open[request.request_id]
         return 1, matched
+
+
+def draft_with_slots(
+    proposer: NgramProposer | None, bm: BlockManager, request: Request, budget: int, num_after: int
+) -> list[int]:
+    """Draft tokens for a running decode, with their slots allocated in `bm`, or [] (then the
+    request is scheduled as a plain decode). Drafts never cost another request its place: each of
+    the `num_after` running requests still to schedule keeps one token of `budget` and one free
+    block, so drafts never cause a preemption. Their extra blocks are fresh ones only (never a
+    cached prefix evicted for a draft that may be rejected), and they never run past `max_tokens`."""
+    if proposer is None or not can_speculate(request):
+        return []
+    room = min(budget - 1 - num_after, request.max_tokens - request.num_output_tokens - 1)
+    drafts = proposer.propose(request.token_ids, room) if room > 0 else []
+    if not drafts:
+        return []
+    most_extra = max(bm.blocks_needed(request.num_tokens + len(drafts)) - len(request.block_table), 0)
+    extra = max(bm.num_fresh_free_blocks(num_after + most_extra) - num_after, 0)
+    # Slots for the last token and the drafts (positions up to num_tokens - 1 + d) in the blocks
+    # held and the extra ones.
+    drafts = drafts[: (len(request.block_table) + extra) * bm.block_size - request.num_tokens]
+    if not drafts or bm.allocate_slots(request, 1 + len(drafts)) is None:
+        return []
+    return drafts

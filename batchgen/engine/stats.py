@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchgen.engine.scheduler import Scheduler
+    from batchgen.engine.scheduler_output import SchedulerOutput
+    from batchgen.model.step import StepOutput
 
 
 @dataclass
@@ -97,6 +104,57 @@ class StepStats:
         scheduling, input preparation, token masks, the update and outputs, and the rest of
         `step()` (swaps, bookkeeping). What a faster device cannot shorten."""
         return max(0.0, self.step_time_s - self.phases.forward_s - self.phases.sample_s)
+
+
+def step_stats(
+    step: int,
+    sched: SchedulerOutput,
+    sampled: StepOutput,
+    span: tuple[float, float],
+    phases: StepPhases,
+    num_finished: int,
+    kv_cache_usage: float,
+    scheduler: Scheduler,
+    num_structured_requests: int,
+    grammar_compile_s: tuple[float, ...],
+) -> StepStats:
+    """The `StepStats` of step number `step`, which ran `sched` and returned `sampled`. `span`:
+    `perf_counter` seconds at the step's start and once the runner returned; the step ends here,
+    after its counters are summed (a pass over the step's requests is host time too). `phases`
+    holds the schedule and inputs phases; the forward, sampler and update ones are set here. The
+    queue lengths are `scheduler`'s now."""
+    start, updated_at = span
+    counts = sched.counts()
+    end = time.perf_counter()
+    phases.forward_s, phases.sample_s = sampled.forward_s, sampled.sample_s
+    phases.update_s = end - updated_at
+    return StepStats(
+        step=step,
+        time=end,
+        step_time_s=end - start,
+        num_seqs=len(sched.scheduled),
+        num_batched_tokens=counts.num_batched_tokens,
+        num_prompt_tokens=counts.num_prompt_tokens,
+        num_generation_tokens=sched.num_output_tokens,
+        num_running=len(scheduler.running),
+        num_waiting=scheduler.num_waiting,
+        num_swapped=len(scheduler.swapped),
+        kv_cache_usage=kv_cache_usage,
+        num_preemptions=len(sched.preempted),
+        prefix_cache_queries=sched.prefix_cache_queries,
+        prefix_cache_hits=sched.prefix_cache_hits,
+        num_finished=num_finished,
+        num_drafts=counts.num_drafts,
+        num_draft_tokens=counts.num_draft_tokens,
+        num_accepted_tokens=sched.num_accepted_tokens,
+        num_context_tokens=counts.num_context_tokens,
+        num_attended_keys=counts.num_attended_keys,
+        num_structured_seqs=counts.num_structured_seqs,
+        num_structured_requests=num_structured_requests,
+        mask_time_s=sampled.mask_time_s,
+        phases=phases,
+        grammar_compile_s=grammar_compile_s,
+    )
 
 
 @dataclass

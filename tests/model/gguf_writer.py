@@ -5,7 +5,7 @@
 (gguf's own name map, as the converter uses it), its tensor edits (the q/k row permutation of the
 "llama" architecture, Gemma's norms stored as `1 + weight`, experts stacked per layer as
 `ffn_{gate,up,down}_exps`), float32 tensors with the chosen ones in Q8_0 (gguf's own quantizer), and
-the tokenizer fields of the default model's GGUF (the tiny models share its tokenizer).
+the tokenizer fields of the default model's GGUF cut to the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ GGUF_ARCH = {
 }
 
 
-def write_gguf(hf_dir: Path, tokenizer_gguf: Path, out: Path, q8_0: tuple[str, ...] = ("ffn_down",)) -> None:
+def write_gguf(hf_dir: Path, tokenizer: dict, out: Path, q8_0: tuple[str, ...] = ()) -> None:
     """Write `hf_dir`'s model as the GGUF file `out`.
 
     Args:
         hf_dir: a tiny model directory (config.json, model.safetensors).
-        tokenizer_gguf: a GGUF file whose `tokenizer.*` fields are copied (the default model's).
+        tokenizer: the `tokenizer.*` fields to write (`tiny_tokenizer`), name -> (value, value types).
         out: the file to write.
         q8_0: GGUF tensor kinds (the name between `blk.N.` and `.weight`) stored as Q8_0; the rest F32.
     """
@@ -51,10 +51,8 @@ def write_gguf(hf_dir: Path, tokenizer_gguf: Path, out: Path, q8_0: tuple[str, .
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(hf_dir.name)
     _write_metadata(writer, config)
-    for name, field in gguf.GGUFReader(tokenizer_gguf).fields.items():
-        if name.startswith("tokenizer."):
-            sub_type = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    for name, (value, types) in tokenizer.items():
+        writer.add_key_value(name, value, types[0], sub_type=types[1] if len(types) > 1 else None)
     model_arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch)
     name_map = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     tensors = _stack_experts(load_file(hf_dir / "model.safetensors"))
@@ -72,6 +70,26 @@ def write_gguf(hf_dir: Path, tokenizer_gguf: Path, out: Path, q8_0: tuple[str, .
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def tiny_tokenizer(tokenizer_gguf: Path, vocab_size: int) -> dict[str, tuple[object, list]]:
+    """The `tokenizer.*` fields of `tokenizer_gguf` (name -> (value, GGUF value types)) cut to its
+    first `vocab_size` tokens and the BPE merges among them: a byte-level BPE keeps its 256 byte
+    tokens near the start, so any text still tokenizes. Parsing the 49,152 tokens of the default
+    model's vocabulary takes seconds, a tiny file's conversion with this one a fraction of one."""
+    import gguf
+
+    fields = {k: f for k, f in gguf.GGUFReader(tokenizer_gguf).fields.items() if k.startswith("tokenizer.")}
+    kept = set(fields["tokenizer.ggml.tokens"].contents()[:vocab_size])
+    out: dict[str, tuple[object, list]] = {}
+    for name, field in fields.items():
+        value = field.contents()
+        if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            value = value[:vocab_size]
+        elif name == "tokenizer.ggml.merges":
+            value = [m for m in value if set(m.split(" ")) <= kept and m.replace(" ", "") in kept]
+        out[name] = value, list(field.types)
+    return out
 
 
 def _rope_factors(config: dict) -> dict[str, np.ndarray]:
@@ -137,7 +155,14 @@ def _write_metadata(writer, config: dict) -> None:
 
 # Per-expert checkpoint names (Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down) -> the stacked kind.
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
-_EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+_EXPERT_KIND = {
+    "w1": "gate",
+    "gate_proj": "gate",
+    "w3": "up",
+    "up_proj": "up",
+    "w2": "down",
+    "down_proj": "down",
+}
 
 
 def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -150,8 +175,9 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if match := _EXPERT.fullmatch(name):
             experts.setdefault((match[1], _EXPERT_KIND[match[3]]), {})[int(match[2])] = tensor
         elif name.endswith("mlp.experts.gate_up_proj"):
-            layer = name.split(".")[2]
-            out[f"model.layers.{layer}.experts.gate"], out[f"model.layers.{layer}.experts.up"] = tensor.chunk(2, 1)
+            gate, up = tensor.chunk(2, 1)
+            out[f"model.layers.{name.split('.')[2]}.experts.gate"] = gate
+            out[f"model.layers.{name.split('.')[2]}.experts.up"] = up
         elif name.endswith("mlp.experts.down_proj"):
             out[f"model.layers.{name.split('.')[2]}.experts.down"] = tensor
         else:

@@ -179,8 +179,14 @@ def _gguf_parsed_once() -> Iterator[None]:
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed = functools.cache(reader)
+
+    def read(path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
+        # Keyed by the real path: transformers passes a str, batchgen's own reading a Path.
+        return parsed(os.path.realpath(path), *args, **kwargs)
+
     # A module attribute (a class, a function) swapped for its memoized version: gguf's types do not allow it.
-    gguf.GGUFReader = functools.cache(reader)  # type: ignore[misc,assignment]
+    gguf.GGUFReader = read  # type: ignore[misc,assignment]
     gguf.get_tensor_name_map = functools.cache(name_map)
     try:
         yield

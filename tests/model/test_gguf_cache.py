@@ -102,8 +102,19 @@ def family_files(tmp_path_factory, default_model_files):
 
 
 def _prompt_ids(path: Path) -> list[list[int]]:
+    """`TEXT_PROMPTS` tokenized; for Phi-3 without those whose sequence crosses LongRoPE's original
+    length while decoding (where batchgen differs from transformers by design: docs/engine.md,
+    "Models"): the others run on the short or on the long factors."""
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    return [tok(p)["input_ids"] for p in TEXT_PROMPTS]
+    prompt_ids = [tok(p)["input_ids"] for p in TEXT_PROMPTS]
+    original = getattr(
+        transformers.AutoConfig.from_pretrained(path), "original_max_position_embeddings", None
+    )
+    if original is None:
+        return prompt_ids
+    prompt_ids = [ids for ids in prompt_ids if not len(ids) <= original < len(ids) + GREEDY.max_tokens]
+    assert {len(ids) > original for ids in prompt_ids} == {False, True}
+    return prompt_ids
 
 
 def _batchgen(model: Path, prompt_ids: list[list[int]], **options) -> list[list[int]]:
@@ -124,12 +135,6 @@ def test_a_gguf_file_runs_as_its_hugging_face_directory(family_files, cache, fam
     assert _config_fields(converted) == _config_fields(hf_dir)
 
     prompt_ids = _prompt_ids(hf_dir)
-    if family == "phi3":
-        # A sequence that crosses LongRoPE's original length while decoding differs from transformers
-        # by design (docs/engine.md, "Models"); the others run on the short or on the long factors.
-        original = transformers.AutoConfig.from_pretrained(hf_dir).original_max_position_embeddings
-        prompt_ids = [ids for ids in prompt_ids if not len(ids) <= original < len(ids) + GREEDY.max_tokens]
-        assert {len(ids) > original for ids in prompt_ids} == {False, True}
     expected = hf_greedy(converted, prompt_ids, GREEDY.max_tokens, ignore_eos=True)
     assert _batchgen(gguf, prompt_ids) == expected
     assert _batchgen(hf_dir, prompt_ids) == expected
@@ -151,6 +156,8 @@ def _config_fields(path: Path) -> dict:
 Q8_0_CASES = {
     # Gemma 3: q/k/v and down in Q8_0, run from their blocks under "auto" (qkv and down of 6 layers).
     "gemma3": (("attn_q", "attn_k", "attn_v", "ffn_down"), 12),
+    # Phi-3: its fused qkv and gate/up (as llama.cpp stores them), o and down: all from their blocks.
+    "phi3": (("attn_qkv", "ffn_up", "attn_output", "ffn_down"), 8),
     # Qwen3-MoE: every expert tensor and o_proj in Q8_0; the experts are dequantized, o_proj runs
     # from its blocks (3 layers).
     "qwen3_moe": (("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn_output"), 3),

@@ -49,7 +49,7 @@ def write_gguf(hf_dir: Path, tokenizer: dict, out: Path, q8_0: tuple[str, ...] =
     config = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
     writer = gguf.GGUFWriter(out, arch)
-    writer.add_name(hf_dir.name)
+    writer.add_name(f"tiny {hf_dir.name}")
     _write_metadata(writer, config)
     for name, (value, types) in tokenizer.items():
         writer.add_key_value(name, value, types[0], sub_type=types[1] if len(types) > 1 else None)
@@ -190,7 +190,7 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _gguf_tensors(hf_name: str, tensor: torch.Tensor, config: dict, arch: str, name_map) -> Iterator:
     """(GGUF name, float32 array) of one checkpoint tensor, edited as llama.cpp's converter edits it."""
     data = tensor.to(torch.float32)
-    module = hf_name.removesuffix(".weight")
+    module, _, suffix = hf_name.rpartition(".")  # suffix: "weight" or "bias"
     layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
     if ".experts." in hf_name:
         yield f"blk.{layer}.ffn_{hf_name.rsplit('.', 1)[1]}_exps.weight", data.contiguous().numpy()
@@ -204,4 +204,4 @@ def _gguf_tensors(hf_name: str, tensor: torch.Tensor, config: dict, arch: str, n
     name = name_map.get_name(module)
     if name is None:
         raise KeyError(f"gguf has no name for {hf_name} in architecture {arch}")
-    yield f"{name}.weight", data.contiguous().numpy()
+    yield f"{name}.{suffix}", data.contiguous().numpy()

@@ -29,6 +29,8 @@ _PROJECTIONS = {
     "ffn_up": ("mlp.gate_up_proj", 1),
     "ffn_down": ("mlp.down_proj", 0),
 }
+# Phi-3's checkpoint stores q/k/v and gate/up fused, and llama.cpp keeps them so: one part each.
+_FUSED = {"attn_qkv": ("self_attn.qkv_proj", 0), "ffn_up": ("mlp.gate_up_proj", 0)}
 _PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
 # GGML tensor types a kernel runs as stored, by gguf-py's enum name -> the weight class holding them.
 RUNNABLE_TYPES = {"Q8_0": Q8_0Weight}
@@ -56,13 +58,14 @@ def gguf_linear_blocks(
     reader = GGUFReader(gguf)
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else ""
+    projections = {**_PROJECTIONS, **_FUSED} if arch == "phi3" else _PROJECTIONS
     parts: dict[str, dict[int, tuple[np.ndarray, int]]] = {}
     other_types: dict[str, str] = {}
     for tensor in reader.tensors:
         match = _NAME.fullmatch(tensor.name)
-        if match is None or match[2] not in _PROJECTIONS:
+        if match is None or match[2] not in projections:
             continue
-        module, part = _PROJECTIONS[match[2]]
+        module, part = projections[match[2]]
         name = f"model.layers.{match[1]}.{module}"
         type_name = tensor.tensor_type.name
         if type_name not in RUNNABLE_TYPES:
@@ -74,7 +77,7 @@ def gguf_linear_blocks(
         parts.setdefault(name, {})[part] = (rows, int(tensor.shape[0]))
     weights = {}
     for name, by_part in parts.items():
-        expected = _PARTS.get(name.split(".", 3)[3], 1)
+        expected = 1 if arch == "phi3" else _PARTS.get(name.split(".", 3)[3], 1)
         if name in other_types or sorted(by_part) != list(range(expected)):
             continue
         k = {in_features for _, in_features in by_part.values()}

@@ -22,12 +22,13 @@ from typing import Any
 
 from batchgen.cache import file_digest, fsync_path
 from batchgen.model.loading.architectures import ModelNotFoundError, UnsupportedModelError, check_architecture
+from batchgen.model.loading.gguf_config import gguf_architecture, gguf_config_fixes
 from batchgen.progress import PROGRESS
 
 logger = logging.getLogger(__name__)
 
 # Bump when the GGUF conversion changes what it writes, so old caches are not reused.
-_GGUF_CACHE_FORMAT = 1
+_GGUF_CACHE_FORMAT = 2
 # Mixed into GGUF digests, so a new conversion format gets new cache keys.
 GGUF_DIGEST_SALT = f"{_GGUF_CACHE_FORMAT}\0"
 # A temporary conversion directory without an owner lock older than this belongs to a run that died.
@@ -178,8 +179,14 @@ def _gguf_parsed_once() -> Iterator[None]:
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed = functools.cache(reader)
+
+    def read(path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
+        # Keyed by the real path: transformers passes a str, batchgen's own reading a Path.
+        return parsed(os.path.realpath(path), *args, **kwargs)
+
     # A module attribute (a class, a function) swapped for its memoized version: gguf's types do not allow it.
-    gguf.GGUFReader = functools.cache(reader)  # type: ignore[misc,assignment]
+    gguf.GGUFReader = read  # type: ignore[misc,assignment]
     gguf.get_tensor_name_map = functools.cache(name_map)
     try:
         yield
@@ -191,9 +198,16 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     """`convert_gguf`'s work (with gguf's parsing memoized by the caller)."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    kwargs: dict[str, Any] = {_dtype_kwarg(): torch.float32}
+    fields, tensors = _read_metadata(gguf)
+    gguf_architecture(fields, gguf)
+    # transformers' reading of the file's config, completed with the fields it drops (gguf_config).
+    config = _read_gguf(gguf, AutoConfig.from_pretrained)
+    fixes = gguf_config_fixes(fields, tensors, config.to_dict())
+    if fixes:
+        config = type(config).from_dict({**config.to_dict(), **fixes})
+    kwargs: dict[str, Any] = {_dtype_kwarg(): torch.float32, "config": config}
     gguf_config_cls = getattr(transformers, "GgufConfig", None)
     if gguf_config_cls is not None:
         # Newer transformers may keep weights packed for its own kernels; we want plain tensors.
@@ -236,10 +250,33 @@ def _read_gguf(gguf: Path, from_pretrained: Any, **kwargs: Any) -> Any:
     except UnsupportedModelError:
         raise
     except Exception as e:
-        raise ModelNotFoundError(
-            f"{gguf} is not a readable GGUF file (truncated or damaged?): {type(e).__name__}: {e}. "
-            "Download it again, or pass another model"
-        ) from e
+        raise _unreadable(gguf, e) from e
+
+
+def _read_metadata(gguf: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The file's metadata (key -> value, without the tokenizer's vocabulary) and the float tensors
+    `gguf_config` reads (Phi-3's LongRoPE factors), through gguf-py's reader (memoized by the caller).
+
+    Raises:
+        ModelNotFoundError: the file is not a readable GGUF file.
+    """
+    import numpy as np
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(gguf)
+        fields = {key: f.contents() for key, f in reader.fields.items() if not key.startswith("tokenizer.")}
+        tensors = {t.name: np.asarray(t.data) for t in reader.tensors if t.name.startswith("rope_factors_")}
+    except Exception as e:  # gguf-py raises struct, value and index errors on a damaged file
+        raise _unreadable(gguf, e) from e
+    return fields, tensors
+
+
+def _unreadable(gguf: Path, error: Exception) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"{gguf} is not a readable GGUF file (truncated or damaged?): {type(error).__name__}: {error}. "
+        "Download it again, or pass another model"
+    )
 
 
 def _dtype_kwarg() -> str:

@@ -67,13 +67,14 @@ class CPUAttentionBackend(TorchAttentionBackend):
         out: torch.Tensor,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         _, num_heads, head_dim = query.shape
-        if softcap is not None or not cpu_attention.supports_prefill(
+        if softcap is not None or sinks is not None or not cpu_attention.supports_prefill(
             query.dtype, head_dim, num_heads, k_cache.shape[2]
         ):
             TorchAttentionBackend._prefill(
-                query, key, value, k_cache, v_cache, meta, scale, out, window, softcap
+                query, key, value, k_cache, v_cache, meta, scale, out, window, softcap, sinks
             )
             return
         segments = meta.scratch.get("prefill_segments")
@@ -144,18 +145,20 @@ class CPUAttentionBackend(TorchAttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_decodes, num_heads, head_dim = query.shape
         by_bucket = self.decode_by_bucket
         if (
             softcap is not None
+            or sinks is not None
             or not cpu_attention.supports(query.dtype, head_dim, num_heads, k_cache.shape[2])
             or (
                 by_bucket is not None
                 and by_bucket[min(bucket_index(num_decodes), len(by_bucket) - 1)] == "torch"
             )
         ):
-            return TorchAttentionBackend._decode(query, k_cache, v_cache, meta, scale, window, softcap)
+            return TorchAttentionBackend._decode(query, k_cache, v_cache, meta, scale, window, softcap, sinks)
         # The tables are the same for every layer of the step: check their bounds on the first only.
         first_layer = "cpu_decode_checked" not in meta.scratch
         meta.scratch["cpu_decode_checked"] = True

@@ -303,10 +303,14 @@ def _tiny_gpt_oss_config():
 
 
 def _randomize_gpt_oss(model) -> None:
-    """Sinks of a few units (the init's 0.02 would leave them all but invisible) and biases of 0.1 on
-    every projection, in place, so that the tests see both."""
+    """In place: sinks of a few units (the init's 0.02 would leave them all but invisible), biases of
+    0.1 on every projection, and attention weights 5 times the init's, so that attention (and with
+    it the sinks and windows) moves the greedy tokens: at the init's scale every prompt repeats one
+    token whatever the sinks."""
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if "self_attn" in name and name.endswith("weight"):
+                param.mul_(5.0)
             if name.endswith("sinks"):
                 param.normal_(0.0, 1.0)
             elif name.endswith("bias") and "router" not in name:

@@ -60,7 +60,11 @@ class GptOssExperts(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        experts, hidden, inter = int(config.num_local_experts), int(config.hidden_size), int(config.intermediate_size)
+        experts, hidden, inter = (
+            int(config.num_local_experts),
+            int(config.hidden_size),
+            int(config.intermediate_size),
+        )
         self.num_experts = experts
         self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
         self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inter))
@@ -69,7 +73,12 @@ class GptOssExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
 
     def _linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: moe.ExpertGroups, ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        groups: moe.ExpertGroups,
+        ids: torch.Tensor,
     ) -> torch.Tensor:
         """Each expert-sorted row `x[s]` times its expert's `weight` `[E, in, out]`, plus its bias:
         torch's grouped matmul on the CPU where this torch has one (the call transformers makes),
@@ -89,7 +98,9 @@ class GptOssExperts(nn.Module):
         groups = moe.group_by_expert(ids, self.num_experts)
         top_k = ids.shape[1]
         sorted_ids = ids.reshape(-1)[groups.order]
-        h = self._linear(x[groups.order // top_k], self.gate_up_proj, self.gate_up_proj_bias, groups, sorted_ids)
+        h = self._linear(
+            x[groups.order // top_k], self.gate_up_proj, self.gate_up_proj_bias, groups, sorted_ids
+        )
         h = clamped_swiglu(h, self.alpha, self.limit)
         out = self._linear(h, self.down_proj, self.down_proj_bias, groups, sorted_ids)
         return moe.combine(out, weights, groups, x.dtype)

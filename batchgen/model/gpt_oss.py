@@ -80,8 +80,8 @@ class GptOssExperts(nn.Module):
         groups: moe.ExpertGroups,
         ids: torch.Tensor,
     ) -> torch.Tensor:
-        """Each expert-sorted row `x[s]` times its expert's `weight` `[E, in, out]`, plus its bias:
-        torch's grouped matmul on the CPU where this torch has one (the call transformers makes),
+        """Each expert-sorted row `x[s]` (`[S, in]`) times its expert's `weight` `[E, in, out]`, plus
+        its `bias` `[E, out]` (`ids` int64 `[S]`: each row's expert) -> `[S, out]`: torch's grouped matmul on the CPU where this torch has one (the call transformers makes),
         else one matmul per expert that received rows."""
         if x.device.type == "cpu" and hasattr(F, "grouped_mm"):
             out = F.grouped_mm(x, weight, offs=groups.offsets)

@@ -14,7 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from batchgen import LLM, SamplingParams
 from batchgen.model.gpt_oss import GptOssMoeBlock, clamped_swiglu
-from batchgen.model.loading.architectures import UnsupportedModelError, check_not_quantized
+from batchgen.model.loading.architectures import (
+    UnsupportedModelError,
+    check_architecture,
+    check_not_quantized,
+)
 from batchgen.model.mxfp4 import dequantize
 from tests.conftest import _tiny_gpt_oss_config
 from tests.engine.test_fidelity import TEXT_PROMPTS, hf_greedy
@@ -108,3 +112,13 @@ def test_other_quantized_checkpoints_are_still_refused():
         check_not_quantized({"model_type": "llama", "quantization_config": {"quant_method": "mxfp4"}}, "m")
     with pytest.raises(UnsupportedModelError, match=r"quantized \(gptq\)"):
         check_not_quantized({"model_type": "gpt_oss", "quantization_config": {"quant_method": "gptq"}}, "m")
+
+
+def test_the_architecture_table_lists_gpt_oss():
+    assert (
+        check_architecture({"architectures": ["GptOssForCausalLM"], "hidden_act": "silu"})
+        == "GptOssForCausalLM"
+    )
+    assert check_architecture({"model_type": "gpt_oss"}) == "GptOssForCausalLM"
+    with pytest.raises(UnsupportedModelError, match="supported: .*MixtralForCausalLM, GptOssForCausalLM"):
+        check_architecture({"architectures": ["DeepseekV3ForCausalLM"]})

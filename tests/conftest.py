@@ -36,7 +36,7 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral_window", "smollm3",
 # prefill, in chunked prefill, after a cached prefix and in decode.
 TINY_WINDOW = 8
 # Mixture-of-experts tiny models (`_tiny_moe_config`).
-TINY_MOE_ARCHS = ("qwen3_moe", "mixtral", "mixtral_window")
+TINY_MOE_ARCHS = ("qwen3_moe", "mixtral", "mixtral_window", "gpt_oss")
 # Tiny MoE routers are scaled by this after the random init: transformers' std 0.02 gives
 # near-uniform routing, where a rounding difference upstream could flip an expert; scaled, a token's
 # top-k is decisive (logits a few units apart) and steps still route unevenly.
@@ -241,9 +241,11 @@ def _tiny_moe_config(arch: str):
     """A tiny mixture of experts (hidden 64, 8 experts of width 32): "qwen3_moe" (3 layers, the
     middle one dense through `mlp_only_layers`, top-3 without `norm_topk_prob`, q/k norm, head_dim
     32) or "mixtral" (2 layers, top-2 of 8, renormalized; "mixtral_window": every layer sliding
-    over TINY_WINDOW tokens)."""
+    over TINY_WINDOW tokens), or "gpt_oss" (`_tiny_gpt_oss_config`)."""
     from transformers import MixtralConfig, Qwen3MoeConfig
 
+    if arch == "gpt_oss":
+        return _tiny_gpt_oss_config()
     common = _tiny_common(num_key_value_heads=2)
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(
@@ -270,6 +272,49 @@ def _tiny_moe_config(arch: str):
             architectures=["MixtralForCausalLM"],
         )
     raise ValueError(f"unknown tiny MoE arch {arch!r}; choose from {', '.join(TINY_MOE_ARCHS)}")
+
+
+def _tiny_gpt_oss_config():
+    """A tiny gpt-oss: 3 layers (sliding over TINY_WINDOW tokens, full, sliding), 4 query heads of 16
+    over 2 KV heads, top-3 of 8 experts of width 32, YaRN rotary (factor 32 over 64 original
+    positions). `tiny_model_dir` also gives it sinks and biases large enough to matter."""
+    from transformers import GptOssConfig
+
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+    }
+    return GptOssConfig(
+        **_tiny_common(num_key_value_heads=2, head_dim=16),
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=TINY_WINDOW,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        rope_parameters=rope,
+        architectures=["GptOssForCausalLM"],
+    )
+
+
+def _randomize_gpt_oss(model) -> None:
+    """In place: sinks of a few units (the init's 0.02 would leave them all but invisible), biases of
+    0.1 on every projection, and attention weights 5 times the init's, so that attention (and with
+    it the sinks and windows) moves the greedy tokens: at the init's scale every prompt repeats one
+    token whatever the sinks."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "self_attn" in name and name.endswith("weight"):
+                param.mul_(5.0)
+            if name.endswith("sinks"):
+                param.normal_(0.0, 1.0)
+            elif name.endswith("bias") and "router" not in name:
+                param.normal_(0.0, 0.1)
 
 
 @pytest.fixture(scope="session")
@@ -315,8 +360,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.endswith("mlp.gate.weight") and arch in TINY_MOE_ARCHS:
+                if name.endswith(("mlp.gate.weight", "mlp.router.weight")) and arch in TINY_MOE_ARCHS:
                     param.mul_(_ROUTER_SCALE)
+        if arch == "gpt_oss":
+            _randomize_gpt_oss(model)
         model.generation_config = GenerationConfig(
             bos_token_id=_BOS, eos_token_id=[_EOS, _END_OF_TEXT], pad_token_id=_EOS
         )

@@ -2,7 +2,7 @@
 
 Each family lives in its own module on the shared layers (`layers`): the Llama family (`llama`:
 Llama, Mistral, Qwen2, Qwen3, SmolLM3, and the mixtures of experts Qwen3-MoE and Mixtral),
-Phi-3/4 (`phi`) and Gemma 2/3 (`gemma`). The architectures a checkpoint may name are
+Phi-3/4 (`phi`), Gemma 2/3 (`gemma`) and gpt-oss (`gpt_oss`). The architectures a checkpoint may name are
 checked before this, by `loading.architectures.check_architecture`.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from batchgen.model.gemma import GemmaForCausalLM
+from batchgen.model.gpt_oss import GptOssForCausalLM
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.phi import PhiForCausalLM
 
@@ -28,6 +29,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "gemma3_text": GemmaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,  # experts in place of the MLP where the config says (`moe`)
     "mixtral": LlamaForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

@@ -235,7 +235,8 @@ class Attention(nn.Module):
     forward(hidden `[T, hidden]`, the step's rotary (cos, sin), kv cache pair, metadata) -> `[T, hidden]`.
     `window` (tokens, None: global) and `softcap` (Gemma 2's attention logit cap) go to the
     backend with every call; `scale` overrides the softmax scale `head_dim ** -0.5`; `rotary`
-    False leaves queries and keys unrotated (SmolLM3's NoPE layers).
+    False leaves queries and keys unrotated (SmolLM3's NoPE layers); `sinks` gives the layer
+    gpt-oss's learned per-head attention sink logits (`self.sinks` `[Hq]`, passed to the backend).
 
     Raises:
         ValueError: from `backend.check_layer`, where the backend cannot run this layer.
@@ -251,6 +252,7 @@ class Attention(nn.Module):
         softcap: float | None = None,
         qk_norm: type[RMSNorm] | None = None,
         rotary: bool = True,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.rotary = rotary
@@ -272,6 +274,7 @@ class Attention(nn.Module):
             self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps, backend.fused_cpu_ops)
         self.backend = backend
         self.q_size, self.kv_size = q_size, kv_size
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
 
     def project(
         self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
@@ -307,8 +310,9 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Store the step's K/V and attend: `[T, Hq, D]`, `[T, Hkv, D]`, `[T, Hkv, D]` -> `[T, Hq * D]`."""
+        sinks = None if self.sinks is None else self.sinks.float()
         out = self.backend.forward(
-            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap, sinks
         )
         return out.reshape(-1, self.q_size)
 

@@ -73,13 +73,23 @@ class MoeSpec:
 
 
 def moe_spec(config: PretrainedConfig) -> MoeSpec | None:
-    """The sparse-MLP settings of a Qwen3-MoE or Mixtral config; None for a dense model."""
+    """The sparse-MLP settings of a Qwen3-MoE, Mixtral or gpt-oss config; None for a dense model.
+    gpt-oss's give its shapes (weights, active experts) to sizing, `plan` and the bench; its router
+    and experts are `gpt_oss`'s own, with biases and a clamped SwiGLU."""
     if config.model_type == "qwen3_moe":
         return MoeSpec(
             num_experts=int(config.num_experts),
             top_k=int(config.num_experts_per_tok),
             intermediate_size=int(config.moe_intermediate_size),
             norm_topk_prob=bool(config.norm_topk_prob),
+            float32_weights=False,
+        )
+    if config.model_type == "gpt_oss":  # a softmax over the top-k logits: weights that sum to 1
+        return MoeSpec(
+            num_experts=int(config.num_local_experts),
+            top_k=int(config.num_experts_per_tok),
+            intermediate_size=int(config.intermediate_size),
+            norm_topk_prob=True,
             float32_weights=False,
         )
     if config.model_type == "mixtral":
@@ -94,7 +104,7 @@ def moe_spec(config: PretrainedConfig) -> MoeSpec | None:
 
 
 def is_sparse_layer(config: PretrainedConfig, index: int) -> bool:
-    """Whether decoder layer `index` (from 0) has experts: every Mixtral layer; a Qwen3-MoE layer
+    """Whether decoder layer `index` (from 0) has experts: every Mixtral and gpt-oss layer; a Qwen3-MoE layer
     not in `mlp_only_layers` whose `index + 1` is a multiple of `decoder_sparse_step` (the rule of
     transformers' `Qwen3MoeDecoderLayer`)."""
     spec = moe_spec(config)

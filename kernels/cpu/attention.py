@@ -37,6 +37,7 @@ def paged_decode_attention_cpu(
     scale: float,
     check_bounds: bool = True,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence to its paged context, in place (no gather).
 
@@ -52,6 +53,8 @@ def paged_decode_attention_cpu(
         window: a sliding-window layer's window in tokens: each query sees only the `window` keys
             up to its own position (Hugging Face's `kv_idx > q_idx - sliding_window`), and blocks
             wholly before that are not read; None sees the whole context.
+        sinks: float32 `[Hq]`, each query head's attention sink logit (gpt-oss), which joins its
+            softmax denominator and nothing else; None: no sinks.
 
     Returns:
         `[B, Hq, D]` in the query's dtype.
@@ -72,7 +75,7 @@ def paged_decode_attention_cpu(
         block_tables,
         seq_lens,
         scale,
-        extra=(window_arg(window),),
+        extra=(window_arg(window), sinks_arg(sinks, query.shape[1])),
     )
 
 
@@ -87,6 +90,24 @@ def window_arg(window: int | None) -> int:
     if window < 1:
         raise ValueError(f"window must be None or at least 1 token; got {window}")
     return int(window)
+
+
+def sinks_arg(sinks: torch.Tensor | None, num_q_heads: int) -> int | None:
+    """The C kernels' `sinks` argument: the address of float32 `[num_q_heads]` sink logits, None
+    (NULL) for none.
+
+    Raises:
+        ValueError: sinks that are not a contiguous float32 CPU tensor of one logit per query head.
+    """
+    if sinks is None:
+        return None
+    if sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,) or sinks.device.type != "cpu":
+        raise ValueError(
+            f"sinks must be float32 of shape ({num_q_heads},) on the CPU; got {sinks.dtype} {tuple(sinks.shape)}"
+        )
+    if not sinks.is_contiguous():
+        raise ValueError("sinks must be contiguous")
+    return sinks.data_ptr()
 
 
 @functools.cache
@@ -137,6 +158,7 @@ def paged_prefill_attention_cpu(
     kernel: str = "c",
     short_chunks: bool = False,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of prefill chunks to their paged context, in place (no gather).
 
@@ -165,6 +187,8 @@ def paged_prefill_attention_cpu(
         short_chunks: route chunks of a few rows to the decode kernel's walk (above).
         window: a sliding-window layer's window in tokens (as `paged_decode_attention_cpu`'s);
             only the "c" kernel takes one.
+        sinks: float32 `[Hq]` sink logits (as `paged_decode_attention_cpu`'s); only the "c" kernel
+            takes them.
 
     Returns:
         `[T, Hq, D]` in the query's dtype (`out` when given).
@@ -178,6 +202,8 @@ def paged_prefill_attention_cpu(
         raise ValueError(f'kernel must be "c" or "amx"; got {kernel!r}')
     if kernel == "amx" and window is not None:
         raise ValueError('the "amx" prefill kernel has no sliding window; use kernel="c"')
+    if kernel == "amx" and sinks is not None:
+        raise ValueError('the "amx" prefill kernel has no attention sinks; use kernel="c"')
     supported = supports_prefill if kernel == "c" else supports_prefill_amx
     lib = _checked_library(query, k_cache, v_cache, block_tables, seq_lens, num_seqs, supported)
     _check_chunk_arguments(query, query_starts, num_seqs, out)
@@ -195,7 +221,9 @@ def paged_prefill_attention_cpu(
         scale,
         query_starts,
         out=out,
-        extra=(int(short_chunks),) if kernel == "amx" else (int(short_chunks), window_arg(window)),
+        extra=(int(short_chunks),)
+        if kernel == "amx"
+        else (int(short_chunks), window_arg(window), sinks_arg(sinks, query.shape[1])),
     )
 
 
@@ -237,11 +265,11 @@ def _launch(
     scale: float,
     *offsets: torch.Tensor,
     out: torch.Tensor | None = None,
-    extra: tuple[int, ...] = (),
+    extra: tuple[int | None, ...] = (),
 ) -> torch.Tensor:
     """Call one attention kernel (arguments checked) into `out` (None: a new tensor); `offsets` are the
-    tensors a kernel takes after `seq_lens` (the prefill kernel's query starts), `extra` the integers it
-    takes after `num_threads`. Raises RuntimeError when the kernel fails."""
+    tensors a kernel takes after `seq_lens` (the prefill kernel's query starts), `extra` the integers
+    (and addresses, None for NULL) it takes after `num_threads`. Raises RuntimeError when the kernel fails."""
     out = torch.empty_like(query) if out is None else out
     _, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

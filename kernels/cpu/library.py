@@ -300,14 +300,14 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     without them), in the order of the C declarations in `csrc/`."""
     # Both attention kernels: (is_bf16, query, k_cache, v_cache, block_tables, table_stride,
     # seq_lens, [prefill: query_starts,] num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
-    # scale, out, num_threads[, prefill: short_chunks][, decode and "c" prefill: window]) -> status.
+    # scale, out, num_threads[, prefill: short_chunks][, decode, "c" prefill: window, sinks]) -> status.
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     attention_head: list[type[ctypes._SimpleCData[Any]]] = [i32, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr]
     attention_tail: list[type[ctypes._SimpleCData[Any]]] = [i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
     lib.paged_decode_attention.restype = i32
-    lib.paged_decode_attention.argtypes = attention_head + attention_tail + [i32]
+    lib.paged_decode_attention.argtypes = attention_head + attention_tail + [i32, ptr]
     lib.paged_prefill_attention.restype = i32
-    lib.paged_prefill_attention.argtypes = attention_head + [ptr] + attention_tail + [i32, i32]
+    lib.paged_prefill_attention.argtypes = attention_head + [ptr] + attention_tail + [i32, i32, ptr]
     lib.paged_decode_attention_supported.restype = i32
     lib.paged_decode_attention_supported.argtypes = [i32, i32, i32]
     lib.paged_prefill_attention_supported.restype = i32

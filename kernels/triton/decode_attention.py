@@ -10,6 +10,10 @@ When there are too few (sequence, KV head) pairs to fill the GPU, the context is
 `num_splits` ranges processed by separate programs, each writing a partial output and its
 log-sum-exp; a second kernel merges them (flash-decoding, Dao et al. 2023,
 https://crfm.stanford.edu/2023/10/12/flashdecoding.html).
+
+Attention sinks (gpt-oss: one logit per query head that joins the softmax denominator and nothing
+else) are added once a row's maximum over its keys is known: unsplit, at the end of the walk; split,
+in the merge, where the sink is one more log-sum-exp term without an output.
 """
 
 from __future__ import annotations
@@ -109,6 +113,34 @@ def window_start(seq_len, window):
 
 
 @triton.jit
+def add_sink(acc, m_i, l_i, sinks_ptr, heads, head_mask):
+    """Fold each row's sink logit (natural units, `sinks_ptr[heads]`) into an online softmax's state
+    (`m_i`, `l_i` in log2 units): both terms rescaled to the larger maximum, the sink's exp2 added to
+    the sum, the output unchanged otherwise. Returns (acc, l_i)."""
+    sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0) * 1.4426950408889634
+    top = tl.maximum(m_i, sink)
+    rescale = tl.exp2(m_i - top)
+    return acc * rescale[:, None], l_i * rescale + tl.exp2(sink - top)
+
+
+def check_sinks(sinks: torch.Tensor | None, num_q_heads: int, device: torch.device) -> torch.Tensor | None:
+    """The kernels' sinks: float32 `[num_q_heads]` on `device`, contiguous, or None (no sinks).
+
+    Raises:
+        TypeError: not a float32 tensor.
+        ValueError: another shape, device or layout.
+    """
+    if sinks is None:
+        return None
+    check_tensor("sinks", sinks, 1, (torch.float32,))
+    if sinks.shape[0] != num_q_heads or sinks.device != device or (num_q_heads > 1 and sinks.stride(0) != 1):
+        raise ValueError(
+            f"sinks must be a contiguous [{num_q_heads}] tensor on {device}; got {tuple(sinks.shape)} on {sinks.device}"
+        )
+    return sinks
+
+
+@triton.jit
 def split_length(seq_len, num_splits, BLOCK_N: tl.constexpr):
     """Tokens per split of one sequence: an even share rounded up to whole tiles (>= one tile)."""
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -125,6 +157,7 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    sinks_ptr,
     qk_scale,
     num_splits,
     window,
@@ -144,6 +177,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -190,6 +224,8 @@ def _decode_kernel(
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
         m_i = m_new
 
+    if HAS_SINKS and not SPLIT:  # split: the merge adds the sink, once
+        acc, l_i = add_sink(acc, m_i, l_i, sinks_ptr, heads, head_mask)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if SPLIT:
@@ -212,6 +248,7 @@ def _decode_reduce_kernel(
     part_lse_ptr,
     seq_lens_ptr,
     out_ptr,
+    sinks_ptr,
     num_splits,
     window,
     stride_ob,
@@ -220,6 +257,7 @@ def _decode_reduce_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -232,6 +270,9 @@ def _decode_reduce_kernel(
     part = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + part, mask=active, other=float("-inf"))
     lse_max = tl.max(lse, 0)
+    if HAS_SINKS:  # the sink: one more term of the denominator, with no output
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # an empty context: output zeros
     weights = tl.where(active, tl.exp2(lse - lse_max), 0.0)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -239,6 +280,8 @@ def _decode_reduce_kernel(
         part_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=active[:, None], other=0.0
     )
     total = tl.sum(weights, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - lse_max)
     o = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     out = out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
@@ -307,6 +350,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -328,6 +372,8 @@ def paged_decode_attention(
         config: tile overrides (`BLOCK_N`, `num_warps`, `num_stages`) for benchmarking.
         window: a sliding-window layer's window in tokens: each query sees only its last `window`
             keys (its own included), and the blocks before them are not read; None: all of them.
+        sinks: float32 `[Hq]` on the query's device, each query head's attention sink logit
+            (gpt-oss), which joins its softmax denominator and nothing else; None: no sinks.
 
     Returns:
         `[B, Hq, D]` in the query's dtype (`out` when given). Softmax and accumulation are float32.
@@ -382,6 +428,7 @@ def paged_decode_attention(
         check_inner_contiguous("out", out)
         tensors["out"] = out
     device = check_device(tensors)
+    sinks = check_sinks(sinks, num_q_heads, device)
     if batch == 0:
         return out
 
@@ -413,6 +460,7 @@ def paged_decode_attention(
             out,
             part_out,
             part_lse,
+            query if sinks is None else sinks,  # never read without sinks
             float(scale) * LOG2E,
             num_splits,
             window_arg,
@@ -434,6 +482,7 @@ def paged_decode_attention(
             BLOCK_SIZE=block_size,
             BLOCK_N=cfg["BLOCK_N"],
             SPLIT=split,
+            HAS_SINKS=sinks is not None,
             PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             UPCAST=interpreting() and query.dtype == torch.bfloat16,
         ),
@@ -444,12 +493,23 @@ def paged_decode_attention(
         launch(
             _decode_reduce_kernel,
             (batch, num_q_heads),
-            (part_out, part_lse, seq_lens, out, num_splits, window_arg, out.stride(0), out.stride(1)),
+            (
+                part_out,
+                part_lse,
+                seq_lens,
+                out,
+                out if sinks is None else sinks,
+                num_splits,
+                window_arg,
+                out.stride(0),
+                out.stride(1),
+            ),
             dict(
                 HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=head_dim_pad,
                 SPLITS_PAD=triton.next_power_of_2(num_splits),
                 BLOCK_N=cfg["BLOCK_N"],
+                HAS_SINKS=sinks is not None,
             ),
             num_warps=4,
             num_stages=1,

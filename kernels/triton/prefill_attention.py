@@ -10,7 +10,8 @@ softmax (Dao 2023, https://arxiv.org/abs/2307.08691), accumulating in float32. K
 tokens are gathered through the block table (PagedAttention, Kwon et al. 2023,
 https://arxiv.org/abs/2309.06180). Tiles entirely before the row block's first position need no mask;
 only the tiles on the causal diagonal are masked. In a sliding window (`window`) every tile from the
-block's first window on is masked, and the tiles before it are not read.
+block's first window on is masked, and the tiles before it are not read. Attention sinks (gpt-oss's
+per-head logits in the softmax denominator only) join each row's sum after the walk (`add_sink`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.triton.decode_attention import LOG2E, check_window, load_rows, mma, paged_rows
+from batchgen.kernels.triton.decode_attention import (
+    LOG2E,
+    add_sink,
+    check_sinks,
+    check_window,
+    load_rows,
+    mma,
+    paged_rows,
+)
 from batchgen.kernels.triton.store_kv_cache import (
     FLOAT_DTYPES,
     check_device,
@@ -96,6 +105,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     out_ptr,
+    sinks_ptr,
     qk_scale,
     window,
     stride_qt,
@@ -113,6 +123,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -208,6 +219,8 @@ def _prefill_kernel(
             UPCAST,
         )
 
+    if HAS_SINKS:  # rows past the chunk (m_i -inf) get l_i 1 and a zero output, never stored
+        acc, l_i = add_sink(acc, m_i, l_i, sinks_ptr, head + 0 * rows, rows >= 0)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_offsets = (q_start + rows).to(tl.int64) * stride_ot + head * stride_oh
     mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
@@ -241,6 +254,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length query chunks over their paged contexts (chunked prefill).
 
@@ -261,6 +275,8 @@ def paged_prefill_attention(
         config: tile overrides (`BLOCK_M`, `BLOCK_N`, `num_warps`, `num_stages`) for benchmarking.
         window: a sliding-window layer's window in tokens: each query row sees only the `window`
             keys up to its own position; None: its whole context.
+        sinks: float32 `[Hq]` on the query's device, per-head attention sink logits (as
+            `paged_decode_attention`'s); None: no sinks.
 
     Returns:
         `[T, Hq, D]` in the query's dtype (`out` when given); rows outside every chunk are not written.
@@ -320,7 +336,7 @@ def paged_prefill_attention(
             raise ValueError(f"out must have the query's shape {tuple(query.shape)}; got {tuple(out.shape)}")
         check_inner_contiguous("out", out)
         tensors["out"] = out
-    check_device(tensors)
+    sinks = check_sinks(sinks, num_q_heads, check_device(tensors))
     if batch == 0 or num_tokens == 0:
         return out
 
@@ -337,6 +353,7 @@ def paged_prefill_attention(
             query_start_loc,
             seq_lens,
             out,
+            query if sinks is None else sinks,  # never read without sinks
             float(scale) * LOG2E,
             window_arg,
             query.stride(0),
@@ -356,6 +373,7 @@ def paged_prefill_attention(
             BLOCK_SIZE=block_size,
             BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"],
+            HAS_SINKS=sinks is not None,
             PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             UPCAST=interpreting() and query.dtype == torch.bfloat16,
         ),

@@ -112,3 +112,26 @@ def test_num_parameters_counts_every_expert(kind) -> None:
         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, vocab_size=151936,
     )  # fmt: skip
     assert round(num_parameters(a3b) / 1e9, 1) == 30.5
+
+
+def test_num_parameters_of_gpt_oss() -> None:
+    """gpt-oss: every expert and router counted (biases and sinks left out, as norms are);
+    gpt-oss-20b's shape gives its published 20.9B parameters."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from batchgen.engine.sizing import num_parameters
+
+    config = GptOssConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    weights = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if not any(s in name for s in ("norm", "bias", "sinks"))
+    )
+    assert num_parameters(config) == weights
+    gpt_oss_20b = GptOssConfig(num_hidden_layers=24, num_local_experts=32)
+    assert round(num_parameters(gpt_oss_20b) / 1e9, 1) == 20.9

@@ -42,7 +42,7 @@ def _hf_texts(path) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_run_moe_job(tmp_path, tiny_model_dir, arch):
     path = tiny_model_dir(arch)
     src = tmp_path / "job.jsonl"

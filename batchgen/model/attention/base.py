@@ -80,10 +80,10 @@ class AttentionBackend:
     """Interface every attention backend implements.
 
     `forward(query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D], k_cache, v_cache, meta, scale,
-    window, softcap)` stores key/value into `k_cache`/`v_cache` (`[num_blocks, block_size, Hkv, D]`)
+    window, softcap, sinks)` stores key/value into `k_cache`/`v_cache` (`[num_blocks, block_size, Hkv, D]`)
     and returns the attention output `[T, Hq, D]` in the query's dtype. Hq must be a multiple of Hkv
-    (GQA). `window` (a sliding-window layer) and `softcap` (Gemma 2's attention logit soft-capping)
-    are per layer; a backend that cannot honour one says so in `check_layer`, never ignores it.
+    (GQA). `window` (a sliding-window layer), `softcap` (Gemma 2's attention logit soft-capping) and
+    `sinks` (gpt-oss's per-head attention sink logits) are per layer; a backend that cannot honour one says so in `check_layer`, never ignores it.
     """
 
     name = "abstract"
@@ -102,12 +102,14 @@ class AttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store the step's K/V rows, then attend; shapes as in the class docstring, `scale` is
         the softmax scale (1/sqrt(head_dim) unless the model says otherwise), `window` the layer's
         sliding window in tokens (each query sees the `window` keys up to its own position; None:
         all), `softcap` its attention logit cap (`tanh(s / cap) * cap` of the scaled scores; None:
-        none)."""
+        none), `sinks` float32 `[Hq]` its per-head sink logits, which join each row's softmax
+        denominator and nothing else (`sdpa.attend`; None: none)."""
         raise NotImplementedError
 
     # Whether `forward` takes a `softcap` (the torch and cpu backends do; the Triton kernels do not).

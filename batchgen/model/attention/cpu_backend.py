@@ -24,8 +24,9 @@ class CPUAttentionBackend(TorchAttentionBackend):
     it for SDPA; which kernel runs at which size is measured on the machine, `attention_choice`). With this backend the model's bf16
     element-wise ops run as C kernels too (`fused_cpu_ops`). A dtype or head size the kernels are
     not compiled for takes the torch path, and so does a layer with an attention softcap (Gemma 2;
-    the C kernels have none). A sliding window runs in the C kernels (the "c" prefill kernel: the
-    AMX one has no window, so a windowed layer's chunks measured fastest on AMX take "c").
+    the C kernels have none). A sliding window and attention sinks (gpt-oss) run in the C kernels
+    (the "c" prefill kernel: the AMX one has neither, so such a layer's chunks measured fastest on
+    AMX take "c").
     """
 
     name = "cpu"
@@ -67,13 +68,14 @@ class CPUAttentionBackend(TorchAttentionBackend):
         out: torch.Tensor,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         _, num_heads, head_dim = query.shape
         if softcap is not None or not cpu_attention.supports_prefill(
             query.dtype, head_dim, num_heads, k_cache.shape[2]
         ):
             TorchAttentionBackend._prefill(
-                query, key, value, k_cache, v_cache, meta, scale, out, window, softcap
+                query, key, value, k_cache, v_cache, meta, scale, out, window, softcap, sinks
             )
             return
         segments = meta.scratch.get("prefill_segments")
@@ -88,7 +90,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 else:
                     k = gather_context(k_cache, meta.block_tables[seqs.start], seq_len)
                     v = gather_context(v_cache, meta.block_tables[seqs.start], seq_len)
-                out[rows] = causal_attention(query[rows], k, v, scale, window)
+                out[rows] = causal_attention(query[rows], k, v, scale, window, sinks=sinks)
                 continue
             cpu_attention.paged_prefill_attention_cpu(
                 query[rows].contiguous(),
@@ -100,9 +102,10 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 scale,
                 check_bounds=first_layer,
                 out=out[rows],
-                kernel="c" if window is not None else kind,
+                kernel="c" if window is not None or sinks is not None else kind,
                 short_chunks=meta.verifies_drafts,
                 window=window,
+                sinks=sinks,
             )
 
     def _prefill_segments(self, meta: AttentionMetadata) -> list[tuple[str, slice, slice, Any]]:
@@ -144,6 +147,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_decodes, num_heads, head_dim = query.shape
         by_bucket = self.decode_by_bucket
@@ -155,7 +159,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 and by_bucket[min(bucket_index(num_decodes), len(by_bucket) - 1)] == "torch"
             )
         ):
-            return TorchAttentionBackend._decode(query, k_cache, v_cache, meta, scale, window, softcap)
+            return TorchAttentionBackend._decode(query, k_cache, v_cache, meta, scale, window, softcap, sinks)
         # The tables are the same for every layer of the step: check their bounds on the first only.
         first_layer = "cpu_decode_checked" not in meta.scratch
         meta.scratch["cpu_decode_checked"] = True
@@ -168,4 +172,5 @@ class CPUAttentionBackend(TorchAttentionBackend):
             scale,
             check_bounds=first_layer,
             window=window,
+            sinks=sinks,
         )

@@ -5,11 +5,13 @@
 paged cache into one padded, masked batch each (`decode_groups`, `decode_group_attention`), and
 prefill chunks one call each, causally, after any cached prefix (`causal_attention`).
 
-Two per-layer options reach both: a sliding `window` (each query sees only the `window` keys up to
-its own position, Hugging Face's `kv_idx > q_idx - sliding_window`; None: all of them) and Gemma 2's
+Three per-layer options reach both: a sliding `window` (each query sees only the `window` keys up to
+its own position, Hugging Face's `kv_idx > q_idx - sliding_window`; None: all of them), Gemma 2's
 attention logit `softcap` (scores `tanh(s / cap) * cap` before the mask and softmax, as
-transformers' eager attention computes them; SDPA has no such step, so those layers take `attend`'s
-explicit products).
+transformers' eager attention computes them) and gpt-oss's attention `sinks` (one learned logit per
+query head that joins the softmax's denominator only: `p_j = exp(s_j) / (exp(sink) + sum_i
+exp(s_i))`, a probability mass that attends to nothing; Xiao et al. 2023, arXiv:2309.17453, as
+gpt-oss learns them). SDPA has neither step, so those layers take `attend`'s explicit products.
 """
 
 from __future__ import annotations
@@ -101,25 +103,38 @@ def decode_group_attention(
     group: DecodeGroup,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One group's attention: query `[b, Hkv, G, D]` -> `[b, Hkv, G, D]` (`softcap` as `attend`'s)."""
+    """One group's attention: query `[b, Hkv, G, D]` -> `[b, Hkv, G, D]` (`softcap` as `attend`'s;
+    `sinks` `[Hq]` float32, query head `kv * G + g`'s sink logit, or None)."""
     num_rows = grouped_query.shape[0]
     shape = (num_rows, group.mask.shape[-1], k_cache.shape[2], k_cache.shape[3])
     k = gather_blocks(k_cache, group.block_ids).view(shape).transpose(1, 2)  # [b, Hkv, L, D]
     v = gather_blocks(v_cache, group.block_ids).view(shape).transpose(1, 2)
+    if sinks is not None:  # the grouped layout's heads are (Hkv, G): one sink per (kv, g) row
+        sinks = sinks.view(1, *grouped_query.shape[1:3], 1)
     return attend(
-        grouped_query, k.to(grouped_query.dtype), v.to(grouped_query.dtype), group.mask, scale, softcap
+        grouped_query, k.to(grouped_query.dtype), v.to(grouped_query.dtype), group.mask, scale, softcap, sinks
     )
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`softmax(q k^T * scale + mask) v` over 4-D `[b, H, Q, D]` queries and `[b, Hkv, L, D]` keys and
     values (H a multiple of Hkv) with an additive `mask` broadcast to `[b, H, Q, L]`: SDPA, or with a
-    `softcap` the explicit products in transformers' eager order (scale, `tanh(s / cap) * cap`, mask,
-    float32 softmax back to the query dtype, then V)."""
-    if softcap is None:
+    `softcap` or `sinks` the explicit products in transformers' eager order (scale,
+    `tanh(s / cap) * cap`, mask; with sinks, each row's sink logit appended as one more column, the
+    row's maximum subtracted and the softmax taken in the scores' dtype, the sink's column then
+    dropped, as transformers' gpt-oss does; else a float32 softmax; back to the query dtype, then V).
+    `sinks` broadcasts to `[b, H, Q, 1]`."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
@@ -127,8 +142,16 @@ def attend(
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap + mask
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + mask
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    combined = torch.cat((scores, sink), dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def length_groups(seq_lens: list[int], block_size: int, slack: float = 1.25) -> list[list[int]]:
@@ -164,6 +187,7 @@ def causal_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q `[Q, Hq, D]` attends to k/v `[L, Hkv, D]` where the queries are the last Q of the L positions.
 
@@ -173,13 +197,16 @@ def causal_attention(
     causal triangle plus the prefix (measured: docs/benchmarks.md). The mask is additive, in the query dtype: SDPA converts a
     boolean one on every call. With a sliding `window` or a `softcap` (the module docstring) the
     tiles are used at any prefix, each reading only the keys from its first row's window on.
+    `sinks`: float32 `[Hq]` per-head sink logits (`attend`), or None.
     """
     qlen, klen = q.shape[0], k.shape[0]
     # 4-D inputs: with 3-D ones, SDPA on CPU falls back to its slow unfused math kernel.
     qh = q.transpose(0, 1)[None]
     kh = k.transpose(0, 1).to(q.dtype)[None]
     vh = v.transpose(0, 1).to(q.dtype)[None]
-    if qlen == klen and window is None and softcap is None:
+    if sinks is not None:
+        sinks = sinks.view(1, -1, 1, 1)
+    if qlen == klen and window is None and softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
     offset = klen - qlen
@@ -201,6 +228,7 @@ def causal_attention(
             mask[first:last, start:keys],
             scale,
             softcap,
+            sinks,
         )
         out[first:last] = tile[0].transpose(0, 1)
     return out

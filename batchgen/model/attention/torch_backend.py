@@ -44,8 +44,8 @@ class TorchAttentionBackend(AttentionBackend):
     are gathered into one padded `[b, max_blocks * block_size, Hkv, D]` tensor, masked by length, one
     SDPA call a group.
     Prefill chunks run one SDPA call each: the chunk's queries attend to the sequence's cached prefix
-    fully and to the chunk itself causally. A sliding window and a softcap are applied as `sdpa`
-    describes.
+    fully and to the chunk itself causally. A sliding window, a softcap and attention sinks are
+    applied as `sdpa` describes.
     """
 
     name = "torch"
@@ -61,17 +61,18 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.slot_mapping.numel():
             self._store(key, value, k_cache, v_cache, meta)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
-            return self._decode(query, k_cache, v_cache, meta, scale, window, softcap)
+            return self._decode(query, k_cache, v_cache, meta, scale, window, softcap, sinks)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale, window, softcap)
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale, window, softcap, sinks)
         self._prefill(
-            query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta, scale, out[nd:], window, softcap
+            query[nd:], key[nd:], value[nd:], k_cache, v_cache, meta, scale, out[nd:], window, softcap, sinks
         )
         return out
 
@@ -87,6 +88,7 @@ class TorchAttentionBackend(AttentionBackend):
         out: torch.Tensor,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """The prefill chunks' attention into `out`: `query` / `key` / `value` / `out` are the rows
         after the decodes."""
@@ -101,7 +103,7 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 k = gather_context(k_cache, meta.block_tables[i], seq_len)
                 v = gather_context(v_cache, meta.block_tables[i], seq_len)
-            out[start : start + qlen] = causal_attention(q, k, v, scale, window, softcap)
+            out[start : start + qlen] = causal_attention(q, k, v, scale, window, softcap, sinks)
             start += qlen
 
     @staticmethod
@@ -126,6 +128,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_kv_heads = k_cache.shape[2]
         # [B, Hq, D] -> [B, Hkv, G, D]: each KV head's query group becomes a query-length axis, so
@@ -138,10 +141,12 @@ class TorchAttentionBackend(AttentionBackend):
                 meta, query.shape[0], k_cache.shape[1], query.dtype, window
             )
         if len(groups) == 1 and groups[0].index is None:
-            attn = decode_group_attention(grouped, k_cache, v_cache, groups[0], scale, softcap)
+            attn = decode_group_attention(grouped, k_cache, v_cache, groups[0], scale, softcap, sinks)
             return attn.reshape(query.shape)
         out = torch.empty_like(query)
         for group in groups:
-            attn = decode_group_attention(grouped[group.index], k_cache, v_cache, group, scale, softcap)
+            attn = decode_group_attention(
+                grouped[group.index], k_cache, v_cache, group, scale, softcap, sinks
+            )
             out[group.index] = attn.reshape(-1, *query.shape[1:])
         return out

@@ -40,6 +40,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if softcap is not None:  # refused when the model is built (`check_layer`); never ignored
             raise ValueError("the Triton attention kernels have no attention logit soft-capping")
@@ -58,6 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_seq_len=max(meta.seq_lens_cpu[:nd]),
                 out=out[:nd],
                 window=window,
+                sinks=sinks,
             )
         if nd < meta.num_seqs:
             segments = meta.scratch.get("triton_prefill_segments")
@@ -65,7 +67,9 @@ class TritonAttentionBackend(AttentionBackend):
                 segments = meta.scratch["triton_prefill_segments"] = self._prefill_segments(meta)
             for kind, rows, seqs, query_starts in segments:
                 if kind == "sdpa":  # one chunk, no cached prefix: its own K/V are its whole context
-                    out[rows] = causal_attention(query[rows], key[rows], value[rows], scale, window)
+                    out[rows] = causal_attention(
+                        query[rows], key[rows], value[rows], scale, window, sinks=sinks
+                    )
                     continue
                 assert query_starts is not None  # a chunk on the kernel has its query starts
                 paged_prefill_attention(
@@ -79,6 +83,7 @@ class TritonAttentionBackend(AttentionBackend):
                     scale,
                     out=out[rows],
                     window=window,
+                    sinks=sinks,
                 )
         return out
 

@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "GptOssForCausalLM",
 )
 # For configs without `architectures` (GGUF conversions, hand-written configs).
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -32,6 +33,7 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -45,7 +47,9 @@ class UnsupportedModelError(ValueError):
 
 # The MLP's gate activation per architecture: (the config field transformers reads, its default,
 # the values batchgen's MLP computes). The Llama family is SwiGLU ("swish" is transformers' alias of
-# SiLU); Gemma 2/3 are GeGLU with the tanh approximation of GELU.
+# SiLU); Gemma 2/3 are GeGLU with the tanh approximation of GELU. gpt-oss's experts compute their
+# own clamped SwiGLU whatever `hidden_act` says (transformers' does too), so its "silu" is checked
+# as the field's value only.
 _SWIGLU = ("hidden_act", "silu", ("silu", "swish"), "SwiGLU")
 _GEGLU = ("hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",), "GeGLU")
 ACTIVATIONS = {arch: _GEGLU if arch.startswith("Gemma") else _SWIGLU for arch in SUPPORTED_ARCHITECTURES}
@@ -81,9 +85,14 @@ def _architecture(raw_config: dict[str, Any]) -> str:
     )
 
 
+# Quantized checkpoints the loader dequantizes at load: (model_type, quant_method) -> how.
+DEQUANTIZED_AT_LOAD = {("gpt_oss", "mxfp4"): "gpt-oss's MXFP4 experts (batchgen.model.mxfp4)"}
+
+
 def check_not_quantized(raw_config: dict[str, Any], where: object) -> None:
     """Refuse a Hugging Face checkpoint stored quantized (a `quantization_config` in its config.json:
-    GPTQ, AWQ, bitsandbytes, FP8, ...), whose packed weights the model cannot load as floats.
+    GPTQ, AWQ, bitsandbytes, FP8, ...), whose packed weights the model cannot load as floats; those
+    in `DEQUANTIZED_AT_LOAD` (gpt-oss's MXFP4) pass, and are dequantized as they load.
 
     Raises:
         UnsupportedModelError: naming the method and what batchgen runs instead.
@@ -92,8 +101,11 @@ def check_not_quantized(raw_config: dict[str, Any], where: object) -> None:
     if not quantization:
         return
     method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
+    if (raw_config.get("model_type"), method) in DEQUANTIZED_AT_LOAD:
+        return
     raise UnsupportedModelError(
         f"{where}: the checkpoint is quantized ({method}), a format batchgen does not run; batchgen runs "
         "float safetensors checkpoints (float32, bfloat16, float16), which quantization='int8' quantizes "
-        "at load, and GGUF files (Q8_0 blocks as stored, other types dequantized)"
+        "at load, GGUF files (Q8_0 blocks as stored, other types dequantized) and gpt-oss's MXFP4 "
+        "checkpoints (dequantized at load)"
     )

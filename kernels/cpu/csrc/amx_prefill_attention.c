@@ -34,7 +34,7 @@ int paged_short_chunk_attention(int is_bf16, const void *query, const void *k_ca
                                 const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                 const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
                                 int head_dim, int block_size, float scale, void *out, int num_threads, int max_rows,
-                                int window);
+                                int window, const float *sinks);
 int short_chunk_rows(int short_chunks, int is_bf16, int head_dim, int group, int limit);
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && HAVE_AVX512_BF16_OPS && defined(__linux__)
@@ -300,7 +300,7 @@ int paged_prefill_attention_amx(int is_bf16, const void *query, const void *k_ca
   const int short_rows = short_chunk_rows(short_chunks, 1, head_dim, group, AMX_SHORT_CHUNK_ROWS);
   const int status = paged_short_chunk_attention(1, query, k_cache, v_cache, block_tables, table_stride, seq_lens,
                                                  query_starts, num_seqs, num_q_heads, num_kv_heads, head_dim,
-                                                 block_size, scale, out, num_threads, short_rows, 0);
+                                                 block_size, scale, out, num_threads, short_rows, 0, NULL);
   if (status) {
     free(offset);
     return status;

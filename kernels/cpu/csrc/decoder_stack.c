@@ -46,12 +46,12 @@ int64_t store_kv_rows(const char *key, int64_t key_stride, const char *value, in
 int paged_decode_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                            int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                           float scale, void *out, int num_threads, int window);
+                           float scale, void *out, int num_threads, int window, const float *sinks);
 int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                             const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                             const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
                             int head_dim, int block_size, float scale, void *out, int num_threads,
-                            int short_chunks, int window);
+                            int short_chunks, int window, const float *sinks);
 
 /* Columns of the per-layer table `layers` [num_layers][LAYER_FIELDS]: addresses, as int64. */
 enum {
@@ -121,13 +121,14 @@ int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dim
     int status = 0;
     if (num_decodes > 0)
       status = paged_decode_attention(1, query, k_cache, v_cache, block_tables, table_stride, seq_lens, num_decodes,
-                                      hq, hkv, (int)d, block_size, scale, attn, num_threads, 0);
+                                      hq, hkv, (int)d, block_size, scale, attn, num_threads, 0,
+                                      NULL);
     if (status == 0 && num_prefills > 0)
       status = paged_prefill_attention(1, query + num_decodes * q, k_cache, v_cache,
                                        block_tables + num_decodes * table_stride, table_stride,
                                        seq_lens + num_decodes, prefill_query_starts, num_prefills, hq, hkv,
                                        (int)d, block_size, scale, attn + num_decodes * q, num_threads,
-                                       short_chunks, 0);
+                                       short_chunks, 0, NULL);
     if (status) return status;
     if (linear(attn, q, (const uint16_t *)(intptr_t)w[O_WEIGHT], NULL, o, h, t, h, q, num_threads)) return 1;
     add_rms_norm_bf16(hidden, h, o, h, (const uint16_t *)(intptr_t)w[POST_NORM], eps, t, (int)h, normed, h,

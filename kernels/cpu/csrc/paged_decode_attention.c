@@ -40,12 +40,15 @@
  * at half the bandwidth). `scores` holds (h1 - h0) * q_len * group * padded floats; `qv` and `acc`
  * hold (h1 - h0) * q_len * group * D. With `window` > 0 (a sliding-window layer) row j sees only the
  * `window` keys up to its own position: the blocks before the first row's window are not read, and
- * each row's scores before its own window are masked. */
+ * each row's scores before its own window are masked. `sinks` (NULL: none) holds one logit per query
+ * head (gpt-oss's attention sinks) that joins the row's softmax denominator only: the row's maximum
+ * is taken over its scores and its sink, and exp(sink - max) is added to the sum. */
 #define DEFINE_ITEM(SUFFIX, T, LOADV, STOREV, D)                                                      \
   static void item_##SUFFIX(const void *q_, const void *kc_, const void *vc_, const int32_t *table,  \
                             int len, int q_len, int64_t q_stride, int h0, int h1, int num_kv_heads,    \
                             int group, int64_t row_stride, int64_t block_stride, int block_size,       \
-                            float scale, int window, void *out_, float *scores, vf *qv, vf *acc) {     \
+                            float scale, int window, const float *sinks, void *out_, float *scores,   \
+                            vf *qv, vf *acc) {                                                         \
     enum { NV = D / LANES };                                                                           \
     /* The first key any row sees (the first row's window start), its block and its score vector. */  \
     int lo = window > 0 ? len - (q_len - 1) - window : 0;                                              \
@@ -143,13 +146,15 @@
       }                                                                                                \
       float m = mv[0];                                                                                 \
       for (int l = 1; l < LANES; l++) m = mv[l] > m ? mv[l] : m;                                       \
+      const float sink = sinks ? sinks[(h0 + i / head_rows) * group + i % group] : -INFINITY;          \
+      m = sink > m ? sink : m;                                                                         \
       vf sum = (vf){};                                                                                 \
       for (int t = base; t < padded; t += LANES) {                                                     \
         vf e = vexp(load_f32(si + t) - m);                                                             \
         store_f32(si + t, e);                                                                          \
         sum += e;                                                                                      \
       }                                                                                                \
-      const float inv = 1.f / hsum(sum);                                                               \
+      const float inv = 1.f / (hsum(sum) + (sinks ? expf(sink - m) : 0.f));                            \
       for (int t = base; t < padded; t += LANES) store_f32(si + t, load_f32(si + t) * inv);            \
     }                                                                                                  \
     for (int t0 = first_block; t0 < len; t0 += block_size) {                                          \
@@ -220,7 +225,7 @@ DEFINE_ITEM(bf16_64, uint16_t, load_bf16, store_bf16, 64)
 DEFINE_ITEM(bf16_128, uint16_t, load_bf16, store_bf16, 128)
 
 typedef void (*item_fn)(const void *, const void *, const void *, const int32_t *, int, int, int64_t, int, int,
-                        int, int, int64_t, int64_t, int, float, int, void *, float *, vf *, vf *);
+                        int, int, int64_t, int64_t, int, float, int, const float *, void *, float *, vf *, vf *);
 
 static item_fn find_item(int is_bf16, int head_dim) {
   RETURN_HEAD_DIM_VARIANT(item, is_bf16, head_dim)
@@ -246,7 +251,8 @@ int short_chunk_rows(int short_chunks, int is_bf16, int head_dim, int group, int
 static int decode_rows(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                        const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                        const int32_t *query_starts, int max_rows, int num_seqs, int num_q_heads, int num_kv_heads,
-                       int head_dim, int block_size, float scale, void *out, int num_threads, int window) {
+                       int head_dim, int block_size, float scale, void *out, int num_threads, int window,
+                       const float *sinks) {
   if (num_seqs <= 0 || max_rows < 1) return 0; /* nothing to do is never refused (the prefill kernels' "none") */
   /* The sequences computed, `which` (NULL: all, one row each), and their longest chunk. */
   int count = num_seqs, max_q_len = 1, *which = NULL;
@@ -303,7 +309,7 @@ static int decode_rows(int is_bf16, const void *query, const void *k_cache, cons
       const int q_len = query_starts ? query_starts[b + 1] - first : 1;
       const size_t offset = (size_t)first * q_stride * elem;
       item((const char *)query + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b], q_len,
-           q_stride, h0, h1, num_kv_heads, group, row_stride, block_stride, block_size, scale, window,
+           q_stride, h0, h1, num_kv_heads, group, row_stride, block_stride, block_size, scale, window, sinks,
            (char *)out + offset,
            scores, qv, acc);
     }
@@ -316,25 +322,27 @@ static int decode_rows(int is_bf16, const void *query, const void *k_cache, cons
 }
 
 /* One query row a sequence (row b for sequence b); window > 0: each row sees only its last `window`
- * keys (a sliding-window layer), 0: all of them. Returns as `decode_rows`. */
+ * keys (a sliding-window layer), 0: all of them; sinks: float32 [num_q_heads] sink logits, or NULL.
+ * Returns as `decode_rows`. */
 int paged_decode_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                            int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                           float scale, void *out, int num_threads, int window) {
+                           float scale, void *out, int num_threads, int window, const float *sinks) {
   return decode_rows(is_bf16, query, k_cache, v_cache, block_tables, table_stride, seq_lens, NULL, 1, num_seqs,
-                     num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, window);
+                     num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, window, sinks);
 }
 
 /* The prefill kernels' layouts (query_starts [num_seqs + 1]), for the sequences whose chunk has at
  * most `max_rows` query rows (their callers pass a limit only in steps that verify draft tokens):
  * each walks its context once for all its rows, where the prefill kernels' tiles of query
- * positions pay per key for a whole tile. The other sequences' rows are left untouched. `window` as
- * `paged_decode_attention`'s. Returns as `decode_rows`. */
+ * positions pay per key for a whole tile. The other sequences' rows are left untouched. `window` and
+ * `sinks` as `paged_decode_attention`'s. Returns as `decode_rows`. */
 int paged_short_chunk_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                                 const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                 const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
                                 int head_dim, int block_size, float scale, void *out, int num_threads, int max_rows,
-                                int window) {
+                                int window, const float *sinks) {
   return decode_rows(is_bf16, query, k_cache, v_cache, block_tables, table_stride, seq_lens, query_starts, max_rows,
-                     num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, window);
+                     num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, window,
+                     sinks);
 }

@@ -37,7 +37,7 @@ int paged_short_chunk_attention(int is_bf16, const void *query, const void *k_ca
                                 const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                                 const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
                                 int head_dim, int block_size, float scale, void *out, int num_threads, int max_rows,
-                                int window);
+                                int window, const float *sinks);
 int short_chunk_rows(int short_chunks, int is_bf16, int head_dim, int group, int limit);
 
 /* Chunks of up to this many query rows go to `paged_short_chunk_attention`, which is as fast as
@@ -81,6 +81,7 @@ typedef struct {
   float scale;
   void *out;
   int window; /* > 0: each row sees only the `window` keys up to its position (sliding window) */
+  const float *sinks; /* [num_q_heads] sink logits joining each row's denominator only, or NULL */
 } PrefillArgs;
 
 typedef struct {
@@ -478,7 +479,12 @@ static inline __attribute__((always_inline)) void prefill_item(const PrefillArgs
   for (int g = 0; g < G; g++)
     for (int i = 0; i < n; i++) {
       const int r = g * n + i;
-      const float inv = 1.f / w->l[r];
+      float inv = 1.f / w->l[r];
+      if (a->sinks) { /* the sink's exp(sink - max) joins the sum, both taken at the larger maximum */
+        const float sink = a->sinks[h * G + g], m = w->m[r], top = sink > m ? sink : m;
+        const float c = expf(m - top);
+        inv = c / (w->l[r] * c + expf(sink - top));
+      }
       const int64_t dst = ((int64_t)(q_begin + it->first + i) * a->num_q_heads + h * G + g) * D;
       for (int j = 0; j < NVD; j++) store_vec(a->out, dst + j * LANES, load_f32(w->o + (int64_t)r * D + j * LANES) * inv, is_bf16);
     }
@@ -519,12 +525,13 @@ int paged_prefill_attention_supported(int is_bf16, int head_dim, int group) {
  * items are (sequence, KV head, tile of TILE_POS query rows), largest first, spread over
  * `num_threads` OpenMP threads. short_chunks: 1 where the step verifies draft tokens (below).
  * window > 0: each row sees only the `window` keys up to its own position (a sliding-window layer;
- * keys before the tile's first window are not read), 0: its whole context. */
+ * keys before the tile's first window are not read), 0: its whole context. sinks: float32 [num_q_heads]
+ * per-head sink logits (gpt-oss) that join each row's softmax denominator only, or NULL. */
 int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache, const void *v_cache,
                             const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                             const int32_t *query_starts, int num_seqs, int num_q_heads, int num_kv_heads,
                             int head_dim, int block_size, float scale, void *out, int num_threads,
-                            int short_chunks, int window) {
+                            int short_chunks, int window, const float *sinks) {
   const int group = num_q_heads / num_kv_heads;
   prefill_fn run = find_prefill_item(is_bf16, head_dim);
   if (run == NULL || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_q_heads) return 1;
@@ -536,7 +543,8 @@ int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache,
   const int short_rows = short_chunk_rows(short_chunks, is_bf16, head_dim, group, SHORT_CHUNK_ROWS);
   const int status = paged_short_chunk_attention(is_bf16, query, k_cache, v_cache, block_tables, table_stride,
                                                  seq_lens, query_starts, num_seqs, num_q_heads, num_kv_heads,
-                                                 head_dim, block_size, scale, out, num_threads, short_rows, window);
+                                                 head_dim, block_size, scale, out, num_threads, short_rows, window,
+                                                 sinks);
   if (status) return status;
   int64_t num_items = 0;
   for (int b = 0; b < num_seqs; b++) {
@@ -573,7 +581,8 @@ int paged_prefill_attention(int is_bf16, const void *query, const void *k_cache,
                             block_size,
                             scale,
                             out,
-                            window};
+                            window,
+                            sinks};
   const size_t rows = (size_t)TILE_POS * group;
   int failed = 0;
 #pragma omp parallel num_threads(num_threads)

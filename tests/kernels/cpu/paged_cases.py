@@ -67,10 +67,11 @@ def assert_cpu_backend_matches_torch(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def windowed_reference(query, k_cache, v_cache, tables, seq_lens, starts, scale, window=None):
+def windowed_reference(query, k_cache, v_cache, tables, seq_lens, starts, scale, window=None, sinks=None):
     """Each query row alone, in float64: the keys of its context from `position - window + 1` (0
     without a window) up to its own position, softmax, weighted V. Sequence b's rows are
-    `query[starts[b]:starts[b + 1]]`, the last positions of its `seq_lens[b]` tokens."""
+    `query[starts[b]:starts[b + 1]]`, the last positions of its `seq_lens[b]` tokens. `sinks` `[Hq]`:
+    each head's sink logit joins its softmax as one more score whose probability is dropped."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
     out = torch.empty(query.shape, dtype=torch.float64)
@@ -83,7 +84,11 @@ def windowed_reference(query, k_cache, v_cache, tables, seq_lens, starts, scale,
             position = length - (last - first) + (row - first)
             lo = 0 if window is None else max(0, position - window + 1)
             scores = torch.einsum("hd,lhd->hl", query[row].double() * scale, k[lo : position + 1])
-            out[row] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[lo : position + 1])
+            if sinks is None:
+                probs = scores.softmax(-1)
+            else:
+                probs = torch.cat((scores, sinks.double()[:, None]), dim=-1).softmax(-1)[:, :-1]
+            out[row] = torch.einsum("hl,lhd->hd", probs, v[lo : position + 1])
     return out
 
 

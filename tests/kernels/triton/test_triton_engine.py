@@ -90,3 +90,42 @@ def test_moe_on_triton_kernels_matches_hf(tiny_model_dir, arch, monkeypatch):
     got = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
     assert [o.outputs[0].token_ids for o in got] == expected
     assert used, "the experts were meant to run on the Triton kernel"
+
+
+# The Triton interpreter runs a few of the fidelity suite's stress modes on gpt-oss (sinks in both
+# kernels, alternating windows): chunked prefill with mixed steps, preemption, a warm prefix cache.
+GPT_OSS_MODES = {
+    "chunked_prefill": dict(block_size=8, max_num_batched_tokens=8),
+    "preempt_recompute": dict(block_size=4, preemption_mode="recompute"),
+    "preempt_swap": dict(block_size=4, preemption_mode="swap"),
+    "warm_prefix_cache": dict(block_size=4, enable_prefix_caching=True),
+}
+
+
+@pytest.mark.parametrize("mode", list(GPT_OSS_MODES))
+def test_gpt_oss_on_triton_kernels_matches_hf(tiny_model_dir, mode):
+    """gpt-oss on the Triton attention kernels gives Hugging Face `generate`'s greedy tokens."""
+    import transformers
+
+    from tests.engine.test_fidelity import hf_greedy
+    from tests.engine.test_fidelity_moe import _block_bytes
+
+    path = tiny_model_dir("gpt_oss")
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
+    expected = hf_greedy(path, prompt_ids, 6, ignore_eos=True)
+    options = dict(GPT_OSS_MODES[mode])
+    if mode.startswith("preempt"):  # 6 blocks of 4 tokens: the three rows need 11 at their ends
+        options["kv_cache_memory"] = 6 * _block_bytes(path, 4)
+    llm = LLM(str(path), attention_backend="triton", dtype="float32", **options)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    requests = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    got = [o.outputs[0].token_ids for o in llm.generate(requests, params)]
+    assert got == expected
+    totals = llm.llm_engine.totals
+    if mode.startswith("preempt"):
+        assert totals.preemptions > 0, "the cache was meant to force preemption"
+    if mode == "warm_prefix_cache":
+        hits = totals.prefix_cache_hits
+        assert [o.outputs[0].token_ids for o in llm.generate(requests[::-1], params)] == expected[::-1]
+        assert llm.llm_engine.totals.prefix_cache_hits > hits

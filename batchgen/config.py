@@ -196,7 +196,7 @@ class EngineConfig:
         async_scheduling: launch each step while the one before it still runs, and apply that
             one's tokens after (vLLM's option; `batchgen.engine.overlap`): the host's scheduling
             and input preparation hide behind the device's work. Plain requests only (others make
-            their steps synchronous); not a flag yet.
+            their steps synchronous).
 
     Raises:
         TypeError / ValueError: naming the option and its allowed range.
@@ -299,7 +299,14 @@ class EngineConfig:
     )
 
     decode_buckets: tuple[int, ...] | None = None
-    async_scheduling: bool = False
+    async_scheduling: bool = field(
+        default=False,
+        metadata=flag(
+            "Launch each step while the one before it runs, its tokens applied one step behind "
+            "(vLLM's --async-scheduling): plain requests only (no logprobs, penalties, structured "
+            "outputs, reasoning parser or speculation); pays where a device runs the forward"
+        ),
+    )
 
     def __post_init__(self) -> None:
         dtype = canonical_dtype(self.dtype)

@@ -19,7 +19,7 @@ from batchgen.tune import TUNE_FLAGS
 
 # EngineConfig fields that are not engine flags: each command declares its own (`--policy`: bench's
 # is a comma list) or they are sampling flags (`--seed`, `SamplingDefaults`).
-NOT_FLAGS = {"policy", "seed", "decode_buckets", "async_scheduling"}
+NOT_FLAGS = {"policy", "seed", "decode_buckets"}
 # A command's own version of a flag, at the flag's place: (command, field) -> its default (bench's
 # --quantization and --speculative-method are comma lists of configurations to run).
 OWN_VERSIONS = {

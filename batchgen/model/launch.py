@@ -122,6 +122,9 @@ class StepLauncher:
             if fill is not None and previous is not None:
                 input_ids[rows] = previous.sampled()[0][sources]
             logits = runner.model(input_ids, positions, runner.kv_caches, meta, logits_indices)
+            stacked = runner.sampler.greedy_rows(logits, batch)
+            if stacked is not None:
+                return stacked
             finite = finite_rows(logits)
             return torch.stack([runner.sampler(logits, batch), finite.to(torch.int64)])
 

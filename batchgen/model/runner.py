@@ -259,12 +259,6 @@ class ModelRunner:
             return StepOutput(
                 [], [], scored=scored, prepare_s=prepared - began, forward_s=forwarded - prepared
             )
-        finite = finite_rows(logits)  # before the masks' -inf; read with the sampled ids
-        mask_time = self._mask(logits, sampled)
-        # Log probabilities come from the logits before the sampler, which changes them in place:
-        # copied first (indexing with a list copies), for the rows that asked only.
-        asked = [i for i, s in enumerate(sampled) if s.logprobs is not None]
-        raw = logits[asked] if asked else None
         batch = SamplingBatch(
             temperatures=[s.temperature for s in sampled],
             top_ks=[s.top_k for s in sampled],
@@ -274,8 +268,22 @@ class ModelRunner:
             banned_token_ids=[s.banned_token_ids for s in sampled],
             penalties=[s.penalty for s in sampled],
         )
+        masked = any(s.token_mask is not None for s in sampled)
+        # Greedy rows with nothing to change their logits: argmax and the finite check in one pass.
+        stacked = None if masked else self.sampler.greedy_rows(logits, batch)
+        mask_time, raw = 0.0, None
+        asked = [i for i, s in enumerate(sampled) if s.logprobs is not None]
+        if stacked is None:
+            finite = finite_rows(logits)  # before the masks' -inf; read with the sampled ids
+            mask_time = self._mask(logits, sampled) if masked else 0.0
+            # Log probabilities come from the logits before the sampler, which changes them in
+            # place: copied first (indexing with a list copies), for the rows that asked only.
+            raw = logits[asked] if asked else None
+            stacked = torch.stack([self.sampler(logits, batch), finite.to(torch.int64)])
+        elif asked:
+            raw = logits[asked]
         # The step's one copy to the host: the sampled ids and each row's finite flag together.
-        token_ids, finite_flags = torch.stack([self.sampler(logits, batch), finite.to(torch.int64)]).tolist()
+        token_ids, finite_flags = stacked.tolist()
         errors = _logit_errors(finite_flags, seqs)
         logprobs: list[SampleLogprobs | None] = [None] * len(token_ids)
         if raw is not None:

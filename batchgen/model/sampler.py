@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchgen.kernels.cpu.ops import apply_token_bitmask
+from batchgen.kernels.cpu.ops import apply_token_bitmask, greedy_rows
 
 
 @dataclass
@@ -70,6 +70,20 @@ class Sampler:
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
+
+    def greedy_rows(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+        """For a batch of greedy rows only, without banned ids or penalties: int64 `[2, B]`, each
+        row's argmax (as `__call__` gives it) and finite flag (as `runner.finite_rows`, 1 or 0), in
+        one pass of the C kernel (`kernels/cpu/csrc/greedy_rows.c`: 7x torch's `max` and row sum
+        on 256 bf16 rows of a 49k vocabulary, docs/benchmarks.md). None for any other batch, or
+        where the kernel does not take the logits (not on the CPU, float16, no C library)."""
+        if (
+            not batch.all_greedy
+            or any(batch.banned_token_ids)
+            or (batch.penalties and any(p is not None for p in batch.penalties))
+        ):
+            return None
+        return greedy_rows(logits)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Token ids int64 `[B]` from logits `[B, vocab]` (float32 or the model dtype).

@@ -350,6 +350,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
         ptr,
         ctypes.c_int,
     ]
+    lib.greedy_rows.restype = None
+    lib.greedy_rows.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
     lib.apply_token_bitmask.restype = None
     lib.apply_token_bitmask.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, ptr, i64, i64]
     lib.bf16_linear_available.restype = i32

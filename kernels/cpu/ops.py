@@ -1,8 +1,9 @@
-"""Python entry points of the C element-wise kernels (`csrc/bf16_ops.c`, `csrc/kv_store.c`, `csrc/token_mask.c`).
+"""Python entry points of the C element-wise kernels (`csrc/bf16_ops.c`, `csrc/kv_store.c`, `csrc/token_mask.c`,
+`csrc/greedy_rows.c`).
 
 One-call versions of a decoder layer's bf16 element-wise chains: RMSNorm with the residual add before
 it, SiLU-and-multiply and the rotary embedding; and the write of a step's K/V rows into the paged
-cache; and structured outputs' token masks on a step's logits. On a decode step each replaces one or
+cache; structured outputs' token masks on a step's logits; and greedy sampling's argmax. On a decode step each replaces one or
 several calls whose dispatch or generality costs more than their arithmetic. Each function checks shapes, dtypes and strides before it hands pointers to C; the
 library is built and loaded by `batchgen.kernels.cpu.library`.
 """
@@ -270,3 +271,37 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
         vocab,
     )
     return True
+
+
+def greedy_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's argmax (the first maximum) and whether it is free of NaN and infinities, in one
+    pass (`csrc/greedy_rows.c`): int64 `[2, B]`, the ids then the flags (1 finite, 0 not). None
+    where the C library is not built or `logits` is not a CPU float32 or bfloat16 `[B, vocab]`
+    tensor with contiguous rows (the caller takes torch's `max` and a row sum instead).
+
+    Ties between -0.0 and +0.0 go to +0.0 (the kernel orders them); a non-finite row's id is
+    meaningless.
+    """
+    dtype = {torch.float32: 0, torch.bfloat16: 1}.get(logits.dtype)
+    if (
+        dtype is None
+        or not logits.is_cpu
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+        or not logits.shape[1]
+    ):
+        return None
+    lib = cpu_kernels.load_library()
+    if lib is None:
+        return None
+    out = torch.empty(2, logits.shape[0], dtype=torch.int64)
+    lib.greedy_rows(
+        logits.data_ptr(),
+        logits.shape[0],
+        logits.shape[1],
+        logits.stride(0),
+        dtype,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out

@@ -259,6 +259,32 @@ class ModelRunner:
             return StepOutput(
                 [], [], scored=scored, prepare_s=prepared - began, forward_s=forwarded - prepared
             )
+        token_ids, finite_flags, raw, asked, mask_time = self._sample(logits, sampled)
+        errors = _logit_errors(finite_flags, seqs)
+        logprobs: list[SampleLogprobs | None] = [None] * len(token_ids)
+        if raw is not None:
+            found = sample_logprobs(
+                raw, [token_ids[i] for i in asked], [sampled[i].logprobs or 0 for i in asked]
+            )
+            for i, lp in zip(asked, found, strict=True):
+                logprobs[i] = lp
+        return StepOutput(
+            token_ids,
+            logprobs,
+            errors,
+            scored,
+            mask_time,
+            prepare_s=prepared - began,
+            forward_s=forwarded - prepared,
+            sample_s=time.perf_counter() - forwarded - mask_time,
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, sampled: list[StepInput]
+    ) -> tuple[list[int], list[int], torch.Tensor | None, list[int], float]:
+        """Sample `logits` `[len(sampled), vocab]` (modified in place): (token ids, finite flags,
+        the raw logits of the rows that asked for log probabilities or None, those rows, seconds
+        of token masks), the ids and flags read in the step's one copy to the host."""
         batch = SamplingBatch(
             temperatures=[s.temperature for s in sampled],
             top_ks=[s.top_k for s in sampled],
@@ -284,24 +310,7 @@ class ModelRunner:
             raw = logits[asked]
         # The step's one copy to the host: the sampled ids and each row's finite flag together.
         token_ids, finite_flags = stacked.tolist()
-        errors = _logit_errors(finite_flags, seqs)
-        logprobs: list[SampleLogprobs | None] = [None] * len(token_ids)
-        if raw is not None:
-            found = sample_logprobs(
-                raw, [token_ids[i] for i in asked], [sampled[i].logprobs or 0 for i in asked]
-            )
-            for i, lp in zip(asked, found, strict=True):
-                logprobs[i] = lp
-        return StepOutput(
-            token_ids,
-            logprobs,
-            errors,
-            scored,
-            mask_time,
-            prepare_s=prepared - began,
-            forward_s=forwarded - prepared,
-            sample_s=time.perf_counter() - forwarded - mask_time,
-        )
+        return token_ids, finite_flags, raw, asked, mask_time
 
     def _mask(self, logits: torch.Tensor, sampled: list[StepInput]) -> float:
         """Apply the sampled rows' token masks to `logits` `[len(sampled), vocab]` in place;

@@ -350,10 +350,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
         ptr,
         ctypes.c_int,
     ]
-    lib.greedy_rows.restype = None
-    lib.greedy_rows.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
-    lib.apply_token_bitmask.restype = None
-    lib.apply_token_bitmask.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, ptr, i64, i64]
+    _declare_sampling(lib)
     lib.bf16_linear_available.restype = i32
     lib.bf16_linear_available.argtypes = []
     lib.bf16_linear.restype = i32
@@ -377,6 +374,15 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.decoder_stack_bf16.restype = i32
     lib.decoder_stack_bf16.argtypes = [ptr, i32, ptr, f32, f32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]
     lib.decoder_stack_bf16.argtypes += [i32, i32, ptr, ptr, i32, i32, i32]
+
+
+def _declare_sampling(lib: ctypes.CDLL) -> None:
+    """The signatures of the kernels on a step's logits: greedy_rows.c and token_mask.c."""
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.greedy_rows.restype = None
+    lib.greedy_rows.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
+    lib.apply_token_bitmask.restype = None
+    lib.apply_token_bitmask.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, ptr, i64, i64]
 
 
 def _declare_quantized_linears(lib: ctypes.CDLL) -> None:

@@ -1,8 +1,8 @@
 """Quantized weights at load (`EngineConfig.quantization`), and the quantized-weight cache.
 
-- "int8": every decoder linear (q/k/v, o, gate/up, down) is quantized to per-output-channel
-  symmetric int8 with float32 scales (`Int8Weight.quantize`); the embedding and the LM head stay
-  float. The result is cached under batchgen's cache (`quantized/`), keyed by the checkpoint's
+- "int8": every decoder linear (q/k/v, o, gate/up, down) is quantized to symmetric int8 with a
+  float32 scale per output channel and group of `INT8_GROUP_SIZE` inputs (`Int8Weight.quantize`);
+  the embedding and the LM head stay float. The result is cached under batchgen's cache (`quantized/`), keyed by the checkpoint's
   digest (`fingerprint.model_fingerprint`), the method and the dtype the weights were loaded in, so
   a second start reads it instead of quantizing again.
 - "auto": a GGUF file's decoder linears stored in a type a kernel runs (Q8_0) keep their blocks
@@ -27,7 +27,7 @@ from torch import nn
 
 from batchgen.cache import cache_root, write_atomically
 from batchgen.config import QUANTIZATIONS
-from batchgen.kernels.cpu.quantized_linear import Int8Weight, QuantizedWeight
+from batchgen.kernels.cpu.quantized_linear import INT8_GROUP_SIZE, Int8Weight, QuantizedWeight
 from batchgen.model.llama import LlamaForCausalLM, decoder_layers
 from batchgen.model.loading.loader import ModelFiles
 from batchgen.model.loading.model_defaults import GGUF_LINEARS_NOTE, read_gguf_note
@@ -35,7 +35,7 @@ from batchgen.model.loading.model_defaults import GGUF_LINEARS_NOTE, read_gguf_n
 logger = logging.getLogger(__name__)
 
 # Bump when the int8 quantization or the cache's layout changes, so old files are not read.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 def check_quantization(method: str, device: torch.device) -> None:
@@ -146,7 +146,7 @@ def _int8(
     if cached is not None:
         return Quantization("int8", cached, "from the cache")
     weights: dict[str, QuantizedWeight] = {
-        name: Int8Weight.quantize(linear.weight) for name, linear in linears.items()
+        name: Int8Weight.quantize(linear.weight, INT8_GROUP_SIZE) for name, linear in linears.items()
     }
     if path is not None:
         _write_cache(path, weights)
@@ -191,7 +191,7 @@ def _gguf(linears: dict[str, nn.Linear], model: LlamaForCausalLM, gguf: Path, no
 
 
 def _cache_path(files: ModelFiles | None, dtype: torch.dtype, cache_dir: Path | None) -> Path | None:
-    """`quantized/<digest>-int8-<dtype>.safetensors` under the cache; None when the checkpoint has
+    """`quantized/<digest>-int8-g<group size>-<dtype>-v<format>.safetensors` under the cache; None when the checkpoint has
     no digest (its files cannot be read)."""
     from batchgen.model.loading.fingerprint import model_fingerprint
 
@@ -202,7 +202,8 @@ def _cache_path(files: ModelFiles | None, dtype: torch.dtype, cache_dir: Path | 
     digest = model_fingerprint(str(source), cache_dir=root)
     if digest is None:
         return None
-    name = f"{digest[:24]}-int8-{str(dtype).removeprefix('torch.')}-v{_CACHE_FORMAT}.safetensors"
+    dtype_name = str(dtype).removeprefix("torch.")
+    name = f"{digest[:24]}-int8-g{INT8_GROUP_SIZE}-{dtype_name}-v{_CACHE_FORMAT}.safetensors"
     return root / "quantized" / name
 
 
@@ -226,11 +227,17 @@ def _read_cache(path: Path, linears: dict[str, nn.Linear]) -> dict[str, Quantize
             or scales is None
             or qweight.dtype != torch.int8
             or tuple(qweight.shape) != tuple(linear.weight.shape)
-            or tuple(scales.shape) != (linear.weight.shape[0],)
+            or scales.dim() != 2
+            or scales.shape[0] != linear.weight.shape[0]
         ):
             logger.warning("quantized-weight cache %s does not match this model; quantizing again", path)
             return None
-        weights[name] = Int8Weight(qweight, scales.float())
+        try:  # ValueError: scales of another group size
+            group_size = min(INT8_GROUP_SIZE, -(-qweight.shape[1] // 4) * 4)
+            weights[name] = Int8Weight(qweight, scales.float(), group_size)
+        except ValueError:
+            logger.warning("quantized-weight cache %s does not match this model; quantizing again", path)
+            return None
     return weights
 
 

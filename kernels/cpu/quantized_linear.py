@@ -2,14 +2,18 @@
 times for a layer that holds one.
 
 Formats (each with `dequantize()`, the float32 weight its kernels compute with):
-- `Int8Weight`: per-output-channel symmetric int8, `W[n, k] = scales[n] * q[n, k]` (what
-  `--quantization int8` makes of a float checkpoint at load).
+- `Int8Weight`: symmetric int8 with a scale per output channel and group of K,
+  `W[n, k] = scales[n, k // group_size] * q[n, k]` (what `--quantization int8` makes of a float
+  checkpoint at load); its kernels read it packed in strips (`PackedInt8`).
 - `Q8_0Weight`: GGUF Q8_0 blocks as the file stores them, 34 bytes per 32 weights of a row: a
   float16 scale d, then 32 int8 values q, `W = d * q` (ggml's `block_q8_0`).
 
 Candidates (`quantized_candidates`):
-- "int8_c" (`Int8Linear`) and "q8_0_c" (`Q8_0Linear`): batchgen's C kernels (`csrc/int8_linear.c`),
-  which widen the 8-bit weights in registers (W8A16: float32 or bf16 activations);
+- "int8_c" (`Int8Linear`, `csrc/int8_w8a16.c`) and "q8_0_c" (`Q8_0Linear`, `csrc/int8_linear.c`):
+  batchgen's C kernels which widen the 8-bit weights in registers (W8A16: float32 or bf16
+  activations);
+- "int8_w8a8" (`Int8W8A8Linear`, `csrc/int8_w8a8.c`): per-row int8 activations and integer dot
+  products on the same packed weight (W8A8), where the library has it;
 - "int8_torch" (`TorchInt8Linear`): torch's `aten._weight_int8pack_mm` on the same int8 tensors;
 - the float candidates of `linear.linear_candidates` on the dequantized weight, so the registry can
   still pick a float kernel where it wins (at the price of a float copy of the weight).
@@ -31,33 +35,58 @@ Q8_0_BLOCK = 32  # weights per block
 Q8_0_BYTES = 34  # bytes per block: a float16 scale and 32 int8 values
 # The weight layout each quantized implementation holds (as `linear.WEIGHT_LAYOUTS`): torch's int8
 # kernel and batchgen's run on the very same int8 tensors.
-QUANTIZED_LAYOUTS = {"int8_c": "int8", "int8_torch": "int8", "q8_0_c": "q8_0"}
+QUANTIZED_LAYOUTS = {"int8_c": "int8", "int8_w8a8": "int8", "int8_torch": "int8", "q8_0_c": "q8_0"}
+# Inputs sharing one int8 scale (`Int8Weight.quantize`): one scale per output channel lost too
+# much of the default model's accuracy (docs/benchmarks.md).
+INT8_GROUP_SIZE = 16
 
 
 @dataclass
 class Int8Weight:
-    """Per-output-channel symmetric int8: `qweight` int8 `[N, K]` and `scales` float32 `[N]`, the
-    weight being `scales[:, None] * qweight` (no zero point)."""
+    """Symmetric int8 with a float32 scale per output channel and group of `group_size` inputs:
+    `qweight` int8 `[N, K]` in [-127, 127], `scales` float32 `[N, ceil(K / group_size)]`, the
+    weight at (n, k) being `scales[n, k // group_size] * qweight[n, k]` (no zero point). A
+    `group_size` of K or more is one scale per channel.
+
+    Raises:
+        ValueError: a `group_size` that is not a positive multiple of 4 (the kernels take K in
+            quads), or `scales` of another shape.
+    """
 
     qweight: torch.Tensor
     scales: torch.Tensor
+    group_size: int
+
     format = "int8"
 
     def __post_init__(self) -> None:
+        if self.group_size < 4 or self.group_size % 4:
+            raise ValueError(f"int8 group_size must be a positive multiple of 4; got {self.group_size}")
+        n, k = self.qweight.shape
+        if tuple(self.scales.shape) != (n, -(-k // self.group_size)):
+            raise ValueError(
+                f"int8 scales of a [{n}, {k}] weight in groups of {self.group_size} must be "
+                f"[{n}, {-(-k // self.group_size)}]; got {list(self.scales.shape)}"
+            )
         # Tensors read from a file (safetensors puts them after its header) may start anywhere; torch's
         # int8 kernel reads them with aligned loads and crashes the process otherwise.
         self.qweight, self.scales = _aligned(self.qweight), _aligned(self.scales)
+        self._packed: dict[int, PackedInt8] = {}
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
-        """Quantize a float weight `[N, K]`: each row's scale is its largest magnitude / 127, and
-        each value is rounded to the nearest multiple of it (ties to even), in [-127, 127]. A row of
-        zeros gets scale 1."""
+    def quantize(cls, weight: torch.Tensor, group_size: int = INT8_GROUP_SIZE) -> Int8Weight:
+        """Quantize a float weight `[N, K]`: each group's scale is its largest magnitude / 127, and
+        each value is rounded to the nearest multiple of it (ties to even), in [-127, 127]. A group
+        of zeros gets scale 1. `group_size` at or above K: one scale per channel."""
         w = weight.detach().float()
-        absmax = w.abs().amax(dim=1)
+        n, k = w.shape
+        group_size = min(group_size, -(-k // 4) * 4)
+        groups = -(-k // group_size)
+        padded = torch.nn.functional.pad(w, (0, groups * group_size - k)).reshape(n, groups, group_size)
+        absmax = padded.abs().amax(dim=2)
         scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-        qweight = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(qweight.contiguous(), scales.contiguous())
+        qweight = torch.round(padded / scales[..., None]).clamp_(-127, 127).to(torch.int8)
+        return cls(qweight.reshape(n, -1)[:, :k].contiguous(), scales.contiguous(), group_size)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,7 +101,44 @@ class Int8Weight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight `[N, K]` the kernels compute with."""
-        return self.qweight.float() * self.scales[:, None]
+        k = self.qweight.shape[1]
+        return self.qweight.float() * self.scales.repeat_interleave(self.group_size, dim=1)[:, :k]
+
+    def packed(self, lanes: int) -> PackedInt8:
+        """This weight in the C kernels' layout for strips of `lanes` channels (made once, shared by
+        the kernels that run it)."""
+        if lanes not in self._packed:
+            self._packed[lanes] = PackedInt8.pack(self, lanes)
+        return self._packed[lanes]
+
+
+@dataclass
+class PackedInt8:
+    """An `Int8Weight` as csrc/int8_packed.h lays it out for strips of `lanes` output channels:
+    `values` int8 `[ceil(N / lanes), K4 / 4, lanes, 4]` (K4: K rounded up to 4, zero padded),
+    `scales` float32 and `comp` int32 (128 * each group's sum of values, for VPDPBUSD's unsigned
+    activations) `[ceil(N / lanes), groups, lanes]`; `group` the K of a scale group (a multiple of
+    4: K4 for one scale per channel)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    comp: torch.Tensor
+    group: int
+
+    @classmethod
+    def pack(cls, weight: Int8Weight, lanes: int) -> PackedInt8:
+        n, k = weight.shape
+        k4, strips = -(-k // 4) * 4, -(-n // lanes)
+        group = min(weight.group_size, k4)
+        groups = weight.scales.shape[1]
+        q = torch.zeros(strips * lanes, groups * group, dtype=torch.int8)
+        q[:n, :k] = weight.qweight
+        values = q[:, :k4].reshape(strips, lanes, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
+        scales = torch.zeros(strips * lanes, groups)
+        scales[:n] = weight.scales
+        comp = 128 * q.reshape(strips * lanes, groups, group).sum(dim=2, dtype=torch.int32)
+        strip_major = lambda t: t.reshape(strips, lanes, groups).permute(0, 2, 1).contiguous()  # noqa: E731
+        return cls(_aligned(values), _aligned(strip_major(scales)), _aligned(strip_major(comp)), group)
 
 
 @dataclass
@@ -202,12 +268,37 @@ _C_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Int8Linear(_QuantizedCLinear[Int8Weight]):
-    """ "int8_c": batchgen's kernel on an `Int8Weight` (`int8_linear` in csrc/int8_linear.c)."""
+    """ "int8_c": W8A16, batchgen's kernel on an `Int8Weight` packed in strips (`csrc/int8_w8a16.c`):
+    the weights widened and scaled in registers, the activations float32 or bf16 as they come."""
 
-    KERNEL = "int8_linear"
+    KERNEL = "int8_w8a16_linear"
 
     def _weight_args(self) -> tuple[int, ...]:
-        return (self.weight.qweight.data_ptr(), self.weight.scales.data_ptr())
+        packed = self.weight.packed(self._lanes())
+        return (packed.values.data_ptr(), packed.scales.data_ptr(), packed.group)
+
+    def _lanes(self) -> int:
+        return int(cpu_kernels.require_library().int8_linear_lanes())
+
+
+class Int8W8A8Linear(Int8Linear):
+    """ "int8_w8a8": W8A8, batchgen's kernel on the same packed weight (`csrc/int8_w8a8.c`): each
+    row's activations quantized to int8 with one scale a row (max |x| / 127) once a call, then
+    integer dot products (AVX512-VNNI, or AVX2). The rounding of the activations changes the sums by
+    up to about 2^-8 of the output's magnitude: the registry's check against the float product
+    admits it where the dtype's own tolerance does (bf16), not in float32."""
+
+    KERNEL = "int8_w8a8_linear"
+
+    def _weight_args(self) -> tuple[int, ...]:
+        packed = self.weight.packed(self._lanes())
+        return (packed.values.data_ptr(), packed.scales.data_ptr(), packed.comp.data_ptr(), packed.group)
+
+
+def w8a8_available() -> bool:
+    """Whether the C library is built with the W8A8 kernel (AVX512-VNNI, or AVX2 under an AVX2 cap)."""
+    library = cpu_kernels.load_library()
+    return library is not None and bool(library.int8_w8a8_available())
 
 
 class Q8_0Linear(_QuantizedCLinear[Q8_0Weight]):
@@ -234,7 +325,7 @@ class TorchInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scales = self._scales.get(x.dtype)
         if scales is None:
-            scales = self._scales[x.dtype] = _aligned(self.weight.scales.to(x.dtype))
+            scales = self._scales[x.dtype] = _aligned(self.weight.scales.reshape(-1).to(x.dtype))
         rows = _aligned(x.reshape(-1, self.in_features))
         out = torch.ops.aten._weight_int8pack_mm(rows, self.weight.qweight, scales)
         if self.bias is not None:
@@ -249,8 +340,10 @@ def torch_int8_available() -> bool:
 
 def torch_int8_applies(weight: Int8Weight, dtype: torch.dtype) -> bool:
     """Whether "int8_torch" takes `weight` with `dtype` activations: torch has the kernel, the
-    activations are float32 or bf16 and K is a multiple of 16 (see `TorchInt8Linear`)."""
-    return torch_int8_available() and dtype in _C_DTYPES and weight.shape[1] % 16 == 0
+    activations are float32 or bf16, K is a multiple of 16 (see `TorchInt8Linear`) and the weight
+    has one scale a channel (torch's kernel takes no groups)."""
+    one_scale = weight.scales.shape[1] == 1
+    return torch_int8_available() and dtype in _C_DTYPES and weight.shape[1] % 16 == 0 and one_scale
 
 
 def quantized_candidates(
@@ -265,6 +358,8 @@ def quantized_candidates(
     if isinstance(weight, Int8Weight):
         if c_kernels:
             builders["int8_c"] = lambda: Int8Linear(weight, bias)
+            if w8a8_available():
+                builders["int8_w8a8"] = lambda: Int8W8A8Linear(weight, bias)
         if torch_int8_applies(weight, dequantized.dtype):
             builders["int8_torch"] = lambda: TorchInt8Linear(weight, bias)
     elif c_kernels:

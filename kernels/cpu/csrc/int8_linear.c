@@ -1,23 +1,19 @@
-/* Linear layers on 8-bit weights: y = x W^T (+ b), the weights read from memory as stored and
- * widened to float32 in registers (W8A16: the activations stay float32 or bf16).
+/* Linear layers on GGUF Q8_0 blocks as stored: y = x W^T (+ b), the weights read from memory as
+ * stored and widened to float32 in registers (the activations stay float32 or bf16). The int8
+ * weights of `--quantization int8` have their own packed kernels (int8_w8a16.c, int8_w8a8.c).
  *
  * A decode step of a few rows reads every weight once and does little arithmetic with it, so its
- * time is the weights' bytes over the memory bandwidth: one byte a weight instead of four (float32)
- * or two (bf16). Two formats:
- *   - int8 per output channel (`int8_linear`): W [N][K] int8 row-major, scales float32 [N], the
- *     weight of channel n being scales[n] * W[n][k] (symmetric, no zero point). The scale is
- *     applied once to each finished sum.
- *   - GGUF Q8_0 blocks (`q8_0_linear`): each weight row is K/32 blocks of 34 bytes, a float16 scale
- *     d then 32 int8 values q, the weight being d * q (ggml's block_q8_0, as llama.cpp stores it).
- *     Each block's 32 values are widened and multiplied by d (exact in float32: 11 x 8 significant
- *     bits) before the multiply-adds, so the result is the float32 product with the dequantized
- *     weight up to the order of the sums.
+ * time is the weights' bytes over the memory bandwidth. Each weight row is K/32 blocks of 34 bytes,
+ * a float16 scale d then 32 int8 values q, the weight being d * q (ggml's block_q8_0, as llama.cpp
+ * stores it). Each block's 32 values are widened and multiplied by d (exact in float32: 11 x 8
+ * significant bits) before the multiply-adds, so the result is the float32 product with the
+ * dequantized weight up to the order of the sums.
  *
- * Both walk tiles of up to MAX_ROWS rows x 4 output channels along K: LANES weights of each of the
- * 4 channels are loaded and widened once and multiplied into every row of the tile, and the 4
- * channel sums of a row are reduced together (`hsum4`). Threads (OpenMP) take contiguous shares of
- * the output channels; rows go in blocks of ROW_BLOCK, so a block's inputs stay in cache while the
- * thread's channels stream past them. The vector width is the build's (vector_math.h: 16 lanes
+ * The kernel walks tiles of up to MAX_ROWS rows x 4 output channels along K: LANES weights of each
+ * of the 4 channels are loaded and widened once and multiplied into every row of the tile, and the
+ * 4 channel sums of a row are reduced together (`hsum4`). Threads (OpenMP) take contiguous shares
+ * of the output channels; rows go in blocks of ROW_BLOCK, so a block's inputs stay in cache while
+ * the thread's channels stream past them. The vector width is the build's (vector_math.h: 16 lanes
  * with AVX-512, 8 with AVX2 + FMA under x86-64-v3, the compiler's plain code elsewhere).
  *
  * Layouts: x [M] rows of K float32 or bf16 (`x_bf16`), `ldx` elements apart; bias float32 [N] or
@@ -100,45 +96,8 @@ static inline uint16_t float_to_bf16(float value) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* One tile of per-channel int8: sums[r][j] = sum_k x[r][k] * w[j][k] for ROWS rows and the 4
- * channel rows `w` (a tail tile repeats its last channel). K's last K % LANES go through a zeroed
- * copy, so any K is taken. */
-#define DEFINE_INT8_TILE(ROWS)                                                                        \
-  static void int8_tile_##ROWS(const float *x, int64_t ldx, const int8_t *const *w, int64_t k,       \
-                               int64_t ahead, float sums[][CHANNELS]) {                               \
-    vf acc[ROWS][CHANNELS];                                                                           \
-    for (int r = 0; r < ROWS; r++)                                                                    \
-      for (int j = 0; j < CHANNELS; j++) acc[r][j] = (vf){};                                          \
-    int64_t p = 0;                                                                                    \
-    for (; p + LANES <= k; p += LANES) {                                                              \
-      if ((p & 63) < LANES)                                                                           \
-        for (int j = 0; j < CHANNELS; j++) __builtin_prefetch(w[j] + p + ahead, 0, 0);                \
-      vf wv[CHANNELS];                                                                                \
-      for (int j = 0; j < CHANNELS; j++) wv[j] = load_i8(w[j] + p);                                   \
-      for (int r = 0; r < ROWS; r++) {                                                                \
-        const vf xv = load_f32(x + r * ldx + p);                                                      \
-        for (int j = 0; j < CHANNELS; j++) acc[r][j] += wv[j] * xv;                                   \
-      }                                                                                               \
-    }                                                                                                 \
-    if (p < k) {                                                                                      \
-      const int64_t rest = k - p;                                                                     \
-      vf wv[CHANNELS];                                                                                \
-      for (int j = 0; j < CHANNELS; j++) {                                                            \
-        int8_t part[LANES] = {0};                                                                     \
-        memcpy(part, w[j] + p, (size_t)rest);                                                         \
-        wv[j] = load_i8(part);                                                                        \
-      }                                                                                               \
-      for (int r = 0; r < ROWS; r++) {                                                                \
-        float part[LANES] = {0};                                                                      \
-        memcpy(part, x + r * ldx + p, (size_t)rest * sizeof(float));                                  \
-        const vf xv = load_f32(part);                                                                 \
-        for (int j = 0; j < CHANNELS; j++) acc[r][j] += wv[j] * xv;                                   \
-      }                                                                                               \
-    }                                                                                                 \
-    for (int r = 0; r < ROWS; r++) hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums[r]);       \
-  }
-
-/* One tile of Q8_0 blocks: as int8_tile with each block's values scaled by its d first. */
+/* One tile of Q8_0 blocks: sums[r][j] = sum_k x[r][k] * d * q[j][k] for ROWS rows and the 4 channel
+ * rows `w` (a tail tile repeats its last channel), each block's values scaled by its d first. */
 #define DEFINE_Q8_0_TILE(ROWS)                                                                        \
   static void q8_0_tile_##ROWS(const float *x, int64_t ldx, const int8_t *const *w, int64_t k,       \
                                int64_t ahead, float sums[][CHANNELS]) {                               \
@@ -167,26 +126,20 @@ static inline uint16_t float_to_bf16(float value) {
 
 typedef void (*tile_fn)(const float *, int64_t, const int8_t *const *, int64_t, int64_t, float[][CHANNELS]);
 
-DEFINE_INT8_TILE(1)
-DEFINE_INT8_TILE(2)
 DEFINE_Q8_0_TILE(1)
 DEFINE_Q8_0_TILE(2)
 #if MAX_ROWS == 4
-DEFINE_INT8_TILE(3)
-DEFINE_INT8_TILE(4)
 DEFINE_Q8_0_TILE(3)
 DEFINE_Q8_0_TILE(4)
-static const tile_fn INT8_TILES[MAX_ROWS + 1] = {NULL, int8_tile_1, int8_tile_2, int8_tile_3, int8_tile_4};
 static const tile_fn Q8_0_TILES[MAX_ROWS + 1] = {NULL, q8_0_tile_1, q8_0_tile_2, q8_0_tile_3, q8_0_tile_4};
 #else
-static const tile_fn INT8_TILES[MAX_ROWS + 1] = {NULL, int8_tile_1, int8_tile_2};
 static const tile_fn Q8_0_TILES[MAX_ROWS + 1] = {NULL, q8_0_tile_1, q8_0_tile_2};
 #endif
 
-/* Both kernels: x widened to float32 once (a bf16 x into a scratch copy), then every tile. `w` is
- * the first channel's row and `row_bytes` the distance between channels; `scales` NULL for Q8_0. */
+/* The kernel: x widened to float32 once (a bf16 x into a scratch copy), then every tile. `w` is
+ * the first channel's row and `row_bytes` the distance between channels. */
 static int run_tiles(const tile_fn *tiles, const void *x, int x_bf16, int64_t ldx, const int8_t *w,
-                     int64_t row_bytes, const float *scales, const float *bias, void *y, int y_bf16,
+                     int64_t row_bytes, const float *bias, void *y, int y_bf16,
                      int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
   if (m <= 0 || n <= 0) return 0;
   const int parallel = m * n * k >= PARALLEL_MIN_MACS && num_threads > 1;
@@ -232,7 +185,6 @@ static int run_tiles(const tile_fn *tiles, const void *x, int x_bf16, int64_t ld
           for (int64_t i = 0; i < count; i++)
             for (int64_t j = 0; j < width; j++) {
               float value = sums[i][j];
-              if (scales) value *= scales[n0 + j];
               if (bias) value += bias[n0 + j];
               if (y_bf16)
                 ((uint16_t *)y)[(r + i) * ldy + n0 + j] = float_to_bf16(value);
@@ -247,20 +199,12 @@ static int run_tiles(const tile_fn *tiles, const void *x, int x_bf16, int64_t ld
   return 0;
 }
 
-/* y = (x (W * scales)^T) (+ bias) on per-channel int8 weights W [N][K]. Returns 0 on success, 1
- * for a shape it does not take (K < 1), 2 when scratch memory could not be had. */
-int int8_linear(const void *x, int x_bf16, int64_t ldx, const int8_t *w, const float *scales, const float *bias,
-                void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
-  if (k < 1 || scales == NULL) return 1;
-  return run_tiles(INT8_TILES, x, x_bf16, ldx, w, k, scales, bias, y, y_bf16, ldy, m, n, k, num_threads);
-}
-
 /* y = x W^T (+ bias) on GGUF Q8_0 blocks, W [N][K / 32] blocks of 34 bytes. Returns 0 on success,
  * 1 for a K that is not a positive multiple of 32, 2 when scratch memory could not be had. */
 int q8_0_linear(const void *x, int x_bf16, int64_t ldx, const uint8_t *blocks, const float *bias, void *y,
                 int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
   if (k < Q8_0_BLOCK || k % Q8_0_BLOCK) return 1;
   const int64_t row_bytes = k / Q8_0_BLOCK * Q8_0_BYTES;
-  return run_tiles(Q8_0_TILES, x, x_bf16, ldx, (const int8_t *)blocks, row_bytes, NULL, bias, y, y_bf16, ldy, m,
+  return run_tiles(Q8_0_TILES, x, x_bf16, ldx, (const int8_t *)blocks, row_bytes, bias, y, y_bf16, ldy, m,
                    n, k, num_threads);
 }

@@ -1,7 +1,9 @@
-"""The linears on 8-bit weights (`kernels/cpu/quantized_linear.py`, `csrc/int8_linear.c`): each
-kernel against the float32 product with the same quantized weights, dequantized, on odd shapes (K
-not a multiple of the vector width or of 32, one row, 2,049 rows, one channel), in this machine's
-build and in the AVX2 build that `BATCHGEN_MAX_CPU_ISA=AVX2` makes (x86-64-v3, 8 lanes)."""
+"""The linears on 8-bit weights (`kernels/cpu/quantized_linear.py`; `csrc/int8_w8a16.c`,
+`int8_w8a8.c`, `int8_linear.c`): each kernel against the float32 product with the same quantized
+weights, dequantized (W8A8: and the activations quantized per row as the kernel does), on odd
+shapes (K not a multiple of 4, of the group, of the vector width or of 32, one row, 2,049 rows, one
+channel), in this machine's build and in the AVX2 build that `BATCHGEN_MAX_CPU_ISA=AVX2` makes
+(x86-64-v3, 8 lanes; W8A8 through VPMADDUBSW there, VPDPBUSD with AVX512-VNNI)."""
 
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu.quantized_linear import (
     Int8Linear,
+    Int8W8A8Linear,
     Int8Weight,
     Q8_0Linear,
     Q8_0Weight,
     TorchInt8Linear,
     quantized_candidates,
     torch_int8_available,
+    w8a8_available,
 )
 
 if cpu_kernels.load_library() is None:
@@ -31,7 +35,7 @@ if cpu_kernels.load_library() is None:
 
 # Relative to the reference's largest magnitude: float32 sums in another order; bf16 output rounding.
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
-INT8_SHAPES = [(1, 7, 97), (1, 1, 5), (3, 33, 129), (5, 64, 16), (9, 40, 1536), (2049, 20, 70)]
+INT8_SHAPES = [(1, 7, 97), (1, 1, 5), (3, 33, 129), (5, 64, 16), (9, 40, 1536), (2049, 20, 70), (8, 192, 576)]
 Q8_0_SHAPES = [(1, 7, 32), (3, 33, 96), (6, 5, 160), (2049, 20, 64)]
 ISAS = ["native"] + (["AVX2"] if platform.machine() == "x86_64" else [])
 
@@ -77,13 +81,40 @@ def test_this_build_is_avx512_or_avx2_as_asked(lanes):
         assert lanes == 16
 
 
+def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` float32 `[M, K]` as the W8A8 kernel quantizes it (one scale a row, max |x| / 127, the
+    values rounded to nearest even after multiplying by 127 / max |x|), dequantized."""
+    absmax = x.abs().amax(dim=1, keepdim=True)
+    inverse = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    return torch.round(x * inverse) * (absmax / 127.0)
+
+
+@pytest.mark.parametrize("group_size", [64, 12, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("m", "n", "k"), INT8_SHAPES)
-def test_int8_kernel_matches_the_dequantized_product(lanes, m, n, k, dtype):
+def test_int8_kernels_match_the_dequantized_product(lanes, m, n, k, dtype, group_size):
+    """W8A16 against the product with the dequantized weight; W8A8 against the product of the
+    quantized activations with it (both float32 sums in another order: 1e-5 of the largest
+    output), and within 2^-6 of the W8A16 product (what the activations' rounding costs here)."""
     x, weight, bias = _case(m, n, k)
-    quantized = Int8Weight.quantize(weight)
+    quantized = Int8Weight.quantize(weight, group_size)
     _check(Int8Linear(quantized, bias), x, quantized.dequantize(), bias, dtype)
     _check(Int8Linear(quantized, None), x, quantized.dequantize(), None, dtype)
+    if w8a8_available():
+        x = x.to(dtype)
+        out = Int8W8A8Linear(quantized, bias)(x)
+        assert out.dtype == dtype
+        for rows, rtol in ((_quantized_rows(x.float()), RTOL[dtype]), (x.float(), 2**-6)):
+            expected = F.linear(rows, quantized.dequantize(), bias)
+            assert (out.float() - expected).abs().max().item() <= rtol * expected.abs().max().item()
+
+
+def test_w8a8_is_built_where_the_cpu_has_vnni_or_avx2(lanes):
+    flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+    if lanes == 8 and " avx2 " in flags:
+        assert w8a8_available()
+    elif lanes == 16 and " avx512_vnni " in flags and cpu_kernels.isa_cap() is None:
+        assert w8a8_available()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -96,14 +127,20 @@ def test_q8_0_kernel_matches_the_dequantized_product(lanes, m, n, k, dtype):
 
 def test_exact_where_every_sum_is_exact(lanes):
     """Integer inputs and power-of-two scales: every product and partial sum is an integer below
-    2^24 (times the scale), so any order of the sums gives the reference's value bit for bit."""
+    2^24 (times the scale), so any order of the sums gives the reference's value bit for bit; W8A8's
+    int32 sums too (the inputs are their own int8 values)."""
     generator = torch.Generator().manual_seed(1)
     m, n, k = 7, 21, 333
     qweight = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
     scales = 2.0 ** torch.randint(-8, 2, (n,), generator=generator).float()
-    x = torch.randint(-16, 17, (m, k), generator=generator).float()
-    weight = Int8Weight(qweight, scales)
-    assert torch.equal(Int8Linear(weight, None)(x), F.linear(x, weight.dequantize()))
+    x = torch.randint(-127, 128, (m, k), generator=generator).float()
+    x[:, 5] = 127.0  # every row's largest magnitude 127: W8A8 quantizes it to itself (scale 1)
+    for group_size in (336, 64):  # one group a channel; groups of 64, one scale a channel repeated
+        weight = Int8Weight(qweight, scales[:, None].repeat(1, -(-k // group_size)), group_size)
+        expected = F.linear(x, weight.dequantize())
+        assert torch.equal(Int8Linear(weight, None)(x), expected)
+        if w8a8_available():
+            assert torch.equal(Int8W8A8Linear(weight, None)(x), expected)
     d = torch.full((n, k // 32 * 32 // 32), 0.25, dtype=torch.float16)  # a power of two as float16
     blocks = torch.cat(
         [d.unsqueeze(-1).view(torch.uint8), qweight[:, : k // 32 * 32].reshape(n, -1, 32).view(torch.uint8)],
@@ -114,15 +151,18 @@ def test_exact_where_every_sum_is_exact(lanes):
     assert torch.equal(Q8_0Linear(q8, None)(xq), F.linear(xq, q8.dequantize()))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+@pytest.mark.parametrize("fmt", ["int8", "w8a8", "q8_0"])
 def test_a_row_does_not_depend_on_the_rows_beside_it(lanes, fmt):
-    """Many rows widen each tile once into a buffer, one or two rows read the weights directly: the
-    same sums in the same order, so a row's output is bit for bit the same alone or in a batch (the
+    """Row tiles of every height sum each row's products in the same order (W8A8: each row
+    quantized by itself), so a row's output is bit for bit the same alone or in a batch (the
     engine's greedy output does not depend on the batch)."""
     x, weight, bias = _case(37, 45, 160)
+    if fmt == "w8a8" and not w8a8_available():
+        pytest.skip("no W8A8 kernel in this build")
+    modules = {"int8": Int8Linear, "w8a8": Int8W8A8Linear}
     module = (
-        Int8Linear(Int8Weight.quantize(weight), bias)
-        if fmt == "int8"
+        modules[fmt](Int8Weight.quantize(weight), bias)
+        if fmt in modules
         else Q8_0Linear(Q8_0Weight.quantize(weight), bias)
     )
     together = module(x)
@@ -156,13 +196,24 @@ def test_q8_0_matches_gguf_py():
     assert np.array_equal(ours.dequantize().numpy(), dequantized)
 
 
-def test_int8_quantization_is_per_channel_symmetric():
+def test_int8_quantization_is_symmetric_per_channel_and_group():
     weight = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -0.75]])
-    quantized = Int8Weight.quantize(weight)
+    quantized = Int8Weight.quantize(weight)  # K = 3, below a group: one scale a channel
     assert quantized.qweight.dtype == torch.int8 and quantized.scales.dtype == torch.float32
     assert quantized.qweight.tolist() == [[64, -127, 32], [0, 0, 0], [127, 64, -32]]
-    torch.testing.assert_close(quantized.scales, torch.tensor([1 / 127, 1.0, 3 / 127]))
+    torch.testing.assert_close(quantized.scales, torch.tensor([[1 / 127], [1.0], [3 / 127]]))
     assert quantized.nbytes == 9 + 3 * 4
+    grouped = Int8Weight.quantize(torch.tensor([[1.0, -0.5, 0.0, 0.25, 4.0, 2.0, -1.0, 0.0, 0.5]]), 4)
+    assert grouped.qweight.tolist() == [[127, -64, 0, 32, 127, 64, -32, 0, 127]]
+    torch.testing.assert_close(grouped.scales, torch.tensor([[1 / 127, 4 / 127, 0.5 / 127]]))
+    assert torch.equal(
+        grouped.dequantize(),
+        grouped.qweight.float() * torch.tensor([[1 / 127] * 4 + [4 / 127] * 4 + [0.5 / 127]]),
+    )
+    with pytest.raises(ValueError, match="multiple of 4"):
+        Int8Weight.quantize(torch.randn(2, 20), 6)
+    with pytest.raises(ValueError, match=r"must be \[3, 1\]"):
+        Int8Weight(quantized.qweight, torch.ones(3, 2), 4)
 
 
 def _starting_at(tensor: torch.Tensor, offset: int) -> torch.Tensor:
@@ -182,8 +233,8 @@ def test_torch_int8_candidate_gets_aligned_operands(dtype):
     """torch's kernel crashes the process on an operand off a 64-byte boundary: weights, scales and
     inputs that start elsewhere reach it as aligned copies."""
     x, weight, bias = _case(5, 24, 64)
-    quantized = Int8Weight.quantize(weight)
-    unaligned = Int8Weight(_starting_at(quantized.qweight, 56), _starting_at(quantized.scales, 8))
+    quantized = Int8Weight.quantize(weight, 64)  # one scale a channel, as torch takes
+    unaligned = Int8Weight(_starting_at(quantized.qweight, 56), _starting_at(quantized.scales, 8), 64)
     assert unaligned.qweight.data_ptr() % 64 == 0 and torch.equal(unaligned.qweight, quantized.qweight)
     module = TorchInt8Linear(unaligned, bias)
     _check(
@@ -196,11 +247,14 @@ def test_torch_int8_candidate_gets_aligned_operands(dtype):
 
 
 def test_torch_int8_is_offered_only_where_k_is_a_multiple_of_16():
-    """K = 104 gave wrong sums and K = 120 crashed torch 2.13's kernel: such layers never reach it."""
+    """K = 104 gave wrong sums and K = 120 crashed torch 2.13's kernel: such layers never reach it;
+    nor do weights with more than one scale a channel (torch's kernel takes one)."""
     for k, offered in ((64, True), (97, False), (104, False), (120, False), (576, True)):
-        weight = Int8Weight.quantize(torch.randn(8, k))
+        weight = Int8Weight.quantize(torch.randn(8, k), 4096)
         names = quantized_candidates(weight, weight.dequantize(), None)
         assert ("int8_torch" in names) == (offered and torch_int8_available()), k
+    grouped = Int8Weight.quantize(torch.randn(8, 576), 64)
+    assert "int8_torch" not in quantized_candidates(grouped, grouped.dequantize(), None)
 
 
 def test_candidates_of_each_format():
@@ -208,7 +262,7 @@ def test_candidates_of_each_format():
     int8 = Int8Weight.quantize(weight)
     names = set(quantized_candidates(int8, int8.dequantize(), None))
     assert {"int8_c", "torch"} <= names and "q8_0_c" not in names
-    assert ("int8_torch" in names) == torch_int8_available()
+    assert ("int8_w8a8" in names) == w8a8_available()
     q8 = Q8_0Weight.quantize(weight)
     names = set(quantized_candidates(q8, q8.dequantize(), None))
     assert {"q8_0_c", "torch"} <= names and "int8_c" not in names

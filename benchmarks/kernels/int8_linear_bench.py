@@ -6,7 +6,7 @@ gate/up 1536x576, down 576x1536) and row count, `--layers` weights of the shape 
 from memory, as in a model step) run through:
 - "float": the implementation `--kernels auto` chooses for the float weight at that row bucket
   (`kernel_choice.linear.tune_linear` + `plan_layouts`, from the cached tuning table or measured
-  now): batchgen's bf16 kernel or oneDNN in bf16, oneDNN in float32;
+  now): batchgen's bf16 kernel or oneDNN in bf16, oneDNN in float32; or `--float-impl` throughout;
 - "int8_c" (W8A16) and "int8_w8a8" (W8A8) on the same weights quantized (`Int8Weight.quantize`).
 Each round times every path once in turn, so a slow spell of a shared machine hits them alike;
 prints the best microseconds a layer, and float / int8 (above 1: int8 is faster):
@@ -37,9 +37,12 @@ SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
 
 
 def _float_path(
-    table: TuningTable, weights: list[torch.Tensor], max_rows: int
+    table: TuningTable, weights: list[torch.Tensor], max_rows: int, impl: str | None
 ) -> tuple[list[nn.Module], str]:
-    """The registry's float implementation per bucket for `weights`' shape, as one module a weight."""
+    """The registry's float implementation per bucket for `weights`' shape (or `impl` throughout),
+    as one module a weight."""
+    if impl is not None:
+        return [linear_candidates(w, None)[impl]() for w in weights], impl
     probe = nn.Linear(weights[0].shape[1], weights[0].shape[0], bias=False)
     probe.weight = nn.Parameter(weights[0], requires_grad=False)
     plan = plan_layouts(tune_linear(table, probe, max_rows))
@@ -70,6 +73,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument(
+        "--float-impl", default=None, help="e.g. bf16_c: this float kernel, not the registry's"
+    )
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -85,11 +91,12 @@ def main() -> None:
             floats = [(torch.randn(n, k, generator=generator) * 0.05) for _ in range(args.layers)]
             quantized = [Int8Weight.quantize(w) for w in floats]
             dequantized = [q.dequantize().to(dtype) for q in quantized]
-            float_modules, names = _float_path(table, dequantized, max(args.rows))
+            float_modules, names = _float_path(table, dequantized, max(args.rows), args.float_impl)
             paths = {"float": float_modules}
             for kind in ("int8_c", "int8_w8a8"):
                 builders = [
-                    quantized_candidates(q, d, None) for q, d in zip(quantized, dequantized, strict=True)
+                    quantized_candidates(q, d, None, w8a8=True)
+                    for q, d in zip(quantized, dequantized, strict=True)
                 ]
                 if all(kind in b for b in builders):
                     paths[kind] = [b[kind]() for b in builders]

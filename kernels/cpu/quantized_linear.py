@@ -13,7 +13,8 @@ Candidates (`quantized_candidates`):
   batchgen's C kernels which widen the 8-bit weights in registers (W8A16: float32 or bf16
   activations);
 - "int8_w8a8" (`Int8W8A8Linear`, `csrc/int8_w8a8.c`): per-row int8 activations and integer dot
-  products on the same packed weight (W8A8), where the library has it;
+  products on the same packed weight (W8A8), where the library has it and the caller asks for it
+  (not by default: see `quantized_candidates`);
 - "int8_torch" (`TorchInt8Linear`): torch's `aten._weight_int8pack_mm` on the same int8 tensors;
 - the float candidates of `linear.linear_candidates` on the dequantized weight, so the registry can
   still pick a float kernel where it wins (at the price of a float copy of the weight).
@@ -347,18 +348,23 @@ def torch_int8_applies(weight: Int8Weight, dtype: torch.dtype) -> bool:
 
 
 def quantized_candidates(
-    weight: QuantizedWeight, dequantized: torch.Tensor, bias: torch.Tensor | None
+    weight: QuantizedWeight, dequantized: torch.Tensor, bias: torch.Tensor | None, w8a8: bool = False
 ) -> dict[str, Callable[[], nn.Module]]:
     """Builders of every implementation that runs `weight` on the CPU: "int8_c" and "int8_torch"
     for an `Int8Weight`, "q8_0_c" for a `Q8_0Weight` (the C kernels where the library is built and
     the activations are float32 or bf16), then the float candidates of `linear_candidates` on
-    `dequantized` (the weight dequantized to the activations' dtype, `[N, K]`)."""
+    `dequantized` (the weight dequantized to the activations' dtype, `[N, K]`).
+
+    "int8_w8a8" joins them only with `w8a8` (and where the library has it): int8 activations with
+    one scale a row cost the default model 9 points of teacher-forced top-1 agreement (89.2%
+    against 98.6% for W8A16, docs/benchmarks.md), which the registry's check on random inputs
+    cannot see, so no model runs it unasked."""
     builders: dict[str, Callable[[], nn.Module]] = {}
     c_kernels = dequantized.dtype in _C_DTYPES and cpu_kernels.load_library() is not None
     if isinstance(weight, Int8Weight):
         if c_kernels:
             builders["int8_c"] = lambda: Int8Linear(weight, bias)
-            if w8a8_available():
+            if w8a8 and w8a8_available():
                 builders["int8_w8a8"] = lambda: Int8W8A8Linear(weight, bias)
         if torch_int8_applies(weight, dequantized.dtype):
             builders["int8_torch"] = lambda: TorchInt8Linear(weight, bias)

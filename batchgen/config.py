@@ -170,8 +170,9 @@ class EngineConfig:
         device: "auto" (cuda when available), "cpu" or "cuda".
         quantization: "auto" (a GGUF file's Q8_0 linears run from their blocks, the rest
             dequantized; a float checkpoint runs as stored), "none" (everything dequantized to
-            `dtype`) or "int8" (each decoder linear quantized at load to per-output-channel
-            symmetric int8 with float32 scales; CPU only). `batchgen.model.quantization`.
+            `dtype`) or "int8" (each decoder linear quantized at load to symmetric int8 with a
+            float32 scale per output channel and group of 16 inputs; CPU only).
+            `batchgen.model.quantization`.
         seed: seed of the generator used by sampled requests that have no `seed` of their own.
         num_threads: torch intra-op threads on CPU; None keeps torch's default.
         speculative_method: "ngram" (prompt lookup: draft tokens copied from the request's own

@@ -27,7 +27,8 @@ from torch import nn
 
 from batchgen.cache import cache_root, write_atomically
 from batchgen.config import QUANTIZATIONS
-from batchgen.kernels.cpu.quantized_linear import INT8_GROUP_SIZE, Int8Weight, QuantizedWeight
+from batchgen.kernels.cpu.int8_weight import INT8_GROUP_SIZE
+from batchgen.kernels.cpu.quantized_linear import Int8Weight, QuantizedWeight
 from batchgen.model.llama import LlamaForCausalLM, decoder_layers
 from batchgen.model.loading.loader import ModelFiles
 from batchgen.model.loading.model_defaults import GGUF_LINEARS_NOTE, read_gguf_note

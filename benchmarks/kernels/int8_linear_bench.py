@@ -7,7 +7,8 @@ from memory, as in a model step) run through:
 - "float": the implementation `--kernels auto` chooses for the float weight at that row bucket
   (`kernel_choice.linear.tune_linear` + `plan_layouts`, from the cached tuning table or measured
   now): batchgen's bf16 kernel or oneDNN in bf16, oneDNN in float32; or `--float-impl` throughout;
-- "int8_c" (W8A16) and "int8_w8a8" (W8A8) on the same weights quantized (`Int8Weight.quantize`).
+- "int8_c" (W8A16), "int8_c_dpbf16" (W8A16 through VDPBF16PS, bf16 only) and "int8_w8a8" (W8A8)
+  on the same weights quantized (`Int8Weight.quantize`), where this build has them.
 Each round times every path once in turn, so a slow spell of a shared machine hits them alike;
 prints the best microseconds a layer, and float / int8 (above 1: int8 is faster):
 
@@ -34,6 +35,7 @@ from batchgen.model.kernel_choice.choice import tuning_key  # noqa: E402
 from batchgen.model.kernel_choice.linear import plan_layouts, tune_linear  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
+KINDS = ("int8_c", "int8_c_dpbf16", "int8_w8a8")
 
 
 def _float_path(
@@ -85,7 +87,7 @@ def main() -> None:
     print(
         f"{args.layers} weights a shape, {args.dtype}, {torch.get_num_threads()} threads, best of {args.rounds}"
     )
-    print("shape (NxK)   rows   float us (impl)        int8_c us  w8a8 us   float/int8_c  float/w8a8")
+    print("shape (NxK)  rows  microseconds a layer (float / int8: above 1, int8 is faster)")
     with torch.inference_mode():
         for n, k in SHAPES:
             floats = [(torch.randn(n, k, generator=generator) * 0.05) for _ in range(args.layers)]
@@ -93,7 +95,7 @@ def main() -> None:
             dequantized = [q.dequantize().to(dtype) for q in quantized]
             float_modules, names = _float_path(table, dequantized, max(args.rows), args.float_impl)
             paths = {"float": float_modules}
-            for kind in ("int8_c", "int8_w8a8"):
+            for kind in KINDS:
                 builders = [
                     quantized_candidates(q, d, None, w8a8=True)
                     for q, d in zip(quantized, dequantized, strict=True)
@@ -103,11 +105,10 @@ def main() -> None:
             for rows in args.rows:
                 x = torch.randn(rows, k, generator=generator).to(dtype)
                 us = _best_us(paths, x, args.rounds)
-                c, a = us.get("int8_c", float("nan")), us.get("int8_w8a8", float("nan"))
-                print(
-                    f"{n:5d}x{k:<5d} {rows:6d}   {us['float']:8.1f} ({names:14s}) {c:8.1f} {a:8.1f}"
-                    f"   {us['float'] / c:10.2f}  {us['float'] / a:10.2f}"
+                cells = "  ".join(
+                    f"{kind} {us[kind]:7.1f} ({us['float'] / us[kind]:4.2f}x)" for kind in KINDS if kind in us
                 )
+                print(f"{n:5d}x{k:<5d} {rows:5d}  float {us['float']:7.1f} ({names})  {cells}")
     table.save()
 
 

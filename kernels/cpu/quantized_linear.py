@@ -4,14 +4,15 @@ times for a layer that holds one.
 Formats (each with `dequantize()`, the float32 weight its kernels compute with):
 - `Int8Weight`: symmetric int8 with a scale per output channel and group of K,
   `W[n, k] = scales[n, k // group_size] * q[n, k]` (what `--quantization int8` makes of a float
-  checkpoint at load); its kernels read it packed in strips (`PackedInt8`).
+  checkpoint at load; `int8_weight.py`, with `PackedInt8`, the strips its kernels read).
 - `Q8_0Weight`: GGUF Q8_0 blocks as the file stores them, 34 bytes per 32 weights of a row: a
   float16 scale d, then 32 int8 values q, `W = d * q` (ggml's `block_q8_0`).
 
 Candidates (`quantized_candidates`):
 - "int8_c" (`Int8Linear`, `csrc/int8_w8a16.c`) and "q8_0_c" (`Q8_0Linear`, `csrc/int8_linear.c`):
   batchgen's C kernels which widen the 8-bit weights in registers (W8A16: float32 or bf16
-  activations);
+  activations); "int8_c_dpbf16" (`Int8Bf16DotLinear`): the same kernel's VDPBF16PS tiles for bf16
+  activations on AVX512-BF16;
 - "int8_w8a8" (`Int8W8A8Linear`, `csrc/int8_w8a8.c`): per-row int8 activations and integer dot
   products on the same packed weight (W8A8), where the library has it and the caller asks for it
   (not by default: see `quantized_candidates`);
@@ -30,116 +31,20 @@ import torch
 from torch import nn
 
 from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.cpu.int8_weight import Int8Weight, aligned
 from batchgen.kernels.cpu.linear import linear_candidates
 
 Q8_0_BLOCK = 32  # weights per block
 Q8_0_BYTES = 34  # bytes per block: a float16 scale and 32 int8 values
 # The weight layout each quantized implementation holds (as `linear.WEIGHT_LAYOUTS`): torch's int8
 # kernel and batchgen's run on the very same int8 tensors.
-QUANTIZED_LAYOUTS = {"int8_c": "int8", "int8_w8a8": "int8", "int8_torch": "int8", "q8_0_c": "q8_0"}
-# Inputs sharing one int8 scale (`Int8Weight.quantize`): one scale per output channel lost too
-# much of the default model's accuracy (docs/benchmarks.md).
-INT8_GROUP_SIZE = 16
-
-
-@dataclass
-class Int8Weight:
-    """Symmetric int8 with a float32 scale per output channel and group of `group_size` inputs:
-    `qweight` int8 `[N, K]` in [-127, 127], `scales` float32 `[N, ceil(K / group_size)]`, the
-    weight at (n, k) being `scales[n, k // group_size] * qweight[n, k]` (no zero point). A
-    `group_size` of K or more is one scale per channel.
-
-    Raises:
-        ValueError: a `group_size` that is not a positive multiple of 4 (the kernels take K in
-            quads), or `scales` of another shape.
-    """
-
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    group_size: int
-
-    format = "int8"
-
-    def __post_init__(self) -> None:
-        if self.group_size < 4 or self.group_size % 4:
-            raise ValueError(f"int8 group_size must be a positive multiple of 4; got {self.group_size}")
-        n, k = self.qweight.shape
-        if tuple(self.scales.shape) != (n, -(-k // self.group_size)):
-            raise ValueError(
-                f"int8 scales of a [{n}, {k}] weight in groups of {self.group_size} must be "
-                f"[{n}, {-(-k // self.group_size)}]; got {list(self.scales.shape)}"
-            )
-        # Tensors read from a file (safetensors puts them after its header) may start anywhere; torch's
-        # int8 kernel reads them with aligned loads and crashes the process otherwise.
-        self.qweight, self.scales = _aligned(self.qweight), _aligned(self.scales)
-        self._packed: dict[int, PackedInt8] = {}
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, group_size: int = INT8_GROUP_SIZE) -> Int8Weight:
-        """Quantize a float weight `[N, K]`: each group's scale is its largest magnitude / 127, and
-        each value is rounded to the nearest multiple of it (ties to even), in [-127, 127]. A group
-        of zeros gets scale 1. `group_size` at or above K: one scale per channel."""
-        w = weight.detach().float()
-        n, k = w.shape
-        group_size = min(group_size, -(-k // 4) * 4)
-        groups = -(-k // group_size)
-        padded = torch.nn.functional.pad(w, (0, groups * group_size - k)).reshape(n, groups, group_size)
-        absmax = padded.abs().amax(dim=2)
-        scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-        qweight = torch.round(padded / scales[..., None]).clamp_(-127, 127).to(torch.int8)
-        return cls(qweight.reshape(n, -1)[:, :k].contiguous(), scales.contiguous(), group_size)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """`(N, K)`: output channels, input features."""
-        n, k = self.qweight.shape
-        return n, k
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a forward pass reads: the int8 values and the scales."""
-        return self.qweight.numel() + 4 * self.scales.numel()
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight `[N, K]` the kernels compute with."""
-        k = self.qweight.shape[1]
-        return self.qweight.float() * self.scales.repeat_interleave(self.group_size, dim=1)[:, :k]
-
-    def packed(self, lanes: int) -> PackedInt8:
-        """This weight in the C kernels' layout for strips of `lanes` channels (made once, shared by
-        the kernels that run it)."""
-        if lanes not in self._packed:
-            self._packed[lanes] = PackedInt8.pack(self, lanes)
-        return self._packed[lanes]
-
-
-@dataclass
-class PackedInt8:
-    """An `Int8Weight` as csrc/int8_packed.h lays it out for strips of `lanes` output channels:
-    `values` int8 `[ceil(N / lanes), K4 / 4, lanes, 4]` (K4: K rounded up to 4, zero padded),
-    `scales` float32 and `comp` int32 (128 * each group's sum of values, for VPDPBUSD's unsigned
-    activations) `[ceil(N / lanes), groups, lanes]`; `group` the K of a scale group (a multiple of
-    4: K4 for one scale per channel)."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-    comp: torch.Tensor
-    group: int
-
-    @classmethod
-    def pack(cls, weight: Int8Weight, lanes: int) -> PackedInt8:
-        n, k = weight.shape
-        k4, strips = -(-k // 4) * 4, -(-n // lanes)
-        group = min(weight.group_size, k4)
-        groups = weight.scales.shape[1]
-        q = torch.zeros(strips * lanes, groups * group, dtype=torch.int8)
-        q[:n, :k] = weight.qweight
-        values = q[:, :k4].reshape(strips, lanes, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
-        scales = torch.zeros(strips * lanes, groups)
-        scales[:n] = weight.scales
-        comp = 128 * q.reshape(strips * lanes, groups, group).sum(dim=2, dtype=torch.int32)
-        strip_major = lambda t: t.reshape(strips, lanes, groups).permute(0, 2, 1).contiguous()  # noqa: E731
-        return cls(_aligned(values), _aligned(strip_major(scales)), _aligned(strip_major(comp)), group)
+QUANTIZED_LAYOUTS = {
+    "int8_c": "int8",
+    "int8_c_dpbf16": "int8",
+    "int8_w8a8": "int8",
+    "int8_torch": "int8",
+    "q8_0_c": "q8_0",
+}
 
 
 @dataclass
@@ -195,14 +100,6 @@ class Q8_0Weight:
 QuantizedWeight = Int8Weight | Q8_0Weight
 # The format a C-kernel linear holds (`Int8Linear` an `Int8Weight`, `Q8_0Linear` a `Q8_0Weight`).
 _Weight = TypeVar("_Weight", Int8Weight, Q8_0Weight)
-# torch's CPU allocations start at 64-byte boundaries; so must every tensor its int8 kernel reads.
-_ALIGNMENT = 64
-
-
-def _aligned(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` contiguous and starting at a 64-byte boundary (a copy where it does not)."""
-    tensor = tensor.contiguous()
-    return tensor if tensor.data_ptr() % _ALIGNMENT == 0 else tensor.clone()
 
 
 class _QuantizedCLinear(nn.Module, Generic[_Weight]):
@@ -247,7 +144,7 @@ class _QuantizedCLinear(nn.Module, Generic[_Weight]):
         out = torch.empty((m, self.out_features), dtype=rows.dtype)
         bias = None if self.bias is None else self.bias.data_ptr()
         status = self._kernel(
-            rows.data_ptr(), bf16, rows.stride(0), *self._weight_args(), bias, out.data_ptr(), bf16,
+            rows.data_ptr(), bf16, *self._mode_args(), rows.stride(0), *self._weight_args(), bias, out.data_ptr(), bf16,
             self.out_features, m, self.out_features, self.in_features, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:  # the weight was checked when it was built: a failure here is a bug or no memory
@@ -258,6 +155,9 @@ class _QuantizedCLinear(nn.Module, Generic[_Weight]):
 
     def _weight_args(self) -> tuple[int, ...]:
         raise NotImplementedError
+
+    def _mode_args(self) -> tuple[int, ...]:
+        return ()
 
     def extra_repr(self) -> str:
         return (
@@ -273,6 +173,10 @@ class Int8Linear(_QuantizedCLinear[Int8Weight]):
     the weights widened and scaled in registers, the activations float32 or bf16 as they come."""
 
     KERNEL = "int8_w8a16_linear"
+    BF16_DOT = 0
+
+    def _mode_args(self) -> tuple[int, ...]:
+        return (self.BF16_DOT,)
 
     def _weight_args(self) -> tuple[int, ...]:
         packed = self.weight.packed(self._lanes())
@@ -280,6 +184,21 @@ class Int8Linear(_QuantizedCLinear[Int8Weight]):
 
     def _lanes(self) -> int:
         return int(cpu_kernels.require_library().int8_linear_lanes())
+
+
+class Int8Bf16DotLinear(Int8Linear):
+    """ "int8_c_dpbf16": W8A16 for bf16 activations on CPUs with AVX512-BF16, the same kernel and
+    packed weight as "int8_c" through VDPBF16PS tiles: each scaled weight rounded to bf16 in
+    registers (the very bf16 weight the layer's float layouts hold), two products a lane an
+    instruction, and the widening shared by 8 rows instead of 4. Takes bf16 input only."""
+
+    BF16_DOT = 1
+
+
+def bf16_dot_available() -> bool:
+    """Whether the C library is built with the VDPBF16PS tiles of "int8_c_dpbf16"."""
+    library = cpu_kernels.load_library()
+    return library is not None and bool(library.int8_w8a16_bf16_dot_available())
 
 
 class Int8W8A8Linear(Int8Linear):
@@ -290,6 +209,9 @@ class Int8W8A8Linear(Int8Linear):
     admits it where the dtype's own tolerance does (bf16), not in float32."""
 
     KERNEL = "int8_w8a8_linear"
+
+    def _mode_args(self) -> tuple[int, ...]:
+        return ()
 
     def _weight_args(self) -> tuple[int, ...]:
         packed = self.weight.packed(self._lanes())
@@ -326,8 +248,8 @@ class TorchInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scales = self._scales.get(x.dtype)
         if scales is None:
-            scales = self._scales[x.dtype] = _aligned(self.weight.scales.reshape(-1).to(x.dtype))
-        rows = _aligned(x.reshape(-1, self.in_features))
+            scales = self._scales[x.dtype] = aligned(self.weight.scales.reshape(-1).to(x.dtype))
+        rows = aligned(x.reshape(-1, self.in_features))
         out = torch.ops.aten._weight_int8pack_mm(rows, self.weight.qweight, scales)
         if self.bias is not None:
             out += self.bias.to(out.dtype)
@@ -350,8 +272,8 @@ def torch_int8_applies(weight: Int8Weight, dtype: torch.dtype) -> bool:
 def quantized_candidates(
     weight: QuantizedWeight, dequantized: torch.Tensor, bias: torch.Tensor | None, w8a8: bool = False
 ) -> dict[str, Callable[[], nn.Module]]:
-    """Builders of every implementation that runs `weight` on the CPU: "int8_c" and "int8_torch"
-    for an `Int8Weight`, "q8_0_c" for a `Q8_0Weight` (the C kernels where the library is built and
+    """Builders of every implementation that runs `weight` on the CPU: "int8_c" (and for bf16
+    activations "int8_c_dpbf16") and "int8_torch" for an `Int8Weight`, "q8_0_c" for a `Q8_0Weight` (the C kernels where the library is built and
     the activations are float32 or bf16), then the float candidates of `linear_candidates` on
     `dequantized` (the weight dequantized to the activations' dtype, `[N, K]`).
 
@@ -364,6 +286,8 @@ def quantized_candidates(
     if isinstance(weight, Int8Weight):
         if c_kernels:
             builders["int8_c"] = lambda: Int8Linear(weight, bias)
+            if dequantized.dtype == torch.bfloat16 and bf16_dot_available():
+                builders["int8_c_dpbf16"] = lambda: Int8Bf16DotLinear(weight, bias)
             if w8a8 and w8a8_available():
                 builders["int8_w8a8"] = lambda: Int8W8A8Linear(weight, bias)
         if torch_int8_applies(weight, dequantized.dtype):

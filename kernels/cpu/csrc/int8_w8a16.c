@@ -11,6 +11,11 @@
  * multiply per weight vector, shared by every row of the tile), so the tile needs one set of
  * accumulators whatever the number of groups.
  *
+ * With bf16 activations on a CPU with AVX512-BF16, `bf16_dot` runs tiles of up to 8 rows through
+ * VDPBF16PS instead (`dp_tile`): the scaled weights rounded to bf16 in registers, two products a
+ * lane an instruction, so from a few rows on the widening and the multiply-adds cost about half.
+ * The registry times both as candidates ("int8_c", "int8_c_dpbf16").
+ *
  * Layouts: x [M] rows of K float32 or bf16 (`x_bf16`), `ldx` elements apart; w, scales as in
  * int8_packed.h, `group` the K of a scale group (a positive multiple of 4); bias float32 [N] or
  * NULL; y [M] rows of N float32 or bf16 (`y_bf16`, rounded to nearest even), `ldy` apart.
@@ -125,52 +130,137 @@ static inline __attribute__((always_inline)) void w8a16_tile(const int rows, con
   for (int r = 0; r < rows; r++) store_f32(out + r * LANES, reduce_quads(acc[r]));
 }
 
-static void run_tile(int64_t rows, const float *x, int64_t ldx, const int8_t *w, const float *scales,
-                     int64_t group, int64_t k4, float *out) {
-  switch (rows) {
-  case 1: w8a16_tile(1, x, ldx, w, scales, group, k4, out); break;
-#if W8A16_ROWS == 4
-  case 3: w8a16_tile(3, x, ldx, w, scales, group, k4, out); break;
-  case 4: w8a16_tile(4, x, ldx, w, scales, group, k4, out); break;
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && LANES == 16
+#define W8A16_DPBF16 1
+#define DP_ROWS 8 /* 16 accumulators, 4 weight and 4 scale vectors, 2 bf16 operands, the input: 27 */
+/* One tile of bf16 rows with VDPBF16PS: each quad's scaled weights rounded to bf16 (to nearest
+ * even, the very bf16 weight the float layouts of the layer hold) and paired as the instruction
+ * takes them: lane L of `lo` holds channel L / 2's k0,k1 (L even) or k2,k3 (L odd), `hi` channels
+ * 8-15 alike, so the input's 4 bf16 values at the quad are one 64-bit broadcast, and a channel's
+ * sum is its two lanes added at the end. Two products a lane an instruction: half the multiply
+ * instructions of the float32 tile, whose widening is shared by up to 8 rows instead of 4. */
+static inline __attribute__((always_inline)) void dp_tile(const int rows, const uint16_t *x, int64_t ldx,
+                                                         const int8_t *w, const float *scales, int64_t group,
+                                                         int64_t k4, float *out) {
+  __m512 acc[DP_ROWS][2];
+  for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < k4; g0 += group, scales += LANES) {
+    const vf s = load_f32(scales);
+    vf sv[QUAD];
+    for (int j = 0; j < QUAD; j++) sv[j] = expand_scales(s, j);
+    const int64_t end = g0 + group < k4 ? g0 + group : k4;
+    for (int64_t q = g0; q < end; q += QUAD) {
+      const int8_t *wq = w + q * LANES;
+      __builtin_prefetch(wq + INT8_PREFETCH_BYTES, 0, 0);
+      vf f[QUAD];
+      for (int j = 0; j < QUAD; j++) f[j] = widen_i8(wq + j * LANES) * sv[j];
+      const __m512bh lo = _mm512_cvtne2ps_pbh((__m512)f[1], (__m512)f[0]);
+      const __m512bh hi = _mm512_cvtne2ps_pbh((__m512)f[3], (__m512)f[2]);
+      for (int r = 0; r < rows; r++) {
+        long long bits;
+        memcpy(&bits, x + r * ldx + q, sizeof bits);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi64(bits);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], lo, xv);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], hi, xv);
+      }
+    }
+  }
+#define EVEN 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define ODD 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+  for (int r = 0; r < rows; r++) {
+    const vf a = (vf)acc[r][0], b = (vf)acc[r][1];
+    store_f32(out + r * LANES, __builtin_shufflevector(a, b, EVEN) + __builtin_shufflevector(a, b, ODD));
+  }
+#undef EVEN
+#undef ODD
+}
+#else
+#define W8A16_DPBF16 0
+#define DP_ROWS 1
 #endif
-  default: w8a16_tile(2, x, ldx, w, scales, group, k4, out); break;
+
+/* The tile of `rows` rows: `dp` (bf16 input, W8A16_DPBF16 built) through `dp_tile`, else the
+ * float32 one. */
+static void run_tile(int dp, int64_t rows, const void *x, int64_t ldx, const int8_t *w, const float *scales,
+                     int64_t group, int64_t k4, float *out) {
+#if W8A16_DPBF16
+  if (dp) {
+    const uint16_t *xb = x;
+    switch (rows) {
+    case 1: dp_tile(1, xb, ldx, w, scales, group, k4, out); return;
+    case 2: dp_tile(2, xb, ldx, w, scales, group, k4, out); return;
+    case 3: dp_tile(3, xb, ldx, w, scales, group, k4, out); return;
+    case 4: dp_tile(4, xb, ldx, w, scales, group, k4, out); return;
+    case 5: dp_tile(5, xb, ldx, w, scales, group, k4, out); return;
+    case 6: dp_tile(6, xb, ldx, w, scales, group, k4, out); return;
+    case 7: dp_tile(7, xb, ldx, w, scales, group, k4, out); return;
+    default: dp_tile(8, xb, ldx, w, scales, group, k4, out); return;
+    }
+  }
+#else
+  (void)dp;
+#endif
+  const float *xf = x;
+  switch (rows) {
+  case 1: w8a16_tile(1, xf, ldx, w, scales, group, k4, out); break;
+#if W8A16_ROWS == 4
+  case 3: w8a16_tile(3, xf, ldx, w, scales, group, k4, out); break;
+  case 4: w8a16_tile(4, xf, ldx, w, scales, group, k4, out); break;
+#endif
+  default: w8a16_tile(2, xf, ldx, w, scales, group, k4, out); break;
   }
 }
 
-/* x as float32 rows of K4 (zero padded) where it is bf16 or K is not a multiple of 4; NULL (use x
- * as it is) otherwise, or on no memory (`*failed`). */
-static float *padded_input(const void *x, int x_bf16, int64_t ldx, int64_t m, int64_t k, int64_t k4,
-                           int parallel, int num_threads, int *failed) {
+/* x as rows of K4 (zero padded) where the tiles cannot read it as it is: bf16 rows when `dp` and K
+ * is not a multiple of 4, float32 rows when x is bf16 without `dp` or K is not a multiple of 4;
+ * NULL (use x as it is) otherwise, or on no memory (`*failed`). */
+static void *padded_input(const void *x, int x_bf16, int dp, int64_t ldx, int64_t m, int64_t k, int64_t k4,
+                          int parallel, int num_threads, int *failed) {
   *failed = 0;
-  if (!x_bf16 && k == k4) return NULL;
-  float *copy = malloc((size_t)(m * k4) * sizeof(float));
+  if ((dp || !x_bf16) && k == k4) return NULL;
+  void *copy = malloc((size_t)(m * k4) * (dp ? sizeof(uint16_t) : sizeof(float)));
   if (copy == NULL) {
     *failed = 1;
     return NULL;
   }
 #pragma omp parallel for num_threads(num_threads) if (parallel && m > 1)
   for (int64_t r = 0; r < m; r++) {
-    for (int64_t p = 0; p < k; p++) copy[r * k4 + p] = int8_input(x, x_bf16, r * ldx + p);
-    for (int64_t p = k; p < k4; p++) copy[r * k4 + p] = 0.0f;
+    if (dp) {
+      uint16_t *row = (uint16_t *)copy + r * k4;
+      memcpy(row, (const uint16_t *)x + r * ldx, (size_t)k * sizeof(uint16_t));
+      for (int64_t p = k; p < k4; p++) row[p] = 0;
+      continue;
+    }
+    float *row = (float *)copy + r * k4;
+    for (int64_t p = 0; p < k; p++) row[p] = int8_input(x, x_bf16, r * ldx + p);
+    for (int64_t p = k; p < k4; p++) row[p] = 0.0f;
   }
   return copy;
 }
 
-/* y = x (scales * W)^T (+ bias). Returns 0 on success, 1 for a shape it does not take (K < 1, a
- * group that is not a positive multiple of 4), 2 when scratch memory could not be had. */
-int int8_w8a16_linear(const void *x, int x_bf16, int64_t ldx, const int8_t *w, const float *scales, int64_t group,
-                      const float *bias, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t k,
-                      int num_threads) {
+/* 1 when this build has the VDPBF16PS tiles (AVX512-BF16 with 16 lanes), else 0. */
+int int8_w8a16_bf16_dot_available(void) { return W8A16_DPBF16; }
+
+/* y = x (scales * W)^T (+ bias); `bf16_dot`: bf16 x through the VDPBF16PS tiles (the weights
+ * rounded to bf16), else the float32 ones. Returns 0 on success, 1 for a shape or mode it does not
+ * take (K < 1, a group that is not a positive multiple of 4, `bf16_dot` without bf16 x or without
+ * the tiles in this build), 2 when scratch memory could not be had. */
+int int8_w8a16_linear(const void *x, int x_bf16, int bf16_dot, int64_t ldx, const int8_t *w, const float *scales,
+                      int64_t group, const float *bias, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n,
+                      int64_t k, int num_threads) {
   if (k < 1 || group < QUAD || group % QUAD) return 1;
+  if (bf16_dot && !(x_bf16 && W8A16_DPBF16)) return 1;
   if (m <= 0 || n <= 0) return 0;
   const int64_t k4 = (k + QUAD - 1) / QUAD * QUAD, groups = (k4 + group - 1) / group;
   const int64_t strips = (n + LANES - 1) / LANES;
   const int parallel = m * n * k >= INT8_PARALLEL_MIN_MACS && num_threads > 1;
+  const int dp = bf16_dot;
+  const int64_t tile_rows = dp ? DP_ROWS : W8A16_ROWS, element = dp ? 2 : 4;
   int failed;
-  float *copy = padded_input(x, x_bf16, ldx, m, k, k4, parallel, num_threads, &failed);
+  void *copy = padded_input(x, x_bf16, dp, ldx, m, k, k4, parallel, num_threads, &failed);
   if (failed) return 2;
-  const float *xf = copy ? copy : (const float *)x;
-  const int64_t ldxf = copy ? k4 : ldx;
+  const char *xs = copy ? copy : x;
+  const int64_t ldxs = copy ? k4 : ldx;
 #pragma omp parallel num_threads(num_threads) if (parallel)
   {
 #ifdef _OPENMP
@@ -180,14 +270,15 @@ int int8_w8a16_linear(const void *x, int x_bf16, int64_t ldx, const int8_t *w, c
 #endif
     int64_t first, last;
     int8_share(strips, t, threads, &first, &last);
-    float out[W8A16_ROWS * LANES];
+    float out[(DP_ROWS > W8A16_ROWS ? DP_ROWS : W8A16_ROWS) * LANES];
     for (int64_t block = 0; block < m; block += INT8_ROW_BLOCK) {
       const int64_t block_end = block + INT8_ROW_BLOCK < m ? block + INT8_ROW_BLOCK : m;
       for (int64_t s = first; s < last; s++) {
         const int64_t n0 = s * LANES, width = n - n0 < LANES ? n - n0 : LANES;
-        for (int64_t r = block; r < block_end; r += W8A16_ROWS) {
-          const int64_t rows = block_end - r < W8A16_ROWS ? block_end - r : W8A16_ROWS;
-          run_tile(rows, xf + r * ldxf, ldxf, w + s * k4 * LANES, scales + s * groups * LANES, group, k4, out);
+        for (int64_t r = block; r < block_end; r += tile_rows) {
+          const int64_t rows = block_end - r < tile_rows ? block_end - r : tile_rows;
+          run_tile(dp, rows, xs + r * ldxs * element, ldxs, w + s * k4 * LANES, scales + s * groups * LANES, group,
+                   k4, out);
           int8_store_tile(out, rows, width, bias, y, y_bf16, ldy, r, n0);
         }
       }

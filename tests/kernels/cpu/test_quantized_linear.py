@@ -17,12 +17,14 @@ from torch.nn import functional as F
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu.quantized_linear import (
+    Int8Bf16DotLinear,
     Int8Linear,
     Int8W8A8Linear,
     Int8Weight,
     Q8_0Linear,
     Q8_0Weight,
     TorchInt8Linear,
+    bf16_dot_available,
     quantized_candidates,
     torch_int8_available,
     w8a8_available,
@@ -107,6 +109,23 @@ def test_int8_kernels_match_the_dequantized_product(lanes, m, n, k, dtype, group
         for rows, rtol in ((_quantized_rows(x.float()), RTOL[dtype]), (x.float(), 2**-6)):
             expected = F.linear(rows, quantized.dequantize(), bias)
             assert (out.float() - expected).abs().max().item() <= rtol * expected.abs().max().item()
+
+
+@pytest.mark.parametrize(("m", "n", "k"), INT8_SHAPES)
+def test_int8_bf16_dot_tiles_match_the_bf16_weights_product(lanes, m, n, k):
+    """ "int8_c_dpbf16" against the float32 product of the bf16 input with the dequantized weight
+    rounded to bf16 (the float layouts' weight): float32 sums in another order, then the bf16
+    output's rounding; each row the same alone or in a batch."""
+    if not bf16_dot_available():
+        pytest.skip("no AVX512-BF16 tiles in this build")
+    x, weight, bias = _case(m, n, k)
+    quantized = Int8Weight.quantize(weight)
+    module = Int8Bf16DotLinear(quantized, bias)
+    _check(module, x, quantized.dequantize().bfloat16().float(), bias, torch.bfloat16)
+    rows = x[:9].bfloat16()
+    assert torch.equal(module(rows), torch.cat([module(rows[i : i + 1]) for i in range(rows.shape[0])]))
+    with pytest.raises(RuntimeError, match="failed"):  # bf16 input only
+        module(x)
 
 
 def test_w8a8_is_built_where_the_cpu_has_vnni_or_avx2(lanes):
@@ -263,6 +282,9 @@ def test_candidates_of_each_format():
     names = set(quantized_candidates(int8, int8.dequantize(), None))
     assert {"int8_c", "torch"} <= names and "q8_0_c" not in names
     assert "int8_w8a8" not in names  # its activations' rounding costs accuracy: only when asked
+    assert "int8_c_dpbf16" not in names  # float32 activations
+    bf16 = set(quantized_candidates(int8, int8.dequantize().bfloat16(), None))
+    assert ("int8_c_dpbf16" in bf16) == bf16_dot_available()
     asked = set(quantized_candidates(int8, int8.dequantize(), None, w8a8=True))
     assert ("int8_w8a8" in asked) == w8a8_available()
     q8 = Q8_0Weight.quantize(weight)

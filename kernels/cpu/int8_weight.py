@@ -1,0 +1,122 @@
+"""The int8 weight of `--quantization int8` (`Int8Weight`) and the packed layout its C kernels read
+(`PackedInt8`, csrc/int8_packed.h); the kernels themselves are wrapped in `quantized_linear`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Inputs sharing one int8 scale (`Int8Weight.quantize`): one scale per output channel lost too
+# much of the default model's accuracy (docs/benchmarks.md).
+INT8_GROUP_SIZE = 16
+
+
+# torch's CPU allocations start at 64-byte boundaries; so must every tensor its int8 kernel reads.
+_ALIGNMENT = 64
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` contiguous and starting at a 64-byte boundary (a copy where it does not)."""
+    tensor = tensor.contiguous()
+    return tensor if tensor.data_ptr() % _ALIGNMENT == 0 else tensor.clone()
+
+
+@dataclass
+class Int8Weight:
+    """Symmetric int8 with a float32 scale per output channel and group of `group_size` inputs:
+    `qweight` int8 `[N, K]` in [-127, 127], `scales` float32 `[N, ceil(K / group_size)]`, the
+    weight at (n, k) being `scales[n, k // group_size] * qweight[n, k]` (no zero point). A
+    `group_size` of K or more is one scale per channel.
+
+    Raises:
+        ValueError: a `group_size` that is not a positive multiple of 4 (the kernels take K in
+            quads), or `scales` of another shape.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    group_size: int
+
+    format = "int8"
+
+    def __post_init__(self) -> None:
+        if self.group_size < 4 or self.group_size % 4:
+            raise ValueError(f"int8 group_size must be a positive multiple of 4; got {self.group_size}")
+        n, k = self.qweight.shape
+        if tuple(self.scales.shape) != (n, -(-k // self.group_size)):
+            raise ValueError(
+                f"int8 scales of a [{n}, {k}] weight in groups of {self.group_size} must be "
+                f"[{n}, {-(-k // self.group_size)}]; got {list(self.scales.shape)}"
+            )
+        # Tensors read from a file (safetensors puts them after its header) may start anywhere; torch's
+        # int8 kernel reads them with aligned loads and crashes the process otherwise.
+        self.qweight, self.scales = aligned(self.qweight), aligned(self.scales)
+        self._packed: dict[int, PackedInt8] = {}
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group_size: int = INT8_GROUP_SIZE) -> Int8Weight:
+        """Quantize a float weight `[N, K]`: each group's scale is its largest magnitude / 127, and
+        each value is rounded to the nearest multiple of it (ties to even), in [-127, 127]. A group
+        of zeros gets scale 1. `group_size` at or above K: one scale per channel."""
+        w = weight.detach().float()
+        n, k = w.shape
+        group_size = min(group_size, -(-k // 4) * 4)
+        groups = -(-k // group_size)
+        padded = torch.nn.functional.pad(w, (0, groups * group_size - k)).reshape(n, groups, group_size)
+        absmax = padded.abs().amax(dim=2)
+        scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+        qweight = torch.round(padded / scales[..., None]).clamp_(-127, 127).to(torch.int8)
+        return cls(qweight.reshape(n, -1)[:, :k].contiguous(), scales.contiguous(), group_size)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`(N, K)`: output channels, input features."""
+        n, k = self.qweight.shape
+        return n, k
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward pass reads: the int8 values and the scales."""
+        return self.qweight.numel() + 4 * self.scales.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight `[N, K]` the kernels compute with."""
+        k = self.qweight.shape[1]
+        return self.qweight.float() * self.scales.repeat_interleave(self.group_size, dim=1)[:, :k]
+
+    def packed(self, lanes: int) -> PackedInt8:
+        """This weight in the C kernels' layout for strips of `lanes` channels (made once, shared by
+        the kernels that run it)."""
+        if lanes not in self._packed:
+            self._packed[lanes] = PackedInt8.pack(self, lanes)
+        return self._packed[lanes]
+
+
+@dataclass
+class PackedInt8:
+    """An `Int8Weight` as csrc/int8_packed.h lays it out for strips of `lanes` output channels:
+    `values` int8 `[ceil(N / lanes), K4 / 4, lanes, 4]` (K4: K rounded up to 4, zero padded),
+    `scales` float32 and `comp` int32 (128 * each group's sum of values, for VPDPBUSD's unsigned
+    activations) `[ceil(N / lanes), groups, lanes]`; `group` the K of a scale group (a multiple of
+    4: K4 for one scale per channel)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    comp: torch.Tensor
+    group: int
+
+    @classmethod
+    def pack(cls, weight: Int8Weight, lanes: int) -> PackedInt8:
+        n, k = weight.shape
+        k4, strips = -(-k // 4) * 4, -(-n // lanes)
+        group = min(weight.group_size, k4)
+        groups = weight.scales.shape[1]
+        q = torch.zeros(strips * lanes, groups * group, dtype=torch.int8)
+        q[:n, :k] = weight.qweight
+        values = q[:, :k4].reshape(strips, lanes, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
+        scales = torch.zeros(strips * lanes, groups)
+        scales[:n] = weight.scales
+        comp = 128 * q.reshape(strips * lanes, groups, group).sum(dim=2, dtype=torch.int32)
+        strip_major = lambda t: t.reshape(strips, lanes, groups).permute(0, 2, 1).contiguous()  # noqa: E731
+        return cls(aligned(values), aligned(strip_major(scales)), aligned(strip_major(comp)), group)

@@ -70,6 +70,22 @@ def test_cpu_linear(tmp_path: Path) -> None:
     assert list((tmp_path / "kernel_tuning").glob("*.json"))  # the choice was measured and cached
 
 
+def test_int8_linear(tmp_path: Path) -> None:
+    """One line a shape and row count: the float kernel named, each int8 kernel this build has
+    ("int8_c" always, "int8_w8a8" where the library has it) with its ratio to it."""
+    from batchgen.kernels.cpu.quantized_linear import w8a8_available
+
+    args = ["--rows", "1", "3", "--layers", "1", "--rounds", "1", "--num-threads", "1", "--dtype", "float32"]
+    result = run(
+        "int8_linear_bench.py", *args, "--float-impl", "torch", env={"BATCHGEN_CACHE": str(tmp_path)}
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if "float " in line and "(torch)" in line]
+    assert len(lines) == 8 and all("int8_c " in line and "x)" in line for line in lines)
+    assert all(("int8_w8a8" in line) == w8a8_available() for line in lines)
+    assert not any("int8_c_dpbf16" in line for line in lines)  # bf16 activations only
+
+
 def test_cpu_swiglu() -> None:
     """With AMX: one line a row count, after checking the fused output equals the unfused one;
     without: the reason, exit 1."""

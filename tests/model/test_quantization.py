@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
 from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.cpu.linear import can_prepack
 from batchgen.kernels.cpu.quantized_linear import Int8Linear, Int8Weight, Q8_0Linear, Q8_0Weight
 from batchgen.model.loading.architectures import UnsupportedModelError
 from batchgen.model.quantization import check_quantization, decoder_linears
@@ -286,6 +287,8 @@ def test_gguf_q8_0_runs_its_blocks_as_the_dequantized_model_does(q8_0_gguf, cach
     """ "auto" keeps every decoder linear's Q8_0 blocks (each checked to dequantize to the converted
     weight, which also checks the q/k row order) and runs the Q8_0 kernel on them; "none" runs the
     dequantized floats: the logits agree within the kernels' tolerance, the greedy tokens too."""
+    if dtype == "bfloat16" and not can_prepack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no native bfloat16 here (an AVX2-only CPU): bf16 runs torch's linears, no Q8_0 kernel")
     blocks = LLM(str(q8_0_gguf), dtype=dtype, device="cpu", quantization="auto", kernels="native")
     floats = LLM(str(q8_0_gguf), dtype=dtype, device="cpu", quantization="none", kernels="native")
     quantization = blocks.llm_engine.runner.quantization

@@ -292,6 +292,7 @@ def load_library() -> ctypes.CDLL | None:
             "CPU kernels were built without OpenMP (%s): they run on one thread", " ".join(compiler)
         )
     _declare_signatures(lib)
+    _declare_moe_experts(lib)
     return lib
 
 
@@ -363,13 +364,6 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.amx_swiglu.restype = i32
     lib.amx_swiglu.argtypes = lib.bf16_linear.argtypes
     _declare_quantized_linears(lib)
-    # (is_bf16, packed, x, ldx, tokens, hidden, inter, experts, top_k, ids, weights, gate_up, down, act,
-    # acc, lists, out, ldo, num_threads) -> status; csrc/moe_experts.c.
-    lib.moe_experts.restype = i32
-    lib.moe_experts.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, i32, ptr, ptr, ptr, ptr, ptr, ptr]
-    lib.moe_experts.argtypes += [ptr, ptr, i64, i32]
-    lib.moe_experts_packed_available.restype = i32
-    lib.moe_experts_packed_available.argtypes = []
     lib.store_kv_rows.restype = i64
     lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     # decoder_stack_bf16(layers, num_layers, dims, eps, scale, num_tokens, hidden, delta, cos, sin,
@@ -402,3 +396,13 @@ def _declare_quantized_linears(lib: ctypes.CDLL) -> None:
     lib.int8_linear.argtypes = [ptr, i32, i64, ptr, ptr, ptr, ptr, i32, i64, i64, i64, i64, i32]
     lib.q8_0_linear.restype = i32
     lib.q8_0_linear.argtypes = [ptr, i32, i64, ptr, ptr, ptr, i32, i64, i64, i64, i64, i32]
+
+
+def _declare_moe_experts(lib: ctypes.CDLL) -> None:
+    """csrc/moe_experts.c `moe_experts` (see there) and `moe_experts_packed_available`."""
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.moe_experts.restype = i32
+    lib.moe_experts.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, i32, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.moe_experts.argtypes += [ptr, ptr, i64, i32]
+    lib.moe_experts_packed_available.restype = i32
+    lib.moe_experts_packed_available.argtypes = []

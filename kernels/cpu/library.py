@@ -11,8 +11,9 @@ The library holds the paged decode and prefill attention (wrapped by `batchgen.k
 versions of a decoder layer's bf16 element-wise chains and the write of a step's K/V rows into the
 paged cache (wrapped by `batchgen.kernels.cpu.ops`), the bf16 linear layers for CPUs with AVX512-BF16
 and with AMX (wrapped by `batchgen.kernels.cpu.linear.Bf16Linear` and `AmxLinear`), the linears on
-int8 and GGUF Q8_0 weights (`batchgen.kernels.cpu.quantized_linear`), and a driver that runs all of
-a step's decoder layers through these kernels in one call (wrapped by `batchgen.kernels.cpu.stack`).
+int8 and GGUF Q8_0 weights (`batchgen.kernels.cpu.quantized_linear`), a mixture-of-experts layer's
+experts in one call (`batchgen.kernels.cpu.moe`), and a driver that runs all of a step's decoder
+layers through these kernels in one call (wrapped by `batchgen.kernels.cpu.stack`).
 """
 
 from __future__ import annotations
@@ -292,7 +293,6 @@ def load_library() -> ctypes.CDLL | None:
             "CPU kernels were built without OpenMP (%s): they run on one thread", " ".join(compiler)
         )
     _declare_signatures(lib)
-    _declare_moe_experts(lib)
     return lib
 
 
@@ -396,13 +396,3 @@ def _declare_quantized_linears(lib: ctypes.CDLL) -> None:
     lib.int8_linear.argtypes = [ptr, i32, i64, ptr, ptr, ptr, ptr, i32, i64, i64, i64, i64, i32]
     lib.q8_0_linear.restype = i32
     lib.q8_0_linear.argtypes = [ptr, i32, i64, ptr, ptr, ptr, i32, i64, i64, i64, i64, i32]
-
-
-def _declare_moe_experts(lib: ctypes.CDLL) -> None:
-    """csrc/moe_experts.c `moe_experts` (see there) and `moe_experts_packed_available`."""
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.moe_experts.restype = i32
-    lib.moe_experts.argtypes = [i32, i32, ptr, i64, i64, i64, i64, i64, i32, ptr, ptr, ptr, ptr, ptr, ptr]
-    lib.moe_experts.argtypes += [ptr, ptr, i64, i32]
-    lib.moe_experts_packed_available.restype = i32
-    lib.moe_experts_packed_available.argtypes = []

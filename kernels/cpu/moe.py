@@ -18,6 +18,8 @@ weight on every call, which costs more than the product at a decode step's few r
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from batchgen.kernels.cpu import library as cpu_kernels
@@ -86,6 +88,38 @@ def bf16_experts(
     out = torch.empty(rows, hidden, dtype=torch.bfloat16)
     _linear_rows(act, down, out, counts, hidden, two_i // 2)
     return out
+
+
+def _moe_experts_kernel() -> ctypes._CFuncPtr:
+    """`csrc/moe_experts.c`'s `moe_experts` with its argument types declared (ctypes would pass every
+    argument as a C int): (is_bf16, packed, x, ldx, tokens, hidden, inter, experts, top_k, ids, weights,
+    gate_up, down, act, acc, lists, out, ldo, num_threads) -> status."""
+    kernel = cpu_kernels.require_library().moe_experts
+    if kernel.argtypes is None:  # once per loaded library
+        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        kernel.restype = i32
+        kernel.argtypes = [
+            i32,
+            i32,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i32,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            i32,
+        ]
+    return kernel
 
 
 def fused_experts_apply(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -164,7 +198,7 @@ def fused_experts(
     acc = torch.empty(tokens, hidden, dtype=torch.float32)
     lists = torch.empty(2 * experts + 1 + tokens * top_k, dtype=torch.int32)
     out = torch.empty(tokens, hidden, dtype=x.dtype)
-    status = cpu_kernels.require_library().moe_experts(
+    status = _moe_experts_kernel()(
         int(x.dtype == torch.bfloat16), int(gate_up.dim() == 5), x.data_ptr(), x.stride(0), tokens, hidden,
         inter, experts, top_k, ids.data_ptr(), weights.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
         act.data_ptr(), acc.data_ptr(), lists.data_ptr(), out.data_ptr(), hidden, torch.get_num_threads(),

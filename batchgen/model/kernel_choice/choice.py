@@ -115,7 +115,7 @@ class KernelChoice:
     # time in the table (`table_linear_rate`): the registry's own figure for the machine's matmul rate.
     largest_bucket_flops_per_s: float | None = None
     device_type: str = "cpu"  # on CUDA: torch's linears, and only `prefill_attention` is measured
-    # a mixture of experts' kernels by row bucket (`choose_experts`), e.g. "fused_c 1-32 rows, bf16_c 64-2048 rows"
+    # a mixture of experts' kernels by row bucket (`choose_experts`), e.g. "fused_c 1-32, bf16_c 64-2048 rows"
     experts: str = ""
 
     def summary(self) -> str:
@@ -160,7 +160,9 @@ class KernelChoice:
 
 
 def _by_rows(kinds: list[str]) -> str:
-    """A per-bucket choice in a few words: "c to 64 rows, amx from 128"."""
+    """A per-bucket choice in a few words: "c 1-64, amx 128-2048 rows" ("" for none)."""
+    if not kinds:
+        return ""
     runs: list[tuple[str, int, int]] = []  # kind, first bucket, last bucket
     for kind, rows in zip(kinds, ROW_BUCKETS, strict=False):
         if runs and runs[-1][0] == kind:
@@ -208,7 +210,7 @@ def apply_kernels(
         return KernelChoice(mode if device.type == "cpu" else "reference", device_type=device.type)
     quantized = quantized or {}
     if mode == "native":
-        experts = choose_experts(model, None, max_rows)
+        experts = _by_rows(choose_experts(model, None, max_rows))
         _native_quantized(model, quantized)
         prepack_linears(model)
         model.decoder_stack = build_decoder_stack(model, max_rows=0)
@@ -216,7 +218,7 @@ def apply_kernels(
         return KernelChoice("native", stack_max_rows=stack_rows, experts=experts)
     start, load_before = time.perf_counter(), LoadSample()
     table = TuningTable.load(tuning_key(dtype))
-    choice = KernelChoice("auto", table=table, experts=choose_experts(model, table, max_rows))
+    choice = KernelChoice("auto", table=table, experts=_by_rows(choose_experts(model, table, max_rows)))
     # The decoder stack needs every layer linear in batchgen's bf16 layout: held for its measurement
     # even where the per-layer path does not use it, and dropped again where the stack loses.
     stack_possible = (

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from batchgen.kernels.cpu.moe import fused_experts, fused_experts_apply
-from batchgen.kernels.registry import ROW_BUCKETS, Setup, TuningTable, buckets_up_to, choose
+from batchgen.kernels.registry import Setup, TuningTable, buckets_up_to, choose
 from batchgen.model import moe
 
 # The one-call kernel against the per-expert path, relative to the output's largest magnitude:
@@ -26,7 +26,7 @@ from batchgen.model import moe
 _RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def choose_experts(model: nn.Module, table: TuningTable | None, max_rows: int) -> str:
+def choose_experts(model: nn.Module, table: TuningTable | None, max_rows: int) -> list[str]:
     """Put every mixture-of-experts layer of `model` (weights loaded) on the kernels chosen for it.
 
     The stacks are packed for batchgen's bf16 kernel where it applies (`moe.use_bf16_kernel`); then
@@ -35,18 +35,18 @@ def choose_experts(model: nn.Module, table: TuningTable | None, max_rows: int) -
     with `table` None ("native") the one-call kernel runs every step, unmeasured.
 
     Returns:
-        A few words for the start line ("" for a model without experts), e.g.
-        "fused_c 1-32 rows, bf16_c 64-2048 rows".
+        What runs at each row bucket up to `max_rows` ("fused_c", "bf16_c" or "torch"); empty for a
+        model without experts, or where torch's path is the only one.
     """
     blocks = [m for m in model.modules() if isinstance(m, moe.SparseMoeBlock)]
     if not blocks:
-        return ""
+        return []
     packed = sum(moe.use_bf16_kernel(block.experts) for block in blocks) > 0
     per_expert = "bf16_c" if packed else "torch"
     first = blocks[0].experts
-    if not fused_experts_apply(first.gate_up_proj, first.down_proj):
-        return per_expert if packed else ""
     buckets = buckets_up_to(max_rows)
+    if not fused_experts_apply(first.gate_up_proj, first.down_proj):
+        return [per_expert] * len(buckets) if packed else []
     if table is None:
         chosen = ["fused_c"] * len(buckets)
     else:
@@ -54,7 +54,7 @@ def choose_experts(model: nn.Module, table: TuningTable | None, max_rows: int) -
         chosen = [by_rows[rows] for rows in buckets]
     for block in blocks:
         block.experts.fused_by_bucket = [name == "fused_c" for name in chosen]
-    return _words(chosen)
+    return chosen
 
 
 def _measure(
@@ -97,16 +97,3 @@ def _measure(
             _RTOL.get(dtype, 2e-2),
             work=lambda rows: 6.0 * rows * top_k * hidden * experts.intermediate_size,
         )
-
-
-def _words(chosen: list[str]) -> str:
-    """A per-bucket choice in a few words: "fused_c 1-32 rows, bf16_c 64-2048 rows"."""
-    runs: list[list] = []
-    for name, rows in zip(chosen, ROW_BUCKETS, strict=False):
-        if runs and runs[-1][0] == name:
-            runs[-1][2] = rows
-        else:
-            runs.append([name, rows, rows])
-    if len(runs) == 1:
-        return runs[0][0]
-    return ", ".join(f"{name} {lo}-{hi} rows" if lo != hi else f"{name} {lo} rows" for name, lo, hi in runs)

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.kernels.cpu.moe import bf16_experts, bf16_experts_apply, pack_experts
+from batchgen.kernels.cpu.moe import bf16_experts, bf16_experts_apply, fused_experts, pack_experts
+from batchgen.kernels.registry import bucket_index
 from batchgen.model.layers import MLP
 
 if TYPE_CHECKING:
@@ -270,7 +271,10 @@ class FusedExperts(nn.Module):
     """All experts of one layer: `gate_up_proj` `[E, 2 * I, H]` and `down_proj` `[E, H, I]`.
 
     forward(x `[T, H]`, routing weights `[T, top_k]`, expert ids int64 `[T, top_k]`) -> `[T, H]` in
-    x's dtype.
+    x's dtype: by `grouped` (rows sorted by expert, `matmul`, `combine`), or where `fused_by_bucket`
+    says so for T's row bucket (`kernels.registry.bucket_index`; steps past the last bucket use the
+    last), by batchgen's one-call C kernel (`kernels/cpu/moe.py fused_experts`), as
+    `kernel_choice.experts` measured.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
@@ -280,8 +284,19 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.matmul: ExpertsMatmul | None = None  # None: `default_experts_matmul` of the weights' device
+        self.fused_by_bucket: list[bool] = []  # per row bucket: the one-call kernel (CPU only)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if (
+            self.fused_by_bucket
+            and self.fused_by_bucket[min(bucket_index(x.shape[0]), len(self.fused_by_bucket) - 1)]
+        ):
+            return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj)
+        return self.grouped(x, weights, ids)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The rows sorted by expert, each expert's through `matmul`, put back and summed (`forward`'s
+        arguments and result)."""
         groups = group_by_expert(ids, self.num_experts)
         top_k = ids.shape[1]
         matmul = self.matmul or default_experts_matmul(x.device.type)

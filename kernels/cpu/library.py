@@ -11,8 +11,9 @@ The library holds the paged decode and prefill attention (wrapped by `batchgen.k
 versions of a decoder layer's bf16 element-wise chains and the write of a step's K/V rows into the
 paged cache (wrapped by `batchgen.kernels.cpu.ops`), the bf16 linear layers for CPUs with AVX512-BF16
 and with AMX (wrapped by `batchgen.kernels.cpu.linear.Bf16Linear` and `AmxLinear`), the linears on
-int8 and GGUF Q8_0 weights (`batchgen.kernels.cpu.quantized_linear`), and a driver that runs all of
-a step's decoder layers through these kernels in one call (wrapped by `batchgen.kernels.cpu.stack`).
+int8 and GGUF Q8_0 weights (`batchgen.kernels.cpu.quantized_linear`), a mixture-of-experts layer's
+experts in one call (`batchgen.kernels.cpu.moe`), and a driver that runs all of a step's decoder
+layers through these kernels in one call (wrapped by `batchgen.kernels.cpu.stack`).
 """
 
 from __future__ import annotations

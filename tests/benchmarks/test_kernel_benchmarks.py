@@ -121,3 +121,17 @@ def test_triton_attention() -> None:
     for stage in ("copy bandwidth", "decode attention", "prefill attention", "decode tile sweep"):
         assert f"--- {stage}" in result.stdout
     assert "=== kernel_bench summary ===" in result.stdout and "ERROR" not in result.stdout
+
+
+def test_moe_experts() -> None:
+    """One small layer at 1 and 3 tokens: every path's time and ratio to the bytes / copy-rate bound."""
+    result = run(
+        "moe_bench.py", "--tokens", "1", "3", "--hidden-size", "64", "--intermediate-size", "32",
+        "--experts", "6", "--top-k", "2", "--rounds", "1", "--dtype", "float32", "--phases",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for tokens in (1, 3):
+        line = next(
+            line for line in result.stdout.splitlines() if line.strip().startswith(f"{tokens} tokens:")
+        )
+        assert "torch " in line and "fused_c " in line and "x)" in line and "route" in line

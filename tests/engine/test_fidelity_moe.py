@@ -30,16 +30,17 @@ def moe_case(request, tiny_model_dir):
 
 @pytest.fixture
 def expert_counts(monkeypatch) -> list[list[int]]:
-    """Tokens per expert of every sparse layer call, recorded."""
+    """Tokens per expert of every sparse layer call, recorded at the routing (whichever kernel
+    then runs the experts)."""
     seen: list[list[int]] = []
-    real = moe.group_by_expert
+    real = moe.route
 
-    def recording(ids: torch.Tensor, num_experts: int) -> moe.ExpertGroups:
-        groups = real(ids, num_experts)
-        seen.append(groups.counts.tolist())
-        return groups
+    def recording(logits: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = real(logits, *args)
+        seen.append(torch.bincount(ids.reshape(-1), minlength=logits.shape[-1]).tolist())
+        return weights, ids
 
-    monkeypatch.setattr(moe, "group_by_expert", recording)
+    monkeypatch.setattr(moe, "route", recording)
     return seen
 
 

@@ -36,13 +36,13 @@ from batchgen.kernels.registry import (
     files_hash,
     machine_key,
 )
-from batchgen.model import moe
 from batchgen.model.attention.cpu_backend import CPUAttentionBackend
 from batchgen.model.kernel_choice.attention import (
     tune_decode_attention,
     tune_prefill_attention,
     tune_triton_prefill_attention,
 )
+from batchgen.model.kernel_choice.experts import choose_experts
 from batchgen.model.kernel_choice.linear import (
     choose_linears,
     drop_unused_layouts,
@@ -67,6 +67,7 @@ _CHOOSER_SOURCES = (
     "kernel_choice/linear.py",
     "kernel_choice/stack.py",
     "kernel_choice/attention.py",
+    "kernel_choice/experts.py",
     "attention/sdpa.py",
 )
 
@@ -114,9 +115,8 @@ class KernelChoice:
     # time in the table (`table_linear_rate`): the registry's own figure for the machine's matmul rate.
     largest_bucket_flops_per_s: float | None = None
     device_type: str = "cpu"  # on CUDA: torch's linears, and only `prefill_attention` is measured
-    experts: str = (
-        ""  # a mixture of experts' matmuls where batchgen's kernel runs them ("bf16_c"; not measured)
-    )
+    # a mixture of experts' kernels by row bucket (`choose_experts`), e.g. "fused_c 1-32, bf16_c 64-2048 rows"
+    experts: str = ""
 
     def summary(self) -> str:
         """A few words for the start line, e.g. "auto: linear onednn 80%, torch 20%" (shares of the
@@ -160,7 +160,9 @@ class KernelChoice:
 
 
 def _by_rows(kinds: list[str]) -> str:
-    """A per-bucket choice in a few words: "c to 64 rows, amx from 128"."""
+    """A per-bucket choice in a few words: "c 1-64, amx 128-2048 rows" ("" for none)."""
+    if not kinds:
+        return ""
     runs: list[tuple[str, int, int]] = []  # kind, first bucket, last bucket
     for kind, rows in zip(kinds, ROW_BUCKETS, strict=False):
         if runs and runs[-1][0] == kind:
@@ -207,15 +209,16 @@ def apply_kernels(
     if mode == "reference" or not can_prepack(dtype, device):
         return KernelChoice(mode if device.type == "cpu" else "reference", device_type=device.type)
     quantized = quantized or {}
-    experts = _pack_experts(model)
     if mode == "native":
+        experts = _by_rows(choose_experts(model, None, max_rows))
         _native_quantized(model, quantized)
         prepack_linears(model)
         model.decoder_stack = build_decoder_stack(model, max_rows=0)
-        return KernelChoice("native", stack_max_rows=0 if model.decoder_stack is not None else None)
+        stack_rows = 0 if model.decoder_stack is not None else None
+        return KernelChoice("native", stack_max_rows=stack_rows, experts=experts)
     start, load_before = time.perf_counter(), LoadSample()
     table = TuningTable.load(tuning_key(dtype))
-    choice = KernelChoice("auto", table=table, experts=experts)
+    choice = KernelChoice("auto", table=table, experts=_by_rows(choose_experts(model, table, max_rows)))
     # The decoder stack needs every layer linear in batchgen's bf16 layout: held for its measurement
     # even where the per-layer path does not use it, and dropped again where the stack loses.
     stack_possible = (
@@ -295,13 +298,6 @@ def _fused_cpu_backend(model: LlamaForCausalLM) -> bool:
     layers = decoder_layers(model)
     dense = all(isinstance(layer.mlp, MLP) for layer in layers)
     return bool(layers) and dense and getattr(layers[0].self_attn.backend, "fused_cpu_ops", False)
-
-
-def _pack_experts(model: LlamaForCausalLM) -> str:
-    """Put every mixture-of-experts layer of `model` on batchgen's bf16 kernel where it applies
-    (`moe.use_bf16_kernel`); returns "bf16_c" where it did, else ""."""
-    experts = [m for m in model.modules() if isinstance(m, moe.FusedExperts)]
-    return "bf16_c" if sum(moe.use_bf16_kernel(m) for m in experts) else ""
 
 
 def _choose_attention(

@@ -351,7 +351,8 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
         ptr,
         ctypes.c_int,
     ]
-    _declare_sampling(lib)
+    lib.apply_token_bitmask.restype = None
+    lib.apply_token_bitmask.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, ptr, i64, i64]
     lib.bf16_linear_available.restype = i32
     lib.bf16_linear_available.argtypes = []
     lib.bf16_linear.restype = i32
@@ -377,22 +378,14 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.decoder_stack_bf16.argtypes += [i32, i32, ptr, ptr, i32, i32, i32]
 
 
-def _declare_sampling(lib: ctypes.CDLL) -> None:
-    """The signatures of the kernels on a step's logits: greedy_rows.c and token_mask.c."""
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.greedy_rows.restype = None
-    lib.greedy_rows.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
-    lib.apply_token_bitmask.restype = None
-    lib.apply_token_bitmask.argtypes = [ptr, i64, ctypes.c_int, ptr, i64, ptr, i64, i64]
-
-
 def _declare_quantized_linears(lib: ctypes.CDLL) -> None:
     """csrc/int8_linear.c, int8_w8a16.c, int8_w8a8.c: (x, x_bf16, [W8A16: bf16_dot,] ldx, weight,
     [int8: scales, [W8A8: comp,] group,] bias, y, y_bf16, ldy, m, n, k, num_threads) -> status."""
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for name in ("int8_linear_lanes", "int8_w8a8_available", "int8_w8a16_bf16_dot_available"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = i32, []
-    x, out = [ptr, i32, i64], [ptr, ptr, i32, i64, i64, i64, i64, i32]  # (x..), (bias, y, .., num_threads)
+    x: list[Any] = [ptr, i32, i64]  # (x..)
+    out: list[Any] = [ptr, ptr, i32, i64, i64, i64, i64, i32]  # (bias, y, .., num_threads)
     lib.int8_w8a16_linear.restype = lib.int8_w8a8_linear.restype = i32
     lib.int8_w8a16_linear.argtypes = [ptr, i32, i32, i64, ptr, ptr, i64, *out]
     lib.int8_w8a8_linear.argtypes = [*x, ptr, ptr, ptr, i64, *out]

@@ -19,6 +19,7 @@ weight on every call, which costs more than the product at a decode step's few r
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -90,7 +91,7 @@ def bf16_experts(
     return out
 
 
-def _moe_experts_kernel() -> ctypes._CFuncPtr:
+def _moe_experts_kernel() -> Any:  # a ctypes foreign function
     """`csrc/moe_experts.c`'s `moe_experts` with its argument types declared (ctypes would pass every
     argument as a C int): (is_bf16, packed, x, ldx, tokens, hidden, inter, experts, top_k, ids, weights,
     gate_up, down, act, acc, lists, out, ldo, num_threads) -> status."""
@@ -147,7 +148,7 @@ def _expert_dims(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int, i
     """
     if gate_up.dim() == 3:
         experts, two_i, hidden = gate_up.shape
-        expected = (experts, hidden, two_i // 2)
+        expected: tuple[int, ...] = (experts, hidden, two_i // 2)
     else:
         experts, strips, pairs = gate_up.shape[:3]
         two_i, hidden = 16 * strips, 2 * pairs

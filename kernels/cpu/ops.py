@@ -10,6 +10,8 @@ library is built and loaded by `batchgen.kernels.cpu.library`.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from batchgen.kernels.cpu import library as cpu_kernels
@@ -294,8 +296,12 @@ def greedy_rows(logits: torch.Tensor) -> torch.Tensor | None:
     lib = cpu_kernels.load_library()
     if lib is None:
         return None
+    kernel = lib.greedy_rows
+    if kernel.argtypes is None:  # once per loaded library (ctypes would pass every argument as an int)
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        kernel.restype, kernel.argtypes = None, [ptr, i64, i64, i64, i32, ptr, i32]
     out = torch.empty(2, logits.shape[0], dtype=torch.int64)
-    lib.greedy_rows(
+    kernel(
         logits.data_ptr(),
         logits.shape[0],
         logits.shape[1],

@@ -33,6 +33,7 @@ after some answer text (dropping that text); here a row's thinking starts only a
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 
     from batchgen.engine.request import Request
     from batchgen.engine.structured import RequestGrammar
+
+logger = logging.getLogger(__name__)
 
 THINK_START, THINK_END = "<think>", "</think>"
 # Where a row's output starts: inside the thinking, in the answer, or (qwen3 with no think tag in
@@ -85,7 +88,9 @@ class ReasoningParser:
 
     Attributes:
         start_id / end_id: the ids of `<think>` and `</think>` when the tokenizer has both as
-            single tokens (then the split follows token ids), else None (it follows the text).
+            single tokens (then the split follows token ids), else None (it follows the text,
+            and a warning is logged: such a model is most likely not a reasoning model, and under
+            deepseek_r1 its every answer would be empty).
 
     Raises:
         ValueError: an unknown name, listing the known ones.
@@ -100,6 +105,8 @@ class ReasoningParser:
         both = start is not None and end is not None
         self.start_id: int | None = start if both else None
         self.end_id: int | None = end if both else None
+        if not both:
+            _warn_missing_tags(name, [t for t, i in ((THINK_START, start), (THINK_END, end)) if i is None])
 
     @property
     def by_tokens(self) -> bool:
@@ -125,6 +132,23 @@ class ReasoningParser:
         """A new request's state."""
         phase = self.start_phase(prompt_token_ids)
         return ReasoningState(self, phase, start=phase, answer_start=0 if phase == ANSWER else None)
+
+
+def _warn_missing_tags(name: str, missing: list[str]) -> None:
+    """Log once per parser that the model's tokenizer lacks think tags as tokens: such a model was
+    most likely not trained to think, and the parser's default then decides every row."""
+    consequence = (
+        "an output with no '</think>' is all reasoning: its text (the answer) is empty"
+        if name == "deepseek_r1"
+        else "an output that does not start with '<think>' is all answer (nothing is split off)"
+    )
+    logger.warning(
+        "reasoning_parser %r: the tokenizer has no %s token (is this a reasoning model?); the tags "
+        "are looked for in the text, and %s",
+        name,
+        " / ".join(repr(t) for t in missing),
+        consequence,
+    )
 
 
 def _single_token(tokenizer: Tokenizer, text: str) -> int | None:

@@ -107,6 +107,26 @@ def test_without_single_token_tags_the_parser_reads_text(tokenizer_dir):
     assert parser.start_phase(enc("Hi\n<think>\n\n</think>\n\n")) == ANSWER
 
 
+@pytest.mark.parametrize(
+    ("name", "consequence"),
+    [("deepseek_r1", "is all reasoning: its text (the answer) is empty"), ("qwen3", "is all answer")],
+)
+def test_without_think_tokens_the_parser_warns_once(tokenizer_dir, name, consequence, caplog):
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)  # SmolLM2's: no <think> token
+    with caplog.at_level("WARNING", logger="batchgen.engine.reasoning"):
+        ReasoningParser(name, tok)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert record.levelname == "WARNING" and message.startswith(f"reasoning_parser {name!r}:")
+    assert "no '<think>' / '</think>' token" in message and consequence in message
+
+
+def test_with_think_tokens_the_parser_does_not_warn(tokenizer, caplog):
+    with caplog.at_level("WARNING", logger="batchgen.engine.reasoning"):
+        ReasoningParser("deepseek_r1", tokenizer)
+    assert caplog.records == []
+
+
 def test_an_unknown_parser_is_refused_naming_the_option():
     with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
         EngineConfig(reasoning_parser="r1")

@@ -260,8 +260,8 @@ def run_job(
         if len(state.committed):
             dashboard.log(f"resuming: {len(state.committed)} rows already committed in {state.parts_dir}")
             dashboard.update(summary.rows_done, 0, None, None)  # progress starts from what is committed
-        # An empty input, or one whose rows were all committed before a crash stopped the final
-        # write, needs no model: loading one (a GGUF conversion on first use) would be wasted time.
+        # An input whose rows were all committed before a crash stopped the final write needs no
+        # model (an empty one stopped in JobReader): loading one (a GGUF conversion on first use) would be wasted time.
         nothing_left = total is not None and len(state.committed) >= total
         try:
             # Before the model loads: a metrics port in use stops the command with nothing started.

@@ -127,6 +127,19 @@ def test_damaged_parquet_input_is_named(tmp_path):
     assert r.exit_code == 2 and "is not a Parquet file" in r.stderr
 
 
+def test_an_input_without_rows_exits_2_before_the_model_in_every_format(tmp_path):
+    """An empty JSONL file and a 0-row Parquet file (columns but no rows) stop alike: exit 2, the
+    same message shape, no output and no model (NO_MODEL would fail to load)."""
+    (tmp_path / "e.jsonl").write_text("\n")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "e.parquet")
+    for name, what in [("e.jsonl", "no JSON lines"), ("e.parquet", "no rows")]:
+        src = tmp_path / name
+        r = invoke(str(src), "--model", NO_MODEL, "--output", str(tmp_path / f"out-{name}"))
+        assert r.exit_code == 2, r.output
+        assert f"{src} is empty ({what}): there is nothing to run; check the " in r.stderr
+        assert not (tmp_path / f"out-{name}").exists()
+
+
 def test_invalid_sampling_flags_exit_2_before_the_model(tmp_path):
     src = tmp_path / "j.jsonl"
     src.write_text('{"prompt": "hi"}\n')

@@ -74,6 +74,7 @@ class JobReader:
         self.format = detect_format(source)
         self._dataset: Any = None
         self.columns = self._read_columns()
+        self._refuse_empty()
         self.prompt_column: str | None = None
         self.messages_column: str | None = None
         self.id_column: str | None = None
@@ -107,6 +108,13 @@ class JobReader:
             first = next(iter(self._dataset), None)
             names = list(first) if first else []
         return list(names)
+
+    def _refuse_empty(self) -> None:
+        """An input with no rows stops the job here, before any model loads, as an empty JSONL file
+        does (`detect_format`): running it would load a model to write an empty output. A streamed
+        dataset whose size is not known runs (its rows are only counted by reading them)."""
+        if self.format not in ("jsonl", "openai") and self._count_rows() == 0:
+            raise JobInputError(f"{self.source} is empty (no rows): there is nothing to run; check the input")
 
     def _open_dataset(self) -> Any:
         import datasets

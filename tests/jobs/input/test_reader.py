@@ -411,6 +411,9 @@ def test_bad_sources(tmp_path):
         (tmp_path / name).write_text(text)
         with pytest.raises(JobInputError, match=r"is empty \(no JSON lines\): there is nothing to run"):
             JobReader(str(tmp_path / name))
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "e.parquet")
+    with pytest.raises(JobInputError, match=r"e.parquet is empty \(no rows\): there is nothing to run"):
+        JobReader(str(tmp_path / "e.parquet"))
     (tmp_path / "bad.jsonl").write_text("not json\n")
     with pytest.raises(JobInputError, match="has no valid JSON object line in its first") as plain:
         JobReader(str(tmp_path / "bad.jsonl"))

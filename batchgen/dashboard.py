@@ -45,6 +45,11 @@ def format_duration(seconds: float | None) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+def counted(count: int, noun: str) -> str:
+    """ "1 row" / "2 rows": `count` and the English noun, plural (an added "s") unless it is 1."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 class Dashboard:
     """Shows a job's progress and the engine's state, and prints the final summary.
 
@@ -220,7 +225,7 @@ class Dashboard:
             if t.spec_decode_num_draft_tokens
             else "-",
             # Structured outputs: requests, distinct constraints compiled and their compile time.
-            "structured": f"{t.structured_requests} rows, {t.grammars_compiled} grammars compiled "
+            "structured": f"{counted(t.structured_requests, 'row')}, {counted(t.grammars_compiled, 'grammar')} compiled "
             f"in {t.grammar_compile_s:.2f} s"
             if t.structured_requests
             else "-",
@@ -303,8 +308,8 @@ class Dashboard:
         ]
         if summary.structured_rows:
             lines.append(
-                f"structured outputs: {summary.structured_rows} rows, {summary.grammars_compiled} distinct "
-                f"constraints compiled in {summary.grammar_compile_s:.2f} s (ahead of admission); token "
+                f"structured outputs: {counted(summary.structured_rows, 'row')}, "
+                f"{counted(summary.grammars_compiled, 'distinct constraint')} compiled in {summary.grammar_compile_s:.2f} s (ahead of admission); token "
                 f"masks {summary.mask_time_s:.2f} s of the steps' {summary.step_time_s:.1f} s "
                 f"({100 * summary.mask_time_s / summary.step_time_s if summary.step_time_s else 0:.1f}%)"
             )

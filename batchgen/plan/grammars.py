@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.config import EngineConfig
+from batchgen.dashboard import counted
 from batchgen.jobs.options import flag_hint
 from batchgen.sampling_params import StructuredOutputsParams
 
@@ -57,12 +58,12 @@ class GrammarReport:
 
     def lines(self) -> list[str]:
         """What `batchgen plan` prints of the constraints."""
-        fails = (
-            f"{self.error_rows} rows' constraint fails (error rows in run):"
-            if self.error_rows
-            else "all compile"
-        )
-        head = f"structured outputs: {self.rows} rows, {self.distinct} distinct constraints, compiled in "
+        fails = {
+            0: "all compile",
+            1: "1 row's constraint fails (an error row in run):",
+        }.get(self.error_rows, f"{self.error_rows} rows' constraints fail (error rows in run):")
+        rows, distinct = counted(self.rows, "row"), counted(self.distinct, "distinct constraint")
+        head = f"structured outputs: {rows}, {distinct}, compiled in "
         return [f"{head}{self.compile_s:.2f} s; {fails}", *(f"  {e}" for e in self.errors)]
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 from rich.console import Console
 
-from batchgen.dashboard import Dashboard, format_duration, sparkline
+from batchgen.dashboard import Dashboard, counted, format_duration, sparkline
 from batchgen.engine.stats import EngineTotals, StepStats
 from batchgen.jobs.runner import JobSummary
 
@@ -113,6 +113,27 @@ def test_plain_lines_without_a_terminal():
         "throughput: 14.0 generated tok/s and 100.00 rows/s while generating; 3.5 tok/s over the whole run"
         in summary
     )
+
+
+@pytest.mark.parametrize(
+    ("rows", "distinct", "said"),
+    [
+        (1, 1, "1 row, 1 distinct constraint compiled in"),
+        (3, 2, "3 rows, 2 distinct constraints compiled in"),
+    ],
+)
+def test_the_summary_counts_structured_rows_in_words_of_their_number(rows, distinct, said):
+    console = Console(file=io.StringIO(), width=200)
+    d = Dashboard(rows, live=False, console=console, stream=io.StringIO(), interval=0.0)
+    d.start()
+    d._stopped = d._start + 1.0
+    d.print_summary(
+        JobSummary(
+            "o.parquet", rows, rows_ok=rows, structured_rows=rows, grammars_compiled=distinct, wall_s=1.0
+        )
+    )
+    assert f"structured outputs: {said} " in console.file.getvalue()
+    assert [counted(n, "row") for n in (0, 1, 2)] == ["0 rows", "1 row", "2 rows"]
 
 
 def test_an_interrupted_runs_summary_counts_the_tokens_of_unfinished_rows_and_says_they_are_redone():

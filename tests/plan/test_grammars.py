@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from batchgen.jobs.runner import JobOptions, default_engine_factory, run_job
+from batchgen.plan.grammars import GrammarReport
 from batchgen.plan.job_plan import format_plan, plan_job
 from tests.jobs.real_engine import quiet
 
@@ -76,7 +77,19 @@ def test_plan_compiles_each_distinct_constraint_and_lists_the_bad(tmp_path, tiny
     text = format_plan(plan)
     assert text.startswith(f"job: {src} (model ") and ", quantization auto)" in text.splitlines()[0]
     assert "structured outputs: 4 rows, 3 distinct constraints, compiled in " in text
-    assert "2 rows' constraint fails (error rows in run):" in text
+    assert "2 rows' constraints fail (error rows in run):" in text
+
+
+def test_the_plan_lines_count_in_words_of_their_number():
+    one = GrammarReport(rows=1, distinct=1, compile_s=0.5, error_rows=1, errors=["row 0: bad"])
+    assert one.lines() == [
+        "structured outputs: 1 row, 1 distinct constraint, compiled in 0.50 s; "
+        "1 row's constraint fails (an error row in run):",
+        "  row 0: bad",
+    ]
+    assert GrammarReport(rows=2, distinct=2).lines() == [
+        "structured outputs: 2 rows, 2 distinct constraints, compiled in 0.00 s; all compile"
+    ]
 
 
 def test_the_plan_command_compiles_in_its_child(tmp_path, tiny_model_dir):

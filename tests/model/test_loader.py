@@ -453,6 +453,23 @@ def test_unreadable_gguf_is_named_with_the_fix(tmp_path):
     assert [p.name for p in (cache / "models").iterdir()] == [".digests"]  # the file's digest only
 
 
+def test_an_unreadable_gguf_error_ending_in_a_period_is_said_with_one(tmp_path, monkeypatch):
+    """Libraries end some messages with a period (transformers' "... so it is not a GGUF file."):
+    the error adds its own sentence after one period, not two."""
+    import gguf
+
+    def refuse(path, *args, **kwargs):
+        raise ValueError(f"{path} does not start with the GGUF magic bytes, so it is not a GGUF file.")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file")
+    with pytest.raises(ModelNotFoundError) as caught:
+        resolve_model(str(fake), cache_dir=tmp_path / "cache")
+    assert str(caught.value).endswith("so it is not a GGUF file. Download it again, or pass another model")
+    assert ".." not in str(caught.value)
+
+
 @pytest.mark.slow
 def test_a_conversion_parses_the_gguf_file_once_and_writes_the_same_model(default_model_dir, tmp_path):
     """transformers asks for the file three times (config, weights, tokenizer) and for gguf's

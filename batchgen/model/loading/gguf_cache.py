@@ -273,8 +273,10 @@ def _read_metadata(gguf: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _unreadable(gguf: Path, error: Exception) -> ModelNotFoundError:
+    # The library's message may end in a period of its own (transformers' "... not a GGUF file.").
+    why = str(error).rstrip().rstrip(".")
     return ModelNotFoundError(
-        f"{gguf} is not a readable GGUF file (truncated or damaged?): {type(error).__name__}: {error}. "
+        f"{gguf} is not a readable GGUF file (truncated or damaged?): {type(error).__name__}: {why}. "
         "Download it again, or pass another model"
     )
 

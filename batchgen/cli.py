@@ -40,7 +40,7 @@ app = typer.Typer(
 
 
 @app.callback()
-def main() -> None:
+def main(version: opt.Version = False) -> None:
     """batchgen: offline LLM batch inference with continuous batching over a paged KV cache."""
 
 

@@ -63,6 +63,22 @@ def memory_size(text: str) -> int:
 
 
 # --- sampling defaults of `batchgen run` (row columns override; `SamplingDefaults` holds the defaults) ---
+def _print_version(value: bool) -> None:
+    """`--version`: "batchgen <version>" (the installed distribution's, from its metadata), exit 0."""
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"batchgen {version('batchgen')}")
+        raise typer.Exit()
+
+
+# `batchgen --version` (an option of the app itself, read before any command).
+Version = Annotated[
+    bool,
+    typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="Print batchgen's version and exit."
+    ),
+]
 MaxTokens = Annotated[int | None, typer.Option(help="Most tokens generated per row")]
 Temperature = Annotated[float, typer.Option(help="0 = greedy")]
 TopP = Annotated[float, typer.Option()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,18 @@ def test_help_runs_through_the_console_entry_point() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "run" in proc.stdout and "bench" in proc.stdout
+
+
+def test_version_prints_the_installed_version_and_exits_0() -> None:
+    from importlib.metadata import version
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchgen", "--version"], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    declared = re.search(r'^version = "(.+)"', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert declared and version("batchgen") == declared.group(1)  # the metadata of this checkout's
+    assert proc.stdout == f"batchgen {declared.group(1)}\n"
 
 
 def test_plan_help_lists_only_the_options_that_change_a_plan() -> None:

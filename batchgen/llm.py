@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -104,7 +104,8 @@ class LLM:
             priority: one priority per prompt, as vLLM's (lower is served first by the "priority"
                 policy); it replaces each prompt's `SamplingParams.priority`.
 
-        A prompt that cannot run (too long for the model, an invalid token id) does not raise: its
+        A prompt that cannot run (too long for the model, an invalid token id, a chat message whose
+        role is not a chat role, worded as a job file row's error) does not raise: its
         output has `finish_reason="error"` and the message in `error`. With `n` > 1 a prompt's
         output holds n completions (`outputs[i].index == i`).
 
@@ -112,7 +113,7 @@ class LLM:
             ValueError: the number of sampling params or priorities does not match the number of
                 prompts, or a sampling field is out of range.
             TypeError: `sampling_params` is neither a `SamplingParams` nor a list of them, or
-                `prompts` is bytes.
+                `prompts` is bytes, None or another value that is neither a prompt nor a list of them.
             Whatever interrupts the loop (KeyboardInterrupt, an engine error) after this call's
             requests are aborted, so the engine is left empty for the next call.
         """
@@ -157,10 +158,17 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     list of one.
 
     Raises:
-        TypeError: bytes, which iterate as ints, never what was meant.
+        TypeError: bytes, which iterate as ints, never what was meant; None or another value that
+            is not one of the accepted forms, listing them.
     """
     if isinstance(prompts, bytes | bytearray):
         raise TypeError("prompts must be text, not bytes: decode them first (prompts.decode())")
+    if not isinstance(prompts, Iterable):  # None, a number: Python's own error names neither
+        raise TypeError(
+            "prompts must be a string, a list of chat messages ([{'role': 'user', 'content': ...}]), "
+            "a {'prompt_token_ids': [...]} or {'prompt': ...} dict, or a list of these; "
+            f"got {type(prompts).__name__}"
+        )
     if isinstance(prompts, str | dict) or (
         isinstance(prompts, list) and prompts and isinstance(prompts[0], dict) and "role" in prompts[0]
     ):

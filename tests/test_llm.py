@@ -109,3 +109,37 @@ def test_chat_and_priority_as_in_vllm(tiny_model_dir):
     assert served == [1, 2, 0]
     with pytest.raises(ValueError, match="priority"):
         llm.generate(prompts, params, priority=[1])
+
+
+def test_prompts_of_no_accepted_form_are_refused_naming_the_forms(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", num_threads=1)
+    for value, kind in [(None, "NoneType"), (5, "int")]:
+        with pytest.raises(TypeError) as caught:
+            llm.generate(value, SamplingParams(max_tokens=2))
+        message = str(caught.value)
+        assert message.startswith("prompts must be a string, a list of chat messages") and message.endswith(
+            f"or a list of these; got {kind}"
+        )
+        assert "{'prompt_token_ids': [...]}" in message
+
+
+def test_an_unknown_chat_role_is_an_error_output_worded_as_a_job_rows(tiny_model_dir, tmp_path):
+    """The role check of job files (`check_messages`) applies to `generate`'s message lists: the
+    request fails alone with the job row's message (behind the engine's "invalid prompt: ")."""
+    import json
+
+    from batchgen.jobs.input.reader import JobReader
+
+    wizard = [{"role": "wizard", "content": "hi"}]
+    job = tmp_path / "job.jsonl"
+    job.write_text(json.dumps({"messages": wizard}) + "\n")
+    (row,) = JobReader(str(job))
+    prefix = "row 0 (line 1): "
+    assert row.error.startswith(prefix) and "'wizard', not a chat role" in row.error
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", num_threads=1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    bad, good = llm.generate([wizard, [{"role": "user", "content": "hi"}]], params)
+    assert bad.outputs[0].finish_reason == "error"
+    assert bad.error == "invalid prompt: " + row.error[len(prefix) :]
+    assert good.outputs[0].finish_reason == "length" and len(good.outputs[0].token_ids) == 2

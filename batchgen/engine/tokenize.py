@@ -22,7 +22,8 @@ def encode_prompt(
     length: token ids must lie below both, or the model's embedding lookup would fail.
 
     Raises:
-        ValueError: an empty prompt, empty message list, or token ids outside the vocabulary.
+        ValueError: an empty prompt, empty message list, a message role not in CHAT_ROLES
+            (`role_error`), or token ids outside the vocabulary.
         TypeError: a prompt of another type, or a malformed message.
     """
     text, ids = _encode(tokenizer, prompt)
@@ -94,6 +95,8 @@ def _encode(
         for i, message in enumerate(prompt):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {message!r:.80}")
+            if err := role_error(message["role"], f"messages[{i}].role"):
+                raise ValueError(err)
             content = content_text(message["content"])
             if content is None:
                 raise TypeError(
@@ -111,6 +114,20 @@ def _encode(
     if prompt is None:
         raise ValueError("the prompt is null: give a string, chat messages or token ids")
     raise TypeError(f"a prompt must be a string, a list of messages or a dict, got {type(prompt).__name__}")
+
+
+# The roles of OpenAI's chat API (and Llama 3's "ipython"): a chat template renders any string it is
+# given, so a typo such as "usr" would quietly make every prompt of a job a malformed one.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
+def role_error(role: object, field: str) -> str | None:
+    """The error for a chat message's role that is not one of CHAT_ROLES, naming `field` (such as
+    "messages[0].role") and the roles to use; None for a known role. Job rows
+    (`batchgen.jobs.input.formats.check_messages`) and `LLM.generate`'s prompts share it."""
+    if role in CHAT_ROLES:
+        return None
+    return f"field '{field}' is {role!r}, not a chat role; use one of {', '.join(CHAT_ROLES)}"
 
 
 def content_text(content: object) -> str | None:

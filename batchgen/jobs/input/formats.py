@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from batchgen.engine.tokenize import content_text
+from batchgen.engine.tokenize import content_text, role_error
 from batchgen.jobs.errors import JobInputError
 
 FORMATS_HELP = (
@@ -248,11 +248,6 @@ def text_error(text: str, field: str) -> str | None:
     return f"field '{field}' {LONE_SURROGATE}, which is not valid Unicode; fix or remove that escape"
 
 
-# The roles of OpenAI's chat API (and Llama 3's "ipython"): a chat template renders any string it is
-# given, so a typo such as "usr" would quietly make every prompt of a job a malformed one.
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
-
-
 def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]:
     """Validate chat messages: a non-empty list of {"role": str, "content": str or text parts}.
 
@@ -284,10 +279,8 @@ def check_messages(value: Any, col: str) -> tuple[list[dict] | None, str | None]
                 f"field '{col}[{i}]' must be an object with a string 'role' and a 'content' that is a "
                 'string or a list of {"type": "text", "text": ...} parts (text only)'
             )
-        if m["role"] not in CHAT_ROLES:
-            return None, (
-                f"field '{col}[{i}].role' is {m['role']!r}, not a chat role; use one of {', '.join(CHAT_ROLES)}"
-            )
+        if err := role_error(m["role"], f"{col}[{i}].role"):
+            return None, err
         if err := text_error(text, f"{col}[{i}]"):
             return None, err
         out.append({"role": m["role"], "content": text})

@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from batchgen.model.flat_step import flatten_step
-from batchgen.model.runner import ModelRunner, finite_rows
-from batchgen.model.sampler import SamplingBatch
+from batchgen.model.runner import ModelRunner, finite_rows, sampling_batch
 from batchgen.model.step import StepInput, StepOutput
 
 
@@ -104,14 +103,7 @@ class StepLauncher:
         runner = self.runner
         input_ids, positions, meta, logits_indices = flatten_step(seqs, runner.block_size, runner.device)
         sampled = [s for s in seqs if s.sample]
-        batch = SamplingBatch(
-            temperatures=[s.temperature for s in sampled],
-            top_ks=[s.top_k for s in sampled],
-            top_ps=[s.top_p for s in sampled],
-            min_ps=[s.min_p for s in sampled],
-            generators=[s.generator for s in sampled],
-            banned_token_ids=[s.banned_token_ids for s in sampled],
-        )
+        batch = sampling_batch(sampled)
         if fill is not None and previous is not None:
             rows = torch.from_numpy(fill[0]).to(runner.device)
             sources = torch.from_numpy(fill[1]).to(runner.device)

@@ -1,14 +1,13 @@
 """ModelRunner: a scheduler decision in, sampled token ids (and scored prompt rows) out.
 
-Owns the model, the paged KV cache (and its CPU swap space) and the sampler. It flattens a step into
-one token batch with no padding: `input_ids[T]`, `positions[T]`, `slot_mapping[T]`,
-`block_tables[B, max_blocks]` and per-sequence query and context lengths.
+Owns the model, the paged KV cache (and its CPU swap space, `kv_cache`) and the sampler. It
+flattens a step into one token batch: `input_ids[T]`, `positions[T]`, `slot_mapping[T]`,
+`block_tables[B, max_blocks]` and per-sequence query and context lengths (a step of decodes only
+padded to a bucket where asked: `decode_buffers`).
 """
 
 from __future__ import annotations
 
-import math
-import mmap
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -22,6 +21,7 @@ from batchgen.model.decode_buffers import DecodeBuffers
 from batchgen.model.families import model_class
 from batchgen.model.flat_step import flatten_step
 from batchgen.model.kernel_choice.choice import KernelChoice, apply_kernels
+from batchgen.model.kv_cache import allocate_kv_caches, allocate_swap_caches
 from batchgen.model.layers import attention_heads
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.quantization import Quantization
@@ -30,46 +30,6 @@ from batchgen.model.step import StepInput, StepOutput
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-
-def allocate_kv_caches(
-    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zero-filled (K, V) caches of `shape` `[num_blocks, block_size, Hkv, D]` for each layer.
-
-    Zeros, so that padded block-table entries read finite values. On CPU all layers share one
-    anonymous memory map: the kernel hands out zero pages and commits memory only when a block is
-    first written, so a job that uses 40% of the cache adds about 40% of it to the resident set
-    (`torch.zeros` would write, and so commit, every page up front).
-    """
-    if device.type != "cpu":
-        return [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
-    per_cache = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    per_cache += -per_cache % 64  # keep every cache 64-byte aligned (the gather reads int64 words)
-    memory = torch.frombuffer(mmap.mmap(-1, 2 * num_layers * per_cache), dtype=torch.uint8)
-    numel = math.prod(shape)
-
-    def view(i: int) -> torch.Tensor:
-        return memory[i * per_cache : (i + 1) * per_cache].view(dtype)[:numel].view(shape)
-
-    return [(view(2 * layer), view(2 * layer + 1)) for layer in range(num_layers)]
-
-
-def allocate_swap_caches(
-    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """CPU (K, V) swap caches of `shape` `[num_swap_blocks, block_size, Hkv, D]` for each layer
-    (pinned when `device` is CUDA, so copies to and from it are asynchronous); none without blocks."""
-    if not shape[0]:
-        return []
-    pin = device.type == "cuda"
-    return [
-        (torch.empty(shape, dtype=dtype, pin_memory=pin), torch.empty(shape, dtype=dtype, pin_memory=pin))
-        for _ in range(num_layers)
-    ]
 
 
 class ModelRunner:
@@ -285,15 +245,7 @@ class ModelRunner:
         """Sample `logits` `[len(sampled), vocab]` (modified in place): (token ids, finite flags,
         the raw logits of the rows that asked for log probabilities or None, those rows, seconds
         of token masks), the ids and flags read in the step's one copy to the host."""
-        batch = SamplingBatch(
-            temperatures=[s.temperature for s in sampled],
-            top_ks=[s.top_k for s in sampled],
-            top_ps=[s.top_p for s in sampled],
-            min_ps=[s.min_p for s in sampled],
-            generators=[s.generator for s in sampled],
-            banned_token_ids=[s.banned_token_ids for s in sampled],
-            penalties=[s.penalty for s in sampled],
-        )
+        batch = sampling_batch(sampled)
         masked = any(s.token_mask is not None for s in sampled)
         # Greedy rows with nothing to change their logits: argmax and the finite check in one pass.
         stacked = None if masked else self.sampler.greedy_rows(logits, batch)
@@ -342,6 +294,19 @@ class ModelRunner:
             out.append(found[at : at + len(s.scored.targets)])
             at += len(s.scored.targets)
         return out
+
+
+def sampling_batch(sampled: list[StepInput]) -> SamplingBatch:
+    """The sampler's settings of `sampled`, a `StepInput` per sampled row."""
+    return SamplingBatch(
+        temperatures=[s.temperature for s in sampled],
+        top_ks=[s.top_k for s in sampled],
+        top_ps=[s.top_p for s in sampled],
+        min_ps=[s.min_p for s in sampled],
+        generators=[s.generator for s in sampled],
+        banned_token_ids=[s.banned_token_ids for s in sampled],
+        penalties=[s.penalty for s in sampled],
+    )
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.model.runner import allocate_kv_caches
+from batchgen.model.kv_cache import allocate_kv_caches
 
 STATM = Path("/proc/self/statm")
 

@@ -466,10 +466,13 @@ def no_engine(config):
 
 
 def test_empty_job_needs_no_engine(tmp_path):
+    """A job without rows stops before any engine (`no_engine` fails if asked), as an empty JSONL
+    file does, and writes nothing."""
     path = tmp_path / "e.parquet"
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
-    s = run_job(JobOptions(str(path)), no_engine, dashboard=quiet())
-    assert s.complete and pq.read_table(tmp_path / "e.out.parquet").num_rows == 0
+    with pytest.raises(JobInputError, match=r"is empty \(no rows\): there is nothing to run"):
+        run_job(JobOptions(str(path)), no_engine, dashboard=quiet())
+    assert not (tmp_path / "e.out.parquet").exists()
 
 
 def test_a_crash_before_the_final_write_resumes_without_an_engine(tmp_path, monkeypatch):

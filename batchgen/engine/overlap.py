@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from batchgen.engine.detokenizer import check_stop
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler_output import SchedulerOutput
 from batchgen.engine.stats import StepPhases
@@ -195,23 +194,18 @@ class OverlappedSteps:
             reason: str | None
             if error is not None:
                 r.error, reason = error, "error"
+                r.num_computed_tokens = len(r.token_ids)
             else:
-                r.token_ids.append(sampled.token_ids[row])
+                reason = e.scheduler.append_token(r, sampled.token_ids[row], now)
                 flight.sched.num_output_tokens += 1
-                if r.first_token_time is None:
-                    r.first_token_time = now
-                reason = check_stop(r, e.scheduler.tokenizer, e.scheduler.max_model_len)
-            r.num_computed_tokens = len(r.token_ids) - (0 if reason == "error" else 1)
             if reason is None:
                 continue
-            e.scheduler.running.remove(r)
-            r.status = RequestStatus.FINISHED
-            r.finish_reason, r.finish_time = reason, now
+            # The next step still writes into its blocks when it is in that step: freed after it.
+            in_next_step = id(r) in in_next
+            e.scheduler.finish(r, reason, now, free_blocks=not in_next_step)
             self.sync_only.discard(r.request_id)
-            if id(r) in in_next:  # the next step writes its K/V still: freed once that one is done
+            if in_next_step:
                 self.in_flight.free_after.append(r)  # type: ignore[union-attr]
-            else:
-                e.block_manager.free(r)
             finished.append(r)
         for r in flight.free_after:
             e.block_manager.free(r)

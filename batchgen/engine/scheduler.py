@@ -295,7 +295,7 @@ class Scheduler:
                 continue
             before = len(r.token_ids)
             if errors is None and not item.spec_token_ids and r.appends_plainly:
-                reason = self._append_one(r, token_ids[at], now)
+                reason = self.append_token(r, token_ids[at], now)
                 at += 1
                 out.num_output_tokens += 1
             else:
@@ -314,10 +314,10 @@ class Scheduler:
             if item.spec_token_ids:
                 self.block_manager.free_tail(r, r.num_computed_tokens)
             if reason is not None:
-                finished.append(self._finish(r, reason, now))
+                finished.append(self.finish(r, reason, now))
         return finished
 
-    def _append_one(self, r: Request, token: int, now: float) -> str | None:
+    def append_token(self, r: Request, token: int, now: float) -> str | None:
         """`_append` for a request that `appends_plainly`: one sampled token (no drafts, no error): the
         decode fast path, one call a running request a step."""
         r.token_ids.append(token)
@@ -362,12 +362,14 @@ class Scheduler:
         r.num_computed_tokens = len(r.token_ids) - (0 if reason == "error" else 1)
         return reason
 
-    def _finish(self, request: Request, reason: str, now: float) -> Request:
-        """Drop a finished request from the running queue and release its blocks."""
+    def finish(self, request: Request, reason: str, now: float, free_blocks: bool = True) -> Request:
+        """Drop a finished request from the running queue and release its blocks (unless
+        `free_blocks` is False: a step still in flight writes into them, `engine.overlap`)."""
         if self.shadow is not None:
             self.shadow.drop(request.request_id)
         self.running.remove(request)
-        self.block_manager.free(request)
+        if free_blocks:
+            self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.finish_time = reason, now
         return request

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from batchgen.model.flat_step import flatten_step
-from batchgen.model.runner import ModelRunner, finite_rows, sampling_batch
+from batchgen.model.runner import ModelRunner, finite_rows, logit_errors, sampling_batch
 from batchgen.model.step import StepInput, StepOutput
 
 
@@ -26,13 +26,15 @@ class LaunchedStep:
     """A step queued on the device thread.
 
     Attributes:
+        seqs: its sequences (their positions name a NaN row's error).
         num_rows: its sampled rows (one per sequence: launched steps have no drafts).
         launched_at: `perf_counter` seconds when it was queued.
     """
 
-    def __init__(self, future: Future[torch.Tensor], num_rows: int, prepare_s: float) -> None:
+    def __init__(self, future: Future[torch.Tensor], seqs: list[StepInput], prepare_s: float) -> None:
         self._future = future
-        self.num_rows = num_rows
+        self.seqs = seqs
+        self.num_rows = sum(s.sample for s in seqs)
         self.prepare_s = prepare_s
         self.launched_at = time.perf_counter()
 
@@ -44,22 +46,12 @@ class LaunchedStep:
 
     def result(self) -> StepOutput:
         """Wait for the step and copy its sampled ids to the host (the step's one copy); a row whose
-        logits were NaN or infinite gets an error, as `ModelRunner.execute` gives it. `forward_s` is
+        logits were NaN or infinite gets `ModelRunner.execute`'s error (`logit_errors`). `forward_s` is
         the time the host waited."""
         began = time.perf_counter()
         token_ids, finite = self.sampled().tolist()
         waited = time.perf_counter() - began
-        errors = (
-            None
-            if all(finite)
-            else [
-                None
-                if ok
-                else "the model produced NaN or infinite logits (a numerical overflow in this "
-                "dtype, or damaged weights); try dtype bfloat16 or float32"
-                for ok in finite
-            ]
-        )
+        errors = logit_errors(finite, self.seqs)
         return StepOutput(
             token_ids, [None] * len(token_ids), errors, prepare_s=self.prepare_s, forward_s=waited
         )
@@ -120,7 +112,7 @@ class StepLauncher:
             finite = finite_rows(logits)
             return torch.stack([runner.sampler(logits, batch), finite.to(torch.int64)])
 
-        return LaunchedStep(self._device.submit(run), len(sampled), prepare_s)
+        return LaunchedStep(self._device.submit(run), seqs, prepare_s)
 
     def shutdown(self) -> None:
         """Let the queued steps finish and stop the device thread."""

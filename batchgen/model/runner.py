@@ -220,7 +220,7 @@ class ModelRunner:
                 [], [], scored=scored, prepare_s=prepared - began, forward_s=forwarded - prepared
             )
         token_ids, finite_flags, raw, asked, mask_time = self._sample(logits, sampled)
-        errors = _logit_errors(finite_flags, seqs)
+        errors = logit_errors(finite_flags, seqs)
         logprobs: list[SampleLogprobs | None] = [None] * len(token_ids)
         if raw is not None:
             found = sample_logprobs(
@@ -314,7 +314,7 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     logits' device (no copy to the host: the step reads it with the sampled ids).
 
     A NaN or infinite logit (an overflow in float16, a bad weight) would be sampled as some token
-    and the text would go on as if nothing happened: such a row fails instead (`_logit_errors`).
+    and the text would go on as if nothing happened: such a row fails instead (`logit_errors`).
     A row sum finds them in one cheap pass (a full isfinite mask, or a float32 accumulation of
     bf16 logits, costs 4-7x more on a CPU: see docs/benchmarks.md): a NaN or infinity makes it NaN
     or infinite, and finite float32 or bfloat16 logits cannot overflow it (their range reaches
@@ -326,7 +326,7 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits.sum(dim=-1))
 
 
-def _logit_errors(finite: list[int], seqs: list[StepInput]) -> list[str | None] | None:
+def logit_errors(finite: list[int], seqs: list[StepInput]) -> list[str | None] | None:
     """Per sampled row, why its logits cannot be sampled (NaN or infinite), from `finite_rows`'
     flags (1 finite, 0 not) on the host, or None when every row is fine."""
     if all(finite):

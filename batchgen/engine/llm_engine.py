@@ -346,7 +346,7 @@ class LLMEngine:
         self.runner.swap_out(sched.swap_out)
         self.runner.swap_in(sched.swap_in)
         inputs_began = time.perf_counter()
-        inputs = step_inputs(sched)
+        inputs = step_inputs(sched, persistent=self.overlap is None)
         inputs_s = time.perf_counter() - inputs_began
         sampled = self.runner.execute(inputs) if sched.scheduled else StepOutput([], [])
         now = time.perf_counter()

@@ -11,6 +11,8 @@ from batchgen.sampling_params import SamplingParams
 if TYPE_CHECKING:  # only a type here: the scheduler and block manager run without torch (`batchgen plan`)
     import torch
 
+    from batchgen.model.step import StepInput
+
 
 class Matcher(Protocol):
     """A structured request's grammar matcher as the scheduler and runner use it
@@ -88,6 +90,8 @@ class Request:
             reasoning parser), else None.
         reasoning: where the output is in its thinking and answer, with a reasoning parser
             (`batchgen.engine.reasoning.ReasoningState`), else None.
+        decode_input: the `StepInput` of this request's plain decodes, kept between steps and
+            updated in place (`step_inputs.step_inputs(..., persistent=True)`), else None.
     """
 
     request_id: str
@@ -120,6 +124,7 @@ class Request:
     wait_for: Request | None = None
     grammar: Matcher | None = None
     reasoning: Reasoning | None = None
+    decode_input: StepInput | None = field(default=None, repr=False)
     output_text: str = ""
     _detok_prefix_offset: int = 0
     _detok_read_offset: int = 0

@@ -21,13 +21,13 @@ import sys
 import time
 from collections import deque
 
+from batchgen.engine.appending import append_sampled
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.detokenizer import check_stop
 from batchgen.engine.policy import Policy
 from batchgen.engine.request import Request, RequestStatus
 from batchgen.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from batchgen.engine.spec_decode import NgramProposer, ShadowDrafts, accepted_tokens, draft_with_slots
-from batchgen.engine.structured_check import grammar_refused
+from batchgen.engine.spec_decode import NgramProposer, ShadowDrafts, draft_with_slots
 from batchgen.model.loading.tokenizer import Tokenizer
 from batchgen.model.step import StepOutput
 
@@ -126,6 +126,7 @@ class Scheduler:
             self.shadow.propose(self.running)
         slots_held = self.block_manager.block_size  # tokens a block holds
         i = 0
+        num_plain_decodes = 0  # steps of these only skip the sort below
         while i < len(queue) and budget > 0:
             request = queue[i]
             i += 1
@@ -138,6 +139,7 @@ class Scheduler:
                 # The usual decode: its slot is in a block it holds already (no allocation).
                 out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, 1, samples=True))
                 budget -= 1
+                num_plain_decodes += 1
                 continue
             num_new = min(uncomputed, budget)
             if speculate and uncomputed == 1:
@@ -165,8 +167,10 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
                 budget -= num_new
-        # The running requests this step reached no budget for stay running, unscheduled.
-        self.running = [r for r in queue if r.status is RequestStatus.RUNNING]
+        # The running requests this step reached no budget for stay running, unscheduled (the
+        # preempted ones were taken out of `queue`, which is `self.running`).
+        if out.preempted:
+            self.running = [r for r in queue if r.status is RequestStatus.RUNNING]
 
         # Swapped and waiting requests are admitted only when nothing was preempted this step;
         # otherwise the freed blocks would be fought over in the same step.
@@ -176,7 +180,9 @@ class Scheduler:
                 self._admit_waiting(out, budget)
 
         # Decodes first: the attention backends expect them at the front of the flat batch.
-        out.scheduled.sort(key=_prefill_last)
+        out.plain_decodes = len(out.scheduled) == num_plain_decodes
+        if not out.plain_decodes:
+            out.scheduled.sort(key=_prefill_last)
         self.step_index += 1
         return out
 
@@ -276,6 +282,8 @@ class Scheduler:
         """
         now = time.perf_counter() if now is None else now
         scheduled_at = now if scheduled_at is None else scheduled_at
+        if out.plain_decodes and sampled.errors is None and sampled.scored is None and self.shadow is None:
+            return self._update_decodes(out, sampled, scheduled_at, now)
         finished: list[Request] = []
         token_ids, errors = sampled.token_ids, sampled.errors
         errors_or_none = errors or [None] * len(token_ids)
@@ -304,7 +312,7 @@ class Scheduler:
                     zip(token_ids[at:end], sampled.logprobs[at:end], errors_or_none[at:end], strict=True)
                 )
                 at = end
-                reason = self._append(item, samples, out, now)
+                reason = append_sampled(item, samples, out, now, self.tokenizer, self.max_model_len)
             if self.shadow is not None:
                 settled, produced = self.shadow.check(r, r.token_ids[before:])
                 out.num_shadow_drafts += settled
@@ -317,49 +325,41 @@ class Scheduler:
                 finished.append(self.finish(r, reason, now))
         return finished
 
+    def _update_decodes(
+        self, out: SchedulerOutput, sampled: StepOutput, scheduled_at: float, now: float
+    ) -> list[Request]:
+        """`update` for a step of plain decodes only (`SchedulerOutput.plain_decodes`: one token
+        each, no drafts) with no errors, scored rows or shadow drafts: the usual step, one pass.
+        A request that needs more than appending (log probabilities, a grammar, a reasoning
+        parser) takes `append_sampled`."""
+        finished: list[Request] = []
+        caching = self.block_manager.enable_prefix_caching
+        block_size = self.block_manager.block_size
+        for row, (item, token) in enumerate(zip(out.scheduled, sampled.token_ids, strict=True)):
+            r = item.request
+            if r.first_scheduled_time is None:  # a one-token prompt's first step
+                r.first_scheduled_time = scheduled_at
+            if r.appends_plainly:
+                reason = self.append_token(r, token, now)
+                out.num_output_tokens += 1
+            else:
+                reason = append_sampled(
+                    item, [(token, sampled.logprobs[row], None)], out, now, self.tokenizer, self.max_model_len
+                )
+            if caching and r.num_computed_tokens >= (len(r.block_hashes) + 1) * block_size:
+                self.block_manager.cache_full_blocks(r)  # a block filled up
+            if reason is not None:
+                finished.append(self.finish(r, reason, now))
+        return finished
+
     def append_token(self, r: Request, token: int, now: float) -> str | None:
-        """`_append` for a request that `appends_plainly`: one sampled token (no drafts, no error): the
+        """`append_sampled` for a request that `appends_plainly`: one sampled token (no drafts, no error): the
         decode fast path, one call a running request a step."""
         r.token_ids.append(token)
         if r.first_token_time is None:
             r.first_token_time = now
         reason = check_stop(r, self.tokenizer, self.max_model_len)
         r.num_computed_tokens = len(r.token_ids) - 1
-        return reason
-
-    def _append(
-        self, item: ScheduledRequest, samples: list[tuple], out: SchedulerOutput, now: float
-    ) -> str | None:
-        """Append a sampling request's kept tokens one at a time, checking the stop conditions
-        after each, and set its computed tokens; returns the finish reason, or None."""
-        r = item.request
-        drafts = item.spec_token_ids
-        kept = accepted_tokens(drafts, [t for t, _, _ in samples]) if drafts else [samples[0][0]]
-        out.num_accepted_tokens += len(kept) - 1
-        reason = None
-        for token, logprobs, error in samples[: len(kept)]:
-            if error is not None:  # no valid token: the request fails here, with what it has so far
-                r.error, reason = error, "error"
-                break
-            r.token_ids.append(token)
-            out.num_output_tokens += 1
-            if r.output_logprobs is not None:
-                r.output_logprobs.append(logprobs)
-            if r.first_token_time is None:
-                r.first_token_time = now
-            if r.reasoning is not None:  # before the grammar: it takes answer tokens only
-                r.reasoning.observe(r)
-            if r.grammar is not None and not r.grammar.accept(token):  # the mask allowed no token
-                r.error, reason = grammar_refused(r, token), "error"
-                break
-            if (reason := check_stop(r, self.tokenizer, self.max_model_len)) is not None:
-                break
-            if r.grammar is not None and r.grammar.terminated:  # the constraint is complete
-                reason = "stop"
-                break
-        # Every token before the last appended one went through this step (the request's last
-        # token, then accepted drafts): their K/V are valid. After an error, the last one's too.
-        r.num_computed_tokens = len(r.token_ids) - (0 if reason == "error" else 1)
         return reason
 
     def finish(self, request: Request, reason: str, now: float, free_blocks: bool = True) -> Request:

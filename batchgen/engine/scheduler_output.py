@@ -85,6 +85,9 @@ class SchedulerOutput:
             the model produced (`spec_decode.ShadowDrafts`), set by `Scheduler.update`.
         stalled: a running request found no free block and preemption was not allowed
             (`Scheduler.schedule(allow_preemption=False)`): the requests after it were left out.
+        plain_decodes: every scheduled request is a decode of one token with its slot in a block
+            it held already (the scheduler's fast path; `Scheduler.update` then takes one pass).
+            False for a hand-built output, which `update` then treats in general.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -98,6 +101,7 @@ class SchedulerOutput:
     num_shadow_drafts: int = 0
     num_shadow_accepted_tokens: int = 0
     stalled: bool = False
+    plain_decodes: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

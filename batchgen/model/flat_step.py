@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 
 import numpy as np
 import torch
@@ -90,11 +91,26 @@ def _flatten_decodes(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """`flatten_step` for a step of decodes only (one token each, each sampled; so no drafts):
     the usual step at a full batch, without the per-token index arithmetic a mixed step needs."""
-    bs, n = block_size, len(seqs)
-    positions = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
-    input_ids = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=n)
+    n = len(seqs)
     table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
     block_tables = _block_tables(seqs, table_lens)
+    positions = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
+    prompt_lens = [s.num_prompt_tokens for s in seqs]
+    return _decode_arrays(seqs, positions, block_tables, prompt_lens, block_size, device)
+
+
+def _decode_arrays(
+    seqs: list[StepInput],
+    positions: np.ndarray,
+    block_tables: np.ndarray,
+    prompt_lens: list[int],
+    block_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """A decodes-only step's model inputs from its rows' positions (int64 `[n]`), block tables
+    (int32 `[n, >= blocks]`) and prompt lengths."""
+    bs, n = block_size, len(seqs)
+    input_ids = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64, count=n)
     slot_mapping = block_tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
     seq_lens = positions + 1
     rows = torch.arange(n, dtype=torch.int64)
@@ -110,7 +126,68 @@ def _flatten_decodes(
         query_lens_cpu=[1] * n,
         seq_lens_cpu=seq_lens.tolist(),
         verifies_drafts=False,
-        prompt_lens_cpu=[s.num_prompt_tokens for s in seqs],
+        prompt_lens_cpu=prompt_lens,
     )
     meta.scratch["all_slots_valid"] = bool((slot_mapping >= 0).all())
     return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta, rows.to(dev)
+
+
+class DecodeRows:
+    """`flatten_step` that keeps a decodes-only step's block tables for the next step: vLLM v1's
+    persistent batch (its `InputBatch`, updated by difference), in small.
+
+    When a step decodes the very `StepInput` objects of the step before, in the same order (the
+    engine keeps one a running request and updates it in place: `step_inputs(...,
+    persistent=True)`), each row's block table can only have gained blocks since (a table
+    changes otherwise only by preemption, swapping or rejected drafts, each of which puts
+    another object in the step), so only the rows whose new position lies past their kept
+    table are read again; at 256 rows that is about one in `block_size`. Any other step is
+    flattened from scratch, and a decodes-only one starts a new kept batch.
+
+    A caller that passes a `StepInput` again must have changed only its token, its position and
+    the end of its block table (as the engine does).
+
+    Attributes:
+        kept: whether the last `flatten` ran the rows of the call before it (so what else the
+            caller worked out of those rows still holds, `step_rows`).
+    """
+
+    def __init__(self) -> None:
+        self.kept = False
+        self._seqs: list[StepInput] = []
+        self._tables = np.zeros((0, 0), dtype=np.int32)  # [rows, blocks], zero-padded
+        self._table_lens = np.zeros(0, dtype=np.int64)  # blocks of each row held in `_tables`
+        self._prompt_lens: list[int] = []
+
+    def flatten(
+        self, seqs: list[StepInput], block_size: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """`flatten_step(seqs, block_size, device)`, the same tensors."""
+        n = len(seqs)
+        kept = self._seqs
+        self.kept = bool(n) and len(kept) == n and all(map(operator.is_, seqs, kept))
+        if self.kept:
+            positions = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
+            self._read_new_blocks(seqs, positions // block_size)
+            return _decode_arrays(seqs, positions, self._tables, self._prompt_lens, block_size, device)
+        self._seqs = []
+        if not n or not all(len(s.token_ids) == 1 and s.sample for s in seqs):
+            return flatten_step(seqs, block_size, device)
+        self._table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+        self._tables = _block_tables(seqs, self._table_lens)
+        self._prompt_lens = [s.num_prompt_tokens for s in seqs]
+        self._seqs = list(seqs)
+        positions = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
+        return _decode_arrays(seqs, positions, self._tables, self._prompt_lens, block_size, device)
+
+    def _read_new_blocks(self, seqs: list[StepInput], blocks: np.ndarray) -> None:
+        """Read again the tables of the rows whose position lies in a block not kept (`blocks`:
+        each row's block index, int64 `[n]`)."""
+        for row in np.flatnonzero(blocks >= self._table_lens).tolist():
+            table = seqs[row].block_table
+            if len(table) > self._tables.shape[1]:  # a wider batch: copied once
+                wider = np.zeros((len(seqs), len(table)), dtype=np.int32)
+                wider[:, : self._tables.shape[1]] = self._tables
+                self._tables = wider
+            self._tables[row, : len(table)] = table
+            self._table_lens[row] = len(table)

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from batchgen.model.flat_step import flatten_step
-from batchgen.model.runner import ModelRunner, finite_rows, logit_errors, sampling_batch
+from batchgen.model.runner import ModelRunner, finite_rows, logit_errors
 from batchgen.model.step import StepInput, StepOutput
+from batchgen.model.step_rows import sampling_batch
 
 
 class LaunchedStep:

@@ -12,21 +12,21 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
 
 from batchgen.model.attention import AttentionMetadata, select_backend
 from batchgen.model.decode_buffers import DecodeBuffers
 from batchgen.model.families import model_class
-from batchgen.model.flat_step import flatten_step
+from batchgen.model.flat_step import DecodeRows
 from batchgen.model.kernel_choice.choice import KernelChoice, apply_kernels
 from batchgen.model.kv_cache import allocate_kv_caches, allocate_swap_caches
 from batchgen.model.layers import attention_heads
 from batchgen.model.llama import LlamaForCausalLM
 from batchgen.model.quantization import Quantization
-from batchgen.model.sampler import SampleLogprobs, Sampler, SamplingBatch, TokenMasks, sample_logprobs
+from batchgen.model.sampler import SampleLogprobs, Sampler, TokenMasks, sample_logprobs
 from batchgen.model.step import StepInput, StepOutput
+from batchgen.model.step_rows import StepRows, step_rows
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -118,6 +118,8 @@ class ModelRunner:
         shape = (num_blocks + scratch, block_size, kv_heads, head_dim)
         self.kv_caches = allocate_kv_caches(config.num_hidden_layers, shape, dtype, device)
         self.num_blocks = num_blocks
+        self.decode_rows = DecodeRows()  # a decodes-only step's arrays, kept for the next
+        self._rows: StepRows | None = None  # the last step's, reused while `decode_rows` keeps its rows
         self.decode_buffers = (
             DecodeBuffers(decode_buckets, -(-max_positions // block_size) + 1, num_blocks, block_size, device)
             if decode_buckets
@@ -164,7 +166,9 @@ class ModelRunner:
         logits_indices [B']), B' the sum of the sequences' `num_sampled`. With `decode_buckets`, a
         step of decodes only is padded to its bucket (`DecodeBuffers.pad`): then B' is the bucket,
         and the first `len(seqs)` logits rows are the sequences'."""
-        input_ids, positions, meta, logits_indices = flatten_step(seqs, self.block_size, self.device)
+        input_ids, positions, meta, logits_indices = self.decode_rows.flatten(
+            seqs, self.block_size, self.device
+        )
         buffers = self.decode_buffers
         if (
             buffers is not None
@@ -195,31 +199,31 @@ class ModelRunner:
                 values at each draft position would need the drafts in the history; the engine
                 never asks).
         """
-        if any(s.num_draft_tokens and (s.penalty or s.banned_token_ids or s.token_mask) for s in seqs):
-            raise ValueError(
-                "draft tokens cannot be verified with penalties, banned token ids or token masks"
-            )
         began = time.perf_counter()
         input_ids, positions, meta, logits_indices = self.prepare(seqs)
+        # The same rows as the last step (`DecodeRows` kept them) ask the same of the sampler.
+        rows = self._rows if self.decode_rows.kept and self._rows is not None else step_rows(seqs)
+        self._rows = rows
         prepared = time.perf_counter()
-        scored_rows = scored_row_indices(seqs)
+        scored_rows = rows.scored_rows
         scored = None
         if scored_rows is None:  # the usual step: logits of the sampled rows only
             logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
         else:
-            rows = torch.cat([logits_indices, torch.from_numpy(scored_rows).to(self.device)])
-            hidden = self.model.final_hidden(input_ids, positions, self.kv_caches, meta, rows)
+            wanted = torch.cat([logits_indices, torch.from_numpy(scored_rows).to(self.device)])
+            hidden = self.model.final_hidden(input_ids, positions, self.kv_caches, meta, wanted)
             # The sampled rows' logits as in a step without scoring (one LM head call of their own).
             logits = self.model.logits(hidden[: len(logits_indices)])
             scored = self._score(hidden[len(logits_indices) :], seqs)
-        sampled = [s for s in seqs for _ in range(s.num_sampled)]
+        sampled = rows.sampled
         logits = logits[: len(sampled)]  # a padded step's padding rows (`prepare`) come last
         forwarded = time.perf_counter()
         if not sampled:
             return StepOutput(
                 [], [], scored=scored, prepare_s=prepared - began, forward_s=forwarded - prepared
             )
-        token_ids, finite_flags, raw, asked, mask_time = self._sample(logits, sampled)
+        token_ids, finite_flags, raw, mask_time = self._sample(logits, rows)
+        asked = rows.asked
         errors = logit_errors(finite_flags, seqs)
         logprobs: list[SampleLogprobs | None] = [None] * len(token_ids)
         if raw is not None:
@@ -240,20 +244,18 @@ class ModelRunner:
         )
 
     def _sample(
-        self, logits: torch.Tensor, sampled: list[StepInput]
-    ) -> tuple[list[int], list[int], torch.Tensor | None, list[int], float]:
-        """Sample `logits` `[len(sampled), vocab]` (modified in place): (token ids, finite flags,
-        the raw logits of the rows that asked for log probabilities or None, those rows, seconds
-        of token masks), the ids and flags read in the step's one copy to the host."""
-        batch = sampling_batch(sampled)
-        masked = any(s.token_mask is not None for s in sampled)
+        self, logits: torch.Tensor, rows: StepRows
+    ) -> tuple[list[int], list[int], torch.Tensor | None, float]:
+        """Sample `logits` `[len(rows.sampled), vocab]` (modified in place): (token ids, finite
+        flags, the raw logits of the rows that asked for log probabilities (`rows.asked`) or None,
+        seconds of token masks), the ids and flags read in the step's one copy to the host."""
+        batch, asked = rows.batch, rows.asked
         # Greedy rows with nothing to change their logits: argmax and the finite check in one pass.
-        stacked = None if masked else self.sampler.greedy_rows(logits, batch)
+        stacked = None if rows.masked else self.sampler.greedy_rows(logits, batch)
         mask_time, raw = 0.0, None
-        asked = [i for i, s in enumerate(sampled) if s.logprobs is not None]
         if stacked is None:
             finite = finite_rows(logits)  # before the masks' -inf; read with the sampled ids
-            mask_time = self._mask(logits, sampled) if masked else 0.0
+            mask_time = self._mask(logits, rows.sampled) if rows.masked else 0.0
             # Log probabilities come from the logits before the sampler, which changes them in
             # place: copied first (indexing with a list copies), for the rows that asked only.
             raw = logits[asked] if asked else None
@@ -262,7 +264,7 @@ class ModelRunner:
             raw = logits[asked]
         # The step's one copy to the host: the sampled ids and each row's finite flag together.
         token_ids, finite_flags = stacked.tolist()
-        return token_ids, finite_flags, raw, asked, mask_time
+        return token_ids, finite_flags, raw, mask_time
 
     def _mask(self, logits: torch.Tensor, sampled: list[StepInput]) -> float:
         """Apply the sampled rows' token masks to `logits` `[len(sampled), vocab]` in place;
@@ -294,19 +296,6 @@ class ModelRunner:
             out.append(found[at : at + len(s.scored.targets)])
             at += len(s.scored.targets)
         return out
-
-
-def sampling_batch(sampled: list[StepInput]) -> SamplingBatch:
-    """The sampler's settings of `sampled`, a `StepInput` per sampled row."""
-    return SamplingBatch(
-        temperatures=[s.temperature for s in sampled],
-        top_ks=[s.top_k for s in sampled],
-        top_ps=[s.top_p for s in sampled],
-        min_ps=[s.min_p for s in sampled],
-        generators=[s.generator for s in sampled],
-        banned_token_ids=[s.banned_token_ids for s in sampled],
-        penalties=[s.penalty for s in sampled],
-    )
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -346,17 +335,3 @@ def logit_errors(finite: list[int], seqs: list[StepInput]) -> list[str | None] |
 # Scored rows (prompt log probabilities) whose logits exist at once: 256 rows of a 128k vocabulary
 # are 128 MiB of float32 log-probabilities.
 SCORE_SLICE_ROWS = 256
-
-
-def scored_row_indices(seqs: list[StepInput]) -> np.ndarray | None:
-    """Flat batch rows (int64) of the sequences' `ScoredRows`, in sequence order, or None when no
-    sequence scores any (then the step computes the sampled rows' logits only, as always)."""
-    if all(s.scored is None for s in seqs):
-        return None
-    rows, start = [], 0
-    for s in seqs:
-        if s.scored is not None:
-            first = start + s.scored.first
-            rows.append(np.arange(first, first + len(s.scored.targets), dtype=np.int64))
-        start += len(s.token_ids)
-    return np.concatenate(rows)

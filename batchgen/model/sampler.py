@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -51,10 +52,18 @@ class SamplingBatch:
     banned_token_ids: list[list[int] | None]
     penalties: list[RowPenalty | None] | None = None
 
-    @property
+    # Cached: the runner keeps a batch while a step decodes the same rows (`step_rows`); the
+    # lists are never changed after the batch is built.
+    @cached_property
     def all_greedy(self) -> bool:
         """Whether every row has temperature 0 (then the batch is one argmax)."""
         return all(t == 0.0 for t in self.temperatures)
+
+    @cached_property
+    def plain_greedy(self) -> bool:
+        """Whether every row is greedy with no banned ids or penalty (one argmax, nothing else)."""
+        penalized = self.penalties is not None and any(p is not None for p in self.penalties)
+        return self.all_greedy and not any(self.banned_token_ids) and not penalized
 
 
 class Sampler:
@@ -77,13 +86,7 @@ class Sampler:
         one pass of the C kernel (`kernels/cpu/csrc/greedy_rows.c`: 7x torch's `max` and row sum
         on 256 bf16 rows of a 49k vocabulary, docs/benchmarks.md). None for any other batch, or
         where the kernel does not take the logits (not on the CPU, float16, no C library)."""
-        if (
-            not batch.all_greedy
-            or any(batch.banned_token_ids)
-            or (batch.penalties and any(p is not None for p in batch.penalties))
-        ):
-            return None
-        return greedy_rows(logits)
+        return greedy_rows(logits) if batch.plain_greedy else None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Token ids int64 `[B]` from logits `[B, vocab]` (float32 or the model dtype).

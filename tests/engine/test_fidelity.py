@@ -122,8 +122,20 @@ def test_batching_does_not_change_outputs(llama_case, name, monkeypatch):
 
     monkeypatch.setattr(blocks, "swap_out", counted(blocks.swap_out, "out"))
     monkeypatch.setattr(blocks, "swap_in", counted(blocks.swap_in, "in"))
+    # Count the steps that decoded the rows of the step before from kept arrays (`DecodeRows`):
+    # the tokens above must also hold for them, blocks opened mid-run included.
+    rows = llm.llm_engine.runner.decode_rows
+    kept_steps = []
+
+    def flatten(seqs, *args):
+        flat = type(rows).flatten(rows, seqs, *args)
+        kept_steps.append(rows.kept)
+        return flat
+
+    monkeypatch.setattr(rows, "flatten", flatten)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY)
     assert token_ids(outputs) == expected
+    assert sum(kept_steps) >= GREEDY.max_tokens // 2, "decode steps were meant to keep their rows"
     totals = llm.llm_engine.totals
     if name.startswith("preempt"):
         assert totals.preemptions > 0, "the cache was meant to force preemption"

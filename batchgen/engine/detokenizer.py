@@ -43,8 +43,10 @@ def check_stop(request: Request, tokenizer: Tokenizer | None, max_model_len: int
     (`Request.reasoning`), stop strings are looked for in the answer only, never in the thinking.
     """
     params = request.sampling_params
-    token = request.token_ids[-1]
-    num_out = request.num_output_tokens
+    tokens = request.token_ids
+    token = tokens[-1]
+    # (`num_output_tokens` and `num_tokens` inlined: this runs for every token of every request)
+    num_out = len(tokens) - request.num_prompt_tokens
     if num_out >= params.min_tokens:
         if token in request.eos_token_ids:
             return "stop"
@@ -69,7 +71,7 @@ def check_stop(request: Request, tokenizer: Tokenizer | None, max_model_len: int
             and _cut_at_stop_string(request, new_len, answer_char)
         ):
             return "stop"
-    if num_out >= request.max_tokens or request.num_tokens >= max_model_len:
+    if num_out >= request.max_tokens or len(tokens) >= max_model_len:
         return "length"
     return None
 

@@ -137,7 +137,7 @@ class Scheduler:
                 and len(request.token_ids) <= len(request.block_table) * slots_held
             ):
                 # The usual decode: its slot is in a block it holds already (no allocation).
-                out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, 1, samples=True))
+                out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, 1, None, True))
                 budget -= 1
                 num_plain_decodes += 1
                 continue
@@ -339,7 +339,7 @@ class Scheduler:
             r = item.request
             if r.first_scheduled_time is None:  # a one-token prompt's first step
                 r.first_scheduled_time = scheduled_at
-            if r.appends_plainly:
+            if r.output_logprobs is None and r.grammar is None and r.reasoning is None:  # appends_plainly
                 reason = self.append_token(r, token, now)
                 out.num_output_tokens += 1
             else:

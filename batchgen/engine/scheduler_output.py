@@ -9,6 +9,8 @@ from typing import NamedTuple
 from batchgen.engine.request import Request
 from batchgen.model.step import is_decode
 
+_NO_DRAFTS: list[int] = []
+
 
 class ScheduledRequest:
     """A request's share of a step: `num_new_tokens` tokens from position `start` on.
@@ -36,7 +38,9 @@ class ScheduledRequest:
         self.request = request
         self.start = start
         self.num_new_tokens = num_new_tokens
-        self.spec_token_ids = [] if spec_token_ids is None else spec_token_ids
+        # One shared empty list for the requests without drafts (nothing appends to it), rather
+        # than a new one a running request a step.
+        self.spec_token_ids = _NO_DRAFTS if spec_token_ids is None else spec_token_ids
         self.samples = (
             start + num_new_tokens - len(self.spec_token_ids) == len(request.token_ids)
             if samples is None

@@ -132,6 +132,11 @@ class SchedulerOutput:
     def counts(self) -> StepCounts:
         """The step's `StepCounts`, in one pass over `scheduled` (each property above is a pass
         of its own)."""
+        if self.plain_decodes:  # one token each at `start`: it attends to `start + 1` keys
+            n = len(self.scheduled)
+            context = sum(s.start for s in self.scheduled) + n
+            structured = sum(s.request.grammar is not None for s in self.scheduled)
+            return StepCounts(n, 0, 0, 0, context, context, structured)
         num_tokens = num_decode_tokens = num_drafts = num_draft_tokens = 0
         num_context = num_attended = num_structured = 0
         for s in self.scheduled:

@@ -1,9 +1,11 @@
-"""The engine's sizes as one value (`EnginePlan`), apart from `sizing.py`'s torch-bound decisions, so
-that a process without torch (`batchgen plan`'s) can hold and check them."""
+"""The engine's sizes as values (`EnginePlan`, `WeightEstimate`), apart from the torch-bound
+decisions of `sizing.py` and `weight_memory.py`, so that a process without torch (`batchgen
+plan`'s) can hold and check them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -38,3 +40,72 @@ class EnginePlan:
             f"prompt has {num_tokens} tokens but max_model_len is {self.max_model_len}"
             f"{self.max_model_len_note} (room is needed for at least one output token): {self.too_long_fix}"
         )
+
+
+@dataclass(frozen=True)
+class WeightEstimate:
+    """The weights' bytes as the engine runs them, under its quantization
+    (`weight_memory.estimate_weights`, which says what is counted how).
+
+    Attributes:
+        method: the `quantization` option ("auto", "none" or "int8").
+        format: what the quantized linears hold: "int8", "q8_0", or "" where none runs quantized.
+        dtype: the run dtype's name (the float weights').
+        linears / quantized_linears: decoder linears, and how many of them run quantized.
+        quantized_bytes / quantized_params: those quantized linears' bytes (values and scales) and
+            weights.
+        float_bytes: everything else, at the run dtype: the other linears, a mixture's experts, the
+            embedding and an untied LM head.
+        tied: the LM head is the embedding (counted once).
+        dequantized: a GGUF file's stored types of the linears run dequantized (e.g. ("Q4_1",)).
+        device: "cpu" or "cuda" (no GPU kernel runs quantized weights).
+    """
+
+    method: str
+    format: str
+    dtype: str
+    linears: int
+    quantized_linears: int
+    quantized_bytes: int
+    quantized_params: int
+    float_bytes: int
+    tied: bool
+    dequantized: tuple[str, ...] = ()
+    device: str = "cpu"
+
+    @property
+    def total_bytes(self) -> int:
+        return self.quantized_bytes + self.float_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "dequantized": list(self.dequantized), "total_bytes": self.total_bytes}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WeightEstimate:
+        fields = {k: v for k, v in data.items() if k != "total_bytes"}
+        return cls(**{**fields, "dequantized": tuple(fields.get("dequantized", ()))})
+
+    def describe(self) -> str:
+        """What the bytes are, for `batchgen plan`'s line, e.g. "int8: 120 of 120 decoder linears
+        126.6 MiB in int8 (10.0 bits a weight, scales included), the rest 54.0 MiB bfloat16; the LM
+        head tied to the embedding; not counted: norms, biases, ..."."""
+        words = [f"{self.method}: "]
+        if self.quantized_linears:
+            bits = 8 * self.quantized_bytes / self.quantized_params
+            words.append(
+                f"{self.quantized_linears} of {self.linears} decoder linears {self.quantized_bytes / 2**20:.1f} "
+                f"MiB in {self.format} ({bits:.1f} bits a weight, scales included), the rest "
+            )
+        elif self.method != "none" and self.device != "cpu":
+            words.append(f"no {self.device} kernel runs quantized weights: all ")
+        else:
+            words.append("all ")
+        words.append(f"{self.float_bytes / 2**20:.1f} MiB {self.dtype}")
+        if self.dequantized:
+            words.append(
+                f"; GGUF {'/'.join(self.dequantized)} linears dequantized (no kernel runs them as stored)"
+            )
+        if self.tied:
+            words.append("; the LM head tied to the embedding")
+        words.append("; not counted: norms, biases, the kernel choice's second weight layouts")
+        return "".join(words)

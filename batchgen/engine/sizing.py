@@ -15,8 +15,8 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.engine.engine_plan import EnginePlan
+from batchgen.engine.weight_memory import estimate_weights
 from batchgen.kernels.cpu.linear import cpu_has_native_bf16
-from batchgen.model import moe
 from batchgen.model.layers import attention_heads
 from batchgen.model.loading.model_defaults import model_max_len
 
@@ -157,8 +157,10 @@ def num_kv_blocks(
     if device.type == "cuda" and config.kv_cache_memory is None:
         free, total = free_cuda_memory(device)
         budget = int(total * config.gpu_memory_utilization) - (total - free)
-        # Leave room for the weights and activations: estimated as parameters x dtype size x 1.5.
-        budget -= int(num_parameters(model_config) * torch.empty((), dtype=dtype).element_size() * 1.5)
+        # Leave room for the weights and activations: estimated as the weights' bytes x 1.5 (at the
+        # dtype's size: no GPU kernel runs quantized weights, which `estimate_weights` knows).
+        weights = estimate_weights(model_config, dtype, config.quantization, device)
+        budget -= int(weights.total_bytes * 1.5)
         return max(budget // per_block, 1)
     if device.type == "cpu":
         swap = config.swap_bytes if config.preemption_mode == "swap" else 0
@@ -198,13 +200,3 @@ def check_fits_in_memory(cache_bytes: int) -> None:
             f"kv_cache_memory plus swap_space is {cache_bytes / 2**30:.1f} GiB but only "
             f"{available / 2**30:.1f} GiB of memory is available; lower --kv-cache-memory (or --swap-space)"
         )
-
-
-def num_parameters(config: PretrainedConfig) -> int:
-    """Parameter count of a Llama-family config's linears (q, k, v, o; the MLP, or every expert of a
-    mixture with its router) and untied embeddings (norms and biases left out): the weights' share
-    of a CUDA memory budget."""
-    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    heads, kv_heads, head_dim = attention_heads(config)
-    attention = h * head_dim * (2 * heads + 2 * kv_heads)
-    return layers * attention + moe.feed_forward_parameters(config) + 2 * vocab * h

@@ -123,18 +123,15 @@ def sparse_layer_count(config: PretrainedConfig) -> int:
     return sum(is_sparse_layer(config, i) for i in range(int(config.num_hidden_layers)))
 
 
-def feed_forward_parameters(config: PretrainedConfig) -> int:
-    """Weights of all decoder layers' feed-forwards: `3 * H * intermediate_size` a dense layer; a
-    sparse one its router (`H * E`) and all E experts' `3 * H * I` each."""
+def expert_parameters(config: PretrainedConfig) -> int:
+    """Weights of every expert of every sparse layer: E experts' `3 * H * I` each (gate, up and
+    down; their biases left out). Experts are float tensors, never quantized (0 for a dense model)."""
     spec = moe_spec(config)
-    hidden = int(config.hidden_size)
-    total = 0
-    for index in range(int(config.num_hidden_layers)):
-        if spec is not None and is_sparse_layer(config, index):
-            total += hidden * spec.num_experts * (1 + 3 * spec.intermediate_size)
-        else:
-            total += 3 * hidden * int(config.intermediate_size)
-    return total
+    if spec is None:
+        return 0
+    return (
+        sparse_layer_count(config) * spec.num_experts * 3 * int(config.hidden_size) * spec.intermediate_size
+    )
 
 
 def route(

@@ -27,7 +27,7 @@ from torch import nn
 
 from batchgen.cache import cache_root, write_atomically
 from batchgen.config import QUANTIZATIONS
-from batchgen.kernels.cpu.int8_weight import INT8_GROUP_SIZE
+from batchgen.kernels.cpu.int8_weight import INT8_GROUP_SIZE, int8_group_size
 from batchgen.kernels.cpu.quantized_linear import Int8Weight, QuantizedWeight
 from batchgen.model.llama import LlamaForCausalLM, decoder_layers
 from batchgen.model.loading.loader import ModelFiles
@@ -234,7 +234,7 @@ def _read_cache(path: Path, linears: dict[str, nn.Linear]) -> dict[str, Quantize
             logger.warning("quantized-weight cache %s does not match this model; quantizing again", path)
             return None
         try:  # ValueError: scales of another group size
-            group_size = min(INT8_GROUP_SIZE, -(-qweight.shape[1] // 4) * 4)
+            group_size = int8_group_size(qweight.shape[1])
             weights[name] = Int8Weight(qweight, scales.float(), group_size)
         except ValueError:
             logger.warning("quantized-weight cache %s does not match this model; quantizing again", path)

@@ -100,8 +100,9 @@ def ask_child(task: str, config: EngineConfig, **args: Any) -> dict[str, Any]:
 
 
 def sizes(config: EngineConfig) -> dict[str, Any]:
-    """What `TokenizerEngine` needs that takes torch: device, dtype, model folder and the engine's
-    sizes (`engine.sizing.plan_engine`), JSON-ready.
+    """What `TokenizerEngine` needs that takes torch: device, dtype, model folder, the engine's
+    sizes (`engine.sizing.plan_engine`) and its weights' bytes under the quantization
+    (`engine.weight_memory.estimate_weights`), JSON-ready.
 
     Raises:
         ChildError: "options" (the device cannot be used) or "model" (the model cannot be found,
@@ -111,6 +112,7 @@ def sizes(config: EngineConfig) -> dict[str, Any]:
 
     from batchgen.config import resolve_device
     from batchgen.engine.sizing import plan_engine, resolve_dtype
+    from batchgen.engine.weight_memory import estimate_weights
     from batchgen.jobs.options import flag_hint
     from batchgen.model.loading import loader
     from batchgen.model.loading.architectures import ModelNotFoundError
@@ -123,6 +125,7 @@ def sizes(config: EngineConfig) -> dict[str, Any]:
         files = loader.resolve_model(config.model)
         dtype = resolve_dtype(config.dtype, files.config, device)
         plan = plan_engine(config, files.config, device, dtype)
+        weights = estimate_weights(files.config, dtype, config.quantization, device, files.gguf, files.path)
     except (ModelNotFoundError, ValueError) as e:
         raise ChildError("model", str(e)) from e
     return {
@@ -132,6 +135,7 @@ def sizes(config: EngineConfig) -> dict[str, Any]:
         "model_name": files.name,
         "vocab_size": int(files.config.vocab_size),
         "plan": dataclasses.asdict(plan),
+        "weights": weights.to_json(),
         "kernels_cached": kernels_cached(config, dtype, device),
     }
 

@@ -108,7 +108,8 @@ class TokenizerEngine:
 
     Attributes:
         device: "cpu" or "cuda"; dtype: the compute dtype's name ("bfloat16"); plan: the
-            `EnginePlan`; model_dir: the model's folder (a GGUF file's converted copy).
+            `EnginePlan`; model_dir: the model's folder (a GGUF file's converted copy); weights:
+            the weights' bytes under the quantization (`WeightEstimate`).
 
     Raises:
         JobInputError: the device cannot be used (torch_free only: else `check_run_options` says so).
@@ -116,7 +117,7 @@ class TokenizerEngine:
     """
 
     def __init__(self, config: EngineConfig, torch_free: bool = False) -> None:
-        from batchgen.engine.engine_plan import EnginePlan
+        from batchgen.engine.engine_plan import EnginePlan, WeightEstimate
         from batchgen.engine.tokenize import vocabulary_limit
         from batchgen.model.loading import loader
         from batchgen.plan import child as plan_child
@@ -138,6 +139,7 @@ class TokenizerEngine:
         self.model_name: str | None = facts["model_name"]
         self.vocab_size: int = facts["vocab_size"]
         self.kernels_cached: bool = facts.get("kernels_cached", True)
+        self.weights = WeightEstimate.from_json(facts["weights"])
         self.tokenizer = loader.load_tokenizer(self.model_dir)
         self.vocab_limit = vocabulary_limit(self.tokenizer, self.vocab_size)
         self.block_size = config.block_size

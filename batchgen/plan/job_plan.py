@@ -60,6 +60,8 @@ class JobPlan:
     block_size: int = 0
     kv_cache_tokens: int = 0  # what the KV cache holds
     kv_bytes_per_token: int = 0
+    weight_bytes: int = 0  # the weights as run, under the quantization (`WeightEstimate`)
+    weights: str = ""  # what weight_bytes counts (`WeightEstimate.describe`)
     largest_row_tokens: int = 0  # prompt + output budget of the largest row
     largest_row_kv_bytes: int = 0
     max_num_seqs: int = 0
@@ -116,6 +118,9 @@ def _fill_sizes(plan: JobPlan, tally: Tally, engine: TokenizerEngine, max_num_se
     plan.kv_cache_tokens = engine.num_blocks * engine.block_size
     plan.kv_bytes_per_token = engine.bytes_per_block // engine.block_size
     plan.max_num_seqs = max_num_seqs
+    weights = getattr(engine, "weights", None)  # a TokenizerEngine's; a stand-in engine may have none
+    if weights is not None:
+        plan.weight_bytes, plan.weights = weights.total_bytes, weights.describe()
     if tally.prefix is not None:
         plan.prefix_cache_tokens = tally.prefix.hit_tokens
     if not tally.prompts:
@@ -280,6 +285,7 @@ def format_plan(plan: JobPlan) -> str:
         f"prefixes of {plan.block_size}-token blocks"
         if plan.prefix_caching
         else "prefix cache: off (--no-enable-prefix-caching)",
+        *([f"weights: {_mib(plan.weight_bytes)} as run ({plan.weights})"] if plan.weights else []),
         f"KV cache: {plan.kv_cache_tokens} tokens at {plan.kv_bytes_per_token} bytes a token; the largest row "
         f"needs {plan.largest_row_tokens} tokens ({_mib(plan.largest_row_kv_bytes)}); "
         f"{plan.seqs_that_fit} typical rows ({plan.typical_row_tokens} tokens) fit at once, "

@@ -12,6 +12,19 @@ import torch
 INT8_GROUP_SIZE = 16
 
 
+def int8_group_size(in_features: int, group_size: int = INT8_GROUP_SIZE) -> int:
+    """The inputs sharing a scale in a weight of `in_features` inputs: `group_size`, or K rounded up
+    to a multiple of 4 where that is smaller (one scale per channel; the kernels take K in quads)."""
+    return min(group_size, -(-in_features // 4) * 4)
+
+
+def int8_weight_bytes(out_features: int, in_features: int, group_size: int = INT8_GROUP_SIZE) -> int:
+    """Bytes of an `Int8Weight` `[N, K]` quantized in groups of `group_size` (`Int8Weight.nbytes`,
+    computed from the shape alone): N * K int8 values and N * ceil(K / group) float32 scales."""
+    groups = -(-in_features // int8_group_size(in_features, group_size))
+    return out_features * in_features + 4 * out_features * groups
+
+
 # torch's CPU allocations start at 64-byte boundaries; so must every tensor its int8 kernel reads.
 _ALIGNMENT = 64
 
@@ -61,7 +74,7 @@ class Int8Weight:
         of zeros gets scale 1. `group_size` at or above K: one scale per channel."""
         w = weight.detach().float()
         n, k = w.shape
-        group_size = min(group_size, -(-k // 4) * 4)
+        group_size = int8_group_size(k, group_size)
         groups = -(-k // group_size)
         padded = torch.nn.functional.pad(w, (0, groups * group_size - k)).reshape(n, groups, group_size)
         absmax = padded.abs().amax(dim=2)

@@ -36,6 +36,14 @@ from batchgen.kernels.cpu.linear import linear_candidates
 
 Q8_0_BLOCK = 32  # weights per block
 Q8_0_BYTES = 34  # bytes per block: a float16 scale and 32 int8 values
+
+
+def q8_0_weight_bytes(out_features: int, in_features: int) -> int:
+    """Bytes of a `Q8_0Weight` `[N, K]` (K a multiple of 32), from the shape alone: N * K / 32 blocks
+    of 34 bytes."""
+    return out_features * (in_features // Q8_0_BLOCK) * Q8_0_BYTES
+
+
 # The weight layout each quantized implementation holds (as `linear.WEIGHT_LAYOUTS`): torch's int8
 # kernel and batchgen's run on the very same int8 tensors.
 QUANTIZED_LAYOUTS = {

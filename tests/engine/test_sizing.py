@@ -67,7 +67,8 @@ def test_cuda_budget_counts_the_memory_a_dropped_engine_left_in_torchs_allocator
     """A first engine's KV cache, dropped, stays reserved by torch's caching allocator and shows as
     used in `mem_get_info` until `empty_cache`: the next engine must size its cache after handing it
     back (seen on an H200: the second `LLM` of a test run got an 8-token max_model_len)."""
-    from batchgen.engine.sizing import num_kv_blocks, num_parameters
+    from batchgen.engine.sizing import num_kv_blocks
+    from batchgen.engine.weight_memory import num_parameters
 
     total, held_by_allocator = 10**9, 9 * 10**8
     emptied = []
@@ -95,7 +96,7 @@ def test_num_parameters_counts_every_expert(kind) -> None:
     experts and routers of a mixture included; Qwen3-30B-A3B's shape gives its published 30.5B."""
     from transformers import MixtralConfig, Qwen3MoeConfig
 
-    from batchgen.engine.sizing import num_parameters
+    from batchgen.engine.weight_memory import num_parameters
 
     heads = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
     config = {
@@ -119,7 +120,7 @@ def test_num_parameters_of_gpt_oss() -> None:
     gpt-oss-20b's shape gives its published 20.9B parameters."""
     from transformers import AutoModelForCausalLM, GptOssConfig
 
-    from batchgen.engine.sizing import num_parameters
+    from batchgen.engine.weight_memory import num_parameters
 
     config = GptOssConfig(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,

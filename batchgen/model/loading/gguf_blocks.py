@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,28 +57,21 @@ def gguf_linear_blocks(
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf)
-    arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field is not None else ""
-    projections = {**_PROJECTIONS, **_FUSED} if arch == "phi3" else _PROJECTIONS
+    arch, tensors = _decoder_linear_tensors(reader)
     parts: dict[str, dict[int, tuple[np.ndarray, int]]] = {}
     other_types: dict[str, str] = {}
-    for tensor in reader.tensors:
-        match = _NAME.fullmatch(tensor.name)
-        if match is None or match[2] not in projections:
-            continue
-        module, part = projections[match[2]]
-        name = f"model.layers.{match[1]}.{module}"
+    for name, part, projection, tensor in tensors:
         type_name = tensor.tensor_type.name
         if type_name not in RUNNABLE_TYPES:
             other_types[name] = type_name
             continue
         rows = np.asarray(tensor.data)
-        if arch == "llama" and match[2] in ("attn_q", "attn_k"):
-            rows = _unpermute_rows(rows, num_heads if match[2] == "attn_q" else num_kv_heads)
+        if arch == "llama" and projection in ("attn_q", "attn_k"):
+            rows = _unpermute_rows(rows, num_heads if projection == "attn_q" else num_kv_heads)
         parts.setdefault(name, {})[part] = (rows, int(tensor.shape[0]))
     weights = {}
     for name, by_part in parts.items():
-        expected = 1 if arch == "phi3" else _PARTS.get(name.split(".", 3)[3], 1)
+        expected = _expected_parts(arch, name)
         if name in other_types or sorted(by_part) != list(range(expected)):
             continue
         k = {in_features for _, in_features in by_part.values()}
@@ -86,6 +80,55 @@ def gguf_linear_blocks(
         blocks = np.concatenate([by_part[i][0] for i in range(expected)], axis=0)
         weights[name] = Q8_0Weight(torch.from_numpy(np.ascontiguousarray(blocks)), k.pop())
     return weights, other_types
+
+
+def gguf_linear_types(gguf: Path) -> dict[str, Any]:
+    """What `gguf_linear_blocks` would find, from the tensor infos alone (no tensor data read): the
+    `GGUF_LINEARS_NOTE`'s content, {"runnable": whether some decoder linear has every part stored
+    in a type of `RUNNABLE_TYPES`, "dequantized": module name -> the type of its parts none runs}.
+    gguf-py parses the whole header, the tokenizer's arrays included (about 2.5 s for the default
+    model's file): callers read the note first where there is one.
+
+    Raises:
+        ValueError: the file is not a GGUF file gguf-py can read.
+    """
+    from gguf import GGUFReader
+
+    arch, tensors = _decoder_linear_tensors(GGUFReader(gguf))
+    runnable_parts: dict[str, set[int]] = {}
+    other_types: dict[str, str] = {}
+    for name, part, _, tensor in tensors:
+        if tensor.tensor_type.name in RUNNABLE_TYPES:
+            runnable_parts.setdefault(name, set()).add(part)
+        else:
+            other_types[name] = tensor.tensor_type.name
+    runnable = any(
+        name not in other_types and parts == set(range(_expected_parts(arch, name)))
+        for name, parts in runnable_parts.items()
+    )
+    return {"runnable": runnable, "dequantized": other_types}
+
+
+def _decoder_linear_tensors(reader: Any) -> tuple[str, list[tuple[str, int, str, Any]]]:
+    """(the file's architecture, (engine module name, part of the fused layer, llama.cpp's
+    projection name, gguf-py's tensor) of each decoder linear's tensor) of a `GGUFReader`."""
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else ""
+    projections = {**_PROJECTIONS, **_FUSED} if arch == "phi3" else _PROJECTIONS
+    found = []
+    for tensor in reader.tensors:
+        match = _NAME.fullmatch(tensor.name)
+        if match is None or match[2] not in projections:
+            continue
+        module, part = projections[match[2]]
+        found.append((f"model.layers.{match[1]}.{module}", part, match[2], tensor))
+    return arch, found
+
+
+def _expected_parts(arch: str, name: str) -> int:
+    """How many stored tensors make up the engine's linear `name` (q/k/v: 3; gate/up: 2; Phi-3's are
+    stored fused: 1)."""
+    return 1 if arch == "phi3" else _PARTS.get(name.split(".", 3)[3], 1)
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.cpu.int8_weight import int8_weight_bytes
 from batchgen.kernels.cpu.quantized_linear import (
     Int8Bf16DotLinear,
     Int8Linear,
@@ -25,6 +26,7 @@ from batchgen.kernels.cpu.quantized_linear import (
     Q8_0Weight,
     TorchInt8Linear,
     bf16_dot_available,
+    q8_0_weight_bytes,
     quantized_candidates,
     torch_int8_available,
     w8a8_available,
@@ -233,6 +235,16 @@ def test_int8_quantization_is_symmetric_per_channel_and_group():
         Int8Weight.quantize(torch.randn(2, 20), 6)
     with pytest.raises(ValueError, match=r"must be \[3, 1\]"):
         Int8Weight(quantized.qweight, torch.ones(3, 2), 4)
+
+
+@pytest.mark.parametrize("n, k", [(1, 3), (5, 6), (7, 16), (3, 100), (2, 576), (4, 1536)])
+def test_the_weight_bytes_from_a_shape_are_the_quantized_weights(n, k):
+    """What `batchgen plan` counts from a config (`int8_weight_bytes`, `q8_0_weight_bytes`) is what
+    quantizing holds, for K below, at and off a group (a partial last group of scales)."""
+    assert int8_weight_bytes(n, k) == Int8Weight.quantize(torch.randn(n, k)).nbytes
+    assert int8_weight_bytes(n, k, 4) == Int8Weight.quantize(torch.randn(n, k), 4).nbytes
+    if k % 32 == 0:
+        assert q8_0_weight_bytes(n, k) == Q8_0Weight.quantize(torch.randn(n, k)).nbytes == n * k // 32 * 34
 
 
 def _starting_at(tensor: torch.Tensor, offset: int) -> torch.Tensor:

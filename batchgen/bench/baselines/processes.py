@@ -5,8 +5,10 @@ log and end."""
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -33,6 +35,32 @@ def executable_problem(path: str | Path) -> str | None:
     if not os.access(path, os.X_OK):
         return "is not executable"
     return None
+
+
+def start_logged(
+    command: list[str],
+    log_fd: int,
+    log_path: Path,
+    unavailable: type[BaselineUnavailable],
+    what: str,
+    fix: str,
+    **popen: Any,
+) -> subprocess.Popen:
+    """Start `command` with no stdin and its stdout and stderr in the log (`log_fd`, open for writing,
+    closed here; at `log_path`); `popen` goes to `subprocess.Popen` (env, cwd).
+
+    Raises:
+        `unavailable`: it cannot be started (exec format error, permission denied), worded
+            "{what} cannot be started (why); {fix}"; the log is deleted.
+    """
+    with os.fdopen(log_fd, "w") as log:
+        try:
+            return subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, **popen
+            )
+        except OSError as exc:
+            log_path.unlink(missing_ok=True)
+            raise unavailable(f"{what} cannot be started ({exc.strerror or exc}); {fix}") from exc
 
 
 def tree_rss(proc: psutil.Process) -> int:

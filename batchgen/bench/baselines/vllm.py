@@ -28,7 +28,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -43,6 +42,7 @@ from batchgen.bench.baselines.processes import (
     executable_problem,
     kill_tree,
     log_tail,
+    start_logged,
     tree_rss,
 )
 from batchgen.bench.report.metrics import RequestRecord, RunResult
@@ -185,35 +185,29 @@ def run_child(
         script = Path(tmp) / VLLM_CHILD.name
         shutil.copyfile(VLLM_CHILD, script)
         peak = 0
-        with os.fdopen(log_fd, "w") as log:
-            try:
-                child = subprocess.Popen(
-                    [str(python), str(script), str(req_path), str(res_path)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=dict(env),
-                    cwd=tmp,  # nor the caller's working directory (a checkout with a `vllm` folder)
-                )
-            except OSError as exc:  # exec format error, permission denied
-                log_path.unlink(missing_ok=True)
-                raise VllmUnavailable(
-                    f"--vllm-python {python} cannot be started ({exc.strerror or exc}); give the "
-                    f"python of a virtual environment with vLLM installed (see {_DOCS})"
-                ) from exc
-            proc = psutil.Process(child.pid)
-            started = time.monotonic()
-            try:
-                while child.poll() is None:
-                    peak = max(peak, tree_rss(proc))
-                    if timeout_s is not None and time.monotonic() - started > timeout_s:
-                        raise VllmRunError(
-                            f"vLLM ran past {timeout_s:.0f} s and was stopped; its log: {log_path}"
-                        )
-                    time.sleep(0.1)
-            finally:
-                if child.poll() is None:  # the timeout, or Ctrl-C in the bench
-                    kill_tree(proc)
+        child = start_logged(
+            [str(python), str(script), str(req_path), str(res_path)],
+            log_fd,
+            log_path,
+            VllmUnavailable,
+            f"--vllm-python {python}",
+            f"give the python of a virtual environment with vLLM installed (see {_DOCS})",
+            env=dict(env),
+            cwd=tmp,  # nor the caller's working directory (a checkout with a `vllm` folder)
+        )
+        proc = psutil.Process(child.pid)
+        started = time.monotonic()
+        try:
+            while child.poll() is None:
+                peak = max(peak, tree_rss(proc))
+                if timeout_s is not None and time.monotonic() - started > timeout_s:
+                    raise VllmRunError(
+                        f"vLLM ran past {timeout_s:.0f} s and was stopped; its log: {log_path}"
+                    )
+                time.sleep(0.1)
+        finally:
+            if child.poll() is None:  # the timeout, or Ctrl-C in the bench
+                kill_tree(proc)
         result = _read_result(res_path)
     if result is None:
         last = (log_tail(log_path, 1) or ["(no output)"])[0]

@@ -28,6 +28,7 @@ from batchgen.bench.baselines.llamacpp import (
     server_command,
     server_plan,
 )
+from batchgen.bench.baselines.processes import executable_problem
 from batchgen.bench.report.json_report import build_report
 from batchgen.bench.report.metrics import RequestRecord, RunResult, summarize
 from batchgen.bench.report.table import render
@@ -391,16 +392,13 @@ def test_bench_llama_cpp_on_a_model_folder_is_a_usage_error(tiny_model_dir, tmp_
 
 
 def _real_server() -> str:
-    """BATCHGEN_LLAMA_SERVER when it names an executable; else the test skips."""
-    server = os.environ.get("BATCHGEN_LLAMA_SERVER")
-    if not server:
+    """BATCHGEN_LLAMA_SERVER when it names an executable; else the test skips, saying why."""
+    server = os.environ.get("BATCHGEN_LLAMA_SERVER", "")
+    problem = executable_problem(server) if server else "is not set"
+    if problem is not None:
         pytest.skip(
-            "BATCHGEN_LLAMA_SERVER is not set: point it at llama-server (docs/llamacpp.md) to run llama.cpp"
+            f"BATCHGEN_LLAMA_SERVER {problem}: point it at llama-server (docs/llamacpp.md) to run llama.cpp"
         )
-    try:
-        check_server(server)
-    except LlamaCppUnavailable as exc:
-        pytest.skip(f"BATCHGEN_LLAMA_SERVER: {exc}")
     return server
 
 

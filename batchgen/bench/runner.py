@@ -212,9 +212,8 @@ def _run_logged(
     try:
         with ResourceMonitor() as monitor:
             result = _run_one(plan, settings, facts, workload, factory, monitor, profiler)
-        if (
-            not result.skipped and plan.kind not in _OWN_PROCESSES
-        ):  # theirs ran elsewhere: they have their own
+        # The peers ran in processes of their own: their resources are measured there.
+        if not result.skipped and plan.kind not in _OWN_PROCESSES:
             result.resources = monitor.result()
     except Exception as exc:  # keep the other configurations' results
         log(traceback.format_exc())
@@ -322,7 +321,7 @@ def _run_one(
     )
 
 
-# The baselines that run in processes of their own (their resources are measured there).
+# The baselines that run in processes of their own (vLLM's child, llama.cpp's server).
 _OWN_PROCESSES = ("vllm", "llama.cpp")
 
 

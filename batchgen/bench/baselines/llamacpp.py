@@ -6,7 +6,7 @@ bench's GGUF file, listening on 127.0.0.1 only at a free port, with one slot per
 bench's thread count (`-t`, `-tb`), the bench's token budget as the logical batch (`-b`), prompt
 caching off (`--no-cache-prompt`, `--cache-ram 0`, and `cache_prompt: false` in each request) and
 a context of `n_ctx` = slots x the longest request (llama.cpp splits one context evenly among its
-slots). After an untimed warm-up request it sends every workload request at its arrival time, all
+slots; context shift is off, so a slot that fills stops short and the count check says so). After an untimed warm-up request it sends every workload request at its arrival time, all
 concurrently (one thread each), to `POST /completion` as token ids::
 
     {"prompt": [token id, ...], "n_predict": output_len, "ignore_eos": true, "temperature": 0,

@@ -8,6 +8,11 @@ Example (the comparison of issue 4, on a CPU, default model in bf16)::
 With vLLM's own build side by side (its own virtual environment, see docs/vllm.md)::
 
     batchgen bench --baselines vllm --vllm-python /work/vllm-venv/bin/python
+
+With llama.cpp's server on the same GGUF file (built as docs/llamacpp.md says)::
+
+    batchgen bench --model SmolLM2-135M-Instruct.Q8_0.gguf --baselines llama.cpp \\
+        --llama-server /work/llama.cpp/build/bin/llama-server
 """
 
 from __future__ import annotations
@@ -68,7 +73,10 @@ def bench_command(
         str, typer.Option(help="Comma list of fcfs, max-throughput, priority (continuous).")
     ] = "fcfs",
     baselines: Annotated[
-        str, typer.Option("--baselines", "--baseline", help="Comma list of hf-static, hf-cb, vllm (or none).")
+        str,
+        typer.Option(
+            "--baselines", "--baseline", help="Comma list of hf-static, hf-cb, vllm, llama.cpp (or none)."
+        ),
     ] = "",
     vllm_python: Annotated[
         Path | None,
@@ -76,6 +84,16 @@ def bench_command(
     ] = None,
     vllm_timeout: Annotated[
         float, typer.Option(help="--baselines vllm: stop a vLLM run after this many seconds (0 = never).")
+    ] = 0.0,
+    llama_server: Annotated[
+        Path | None,
+        typer.Option(help="--baselines llama.cpp: llama.cpp's llama-server binary (docs/llamacpp.md)."),
+    ] = None,
+    llama_server_timeout: Annotated[
+        float,
+        typer.Option(
+            help="--baselines llama.cpp: most seconds a request waits for its answer (0 = no limit)."
+        ),
     ] = 0.0,
     static_batch_size: Annotated[int, typer.Option(help="Requests per static batch.")] = 8,
     output: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
@@ -124,13 +142,13 @@ def bench_command(
         ),
     ] = "none",
 ) -> None:
-    """Benchmark continuous against static batching, Hugging Face and vLLM on one workload.
+    """Benchmark continuous against static batching, Hugging Face, vLLM and llama.cpp on one workload.
 
     Prints a table (ratios against the first configuration), the compute ceiling, and optionally
     writes a JSON report, a PNG timeline and (`--profile`) the engine's profile. Exits 2 for bad options or inputs (unwritable
     --output / --plot / --profile-output, a missing job file or trace, --device cuda without CUDA: all found before any
     model work; a job file without a usable row: found before any timed run), 1 when a batchgen
-    configuration failed, no configuration was measured at all (a skipped vLLM run alone), or the
+    configuration failed, no configuration was measured at all (a skipped vLLM or llama.cpp run alone), or the
     report or plot could not be written at the end after all.
     """
     from rich.console import Console
@@ -173,6 +191,8 @@ def bench_command(
             warmup_run=warmup_run,
             vllm_python=str(vllm_python) if vllm_python is not None else None,
             vllm_timeout_s=vllm_timeout or None,
+            llama_server=str(llama_server) if llama_server is not None else None,
+            llama_server_timeout_s=llama_server_timeout or None,
             speculative_methods=methods,
             quantizations=quantizations,
         )

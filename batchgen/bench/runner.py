@@ -8,6 +8,7 @@ Configurations, in this order (ratios in the report are against the first one th
     hf-static/b<N>       transformers `generate` in padded static batches of N (`baselines.hf`)
     hf-cb                transformers' continuous batching
     vllm                 vLLM's `LLM.generate` in its own interpreter (`baselines.vllm`)
+    llama.cpp            llama.cpp's `llama-server` on the bench's GGUF file (`baselines.llamacpp`)
 `--mode static,continuous` puts static first (`bench.settings`). Every configuration gets a fresh
 engine or model, a short untimed warm-up, the same workload, dtype and thread count. The workload's
 compute ceiling (`report.ceiling`) and each batchgen run's
@@ -33,14 +34,10 @@ from batchgen.bench.baselines.hf import (
     run_hf_cb,
     run_hf_static,
 )
+from batchgen.bench.baselines.llamacpp import run_llamacpp, server_plan
+from batchgen.bench.baselines.processes import BaselineRunError, BaselineUnavailable
 from batchgen.bench.baselines.static import run_static
-from batchgen.bench.baselines.vllm import (
-    VllmRunError,
-    VllmUnavailable,
-    child_request,
-    offline_reason,
-    run_vllm,
-)
+from batchgen.bench.baselines.vllm import child_request, offline_reason, run_vllm
 from batchgen.bench.model_facts import EngineFactory, ModelFacts, bench_workload, model_facts, pad_id
 from batchgen.bench.report.ceiling import ModelShape, compute_ceiling, workload_flops
 from batchgen.bench.report.json_report import build_report
@@ -215,7 +212,8 @@ def _run_logged(
     try:
         with ResourceMonitor() as monitor:
             result = _run_one(plan, settings, facts, workload, factory, monitor, profiler)
-        if not result.skipped and plan.kind != "vllm":  # vllm's ran in other processes: it has its own
+        # The peers ran in processes of their own: their resources are measured there.
+        if not result.skipped and plan.kind not in _OWN_PROCESSES:
             result.resources = monitor.result()
     except Exception as exc:  # keep the other configurations' results
         log(traceback.format_exc())
@@ -295,10 +293,17 @@ def _run_one(
             result.extra["speculation"] = speculation.describe()
             result.notes.append(f"{plan.name}: {speculation.describe()}")
         return result
+    if plan.kind in _OWN_PROCESSES:
+        try:
+            return _run_peer(plan, settings, facts, workload)
+        except BaselineUnavailable as exc:  # one line, no traceback: the cause is the peer's, not the bench's
+            return RunResult(plan.name, plan.kind, skipped=str(exc))
+        except BaselineRunError as exc:
+            result = RunResult(plan.name, plan.kind, skipped=f"failed: {exc}")
+            result.extra["failed"] = True
+            return result
     if facts.hf_dir is None:
         facts.hf_dir = resolve_hf_dir(settings.engine.model)
-    if plan.kind == "vllm":
-        return _run_vllm(plan, settings, facts, workload)
     model = load_hf_model(facts.hf_dir, facts.dtype, facts.device)
     if plan.kind == "hf-static":
         return run_hf_static(model, workload, settings.static_batch_size, pad, plan.name, monitor)
@@ -316,11 +321,40 @@ def _run_one(
     )
 
 
-def _run_vllm(plan: ConfigPlan, settings: BenchSettings, facts: ModelFacts, workload: Workload) -> RunResult:
-    """The vLLM baseline; a vLLM that cannot run is skipped and one that fails is failed, each with
-    its one-line reason (no traceback: the cause is vLLM's or its environment's, not the bench's)."""
+# The baselines that run in processes of their own (vLLM's child, llama.cpp's server).
+_OWN_PROCESSES = ("vllm", "llama.cpp")
+
+
+def _run_peer(plan: ConfigPlan, settings: BenchSettings, facts: ModelFacts, workload: Workload) -> RunResult:
+    """The vLLM or llama.cpp baseline.
+
+    Raises:
+        BaselineUnavailable: the peer cannot run here (the configuration is skipped).
+        BaselineRunError: it failed (the configuration is failed).
+    """
+    threads = settings.engine.num_threads or torch.get_num_threads()
+    if plan.kind == "llama.cpp":
+        from batchgen.model.loading.loader import resolve_model
+
+        sizes = server_plan(
+            workload,
+            max_num_seqs=settings.engine.max_num_seqs,
+            num_threads=threads,
+            max_num_batched_tokens=facts.max_num_batched_tokens,
+        )
+        model = resolve_model(settings.engine.model).gguf  # settings checked that it is a GGUF file
+        return run_llamacpp(
+            settings.llama_server or "",
+            model or "",
+            workload,
+            sizes,
+            name=plan.name,
+            timeout_s=settings.llama_server_timeout_s,
+        )
     if (reason := offline_reason(workload)) is not None:
         return RunResult(plan.name, plan.kind, skipped=reason)
+    if facts.hf_dir is None:
+        facts.hf_dir = resolve_hf_dir(settings.engine.model)
     request = child_request(
         workload,
         model_dir=facts.hf_dir,
@@ -330,18 +364,11 @@ def _run_vllm(plan: ConfigPlan, settings: BenchSettings, facts: ModelFacts, work
         max_num_batched_tokens=facts.max_num_batched_tokens,
         gpu_memory_utilization=settings.engine.gpu_memory_utilization if facts.device == "cuda" else None,
     )
-    try:
-        return run_vllm(
-            settings.vllm_python or "",
-            workload,
-            request,
-            num_threads=settings.engine.num_threads or torch.get_num_threads(),
-            name=plan.name,
-            timeout_s=settings.vllm_timeout_s,
-        )
-    except VllmUnavailable as exc:
-        return RunResult(plan.name, plan.kind, skipped=str(exc))
-    except VllmRunError as exc:
-        result = RunResult(plan.name, plan.kind, skipped=f"failed: {exc}")
-        result.extra["failed"] = True
-        return result
+    return run_vllm(
+        settings.vllm_python or "",
+        workload,
+        request,
+        num_threads=threads,
+        name=plan.name,
+        timeout_s=settings.vllm_timeout_s,
+    )

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.bench.baselines.llamacpp import gguf_problem
 from batchgen.bench.spec import WorkloadSpec
 from batchgen.config import (
     FCFS,
@@ -18,7 +19,7 @@ from batchgen.config import (
 )
 
 MODES = ("continuous", "static")
-BASELINES = ("hf-static", "hf-cb", "vllm")
+BASELINES = ("hf-static", "hf-cb", "vllm", "llama.cpp")
 
 
 @dataclass
@@ -42,6 +43,10 @@ class BenchSettings:
             docs/benchmarks.md).
         vllm_python: the interpreter of a virtual environment with vLLM (baseline `vllm` only).
         vllm_timeout_s: stop a vLLM run after this many seconds (None = never).
+        llama_server: the llama.cpp `llama-server` binary (baseline `llama.cpp` only; the model
+            must be a GGUF file).
+        llama_server_timeout_s: the most seconds a llama.cpp request may wait for its answer
+            (None = no limit).
         speculative_methods: the continuous configurations run once per item: None without
             speculative decoding, "ngram" with it (the other speculative options from `engine`).
         quantizations: the continuous configurations run once per item too (named
@@ -59,6 +64,8 @@ class BenchSettings:
     warmup_run: bool = True
     vllm_python: str | None = None
     vllm_timeout_s: float | None = None
+    llama_server: str | None = None
+    llama_server_timeout_s: float | None = None
     speculative_methods: list[str | None] = field(default_factory=lambda: [None])
     quantizations: list[str] = field(default_factory=list)
 
@@ -110,10 +117,31 @@ class BenchSettings:
             )
         if self.vllm_python and "vllm" not in self.baselines:
             raise ValueError("--vllm-python applies to --baselines vllm only; add vllm to --baselines")
+        self._check_llama_cpp()
         if "static" in self.modes and self.static_batch_size > self.engine.max_num_seqs:
             raise ValueError(
                 f"--static-batch-size {self.static_batch_size} is more than --max-num-seqs "
                 f"{self.engine.max_num_seqs}, the most requests a step runs; lower one or raise the other"
+            )
+
+    def _check_llama_cpp(self) -> None:
+        """The llama.cpp baseline's options (see the attributes)."""
+        if "llama.cpp" in self.baselines:
+            if not self.llama_server:
+                raise ValueError(
+                    "--baselines llama.cpp needs --llama-server PATH, llama.cpp's llama-server binary "
+                    "(see docs/llamacpp.md)"
+                )
+            if (problem := gguf_problem(self.engine.model)) is not None:
+                raise ValueError(problem)
+        elif self.llama_server:
+            raise ValueError(
+                "--llama-server applies to --baselines llama.cpp only; add llama.cpp to --baselines"
+            )
+        if self.llama_server_timeout_s is not None and not self.llama_server_timeout_s > 0:
+            raise ValueError(
+                "llama-server timeout must be > 0 seconds (0 on the command line = never), "
+                f"got {self.llama_server_timeout_s}"
             )
 
 

@@ -28,7 +28,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -37,6 +36,15 @@ from typing import Any
 
 import psutil
 
+from batchgen.bench.baselines.processes import (
+    BaselineRunError,
+    BaselineUnavailable,
+    executable_problem,
+    kill_tree,
+    log_tail,
+    start_logged,
+    tree_rss,
+)
 from batchgen.bench.report.metrics import RequestRecord, RunResult
 from batchgen.bench.workload.distributions import Workload
 
@@ -44,15 +52,14 @@ VLLM_CHILD = Path(__file__).with_name("vllm_child.py")
 PROTOCOL = 1  # must equal vllm_child.PROTOCOL (a test checks)
 DEFAULT_KVCACHE_GIB = 4
 _DOCS = "docs/vllm.md"
-_LOG_TAIL_LINES = 40
 
 
-class VllmUnavailable(RuntimeError):
+class VllmUnavailable(BaselineUnavailable):
     """vLLM cannot run here: no such interpreter, not one that starts, or one without vLLM (the
     configuration is reported as skipped)."""
 
 
-class VllmRunError(RuntimeError):
+class VllmRunError(BaselineRunError):
     """vLLM started but failed (the configuration is reported as failed)."""
 
 
@@ -145,49 +152,11 @@ def check_python(python: str | Path) -> None:
     """
     path = Path(python).expanduser()
     fix = f"give --vllm-python the python of a virtual environment with vLLM installed (see {_DOCS})"
-    if not path.exists():
-        raise VllmUnavailable(f"--vllm-python {python} does not exist; {fix}")
-    if path.is_dir():
-        raise VllmUnavailable(f"--vllm-python {python} is a folder; {fix}, e.g. {path / 'bin' / 'python'}")
-    if not os.access(path, os.X_OK):
-        raise VllmUnavailable(f"--vllm-python {python} is not executable; {fix}")
-
-
-def _tree_rss(proc: psutil.Process) -> int:
-    """Resident bytes of `proc` and every descendant (0 for those that are gone)."""
-    total = 0
-    try:
-        members = [proc, *proc.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    for p in members:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
-
-
-def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> list[str]:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return []
-    return [line for line in text.splitlines() if line.strip()][-lines:]
-
-
-def _kill_tree(proc: psutil.Process) -> None:
-    """SIGKILL `proc` and its descendants (vLLM's engine core is a process of the child's own)."""
-    try:
-        members = [*proc.children(recursive=True), proc]
-    except psutil.Error:
-        members = [proc]
-    for p in members:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(members, timeout=10)
+    problem = executable_problem(path)
+    if problem is None:
+        return
+    example = f", e.g. {path / 'bin' / 'python'}" if problem == "is a folder" else ""
+    raise VllmUnavailable(f"--vllm-python {python} {problem}; {fix}{example}")
 
 
 def run_child(
@@ -216,38 +185,32 @@ def run_child(
         script = Path(tmp) / VLLM_CHILD.name
         shutil.copyfile(VLLM_CHILD, script)
         peak = 0
-        with os.fdopen(log_fd, "w") as log:
-            try:
-                child = subprocess.Popen(
-                    [str(python), str(script), str(req_path), str(res_path)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=dict(env),
-                    cwd=tmp,  # nor the caller's working directory (a checkout with a `vllm` folder)
-                )
-            except OSError as exc:  # exec format error, permission denied
-                log_path.unlink(missing_ok=True)
-                raise VllmUnavailable(
-                    f"--vllm-python {python} cannot be started ({exc.strerror or exc}); give the "
-                    f"python of a virtual environment with vLLM installed (see {_DOCS})"
-                ) from exc
-            proc = psutil.Process(child.pid)
-            started = time.monotonic()
-            try:
-                while child.poll() is None:
-                    peak = max(peak, _tree_rss(proc))
-                    if timeout_s is not None and time.monotonic() - started > timeout_s:
-                        raise VllmRunError(
-                            f"vLLM ran past {timeout_s:.0f} s and was stopped; its log: {log_path}"
-                        )
-                    time.sleep(0.1)
-            finally:
-                if child.poll() is None:  # the timeout, or Ctrl-C in the bench
-                    _kill_tree(proc)
+        child = start_logged(
+            [str(python), str(script), str(req_path), str(res_path)],
+            log_fd,
+            log_path,
+            VllmUnavailable,
+            f"--vllm-python {python}",
+            f"give the python of a virtual environment with vLLM installed (see {_DOCS})",
+            env=dict(env),
+            cwd=tmp,  # nor the caller's working directory (a checkout with a `vllm` folder)
+        )
+        proc = psutil.Process(child.pid)
+        started = time.monotonic()
+        try:
+            while child.poll() is None:
+                peak = max(peak, tree_rss(proc))
+                if timeout_s is not None and time.monotonic() - started > timeout_s:
+                    raise VllmRunError(
+                        f"vLLM ran past {timeout_s:.0f} s and was stopped; its log: {log_path}"
+                    )
+                time.sleep(0.1)
+        finally:
+            if child.poll() is None:  # the timeout, or Ctrl-C in the bench
+                kill_tree(proc)
         result = _read_result(res_path)
     if result is None:
-        last = (_tail(log_path, 1) or ["(no output)"])[0]
+        last = (log_tail(log_path, 1) or ["(no output)"])[0]
         raise VllmRunError(
             f"{python} exited with status {child.returncode} before reporting a result (last line: "
             f"{last.strip()}); its log: {log_path}"

@@ -11,10 +11,12 @@ JSON layout (`schema` "batchgen-bench/1"):
     (`metrics.summarize` plus `ceiling_fraction`, against the matmul rate measured around that run,
     `matmul_flops_per_s`; `roofline_s` at the median matmul rate, and `roofline_fraction` against
     the roofline at the rate measured around the run: see `report.roofline`), ratios (metric / the base's metric, for the
-    keys in `RATIO_KEYS`), ratios_vs_vllm (metric / the vLLM baseline's, for the keys in
-    `VLLM_RATIO_KEYS`, when a vLLM baseline ran: above 1 in throughput means faster than vLLM),
-    extra, notes, and the per-step timeline. `vllm_base` names that vLLM configuration (None when
-    none ran) and `software.vllm` its version.
+    keys in `RATIO_KEYS`), for each peer engine of `PEERS` that ran (vLLM, llama.cpp)
+    ratios_vs_<stem> (metric / that baseline's, for the keys in `PEER_RATIO_KEYS`: above 1 in
+    throughput means faster than the peer; `ratios_vs_vllm`, `ratios_vs_llamacpp`), extra, notes,
+    and the per-step timeline. `<stem>_base` names that peer's configuration (None when none ran:
+    `vllm_base`, `llamacpp_base`) and `software.<kind>` its version (`software.vllm`,
+    `software["llama.cpp"]`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,11 @@ RATIO_KEYS = (
     "roofline_s",
 )
 
-VLLM_RATIO_KEYS = ("output_tokens_per_s", "total_tokens_per_s", "wall_s")
+PEER_RATIO_KEYS = ("output_tokens_per_s", "total_tokens_per_s", "wall_s")
+
+# The peer engines a bench runs beside batchgen: configuration kind -> (the stem of its report keys,
+# the `extra` key of its version).
+PEERS = {"vllm": ("vllm", "vllm_version"), "llama.cpp": ("llamacpp", "llama_cpp_build")}
 
 
 def _hardware() -> dict[str, Any]:
@@ -92,11 +98,14 @@ def build_report(
     """Assemble the report dict from the runs (see the module docstring for its layout)."""
     configs = [_config_entry(r, ceiling) for r in results]
     base = next((c for c in configs if c["status"] == "ok"), None)
-    vllm = next((c for c in configs if c["kind"] == "vllm" and c["status"] == "ok"), None)
-    _add_ratios(configs, base, vllm)
+    peers = {
+        kind: next((c for c in configs if c["kind"] == kind and c["status"] == "ok"), None) for kind in PEERS
+    }
+    _add_ratios(configs, base, peers)
     software = _software()
-    if vllm is not None:
-        software["vllm"] = str(vllm["extra"].get("vllm_version"))
+    for kind, peer in peers.items():
+        if peer is not None:
+            software[kind] = str(peer["extra"].get(PEERS[kind][1]))
     return {
         "schema": "batchgen-bench/1",
         "command": " ".join(sys.argv),
@@ -115,7 +124,7 @@ def build_report(
         "ceiling": ceiling,
         "process_peak_rss_mb": process_peak_rss_mb(),
         "ratio_base": base["name"] if base else None,
-        "vllm_base": vllm["name"] if vllm else None,
+        **{f"{PEERS[kind][0]}_base": peer["name"] if peer else None for kind, peer in peers.items()},
         "configurations": configs,
     }
 
@@ -163,9 +172,10 @@ def _prefill_rate(extra: dict[str, Any], prefill_step_s: float | None) -> dict[s
     }
 
 
-def _add_ratios(configs: list[dict[str, Any]], base: dict | None, vllm: dict | None) -> None:
-    """Each finished configuration's `ratios` (its `RATIO_KEYS` metrics over `base`'s) and, when a
-    vLLM baseline ran, its `ratios_vs_vllm` (`VLLM_RATIO_KEYS` over vLLM's)."""
+def _add_ratios(configs: list[dict[str, Any]], base: dict | None, peers: dict[str, dict | None]) -> None:
+    """Each finished configuration's `ratios` (its `RATIO_KEYS` metrics over `base`'s) and, for each
+    peer of `peers` (kind -> its configuration, None when it did not run), its `ratios_vs_<stem>`
+    (`PEER_RATIO_KEYS` over the peer's)."""
     for c in configs:
         if c["status"] != "ok":
             continue
@@ -173,15 +183,16 @@ def _add_ratios(configs: list[dict[str, Any]], base: dict | None, vllm: dict | N
             for key in RATIO_KEYS:
                 a, b = c["metrics"].get(key), base["metrics"].get(key)
                 c["ratios"][key] = a / b if a is not None and b else None
-        if vllm is not None and c is not vllm:
-            c["ratios_vs_vllm"] = {
-                key: (
-                    a / b
-                    if (a := c["metrics"].get(key)) is not None and (b := vllm["metrics"].get(key))
-                    else None
-                )
-                for key in VLLM_RATIO_KEYS
-            }
+        for kind, peer in peers.items():
+            if peer is not None and c is not peer:
+                c[f"ratios_vs_{PEERS[kind][0]}"] = {
+                    key: (
+                        a / b
+                        if (a := c["metrics"].get(key)) is not None and (b := peer["metrics"].get(key))
+                        else None
+                    )
+                    for key in PEER_RATIO_KEYS
+                }
 
 
 def write_json(report: dict[str, Any], path: str | Path) -> None:

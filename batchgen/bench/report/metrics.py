@@ -20,7 +20,8 @@ Definitions (vLLM's benchmark names):
     mean batch size   mean over steps of the sequences in the step (running batch size).
 All times are `time.perf_counter()` seconds relative to the configuration's start.
 A run whose `extra["per_request_times"]` is False (the vLLM baseline) knows only its wall time: its
-latencies and step count are None.
+latencies and step count are None; one whose `extra["steps_measured"]` is False (the llama.cpp
+baseline) has no step count.
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
     out |= _tail_and_speculation(result, ok, wall)
     out |= host_time(result.steps)
     out |= {
-        "num_steps": len(seqs),
+        "num_steps": len(seqs) if result.extra.get("steps_measured", True) else None,  # llama.cpp: its own
         "batch_size_mean": float(np.mean(seqs)) if seqs else None,
         "batch_size_max": max(seqs) if seqs else None,
         "kv_cache_peak": max(kv) if kv else None,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchgen.bench.report.json_report import PEERS
+
 # (label, metric key, format, unit scale); `x` marks rows that show a ratio to the base column.
 # (label, metric key or (numerator, denominator) keys, format, scale, whether a ratio is shown)
 _ROWS: list[tuple[str, str | tuple[str, ...], str, float, bool]] = [
@@ -178,8 +180,11 @@ def render(report: dict[str, Any], console: Any = None) -> None:
                 text += f" ({ratio:.2f}x)"
             cells.append(text)
         table.add_row(label, *cells)
-        if key == "output_tokens_per_s" and report.get("vllm_base"):
-            table.add_row(f"output tokens/s / {report['vllm_base']}", *[_vs_vllm_cell(c) for c in configs])
+        for kind, (stem, _) in PEERS.items() if key == "output_tokens_per_s" else ():
+            if peer_name := report.get(f"{stem}_base"):
+                table.add_row(
+                    f"output tokens/s / {peer_name}", *[_vs_peer_cell(c, kind, stem) for c in configs]
+                )
     held = [
         c["metrics"].get("aging_bound_held")
         for c in configs
@@ -213,11 +218,12 @@ def render(report: dict[str, Any], console: Any = None) -> None:
             console.print(f"note: {note}", soft_wrap=True, markup=False, highlight=False)
 
 
-def _vs_vllm_cell(config: dict[str, Any]) -> str:
-    """A configuration's output tokens/s over the vLLM baseline's ("1.00x" for vLLM itself)."""
+def _vs_peer_cell(config: dict[str, Any], kind: str, stem: str) -> str:
+    """A configuration's output tokens/s over the peer baseline's of `kind` ("1.00x" for the peer
+    itself); `stem` names its ratios (`ratios_vs_<stem>`, `json_report.PEERS`)."""
     if config["status"] != "ok":
         return config["status"]
-    if config["kind"] == "vllm":
+    if config["kind"] == kind:
         return "1.00x"
-    ratio = config.get("ratios_vs_vllm", {}).get("output_tokens_per_s")
+    ratio = config.get(f"ratios_vs_{stem}", {}).get("output_tokens_per_s")
     return "-" if ratio is None else f"{ratio:.2f}x"

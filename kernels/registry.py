@@ -51,7 +51,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 PRUNE_RATIO = 3.0
 # A timed call at least this long (seconds) is measured over 3 rounds instead of 5 (`fastest_seconds`).
 LONG_CALL_S = 0.02
-TABLE_VERSION = 2  # 2: linear times taken over weights that stream from memory (`calls_per_run`)
+# 2: linear times taken over weights that stream from memory (`calls_per_run`); 3: a quantized
+# linear's float candidates timed at every bucket (`tune_linear`: no pruning)
+TABLE_VERSION = 3
 # Environment switches that change which code oneDNN, torch or batchgen's kernels run.
 _ENV_KEYS = (
     "BATCHGEN_MAX_CPU_ISA",

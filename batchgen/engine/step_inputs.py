@@ -31,16 +31,21 @@ def step_inputs(sched: SchedulerOutput, persistent: bool = False) -> list[StepIn
     inputs = []
     for item in sched.scheduled:
         r = item.request
-        p = r.sampling_params
-        if item.num_new_tokens == 1 and item.samples and _plain_decode(r):
+        if item.num_new_tokens != 1 or not item.samples:
+            inputs.append(_general_input(item))
+            continue
+        # A request's own decode input exists only once its decodes are plain, and a plain
+        # request stays plain (its settings are fixed, and it only grows past `min_tokens`).
+        kept = r.decode_input if persistent else None
+        if kept is not None and kept.block_table is r.block_table:
+            kept.token_ids[0] = r.token_ids[item.start]
+            kept.start = item.start
+            inputs.append(kept)
+            continue
+        if _plain_decode(r):
             # The usual decode (no drafts, bans, penalties, log probabilities or mask): positional,
-            # one call a running request a step, or none when the request's own is updated.
-            kept = r.decode_input if persistent else None
-            if kept is not None and kept.block_table is r.block_table:
-                kept.token_ids[0] = r.token_ids[item.start]
-                kept.start = item.start
-                inputs.append(kept)
-                continue
+            # one call a running request a step.
+            p = r.sampling_params
             inputs.append(
                 StepInput(
                     [r.token_ids[item.start]],

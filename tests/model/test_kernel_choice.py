@@ -392,3 +392,27 @@ def test_a_table_timed_beside_a_busy_process_is_timed_again_on_a_quiet_start(tin
     second = LLM(path, dtype="float32", max_num_seqs=4, device="cpu", kernels="auto", num_threads=threads)
     assert timed, "a table measured on a busy machine must be measured again once the machine is quiet"
     assert second.llm_engine.runner.kernel_choice.table.others_load == 0.0
+
+
+def test_a_quantized_linear_times_its_float_candidates_at_every_bucket(monkeypatch) -> None:
+    """An int8 weight's float copy loses the few-row buckets (more bytes) and may win the many-row
+    ones (a real matmul): no candidate may stop being timed as rows grow, or a prefill would run
+    whatever won at 2 rows (it ran the int8 kernel at half oneDNN's rate on an AVX2 machine).
+    Pruning made certain here: any candidate behind the fastest would be dropped after 2 buckets."""
+    from batchgen.kernels.cpu.int8_weight import Int8Weight
+
+    monkeypatch.setattr(registry, "PRUNE_RATIO", 0.0)
+
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 128, bias=False)
+    table = registry.TuningTable(key={}, path=None)
+    quantized = Int8Weight.quantize(linear.weight.detach())
+    with torch.no_grad():  # as quantize_model leaves it: the float copy is the dequantized weight
+        linear.weight.copy_(quantized.dequantize())
+    times = linear_choice.tune_linear(table, linear, 64, quantized)
+    float_names = set(cpu_linear.linear_candidates(linear.weight.detach(), None))
+    for bucket in times:
+        timed_float = {name for name, ms in bucket.items() if name in float_names and ms is not None}
+        assert timed_float, f"no float candidate timed at a bucket: {bucket}"
+    names_at = [{n for n, ms in bucket.items() if ms is not None} for bucket in times]
+    assert all(names == names_at[0] for names in names_at)  # the same candidates at every bucket

@@ -195,7 +195,9 @@ def test_fake_vllm_run_gives_throughput_and_no_latencies(fake_python: Path) -> N
     assert m["num_steps"] is None and m["num_errors"] == 0
     assert run.extra["vllm_version"] == "0.0-fake" and run.extra["load_s"] == 1.0
     assert run.extra["env"]["VLLM_CPU_OMP_THREADS_BIND"] == threads_bind(1)
-    assert run.resources["peak_rss_mb"] is None or run.resources["peak_rss_mb"] > 1
+    # In MiB: a sample can land while the short fake child is still being exec'd (0.2 MiB on a
+    # busy machine), so only the unit is checked (bytes would be millions).
+    assert run.resources["peak_rss_mb"] is None or 0 < run.resources["peak_rss_mb"] < 10_000
 
 
 def test_fake_child_sees_the_request_and_env(fake_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -54,8 +54,7 @@ def tune_linear(
     table: TuningTable, linear: nn.Linear, max_rows: int, quantized: QuantizedWeight | None = None
 ) -> list[dict[str, float | None]]:
     """Each candidate's time (ms; None where not timed or dropped) at each row bucket up to
-    `max_rows`, for `linear`'s shape and dtype (and `quantized`'s format, where it runs one), from
-    `table` or measured (added to `table`).
+    `max_rows`, for `linear`'s shape, dtype (and `quantized`'s format), from `table` or measured.
 
     Measured on random inputs, each call running the candidate over `_timing_copies` weights of
     the shape (the layer's own first, checked against the float32 product with its weight, or with
@@ -63,8 +62,8 @@ def tune_linear(
     memory, not from a core's cache, and one weight timed over and over would favour the kernels
     that gain most from a warm cache. That matters while rows are few; with more, each weight is
     reused across the rows and the call is compute-bound, so fewer copies keep a timed call's work
-    about constant instead of growing with the rows (most of a first start's measuring was the
-    largest buckets over 32 weight copies).
+    about constant instead of growing with the rows. A quantized weight's candidates are timed at
+    every bucket: its float copy loses few rows by the bytes it reads and wins many by its matmul.
     """
     builders = candidates_for(linear, quantized)
     buckets = buckets_up_to(max_rows)
@@ -128,10 +127,6 @@ def tune_linear(
         _LINEAR_RTOL.get(dtype, 2e-2),
         work=lambda rows: 2.0 * rows * linear.in_features * linear.out_features,
         calls_per_run=lambda rows: _timing_copies(weight_bytes, rows),
-        # A quantized weight's float copy loses the few-row buckets by the bytes it reads and wins
-        # the many-row ones by its matmul: the lead changes hands, so no candidate stops being
-        # timed (pruned, the float kernels were never timed past 2 rows and a 2,048-row prefill
-        # ran the int8 kernel at half oneDNN's rate on an AVX2 machine).
         prune=quantized is None,
     )
     return [table.entries[entry_key("linear", shape, rows)]["ms"] for rows in buckets]

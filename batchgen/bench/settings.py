@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.bench.baselines.llamacpp import gguf_problem
+from batchgen.bench.baselines.processes import executable_problem
 from batchgen.bench.spec import WorkloadSpec
 from batchgen.config import (
     FCFS,
@@ -117,6 +118,10 @@ class BenchSettings:
             )
         if self.vllm_python and "vllm" not in self.baselines:
             raise ValueError("--vllm-python applies to --baselines vllm only; add vllm to --baselines")
+        if self.vllm_python and (problem := executable_problem(self.vllm_python)) is not None:
+            # A path that cannot run is a typo: said before any run, not as a skipped column after.
+            raise ValueError(f"--vllm-python {self.vllm_python} {problem}; give the python of a "
+                             "virtual environment with vLLM installed (see docs/vllm.md)")  # fmt: skip
         self._check_llama_cpp()
         if "static" in self.modes and self.static_batch_size > self.engine.max_num_seqs:
             raise ValueError(
@@ -132,6 +137,9 @@ class BenchSettings:
                     "--baselines llama.cpp needs --llama-server PATH, llama.cpp's llama-server binary "
                     "(see docs/llamacpp.md)"
                 )
+            if (problem := executable_problem(self.llama_server)) is not None:
+                raise ValueError(f"--llama-server {self.llama_server} {problem}; give the path of "
+                                 "llama.cpp's llama-server binary (see docs/llamacpp.md)")  # fmt: skip
             if (problem := gguf_problem(self.engine.model)) is not None:
                 raise ValueError(problem)
         elif self.llama_server:

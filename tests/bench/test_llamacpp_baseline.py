@@ -196,13 +196,20 @@ def test_settings_need_the_server_and_a_gguf_file() -> None:
     with pytest.raises(
         ValueError, match="needs a GGUF model file, got --model /m/hf-dir: give --model FILE.gguf"
     ):
-        BenchSettings(baselines=["llama.cpp"], llama_server="/b/s", engine=EngineConfig(model="/m/hf-dir"))
+        BenchSettings(
+            baselines=["llama.cpp"], llama_server=sys.executable, engine=EngineConfig(model="/m/hf-dir")
+        )
     with pytest.raises(ValueError, match="--llama-server applies to --baselines llama.cpp only"):
-        BenchSettings(llama_server="/b/s")
+        BenchSettings(llama_server=sys.executable)
     with pytest.raises(ValueError, match="llama-server timeout must be > 0 seconds"):
-        BenchSettings(baselines=["llama.cpp"], llama_server="/b/s", llama_server_timeout_s=0.0)
+        BenchSettings(baselines=["llama.cpp"], llama_server=sys.executable, llama_server_timeout_s=0.0)
+    # A path that cannot run is a usage error before any run (not a skipped column after one).
+    with pytest.raises(ValueError, match="--llama-server /b/s does not exist; give the path of llama.cpp"):
+        BenchSettings(baselines=["llama.cpp"], llama_server="/b/s")
     assert gguf_problem(None) is None and gguf_problem("/m/X.Q8_0.GGUF") is None
-    BenchSettings(baselines=["llama.cpp"], llama_server="/b/s", engine=EngineConfig(model="/m/x.gguf"))
+    BenchSettings(
+        baselines=["llama.cpp"], llama_server=sys.executable, engine=EngineConfig(model="/m/x.gguf")
+    )
 
 
 def test_a_server_binary_that_cannot_run_is_unavailable(tmp_path: Path) -> None:
@@ -366,24 +373,19 @@ def test_bench_with_fake_llama_server(tiny_gguf: Path, tmp_path: Path, fake_serv
     assert "output tokens/s / llama.cpp" in result.output
 
 
-def test_bench_with_missing_llama_server_still_reports(tiny_gguf: Path, tmp_path: Path) -> None:
+def test_bench_with_a_missing_llama_server_is_a_usage_error(tiny_gguf: Path, tmp_path: Path) -> None:
+    """A typo in the path stops the bench before it runs anything (exit 2, nothing written)."""
     missing = tmp_path / "no-build" / "llama-server"
     args = tiny_run_args(tiny_gguf, tmp_path, "--num-prompts", "2", "--scale", "0.05")
     result = invoke_bench([*args, "--baselines", "llama.cpp", "--llama-server", str(missing)])
-    assert result.exit_code == 0, result.output
-    assert f"llama.cpp skipped: --llama-server {missing} does not exist" in result.output
-    assert "Traceback" not in result.output
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert {c["name"]: c["status"] for c in report["configurations"]} == {
-        "continuous/fcfs": "ok",
-        "llama.cpp": "skipped",
-    }
-    assert report["llamacpp_base"] is None
+    assert result.exit_code == 2, result.output
+    assert f"--llama-server {missing} does not exist" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "r.json").exists()
 
 
 def test_bench_llama_cpp_on_a_model_folder_is_a_usage_error(tiny_model_dir, tmp_path: Path) -> None:
     args = tiny_run_args(tiny_model_dir("llama"), tmp_path)
-    result = invoke_bench([*args, "--baselines", "llama.cpp", "--llama-server", "/b/llama-server"])
+    result = invoke_bench([*args, "--baselines", "llama.cpp", "--llama-server", sys.executable])
     assert result.exit_code == 2
     assert "needs a GGUF model file" in result.output
 

@@ -349,13 +349,23 @@ def test_bench_with_fake_vllm(tiny_model_dir, tmp_path: Path, fake_python: Path)
     assert "output tokens/s / vllm" in result.output
 
 
-def test_bench_with_missing_vllm_still_reports(tiny_model_dir, tmp_path: Path) -> None:
+def test_bench_with_a_missing_vllm_python_is_a_usage_error(tiny_model_dir, tmp_path: Path) -> None:
+    """A typo in the path stops the bench before it runs anything (exit 2, nothing written)."""
     missing = tmp_path / "no-venv" / "bin" / "python"
     args = tiny_run_args(tiny_model_dir("llama"), tmp_path, "--num-prompts", "2", "--scale", "0.05")
     result = invoke_bench([*args, "--baselines", "vllm", "--vllm-python", str(missing)])
+    assert result.exit_code == 2, result.output
+    assert f"--vllm-python {missing} does not exist" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "r.json").exists()
+
+
+def test_bench_with_a_python_without_vllm_still_reports(tiny_model_dir, tmp_path: Path) -> None:
+    """A python that runs but has no vLLM is found out only by running it: that column is skipped,
+    the others are reported."""
+    args = tiny_run_args(tiny_model_dir("llama"), tmp_path, "--num-prompts", "2", "--scale", "0.05")
+    result = invoke_bench([*args, "--baselines", "vllm", "--vllm-python", sys.executable])
     assert result.exit_code == 0, result.output
-    assert f"vllm skipped: --vllm-python {missing} does not exist" in result.output
-    assert "Traceback" not in result.output
+    assert "vllm skipped: " in result.output and "Traceback" not in result.output
     report = json.loads((tmp_path / "r.json").read_text())
     statuses = {c["name"]: c["status"] for c in report["configurations"]}
     assert statuses == {"continuous/fcfs": "ok", "vllm": "skipped"}
@@ -364,9 +374,8 @@ def test_bench_with_missing_vllm_still_reports(tiny_model_dir, tmp_path: Path) -
 
 def test_a_bench_of_a_skipped_vllm_run_alone_exits_1(tiny_model_dir, tmp_path: Path) -> None:
     """With no batchgen configuration beside it, a skipped baseline is a report of nothing."""
-    missing = tmp_path / "no-venv" / "bin" / "python"
     args = tiny_run_args(tiny_model_dir("llama"), tmp_path, "--num-prompts", "2", "--scale", "0.05")
-    result = invoke_bench([*args, "--mode", "", "--baselines", "vllm", "--vllm-python", str(missing)])
+    result = invoke_bench([*args, "--mode", "", "--baselines", "vllm", "--vllm-python", sys.executable])
     assert result.exit_code == 1, result.output
     assert "no configuration was measured" in result.output and "Traceback" not in result.output
 

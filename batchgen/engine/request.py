@@ -185,11 +185,5 @@ class Request:
         return self.sampling_params.priority
 
     @property
-    def appends_plainly(self) -> bool:
-        """Whether a sampled token needs nothing but appending and the stop checks: no log
-        probabilities, grammar or reasoning parser to feed (the scheduler's decode fast path)."""
-        return self.output_logprobs is None and self.grammar is None and self.reasoning is None
-
-    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

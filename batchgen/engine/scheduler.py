@@ -282,8 +282,6 @@ class Scheduler:
         """
         now = time.perf_counter() if now is None else now
         scheduled_at = now if scheduled_at is None else scheduled_at
-        if out.plain_decodes and sampled.errors is None and sampled.scored is None and self.shadow is None:
-            return self._update_decodes(out, sampled, scheduled_at, now)
         finished: list[Request] = []
         token_ids, errors = sampled.token_ids, sampled.errors
         errors_or_none = errors or [None] * len(token_ids)
@@ -302,7 +300,11 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(r)
                 continue
             before = len(r.token_ids)
-            if errors is None and not item.spec_token_ids and r.appends_plainly:
+            # A token that needs nothing but appending and the stop checks: no error, drafts, log
+            # probabilities, grammar or reasoning parser to feed (read here, not through a
+            # property: this runs for every running request every step).
+            plain = r.output_logprobs is None and r.grammar is None and r.reasoning is None
+            if errors is None and not item.spec_token_ids and plain:
                 reason = self.append_token(r, token_ids[at], now)
                 at += 1
                 out.num_output_tokens += 1
@@ -325,36 +327,10 @@ class Scheduler:
                 finished.append(self.finish(r, reason, now))
         return finished
 
-    def _update_decodes(
-        self, out: SchedulerOutput, sampled: StepOutput, scheduled_at: float, now: float
-    ) -> list[Request]:
-        """`update` for a step of plain decodes only (`SchedulerOutput.plain_decodes`: one token
-        each, no drafts) with no errors, scored rows or shadow drafts: the usual step, one pass.
-        A request that needs more than appending (log probabilities, a grammar, a reasoning
-        parser) takes `append_sampled`."""
-        finished: list[Request] = []
-        caching = self.block_manager.enable_prefix_caching
-        block_size = self.block_manager.block_size
-        for row, (item, token) in enumerate(zip(out.scheduled, sampled.token_ids, strict=True)):
-            r = item.request
-            if r.first_scheduled_time is None:  # a one-token prompt's first step
-                r.first_scheduled_time = scheduled_at
-            if r.output_logprobs is None and r.grammar is None and r.reasoning is None:  # appends_plainly
-                reason = self.append_token(r, token, now)
-                out.num_output_tokens += 1
-            else:
-                reason = append_sampled(
-                    item, [(token, sampled.logprobs[row], None)], out, now, self.tokenizer, self.max_model_len
-                )
-            if caching and r.num_computed_tokens >= (len(r.block_hashes) + 1) * block_size:
-                self.block_manager.cache_full_blocks(r)  # a block filled up
-            if reason is not None:
-                finished.append(self.finish(r, reason, now))
-        return finished
-
     def append_token(self, r: Request, token: int, now: float) -> str | None:
-        """`append_sampled` for a request that `appends_plainly`: one sampled token (no drafts, no error): the
-        decode fast path, one call a running request a step."""
+        """`append_sampled` for a sampled token that needs nothing but appending and the stop checks
+        (no drafts, error, log probabilities, grammar or reasoning parser): the decode fast path,
+        one call a running request a step."""
         r.token_ids.append(token)
         if r.first_token_time is None:
             r.first_token_time = now

@@ -90,8 +90,8 @@ class SchedulerOutput:
         stalled: a running request found no free block and preemption was not allowed
             (`Scheduler.schedule(allow_preemption=False)`): the requests after it were left out.
         plain_decodes: every scheduled request is a decode of one token with its slot in a block
-            it held already (the scheduler's fast path; `Scheduler.update` then takes one pass).
-            False for a hand-built output, which `update` then treats in general.
+            it held already (the scheduler's fast path; `counts` then takes two short sums).
+            False for a hand-built output, which is then counted in general.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)

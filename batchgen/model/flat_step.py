@@ -28,7 +28,6 @@ def flatten_step(
     if n and int(query_lens.sum()) == n and all(s.sample for s in seqs):
         return _flatten_decodes(seqs, block_size, device)
     starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
-    table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
     num_sampled = np.fromiter((s.num_sampled for s in seqs), dtype=np.int64, count=n)
     seq_lens = starts + query_lens
     num_tokens = int(query_lens.sum())
@@ -39,7 +38,7 @@ def flatten_step(
     np.cumsum(query_lens, out=query_start_loc[1:])
     seq_index = np.repeat(np.arange(n), query_lens)
     positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_index] + starts[seq_index]
-    block_tables = _block_tables(seqs, table_lens)
+    block_tables, _ = _block_tables(seqs)
     slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
     # A sequence with draft tokens needs logits at its last `num_draft_tokens + 1` positions.
     sampled_before = np.repeat(np.cumsum(num_sampled) - num_sampled, num_sampled)
@@ -74,8 +73,10 @@ def flatten_step(
     )
 
 
-def _block_tables(seqs: list[StepInput], table_lens: np.ndarray) -> np.ndarray:
-    """The sequences' block tables as one int32 array `[n, max blocks]`, zero-padded."""
+def _block_tables(seqs: list[StepInput]) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences' block tables as one int32 array `[n, max blocks]`, zero-padded, and each
+    table's length (int64 `[n]`)."""
+    table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
     block_tables = np.zeros((len(seqs), int(table_lens.max())), dtype=np.int32)
     # Row-major order of the mask is the order of the chained tables.
     block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
@@ -83,7 +84,7 @@ def _block_tables(seqs: list[StepInput], table_lens: np.ndarray) -> np.ndarray:
         dtype=np.int32,
         count=int(table_lens.sum()),
     )
-    return block_tables
+    return block_tables, table_lens
 
 
 def _flatten_decodes(
@@ -92,8 +93,7 @@ def _flatten_decodes(
     """`flatten_step` for a step of decodes only (one token each, each sampled; so no drafts):
     the usual step at a full batch, without the per-token index arithmetic a mixed step needs."""
     n = len(seqs)
-    table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
-    block_tables = _block_tables(seqs, table_lens)
+    block_tables, _ = _block_tables(seqs)
     positions = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
     prompt_lens = [s.num_prompt_tokens for s in seqs]
     return _decode_arrays(seqs, positions, block_tables, prompt_lens, block_size, device)
@@ -166,18 +166,16 @@ class DecodeRows:
         n = len(seqs)
         kept = self._seqs
         self.kept = bool(n) and len(kept) == n and all(map(operator.is_, seqs, kept))
-        if self.kept:
-            positions = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
-            self._read_new_blocks(seqs, positions // block_size)
-            return _decode_arrays(seqs, positions, self._tables, self._prompt_lens, block_size, device)
-        self._seqs = []
-        if not n or not all(len(s.token_ids) == 1 and s.sample for s in seqs):
-            return flatten_step(seqs, block_size, device)
-        self._table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
-        self._tables = _block_tables(seqs, self._table_lens)
-        self._prompt_lens = [s.num_prompt_tokens for s in seqs]
-        self._seqs = list(seqs)
+        if not self.kept:
+            self._seqs = []
+            if not n or not all(len(s.token_ids) == 1 and s.sample for s in seqs):
+                return flatten_step(seqs, block_size, device)
+            self._tables, self._table_lens = _block_tables(seqs)
+            self._prompt_lens = [s.num_prompt_tokens for s in seqs]
+            self._seqs = list(seqs)
         positions = np.fromiter((s.start for s in seqs), dtype=np.int64, count=n)
+        if self.kept:
+            self._read_new_blocks(seqs, positions // block_size)
         return _decode_arrays(seqs, positions, self._tables, self._prompt_lens, block_size, device)
 
     def _read_new_blocks(self, seqs: list[StepInput], blocks: np.ndarray) -> None:

@@ -24,11 +24,16 @@ class _Forward(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if getattr(record, "batchgen_progress", False):
             self.show(record.getMessage())
+        elif record.levelno >= logging.WARNING:
+            # This handler's presence keeps Python's last-resort handler, which prints warnings when
+            # a logger has none, from printing them: so it shows them itself.
+            self.show(f"{record.levelname.lower()}: {record.getMessage()}")
 
 
 @contextlib.contextmanager
 def shown(show: Callable[[str], None]) -> Iterator[None]:
-    """Within the block, pass every progress note logged under `batchgen` to `show` (one line each)."""
+    """Within the block, pass every progress note logged under `batchgen` to `show` (one line each),
+    and every warning or error ("warning: ..."); other records stay unshown."""
     logger = logging.getLogger(_LOGGER)
     handler, level = _Forward(show), logger.level
     if logger.getEffectiveLevel() > logging.INFO:

@@ -1,5 +1,5 @@
 """Progress notes: a start says it measures kernels only when it does (a first start on a machine),
-and nothing else logged at INFO reaches the user."""
+warnings reach the user, and nothing else logged at INFO does."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ def test_only_progress_records_are_shown_and_only_inside_the_block() -> None:
     with progress.shown(shown.append):
         logger.info("converting a.gguf", extra=progress.PROGRESS)
         logger.info("an ordinary INFO record")
+        logger.warning("a cache file is damaged; quantizing again")  # a warning still reaches the user
     logger.info("after the block", extra=progress.PROGRESS)
-    assert shown == ["converting a.gguf"]
+    assert shown == ["converting a.gguf", "warning: a cache file is damaged; quantizing again"]
     assert logging.getLogger("batchgen").level == logging.NOTSET  # restored
 
 

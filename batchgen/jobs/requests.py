@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from batchgen.jobs.input.rows import JobRow
 from batchgen.jobs.options import JobOptions, flag_hint
 from batchgen.jobs.output.token_bytes import TokenBytes, token_text
-from batchgen.jobs.truncate import truncate_chat, truncate_ids
+from batchgen.jobs.truncate import truncate_chat, truncate_ids, uncuttable_tokens
 from batchgen.model.loading.tokenizer import Tokenizer
 from batchgen.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -97,16 +97,39 @@ def prepare_row(
             except Exception:  # a cut that empties the only message cannot be rendered: the row fails
                 cut = None
             if cut is None:
-                return Prepared(row, None, n), (
-                    f"{row.where}: the chat prompt cannot be cut to {keep} tokens and keep any of its text: "
-                    "the chat template (with any system prompt it adds) takes that room; shorten the "
-                    "system prompt or raise --max-model-len"
-                )
+                error = _uncuttable_error(row, prompt, keep, engine, options, engine.tokenizer)
+                return Prepared(row, None, n), error
             ids = cut
         else:
             ids = truncate_ids(ids, options.truncate_prompt, keep, bos)
     row.prompt = None  # free the text: only the token ids travel on
     return Prepared(row, ids, len(ids)), None
+
+
+def _uncuttable_error(
+    row: JobRow,
+    messages: list[dict],
+    keep: int,
+    engine: PromptEngine,
+    options: JobOptions,
+    tokenizer: Tokenizer,
+) -> str:
+    """The error of a chat prompt `--truncate-prompt` cannot fit into `keep` tokens, naming what
+    takes the room: the system message (the row's or --system-prompt's) or the template itself."""
+    system, fixed = uncuttable_tokens(
+        messages, lambda m: engine.encode_prompt(with_template_kwargs(m, row))[1], tokenizer
+    )
+    head = f"{row.where}: the chat prompt cannot be cut to {keep} tokens and keep any of its text: "
+    took = f" ({fixed} tokens with the template)" if fixed is not None else ""
+    if system:
+        own = isinstance(row.prompt, list) and any(m.get("role") == "system" for m in row.prompt)
+        source = "the row's system message" if own or not options.system_prompt else "--system-prompt"
+        return (
+            f"{head}its system message is {system} tokens{took} and is never cut; shorten {source} "
+            "or raise --max-model-len"
+        )
+    took = f" ({fixed} tokens with its own default system prompt)" if fixed is not None else ""
+    return f"{head}the chat template takes that room{took}; raise --max-model-len"
 
 
 def result_row(row: JobRow, **values: Any) -> dict[str, Any]:

@@ -65,3 +65,23 @@ def truncate_chat(
         kept = content_ids[: len(content_ids) - cut] if side == "right" else content_ids[cut:]
         messages[index]["content"] = tokenizer.decode(kept) if kept else ""
     return None
+
+
+def uncuttable_tokens(
+    messages: list[dict[str, str]],
+    encode: Callable[[list[dict[str, str]]], list[int]],
+    tokenizer: Tokenizer,
+) -> tuple[int, int | None]:
+    """What `truncate_chat` cannot cut, to say why a chat did not fit: (the tokens of the system
+    messages' text, the tokens of the chat rendered with every other message emptied: the template
+    and the system messages together; None where the template cannot render empty messages)."""
+    system = sum(
+        len(tokenizer.encode(m["content"], add_special_tokens=False))
+        for m in messages
+        if m["role"] == "system" and m["content"]
+    )
+    emptied = [m if m["role"] == "system" else {**m, "content": ""} for m in messages]
+    try:
+        return system, len(encode(emptied))
+    except Exception:  # noqa: BLE001  a template may refuse empty messages in its own way
+        return system, None

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from batchgen.engine.tokenize import encode_prompt
-from batchgen.jobs.truncate import truncate_chat, truncate_ids
+from batchgen.jobs.truncate import truncate_chat, truncate_ids, uncuttable_tokens
 
 
 def test_truncate_ids_keeps_one_bos_in_front():
@@ -55,3 +55,27 @@ def test_a_cut_that_would_empty_the_only_message_is_none(tokenizer):
     assert truncate_chat(messages, "right", 30, lambda m: encode_prompt(tokenizer, m)[1], tokenizer) is None
     blank = [{"role": "user", "content": "Summarize this:" + " \n" * 200}]
     assert truncate_chat(blank, "left", 30, lambda m: encode_prompt(tokenizer, m)[1], tokenizer) is None
+
+
+def test_what_no_cut_can_free_is_the_system_message_and_the_template(tokenizer):
+    """`uncuttable_tokens`: the system message's own tokens, and the chat rendered with the other
+    messages emptied (exactly the rendering of that chat)."""
+    system = "word " * 300
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi " * 50}]
+
+    def encode(m):
+        return encode_prompt(tokenizer, m)[1]
+
+    emptied = [messages[0], {"role": "user", "content": ""}]
+    assert uncuttable_tokens(messages, encode, tokenizer) == (
+        len(tokenizer.encode(system, add_special_tokens=False)),
+        len(encode(emptied)),
+    )
+    assert uncuttable_tokens([messages[1]], encode, tokenizer)[0] == 0  # no system message
+
+    def refuse_empty(m):
+        if any(not x["content"] for x in m):
+            raise ValueError("empty message")
+        return encode(m)
+
+    assert uncuttable_tokens(messages, refuse_empty, tokenizer)[1] is None

@@ -137,6 +137,43 @@ def test_truncate_prompt(tmp_path, side):
     assert r["error"] is None and r["prompt_tokens"] == 64 - 8  # room kept for max_tokens
 
 
+def test_a_chat_prompt_its_system_message_keeps_too_long_names_it(tmp_path, tiny_model_dir):
+    """--truncate-prompt cannot fit a chat whose system message alone fills max_model_len: the error
+    row names the system message (the row's, or --system-prompt where it came from there), its
+    tokens and the fix; a row whose system message fits is cut and runs."""
+    from batchgen.jobs.runner import default_engine_factory
+
+    long_system = "Answer in the style of a very long preamble. " * 12
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": long_system},
+                    {"role": "user", "content": "hi " * 90},
+                ]
+            }
+        ),
+        json.dumps({"messages": [{"role": "user", "content": "hello " * 90}]}),
+    ]
+    engine = {"model": str(tiny_model_dir("llama")), "max_model_len": 64, "dtype": "float32"}
+    rows = run_lines(tmp_path, "sys", lines, default_engine_factory, truncate_prompt="right", engine=engine)
+    assert rows[0]["finish_reason"] == "error"
+    assert rows[0]["error"].startswith("row 0 (line 1): the chat prompt cannot be cut to 56 tokens")
+    assert "its system message is " in rows[0]["error"]
+    assert "shorten the row's system message or raise --max-model-len" in rows[0]["error"]
+    assert rows[1]["error"] is None and rows[1]["prompt_tokens"] <= 56
+    rows = run_lines(
+        tmp_path,
+        "flag",
+        lines[1:],
+        default_engine_factory,
+        truncate_prompt="right",
+        system_prompt=long_system,
+        engine=engine,
+    )
+    assert "shorten --system-prompt or raise --max-model-len" in rows[0]["error"]
+
+
 def test_strict_fails_before_model_work(tmp_path):
     src = tmp_path / "bad.jsonl"
     src.write_text("\n".join(bad_lines()) + "\n")

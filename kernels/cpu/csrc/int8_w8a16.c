@@ -7,7 +7,9 @@
  * prefetched ahead. A vector of weights holds LANES / 4 channels x 4 consecutive K (the layout's
  * quads), so the input's 4 values at a quad are broadcast to every group of 4 lanes and each lane
  * accumulates its own (channel, k mod 4) products; the 4 partial sums of a channel are added once
- * at the end of K (`reduce_quads`). The group scales are multiplied into the widened weights (one
+ * at the end of K (`reduce_quads`). Those 4 accumulators a row fill the registers at 2 rows (AVX2)
+ * or 4 (AVX-512); more rows go in half-strip tiles (`w8a16_halves`), 2 accumulators a row, so each
+ * weight is widened once per 5 rows (AVX2) or 12 (AVX-512) rather than once per 2 or 4. The group scales are multiplied into the widened weights (one
  * multiply per weight vector, shared by every row of the tile), so the tile needs one set of
  * accumulators whatever the number of groups.
  *
@@ -130,6 +132,60 @@ static inline __attribute__((always_inline)) void w8a16_tile(const int rows, con
   for (int r = 0; r < rows; r++) store_f32(out + r * LANES, reduce_quads(acc[r]));
 }
 
+/* Rows of a half-strip tile: 2 accumulators a row, plus 2 weight and 2 scale vectors and a
+ * broadcast input: 5 x 2 + 5 = 15 of 16 registers with AVX2, 12 x 2 + 5 = 29 of 32 with AVX-512. */
+#if REGISTER_LIGHT
+#define W8A16_HALF_ROWS 5
+#else
+#define W8A16_HALF_ROWS 12
+#endif
+
+/* Half `half` of a strip (quarters 2 half and 2 half + 1) for `rows` rows (a constant after
+ * inlining), the whole K4, into acc[r][2 half..2 half + 1]. A tile of more rows than `w8a16_tile`
+ * holds: that one widens every weight once per W8A16_ROWS rows (its 4 accumulators a row fill the
+ * registers), this one once per W8A16_HALF_ROWS, each input quad broadcast twice instead. Each
+ * accumulator takes the same products in the same order as in `w8a16_tile`, so a row's result does
+ * not depend on the tile it ran in (nor on the batch around it). */
+static inline __attribute__((always_inline)) void w8a16_half_tile(const int rows, const int half, const float *x,
+                                                                 int64_t ldx, const int8_t *w, const float *scales,
+                                                                 int64_t group, int64_t k4,
+                                                                 vf acc[][QUAD]) {
+  vf part[W8A16_HALF_ROWS][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < rows; r++) part[r][0] = part[r][1] = (vf){};
+  for (int64_t g0 = 0; g0 < k4; g0 += group, scales += LANES) {
+    const vf s = load_f32(scales);
+    const vf s0 = expand_scales(s, 2 * half), s1 = expand_scales(s, 2 * half + 1);
+    const int64_t end = g0 + group < k4 ? g0 + group : k4;
+    for (int64_t q = g0; q < end; q += QUAD) {
+      const int8_t *wq = w + q * LANES + 2 * half * LANES;
+      __builtin_prefetch(wq + INT8_PREFETCH_BYTES, 0, 0);
+      const vf w0 = widen_i8(wq) * s0, w1 = widen_i8(wq + LANES) * s1;
+#pragma GCC unroll 16
+      for (int r = 0; r < rows; r++) {
+        const vf xv = broadcast_quad(x + r * ldx + q);
+        part[r][0] += w0 * xv;
+        part[r][1] += w1 * xv;
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < rows; r++) {
+    acc[r][2 * half] = part[r][0];
+    acc[r][2 * half + 1] = part[r][1];
+  }
+}
+
+/* `rows` rows in two half-strip tiles, the channel sums into out[rows][LANES]. */
+static inline __attribute__((always_inline)) void w8a16_halves(const int rows, const float *x, int64_t ldx,
+                                                              const int8_t *w, const float *scales,
+                                                              int64_t group, int64_t k4, float *out) {
+  vf acc[W8A16_HALF_ROWS][QUAD];
+  w8a16_half_tile(rows, 0, x, ldx, w, scales, group, k4, acc);
+  w8a16_half_tile(rows, 1, x, ldx, w, scales, group, k4, acc);
+  for (int r = 0; r < rows; r++) store_f32(out + r * LANES, reduce_quads(acc[r]));
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && LANES == 16
 #define W8A16_DPBF16 1
 #define DP_ROWS 8 /* 16 accumulators, 4 weight and 4 scale vectors, 2 bf16 operands, the input: 27 */
@@ -202,12 +258,27 @@ static void run_tile(int dp, int64_t rows, const void *x, int64_t ldx, const int
 #endif
   const float *xf = x;
   switch (rows) {
-  case 1: w8a16_tile(1, xf, ldx, w, scales, group, k4, out); break;
+  case 1: w8a16_tile(1, xf, ldx, w, scales, group, k4, out); return;
+  case 2: w8a16_tile(2, xf, ldx, w, scales, group, k4, out); return;
 #if W8A16_ROWS == 4
-  case 3: w8a16_tile(3, xf, ldx, w, scales, group, k4, out); break;
-  case 4: w8a16_tile(4, xf, ldx, w, scales, group, k4, out); break;
+  case 3: w8a16_tile(3, xf, ldx, w, scales, group, k4, out); return;
+  case 4: w8a16_tile(4, xf, ldx, w, scales, group, k4, out); return;
+#else
+  case 3: w8a16_halves(3, xf, ldx, w, scales, group, k4, out); return;
+  case 4: w8a16_halves(4, xf, ldx, w, scales, group, k4, out); return;
 #endif
-  default: w8a16_tile(2, xf, ldx, w, scales, group, k4, out); break;
+  case 5: w8a16_halves(5, xf, ldx, w, scales, group, k4, out); return;
+#if W8A16_HALF_ROWS == 12
+  case 6: w8a16_halves(6, xf, ldx, w, scales, group, k4, out); return;
+  case 7: w8a16_halves(7, xf, ldx, w, scales, group, k4, out); return;
+  case 8: w8a16_halves(8, xf, ldx, w, scales, group, k4, out); return;
+  case 9: w8a16_halves(9, xf, ldx, w, scales, group, k4, out); return;
+  case 10: w8a16_halves(10, xf, ldx, w, scales, group, k4, out); return;
+  case 11: w8a16_halves(11, xf, ldx, w, scales, group, k4, out); return;
+  default: w8a16_halves(12, xf, ldx, w, scales, group, k4, out); return;
+#else
+  default: w8a16_halves(5, xf, ldx, w, scales, group, k4, out); return;
+#endif
   }
 }
 
@@ -255,7 +326,7 @@ int int8_w8a16_linear(const void *x, int x_bf16, int bf16_dot, int64_t ldx, cons
   const int64_t strips = (n + LANES - 1) / LANES;
   const int parallel = m * n * k >= INT8_PARALLEL_MIN_MACS && num_threads > 1;
   const int dp = bf16_dot;
-  const int64_t tile_rows = dp ? DP_ROWS : W8A16_ROWS, element = dp ? 2 : 4;
+  const int64_t tile_rows = dp ? DP_ROWS : W8A16_HALF_ROWS, element = dp ? 2 : 4;
   int failed;
   void *copy = padded_input(x, x_bf16, dp, ldx, m, k, k4, parallel, num_threads, &failed);
   if (failed) return 2;
@@ -270,7 +341,7 @@ int int8_w8a16_linear(const void *x, int x_bf16, int bf16_dot, int64_t ldx, cons
 #endif
     int64_t first, last;
     int8_share(strips, t, threads, &first, &last);
-    float out[(DP_ROWS > W8A16_ROWS ? DP_ROWS : W8A16_ROWS) * LANES];
+    float out[(DP_ROWS > W8A16_HALF_ROWS ? DP_ROWS : W8A16_HALF_ROWS) * LANES];
     for (int64_t block = 0; block < m; block += INT8_ROW_BLOCK) {
       const int64_t block_end = block + INT8_ROW_BLOCK < m ? block + INT8_ROW_BLOCK : m;
       for (int64_t s = first; s < last; s++) {

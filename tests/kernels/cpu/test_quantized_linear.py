@@ -113,6 +113,20 @@ def test_int8_kernels_match_the_dequantized_product(lanes, m, n, k, dtype, group
             assert (out.float() - expected).abs().max().item() <= rtol * expected.abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_row_is_the_same_alone_or_in_any_tile(lanes, dtype):
+    """W8A16 takes up to 2 (AVX2) or 4 (AVX-512) rows in full-strip tiles and more in half-strip
+    ones (`csrc/int8_w8a16.c`); every batch size from 1 to 29 (every tile size, a last tile of each
+    size) gives each row bit for bit what it gives alone, so greedy output does not depend on the
+    batch."""
+    x, weight, bias = _case(29, 70, 100, seed=3)
+    module = Int8Linear(Int8Weight.quantize(weight), bias)
+    x = x.to(dtype)
+    alone = torch.cat([module(x[i : i + 1]) for i in range(x.shape[0])])
+    for rows in range(1, x.shape[0] + 1):
+        assert torch.equal(module(x[:rows]), alone[:rows]), rows
+
+
 @pytest.mark.parametrize(("m", "n", "k"), INT8_SHAPES)
 def test_int8_bf16_dot_tiles_match_the_bf16_weights_product(lanes, m, n, k):
     """ "int8_c_dpbf16" against the float32 product of the bf16 input with the dequantized weight

@@ -170,9 +170,8 @@ class EngineConfig:
         device: "auto" (cuda when available), "cpu" or "cuda".
         quantization: "auto" (a GGUF file's Q8_0 linears run from their blocks, the rest
             dequantized; a float checkpoint runs as stored), "none" (everything dequantized to
-            `dtype`) or "int8" (each decoder linear quantized at load to symmetric int8 with a
-            float32 scale per output channel and group of 16 inputs; CPU only).
-            `batchgen.model.quantization`.
+            `dtype`) or "int8" (the decoder linears and LM head quantized at load: symmetric int8,
+            a float32 scale per channel and 16 inputs; CPU only); None is "auto" (`model.quantization`).
         seed: seed of the generator used by sampled requests that have no `seed` of their own.
         num_threads: torch intra-op threads on CPU; None keeps torch's default.
         speculative_method: "ngram" (prompt lookup: draft tokens copied from the request's own
@@ -255,7 +254,7 @@ class EngineConfig:
         default="auto",
         metadata=flag(
             choices(QUANTIZATIONS) + ": auto runs a GGUF file's Q8_0 blocks as stored (the rest "
-            "dequantized), none dequantizes everything, int8 quantizes the linears at load (CPU)"
+            "dequantized), none dequantizes everything, int8 quantizes the linears and LM head at load (CPU)"
         ),
     )
     seed: int = 0  # the sampling seed is a sampling flag (`--seed`, `SamplingDefaults`)
@@ -337,6 +336,7 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("kernels", self.kernels, KERNEL_MODES)
         _check_choice("device", self.device, DEVICES)
+        self.quantization = "auto" if self.quantization is None else self.quantization  # None: vLLM's default
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         if self.quantization == "int8" and self.device == "cuda":
             raise ValueError(

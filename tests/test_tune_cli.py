@@ -52,5 +52,5 @@ def test_a_quantized_model_is_tuned_and_named(tiny_model_dir, tmp_path, monkeypa
     args = ["--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--num-threads", "1"]
     result = CliRunner().invoke(app, ["tune", *args, "--quantization", "int8"], env={"COLUMNS": "400"})
     assert result.exit_code == 0, result.output
-    assert "kernel choice (quantization int8 (8 linears" in result.stdout
+    assert "kernel choice (quantization int8 (9 linears" in result.stdout  # and the LM head
     assert "256x64/int8:float32" in result.stdout and "int8_c" in result.stdout

@@ -52,11 +52,12 @@ class WeightEstimate:
         format: what the quantized linears hold: "int8", "q8_0", or "" where none runs quantized.
         dtype: the run dtype's name (the float weights').
         linears / quantized_linears: decoder linears, and how many of them run quantized.
-        quantized_bytes / quantized_params: those quantized linears' bytes (values and scales) and
-            weights.
+        quantized_bytes / quantized_params: the quantized linears' bytes (values and scales) and
+            weights, the LM head's among them where `quantized_head`.
         float_bytes: everything else, at the run dtype: the other linears, a mixture's experts, the
-            embedding and an untied LM head.
-        tied: the LM head is the embedding (counted once).
+            embedding and a float LM head that is not tied to it.
+        tied: the LM head is the embedding in the checkpoint (counted once where both are float).
+        quantized_head: the LM head runs quantized ("int8"), the embedding staying float.
         dequantized: a GGUF file's stored types of the linears run dequantized (e.g. ("Q4_1",)).
         device: "cpu" or "cuda" (no GPU kernel runs quantized weights).
     """
@@ -72,6 +73,7 @@ class WeightEstimate:
     tied: bool
     dequantized: tuple[str, ...] = ()
     device: str = "cpu"
+    quantized_head: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -87,14 +89,16 @@ class WeightEstimate:
 
     def describe(self) -> str:
         """What the bytes are, for `batchgen plan`'s line, e.g. "int8: 120 of 120 decoder linears
-        126.6 MiB in int8 (10.0 bits a weight, scales included), the rest 54.0 MiB bfloat16; the LM
-        head tied to the embedding; not counted: norms, biases, ..."."""
+        and the LM head 160.4 MiB in int8 (10.0 bits a weight, scales included), the rest 54.0 MiB
+        bfloat16; the LM head an int8 copy of the tied embedding; not counted: norms, biases, ..."."""
         words = [f"{self.method}: "]
         if self.quantized_linears:
             bits = 8 * self.quantized_bytes / self.quantized_params
+            head = " and the LM head" if self.quantized_head else ""
             words.append(
-                f"{self.quantized_linears} of {self.linears} decoder linears {self.quantized_bytes / 2**20:.1f} "
-                f"MiB in {self.format} ({bits:.1f} bits a weight, scales included), the rest "
+                f"{self.quantized_linears} of {self.linears} decoder linears{head} "
+                f"{self.quantized_bytes / 2**20:.1f} MiB in {self.format} ({bits:.1f} bits a weight, "
+                "scales included), the rest "
             )
         elif self.method != "none" and self.device != "cpu":
             words.append(f"no {self.device} kernel runs quantized weights: all ")
@@ -106,6 +110,10 @@ class WeightEstimate:
                 f"; GGUF {'/'.join(self.dequantized)} linears dequantized (no kernel runs them as stored)"
             )
         if self.tied:
-            words.append("; the LM head tied to the embedding")
+            words.append(
+                f"; the LM head an {self.format} copy of the tied embedding"
+                if self.quantized_head
+                else "; the LM head tied to the embedding"
+            )
         words.append("; not counted: norms, biases, the kernel choice's second weight layouts")
         return "".join(words)

@@ -2,14 +2,15 @@
 
 `batchgen plan` prints it, and a CUDA KV-cache budget leaves room for it (`sizing.num_kv_blocks`).
 The rules are the engine's own (`batchgen.model.quantization`):
-- "int8" (CPU): each decoder linear (q/k/v, o, gate/up, down, a mixture's router) becomes an
-  `Int8Weight`: int8 values and a float32 scale per output channel and group of `INT8_GROUP_SIZE`
-  inputs (`int8_weight_bytes`);
+- "int8" (CPU): each decoder linear (q/k/v, o, gate/up, down, a mixture's router) and the LM head
+  become `Int8Weight`s: int8 values and a float32 scale per output channel and group of
+  `INT8_GROUP_SIZE` inputs (`int8_weight_bytes`); the embedding stays float, also where the head
+  is tied to it (the head is then an int8 copy of it);
 - "auto" with a GGUF file (CPU): the linears whose every part the file stores as Q8_0 keep their
   blocks, 34 bytes a 32 weights (`q8_0_weight_bytes`); the others are dequantized to the run dtype.
   Which is which comes from the note an earlier start left beside the converted model
   (`GGUF_LINEARS_NOTE`), else from the file's tensor infos (`gguf_linear_types`);
-- everything else (the embedding, an untied LM head, a mixture's experts, "none", "auto" on a
+- everything else (the embedding, an untied LM head but under "int8", a mixture's experts, "none", "auto" on a
   float checkpoint, and every weight on CUDA, where no kernel runs quantized weights) at the run
   dtype's size.
 Norms and biases are left out (a few KiB), and so are the second weight layouts the kernel choice
@@ -100,9 +101,12 @@ def estimate_weights(
     shapes = decoder_linear_shapes(config)
     quantized: dict[str, int] = {}
     fmt, dequantized = "", ()
+    vocab, hidden = int(config.vocab_size), int(config.hidden_size)
+    head = 0  # bytes of an int8 LM head
     if device.type == "cpu" and method == "int8":
         fmt = "int8"
         quantized = {name: int8_weight_bytes(n, k) for name, (n, k) in shapes.items()}
+        head = int8_weight_bytes(vocab, hidden)
     elif device.type == "cpu" and method == "auto" and gguf is not None:
         stored = _gguf_stored(gguf, model_dir)
         if stored["runnable"]:
@@ -112,15 +116,19 @@ def estimate_weights(
         dequantized = tuple(sorted(set(stored["dequantized"].values())))
     element = torch.empty((), dtype=dtype).element_size()
     float_params = sum(n * k for name, (n, k) in shapes.items() if name not in quantized)
-    float_params += moe.expert_parameters(config) + embedding_parameters(config)
+    # An int8 head leaves only the embedding float.
+    embeddings = vocab * hidden if head else embedding_parameters(config)
+    float_params += moe.expert_parameters(config) + embeddings
     return WeightEstimate(
         method=method,
         format=fmt,
         dtype=str(dtype).removeprefix("torch."),
         linears=len(shapes),
         quantized_linears=len(quantized),
-        quantized_bytes=sum(quantized.values()),
-        quantized_params=sum(n * k for name, (n, k) in shapes.items() if name in quantized),
+        quantized_bytes=sum(quantized.values()) + head,
+        quantized_params=sum(n * k for name, (n, k) in shapes.items() if name in quantized)
+        + (vocab * hidden if head else 0),
+        quantized_head=bool(head),
         float_bytes=float_params * element,
         tied=ties_embeddings(config),
         dequantized=dequantized,

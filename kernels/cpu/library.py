@@ -369,7 +369,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     # decoder_stack_bf16(layers, num_layers, dims, eps, scale, num_tokens, hidden, delta, cos, sin,
     # slots, block_tables, table_stride, seq_lens, num_decodes, num_seqs, prefill_query_starts,
-    # workspace, num_threads, use_amx, short_chunks) -> status; see csrc/decoder_stack.c.
+    # workspace, num_threads, linear_kind, short_chunks) -> status; see csrc/decoder_stack.c.
     lib.decoder_stack_workspace_per_token.restype = i64
     lib.decoder_stack_workspace_per_token.argtypes = [ptr]
     f32 = ctypes.c_float

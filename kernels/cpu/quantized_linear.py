@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from batchgen.kernels.cpu import library as cpu_kernels
-from batchgen.kernels.cpu.int8_weight import Int8Weight, aligned
+from batchgen.kernels.cpu.int8_weight import Int8Weight, PackedInt8, aligned
 from batchgen.kernels.cpu.linear import linear_candidates
 
 Q8_0_BLOCK = 32  # weights per block
@@ -187,11 +187,14 @@ class Int8Linear(_QuantizedCLinear[Int8Weight]):
         return (self.BF16_DOT,)
 
     def _weight_args(self) -> tuple[int, ...]:
-        packed = self.weight.packed(self._lanes())
+        packed = self.packed_weight
         return (packed.values.data_ptr(), packed.scales.data_ptr(), packed.group)
 
-    def _lanes(self) -> int:
-        return int(cpu_kernels.require_library().int8_linear_lanes())
+    @property
+    def packed_weight(self) -> PackedInt8:
+        """The weight in the C kernels' layout for this library's lanes (made once, shared by every
+        kernel on this `Int8Weight`, the decoder stack's included)."""
+        return self.weight.packed(int(cpu_kernels.require_library().int8_linear_lanes()))
 
 
 class Int8Bf16DotLinear(Int8Linear):
@@ -222,7 +225,7 @@ class Int8W8A8Linear(Int8Linear):
         return ()
 
     def _weight_args(self) -> tuple[int, ...]:
-        packed = self.weight.packed(self._lanes())
+        packed = self.packed_weight
         return (packed.values.data_ptr(), packed.scales.data_ptr(), packed.comp.data_ptr(), packed.group)
 
 

@@ -19,7 +19,9 @@ import torch
 
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import library as cpu_kernels
+from batchgen.kernels.cpu.int8_weight import PackedInt8
 from batchgen.kernels.cpu.linear import amx_kernel_available, bf16_kernel_available
+from batchgen.kernels.cpu.quantized_linear import bf16_dot_available
 from batchgen.kernels.registry import bucket_index
 
 
@@ -69,7 +71,9 @@ class StackDims:
 @dataclass(frozen=True)
 class StackLayer:
     """One decoder layer's weights for the stack: RMSNorm weights bf16 `[hidden]` (contiguous) and the
-    four projections as `Bf16Linear` packed weights (bf16 `[N/16, K/2, 16, 2]`, no biases)."""
+    four projections as `Bf16Linear` packed weights (bf16 `[N/16, K/2, 16, 2]`, no biases); `int8`:
+    the same four as `PackedInt8` weights for the int8 kernel's 16 lanes (a `--quantization int8`
+    model's, one scale group size for all), or None."""
 
     input_norm: torch.Tensor
     qkv_proj: torch.Tensor
@@ -77,6 +81,11 @@ class StackLayer:
     post_norm: torch.Tensor
     gate_up_proj: torch.Tensor
     down_proj: torch.Tensor
+    int8: tuple[PackedInt8, PackedInt8, PackedInt8, PackedInt8] | None = None
+
+
+# The stack's linear kernels by registry name -> `linear_kind` of csrc/decoder_stack.c.
+STACK_LINEAR_KINDS = {"bf16_c": 0, "amx_c": 1, "int8_c_dpbf16": 2}
 
 
 class DecoderStack:
@@ -109,8 +118,9 @@ class DecoderStack:
         self.layers = list(layers)
         self.max_rows = max_rows
         # Per row bucket (`kernels.registry.ROW_BUCKETS`), the linear kernel the stack runs on its
-        # packed weights: "bf16_c" (csrc/bf16_linear.c) or "amx_c" (csrc/amx_linear.c, where
-        # `amx_applies`); None: "bf16_c" at every row count. Chosen by measurement (stack_choice).
+        # packed weights: "bf16_c" (csrc/bf16_linear.c), "amx_c" (csrc/amx_linear.c, where
+        # `amx_applies`) or "int8_c_dpbf16" (csrc/int8_w8a16.c, where `int8_applies`); None:
+        # "bf16_c" at every row count. Chosen by measurement (kernel_choice/stack.py).
         self.linear_by_bucket: list[str] | None = None
         self._lib = cpu_kernels.require_library()
         self._table: torch.Tensor | None = None
@@ -135,6 +145,14 @@ class DecoderStack:
         linear's K (hidden size, query width, intermediate size) is a multiple of 32."""
         widths = (dims.hidden_size, dims.num_q_heads * dims.head_dim, dims.intermediate_size)
         return all(w % 32 == 0 for w in widths) and amx_kernel_available()
+
+    def int8_applies(self) -> bool:
+        """Whether the stack can run its linears on int8 weights: every layer holds them, with one
+        scale group size, and the library has the int8 kernel's VDPBF16PS tiles (AVX512-BF16)."""
+        if any(layer.int8 is None for layer in self.layers):
+            return False
+        groups = {packed.group for layer in self.layers for packed in layer.int8 or ()}
+        return len(groups) == 1 and bf16_dot_available()
 
     def takes(self, hidden: torch.Tensor, max_rows: int) -> bool:
         """Whether this step's residual stream `hidden` `[T, hidden_size]` goes through the stack:
@@ -203,7 +221,7 @@ class DecoderStack:
             query_starts.data_ptr(),
             self._workspace.data_ptr(),
             torch.get_num_threads(),
-            self._linear_at(rows) == "amx_c",
+            STACK_LINEAR_KINDS[self._linear_at(rows)],
             meta.verifies_drafts,
         )
         _check_status(status, slots, k_cache)
@@ -249,7 +267,7 @@ class DecoderStack:
         return "bf16_c" if by_bucket is None else by_bucket[min(bucket_index(rows), len(by_bucket) - 1)]
 
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """int64 `[num_layers, 8]` addresses (csrc/decoder_stack.c's LAYER_FIELDS order), built when
+        """int64 `[num_layers, 16]` addresses (csrc/decoder_stack.c's LAYER_FIELDS order), built when
         the caches are new; the caches' shapes are checked then."""
         addresses = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._table is not None and addresses == self._table_caches:
@@ -276,8 +294,10 @@ class DecoderStack:
                 layer.post_norm,
             )
             weights += (layer.gate_up_proj, layer.down_proj)
-            rows.append([w.data_ptr() for w in weights] + [k.data_ptr(), v.data_ptr()])
+            int8 = [t.data_ptr() for p in layer.int8 or () for t in (p.values, p.scales)] or [0] * 8
+            rows.append([w.data_ptr() for w in weights] + [k.data_ptr(), v.data_ptr()] + int8)
         self._table = torch.tensor(rows, dtype=torch.int64)
+        group = self.layers[0].int8[0].group if self.int8_applies() and self.layers[0].int8 else 0
         num_blocks, block_size = shape[0], shape[1]
         self._dims = torch.tensor(
             [
@@ -288,6 +308,7 @@ class DecoderStack:
                 self.intermediate_size,
                 block_size,
                 num_blocks * block_size,
+                group,
             ],
             dtype=torch.int64,
         )

@@ -50,9 +50,14 @@ def test_int8_and_gguf_count_quantized_on_a_cpu_only() -> None:
     assert auto.total_bytes == none.total_bytes and auto.quantized_linears == 0
     assert none.total_bytes == (linears + embedding) * 2 and none.tied and none.quantized_linears == 0
     int8 = estimate_weights(config, torch.bfloat16, "int8", CPU)
-    # Every linear's K (64 or 128) is a multiple of 16: a byte and a quarter of a float32 scale a weight.
-    assert (int8.quantized_bytes, int8.quantized_params) == (linears * 5 // 4, linears)
+    # Every linear's K (64 or 128) is a multiple of 16: a byte and a quarter of a float32 scale a
+    # weight. The LM head too, an int8 copy of the tied embedding, which stays bf16.
+    assert (int8.quantized_bytes, int8.quantized_params) == (
+        (linears + embedding) * 5 // 4,
+        linears + embedding,
+    )
     assert int8.float_bytes == embedding * 2 and int8.quantized_linears == int8.linears == 8
+    assert int8.quantized_head and "; the LM head an int8 copy of the tied embedding;" in int8.describe()
     assert WeightEstimate.from_json(int8.to_json()) == int8
     assert int8.to_json()["total_bytes"] == int8.total_bytes
     # On CUDA the engine holds float weights (no GPU kernel runs quantized ones), GGUF or not.

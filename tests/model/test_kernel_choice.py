@@ -416,3 +416,35 @@ def test_a_quantized_linear_times_its_float_candidates_at_every_bucket(monkeypat
         assert timed_float, f"no float candidate timed at a bucket: {bucket}"
     names_at = [{n for n, ms in bucket.items() if ms is not None} for bucket in times]
     assert all(names == names_at[0] for names in names_at)  # the same candidates at every bucket
+
+
+@NEEDS_BF16_KERNEL
+def test_an_int8_models_stack_times_its_int8_linears_beside_the_bf16_ones(tiny_model_dir):
+    """`--quantization int8` in bf16: the stack is measured under its own table shape ("/int8") with
+    a third candidate, its linears on the int8 weights ("stack_int8"); where that wins, the stack
+    runs "int8_c_dpbf16" at that bucket and holds every layer's int8 weight."""
+    from batchgen.kernels.cpu.quantized_linear import bf16_dot_available
+
+    if not bf16_dot_available():
+        pytest.skip("the int8 kernel's VDPBF16PS tiles are not built here")
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        dtype="bfloat16",
+        max_num_seqs=8,
+        device="cpu",
+        kernels="auto",
+        quantization="int8",
+    )
+    runner = llm.llm_engine.runner
+    choice, stack = runner.kernel_choice, runner.model.decoder_stack
+    entries = {k: e for k, e in choice.table.entries.items() if k.startswith("decoder_stack|")}
+    int8 = {int(k.rsplit("|", 1)[1]): e for k, e in entries.items() if k.split("|")[1].endswith("/int8")}
+    assert sorted(int8) == [1, 2, 4, 8]
+    assert int8[1]["ms"].get("stack_int8"), int8[1]  # timed (pruning may skip it at later buckets)
+    linears = {"stack": "bf16_c", "stack_amx": "amx_c", "stack_int8": "int8_c_dpbf16"}
+    stack_rows = choice.stack_max_rows or 0
+    assert choice.stack_linears == [
+        linears[int8[rows]["chosen"]] for rows in (1, 2, 4, 8) if rows <= stack_rows
+    ]
+    if stack is not None:
+        assert stack.int8_applies() and all(layer.int8 is not None for layer in stack.layers)

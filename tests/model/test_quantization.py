@@ -50,6 +50,10 @@ def _tokens(llm: LLM, prompts, max_tokens: int = 12) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def test_none_is_vllms_default_and_means_auto():
+    assert EngineConfig(quantization=None).quantization == "auto"  # type: ignore[arg-type]
+
+
 def test_unknown_methods_and_int8_on_cuda_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^quantization must be one of auto, none, int8; got 'gptq'$"):
         EngineConfig(quantization="gptq")
@@ -85,25 +89,52 @@ def test_a_checkpoint_stored_quantized_is_refused_by_name(tiny_model_dir, tmp_pa
 
 
 @needs_kernels
-def test_int8_runs_int8_weights_and_keeps_the_embedding_and_head_float(tiny_model_dir, cache):
-    llm = LLM(
-        str(tiny_model_dir("llama")), dtype="float32", device="cpu", quantization="int8", kernels="native"
-    )
+def test_int8_runs_int8_weights_and_keeps_the_embedding_float(tiny_model_dir, cache):
+    path = str(tiny_model_dir("llama"))
+    llm = LLM(path, dtype="float32", device="cpu", quantization="int8", kernels="native")
     engine = llm.llm_engine
     model, quantization = engine.runner.model, engine.runner.quantization
     assert quantization.method == "int8" and quantization.source == "quantized at load"
-    assert set(quantization.weights) == {
+    assert set(quantization.weights) == {"lm_head"} | {
         f"model.layers.{i}.{m}"
         for i in range(2)
         for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     }
     assert isinstance(model.model.layers[1].mlp.down_proj, Int8Linear)
-    assert not isinstance(model.lm_head, Int8Linear) and model.lm_head.packed_weight.dtype == torch.float32
-    assert model.model.embed_tokens.weight.dtype == torch.float32
-    assert engine.start_line.startswith("quantization int8 (8 linears, ")
-    # 2 layers x (qkv 128x64 + o 64x64 + gate/up 256x64 + down 64x128): int8 values and float32
-    # scales, one a channel and group of 16 inputs
-    assert quantization.nbytes == 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) * (1 + 4 / 16)
+    assert isinstance(model.lm_head, Int8Linear)
+    floats = LLM(path, dtype="float32", device="cpu", quantization="none", kernels="native")
+    embedding = model.model.embed_tokens.weight
+    assert embedding.dtype == torch.float32
+    assert torch.equal(embedding, floats.llm_engine.runner.model.model.embed_tokens.weight)
+    vocab = embedding.shape[0]
+    assert engine.start_line.startswith("quantization int8 (9 linears, ")
+    # 2 layers x (qkv 128x64 + o 64x64 + gate/up 256x64 + down 64x128) and the head (vocab x 64):
+    # int8 values and float32 scales, one a channel and group of 16 inputs
+    layers = 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128)
+    assert quantization.nbytes == (layers + vocab * 64) * (1 + 4 / 16)
+
+
+@needs_kernels
+def test_a_tied_lm_head_runs_int8_while_the_embedding_stays_the_checkpoints(tiny_model_dir, cache, tmp_path):
+    """With the head tied to the embedding, "int8" gives the head its own parameter (the dequantized
+    int8) and leaves the embedding the checkpoint's float values: the tokens the model reads are not
+    quantized."""
+    path = tmp_path / "tied"
+    shutil.copytree(tiny_model_dir("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    runs = {
+        method: LLM(str(path), dtype="float32", device="cpu", quantization=method, kernels="reference")
+        for method in ("none", "int8")
+    }
+    floats, int8 = (runs[m].llm_engine.runner for m in ("none", "int8"))
+    embedding = floats.model.model.embed_tokens.weight
+    assert floats.model.lm_head.weight is embedding  # tied
+    head = int8.quantization.weights["lm_head"]
+    assert torch.equal(int8.model.model.embed_tokens.weight, embedding)
+    assert torch.equal(int8.model.lm_head.weight, head.dequantize())
+    assert not torch.equal(head.dequantize(), embedding)
+    assert (head.dequantize() - embedding).abs().max() <= embedding.abs().max() / 127 / 2 * 1.0001
 
 
 @needs_kernels
@@ -178,7 +209,7 @@ def test_int8_on_the_default_model_agrees_with_it_teacher_forced_on_xsum(default
 
 
 @needs_kernels
-def test_a_second_start_reads_the_quantized_cache(tiny_model_dir, cache):
+def test_a_second_start_reads_the_quantized_cache(tiny_model_dir, cache, caplog):
     path = str(tiny_model_dir("llama"))
     first = LLM(path, dtype="float32", device="cpu", quantization="int8", kernels="native")
     assert first.llm_engine.runner.quantization.source == "quantized at load"
@@ -194,6 +225,20 @@ def test_a_second_start_reads_the_quantized_cache(tiny_model_dir, cache):
     third = LLM(path, dtype="float32", device="cpu", quantization="int8", kernels="native")
     assert third.llm_engine.runner.quantization.source == "quantized at load"
     assert _tokens(third, PROMPTS) == _tokens(first, PROMPTS)
+    # Damage inside the tensors' bytes, the header intact: the checksum finds it.
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    files[0].write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="batchgen.model.quantization"):
+        fourth = LLM(path, dtype="float32", device="cpu", quantization="int8", kernels="native")
+    assert fourth.llm_engine.runner.quantization.source == "quantized at load"
+    assert any("is damaged (its checksum does not match)" in r.getMessage() for r in caplog.records)
+    assert _tokens(fourth, PROMPTS) == _tokens(first, PROMPTS)
+    assert LLM(
+        path, dtype="float32", device="cpu", quantization="int8"
+    ).llm_engine.runner.quantization.source == (
+        "from the cache"  # rewritten whole
+    )
 
 
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
@@ -316,7 +361,7 @@ def test_int8_weight_of_a_gguf_file_is_quantized_from_its_floats(q8_0_gguf, cach
     """ "int8" on a GGUF file quantizes the dequantized floats per channel (its own blocks unused)."""
     llm = LLM(str(q8_0_gguf), dtype="float32", device="cpu", quantization="int8", kernels="reference")
     weights = llm.llm_engine.runner.quantization.weights
-    assert len(weights) == 8 and all(isinstance(w, Int8Weight) for w in weights.values())
+    assert len(weights) == 9 and all(isinstance(w, Int8Weight) for w in weights.values())  # and the head
     assert np.isfinite(
         llm.llm_engine.runner.model.model.layers[0].mlp.down_proj.weight.detach().numpy()
     ).all()

@@ -17,7 +17,7 @@ from batchgen import LLM
 from batchgen.engine.weight_memory import estimate_weights
 from batchgen.jobs.runner import JobOptions
 from batchgen.model.loading.loader import resolve_model
-from batchgen.model.quantization import GGUF_LINEARS_NOTE, decoder_linears
+from batchgen.model.quantization import GGUF_LINEARS_NOTE, int8_linears
 from batchgen.plan.job_plan import format_plan, plan_job
 from tests.model.test_quantization import needs_kernels, q8_0_gguf  # noqa: F401  (a fixture)
 
@@ -42,7 +42,7 @@ def held_bytes(llm: LLM) -> tuple[int, int]:
     keeps its dequantized float weight, for the reference: not counted, as the C kernels drop it."""
     runner = llm.llm_engine.runner
     quantized = {f"{name}.weight" for name in runner.quantization.weights}
-    assert quantized <= {f"{name}.weight" for name in decoder_linears(runner.model)}
+    assert quantized <= {f"{name}.weight" for name in int8_linears(runner.model)}
     floats = [(n, p) for n, p in runner.model.named_parameters() if n not in quantized]
     left_out = sum(p.numel() * p.element_size() for n, p in floats if "norm" in n or n.endswith(".bias"))
     return runner.quantization.nbytes + sum(p.numel() * p.element_size() for _, p in floats), left_out
@@ -70,9 +70,10 @@ def test_the_weights_line_gives_the_bytes_a_loaded_engine_holds(
     assert plan.weight_bytes == held - left_out
     # 2 layers x (qkv 128x64 + o 64x64 + gate/up 256x64 + down 64x128), embedding and LM head 49152x64
     linears, embeddings = 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128), 2 * 49152 * 64
-    if quantization == "int8":  # int8 values and a float32 scale a channel and 16 inputs
-        assert plan.weight_bytes == linears * (1 + 4 / 16) + embeddings * 4
-        assert llm.llm_engine.runner.quantization.nbytes == linears * (1 + 4 / 16)
+    if quantization == "int8":  # int8 values and a float32 scale a channel and 16 inputs, the
+        # LM head too; the embedding float
+        assert plan.weight_bytes == (linears + embeddings / 2) * (1 + 4 / 16) + embeddings / 2 * 4
+        assert llm.llm_engine.runner.quantization.nbytes == (linears + embeddings / 2) * (1 + 4 / 16)
     else:
         assert plan.weight_bytes == (linears + embeddings) * 4
     line = next(line for line in format_plan(plan).splitlines() if line.startswith("weights: "))
@@ -80,8 +81,8 @@ def test_the_weights_line_gives_the_bytes_a_loaded_engine_holds(
     assert shown is not None, line
     assert float(shown[1]) == round(plan.weight_bytes / 2**20, 1) and shown[2] == quantization
     if quantization == "int8":
-        assert "8 of 8 decoder linears 0.1 MiB in int8 (10.0 bits a weight, scales included)" in line
-        assert "the rest 24.0 MiB float32" in line
+        assert "8 of 8 decoder linears and the LM head 3.8 MiB in int8 (10.0 bits a weight" in line
+        assert "the rest 12.0 MiB float32" in line
     else:
         assert "all 24.3 MiB float32; not counted: norms, biases" in line
 
@@ -99,8 +100,8 @@ def test_the_plan_command_gives_the_weights_in_its_json(tmp_path, tiny_model_dir
         LLM(str(model), dtype="float32", device="cpu", quantization="int8", kernels="reference")
     )
     assert plan["weight_bytes"] == held - left_out
-    assert plan["weights"].startswith("int8: 8 of 8 decoder linears ")
-    assert "; the LM head tied to the embedding;" in plan["weights"]
+    assert plan["weights"].startswith("int8: 8 of 8 decoder linears and the LM head ")
+    assert "; the LM head an int8 copy of the tied embedding;" in plan["weights"]
 
 
 @needs_kernels

@@ -104,7 +104,8 @@ class KernelChoice:
     mode: str
     linears: dict[str, list[str]] = field(default_factory=dict)
     stack_max_rows: int | None = None
-    stack_linears: list[str] = field(default_factory=list)  # per row bucket: "bf16_c" or "amx_c"
+    # per row bucket up to `stack_max_rows`: "bf16_c", "amx_c" or "int8_c_dpbf16"
+    stack_linears: list[str] = field(default_factory=list)
     table: TuningTable | None = None
     prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c", "amx" or "sdpa"
     prefill_after_prefix_attention: list[str] = field(default_factory=list)  # the same, after a prefix
@@ -142,9 +143,19 @@ class KernelChoice:
         parts = [f"{name} {100 * n / total:.0f}%" for name, n in sorted(uses.items(), key=lambda x: -x[1])]
         stack = ""
         if self.stack_max_rows is not None:
-            stack = f"; decoder stack up to {self.stack_max_rows or 'any'} rows"
+            rows = self.stack_max_rows
+            stack = f"; decoder stack up to {rows or 'any'} row{'' if rows == 1 else 's'}"
             if "amx_c" in self.stack_linears:
                 stack += f" (AMX linears from {ROW_BUCKETS[self.stack_linears.index('amx_c')]} rows)"
+            if "int8_c_dpbf16" in self.stack_linears:
+                at = [
+                    r for r, k in zip(ROW_BUCKETS, self.stack_linears, strict=False) if k == "int8_c_dpbf16"
+                ]
+                stack += (
+                    f" (int8 linears at {at[0]}-{at[-1]} rows)"
+                    if len(at) > 1
+                    else f" (int8 linears at {at[0]} row{'' if at[0] == 1 else 's'})"
+                )
         extra = self.extra_weight_bytes / 2**20
         memory = f"; second weight layouts {extra:.0f} MiB" if extra else ""
         attention = ""
@@ -219,12 +230,11 @@ def apply_kernels(
     start, load_before = time.perf_counter(), LoadSample()
     table = TuningTable.load(tuning_key(dtype))
     choice = KernelChoice("auto", table=table, experts=_by_rows(choose_experts(model, table, max_rows)))
-    # The decoder stack needs every layer linear in batchgen's bf16 layout: held for its measurement
-    # even where the per-layer path does not use it, and dropped again where the stack loses.
-    stack_possible = (
-        dtype == torch.bfloat16 and not one_layout and not quantized and _fused_cpu_backend(model)
-    )
-    stack_possible = stack_possible and cached_stack_rows(model, table, max_logit_rows) != 0
+    # The decoder stack needs every layer linear in batchgen's bf16 layout (and may run int8 ones):
+    # held for its measurement even where the per-layer path does not use it, dropped where it loses.
+    stack_possible = dtype == torch.bfloat16 and not one_layout and _fused_cpu_backend(model)
+    quantized_format = "/".join(sorted({w.format for w in quantized.values()}))
+    stack_possible = stack_possible and cached_stack_rows(model, table, max_logit_rows, quantized_format) != 0
     layer_shapes = choose_linears(
         model,
         table,
@@ -238,7 +248,9 @@ def apply_kernels(
     _choose_attention(model, table, dtype, max_rows, max_logit_rows, choice)
     stack = build_decoder_stack(model, max_rows=0)
     stack_rows, stack_linears = (
-        tune_decoder_stack(model, stack, table, max_logit_rows) if stack is not None else (0, [])
+        tune_decoder_stack(model, stack, table, max_logit_rows, quantized_format)
+        if stack is not None
+        else (0, [])
     )
     if stack is not None and stack_rows:
         stack.max_rows = stack_rows

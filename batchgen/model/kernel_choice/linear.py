@@ -232,6 +232,10 @@ def choose_linears(
         packed = {k for k in kinds if layout_of(k) == "packed_bf16"}
         if stack_possible and not is_head and "bf16_c" in builders and not packed:
             kinds.append("bf16_c")
+        # The stack's int8 linears read the layer's int8 weight: held for its measurement too.
+        int8 = {k for k in kinds if layout_of(k) == "int8"}
+        if stack_possible and not is_head and "int8_c_dpbf16" in builders and not int8:
+            kinds.append("int8_c_dpbf16")
         impls = {kind: builders[kind]() for kind in kinds}
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -12,13 +12,15 @@ lose to a matrix-unit kernel as rows grow. Where the crossing lies depends on th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from batchgen.kernels.cpu.int8_weight import PackedInt8
 from batchgen.kernels.cpu.linear import AmxLinear, Bf16Linear, TunedLinear, fused_swiglu
+from batchgen.kernels.cpu.quantized_linear import Int8Bf16DotLinear, Int8Linear, bf16_dot_available
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
 from batchgen.kernels.registry import Run, Setup, TuningTable, buckets_up_to, choose, entry_key, matches
 from batchgen.model.attention.base import AttentionMetadata
@@ -75,7 +77,7 @@ def _decode_step(
 
 
 def tune_decoder_stack(
-    model: LlamaForCausalLM, stack: DecoderStack, table: TuningTable, max_rows: int
+    model: LlamaForCausalLM, stack: DecoderStack, table: TuningTable, max_rows: int, quantized: str = ""
 ) -> tuple[int, list[str]]:
     """Where `stack` runs: the largest row bucket up to which a stack variant is faster than the
     per-layer path at every bucket (0: at none), and the stack's linear kernel at each bucket up to
@@ -86,6 +88,9 @@ def tune_decoder_stack(
         model: a bf16 `LlamaForCausalLM` with its linears chosen; its `decoder_stack` is left None.
         stack: the model's decoder stack (no row limit).
         max_rows: the largest step to consider (the decode batch limit, `max_num_seqs`).
+        quantized: the format the model's layer linears run quantized ("int8", "q8_0"; "" for
+            none): the per-layer path, and the stack's candidates, differ with it, so its choice
+            is tabled under a shape of its own.
     """
     config = model.config
     attn = decoder_layers(model)[0].self_attn
@@ -129,11 +134,13 @@ def tune_decoder_stack(
     candidates = {"stack": stack_setup("bf16_c"), "layers": layers_setup}
     if DecoderStack.amx_applies(stack.dims):
         candidates["stack_amx"] = stack_setup("amx_c")
+    if stack.int8_applies():
+        candidates["stack_int8"] = stack_setup("int8_c_dpbf16")
     buckets = buckets_up_to(max_rows)
     chosen = choose(
         table,
         "decoder_stack",
-        _shape(model),
+        _shape(model, quantized),
         buckets,
         candidates,
         # The per-layer path is the engine's own (its linears each checked by the registry), and its
@@ -150,8 +157,8 @@ def tune_decoder_stack(
 
 @contextlib.contextmanager
 def _layers_on(model: LlamaForCausalLM, linear: str) -> Iterator[None]:
-    """Within the block, every tuned linear of the decoder layers runs `linear` ("bf16_c" or "amx_c")
-    on its packed weight at every row count, and attention runs the C kernels the stack calls: the
+    """Within the block, every tuned linear of the decoder layers runs `linear` ("bf16_c", "amx_c" or
+    "int8_c_dpbf16") on its packed weight at every row count, and attention runs the C kernels the stack calls: the
     per-layer path on the stack's own kernels. (The attention choice measured before may be torch's
     at some batch sizes, on a machine with more threads than free cores for one; torch rounds
     otherwise in bf16, which once dropped a correct stack.)"""
@@ -165,8 +172,13 @@ def _layers_on(model: LlamaForCausalLM, linear: str) -> Iterator[None]:
         for f in attention_fields:
             setattr(backend, f, None)  # None: the C kernel at every batch and chunk length
         for m in layer_linears:
-            packed = next(i for i in m.impls.values() if isinstance(i, Bf16Linear))
-            impl = kernel(packed.packed_weight, packed.bias)
+            impl: nn.Module
+            int8 = _int8_impl(m) if linear == "int8_c_dpbf16" else None
+            if int8 is not None:  # int8 is offered only where every layer linear has one
+                impl = Int8Bf16DotLinear(int8.weight, None)
+            else:
+                packed = next(i for i in m.impls.values() if isinstance(i, Bf16Linear))
+                impl = kernel(packed.packed_weight, packed.bias)
             # The MLP's gate/up runs its fused SwiGLU where the table's choice has one: on the
             # stack's kernels it is the stack's (AMX: fused, bit for bit; bf16_c: none).
             m._by_rows, m._swiglu_by_rows = [impl.forward], [fused_swiglu(impl)]
@@ -179,15 +191,17 @@ def _layers_on(model: LlamaForCausalLM, linear: str) -> Iterator[None]:
 
 
 # The stack's candidates in the tuning table -> the linear kernel each runs.
-_STACK_LINEARS = {"stack": "bf16_c", "stack_amx": "amx_c"}
+_STACK_LINEARS = {"stack": "bf16_c", "stack_amx": "amx_c", "stack_int8": "int8_c_dpbf16"}
 
 
-def _shape(model: LlamaForCausalLM) -> str:
+def _shape(model: LlamaForCausalLM, quantized: str) -> str:
+    """The stack's tuning-table shape: the model's sizes, and "/<format>" where its layer linears run
+    quantized (`tune_decoder_stack`)."""
     config, attn = model.config, decoder_layers(model)[0].self_attn
     layers = len(model.model.layers)
     return (
         f"{layers}x{config.hidden_size}x{config.intermediate_size}:"
-        f"{attn.num_heads}x{attn.num_kv_heads}x{attn.head_dim}"
+        f"{attn.num_heads}x{attn.num_kv_heads}x{attn.head_dim}" + (f"/{quantized}" if quantized else "")
     )
 
 
@@ -201,11 +215,16 @@ def _stack_rows(kinds: list[str], buckets: tuple[int, ...]) -> int:
     return best
 
 
-def cached_stack_rows(model: LlamaForCausalLM, table: TuningTable, max_rows: int) -> int | None:
-    """What `tune_decoder_stack` would return, where `table` already holds every bucket's choice
-    (None: it must measure). Lets a second start skip the layout the stack would need."""
+def cached_stack_rows(
+    model: LlamaForCausalLM, table: TuningTable, max_rows: int, quantized: str
+) -> int | None:
+    """What `tune_decoder_stack` would return (with the same `quantized`), where `table` already
+    holds every bucket's choice (None: it must measure). Lets a second start skip the layout the
+    stack would need."""
     buckets = buckets_up_to(max_rows)
-    entries = [table.entries.get(entry_key("decoder_stack", _shape(model), rows)) for rows in buckets]
+    entries = [
+        table.entries.get(entry_key("decoder_stack", _shape(model, quantized), rows)) for rows in buckets
+    ]
     found = [entry for entry in entries if entry is not None]
     if len(found) < len(entries):
         return None
@@ -221,6 +240,27 @@ def _bf16_weight(linear: nn.Module | None) -> torch.Tensor | None:
     if not isinstance(linear, Bf16Linear) or linear.bias is not None:
         return None
     return linear.packed_weight
+
+
+def _int8_impl(linear: nn.Module | None) -> Int8Linear | None:
+    """A batchgen int8 kernel in `linear` (an `Int8Linear` or a `TunedLinear` holding one) without a
+    bias: its `Int8Weight` is what the stack's int8 linears read."""
+    impls = linear.impls.values() if isinstance(linear, TunedLinear) else [linear]
+    found = [m for m in impls if isinstance(m, Int8Linear) and m.bias is None]
+    return found[0] if found else None
+
+
+def _stack_int8(
+    projections: Sequence[nn.Module],
+) -> tuple[PackedInt8, PackedInt8, PackedInt8, PackedInt8] | None:
+    """The four projections' int8 weights packed as the library's int8 kernels read them (the very
+    copy their per-layer kernels read), or None where one has none or the library has no
+    VDPBF16PS tiles."""
+    impls = [_int8_impl(p) for p in projections]
+    if any(i is None for i in impls) or not bf16_dot_available():
+        return None
+    qkv, o, gate_up, down = (i.packed_weight for i in impls if i is not None)
+    return qkv, o, gate_up, down
 
 
 def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack | None:
@@ -270,5 +310,5 @@ def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack 
         if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in norms):
             return None
         qkv, o, gate_up, down = weights
-        stack_layers.append(StackLayer(norms[0], qkv, o, norms[1], gate_up, down))
+        stack_layers.append(StackLayer(norms[0], qkv, o, norms[1], gate_up, down, _stack_int8(projections)))
     return DecoderStack(dims, stack_layers, max_rows=max_rows)

@@ -1,4 +1,5 @@
-/* Every decoder layer of a step in one call: bf16 Llama-family layers on CPUs with AVX512-BF16.
+/* Every decoder layer of a step in one call: bf16 Llama-family layers on CPUs with AVX512-BF16,
+ * their linears on packed bf16 weights or on packed int8 ones (`--quantization int8`).
  *
  * The model's Python forward calls about ten C kernels a layer (norms, four linears, rotary, the
  * K/V store, attention, SiLU-and-multiply), each through ctypes with its torch allocations and
@@ -40,6 +41,9 @@ int amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const f
                int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
 int amx_swiglu(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const float *bias, uint16_t *y,
                int64_t ldy, int64_t m, int64_t intermediate, int64_t k, int num_threads);
+int int8_w8a16_linear(const void *x, int x_bf16, int bf16_dot, int64_t ldx, const int8_t *w, const float *scales,
+                      int64_t group, const float *bias, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n,
+                      int64_t k, int num_threads);
 int64_t store_kv_rows(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *k_cache,
                       char *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row_bytes,
                       int64_t num_slots, int num_threads);
@@ -63,11 +67,41 @@ enum {
   DOWN_WEIGHT,    /* packed [H, I] */
   K_CACHE,        /* bf16 [num_blocks, block_size, KV heads, head_dim] */
   V_CACHE,
+  /* The four projections as packed int8 (int8_packed.h: values, then float32 scales; 0 where the
+   * model has none), for LINEAR_INT8: QKV_INT8, QKV_SCALES, O_INT8, ..., DOWN_SCALES. */
+  QKV_INT8,
+  QKV_SCALES,
+  O_INT8,
+  O_SCALES,
+  GATE_UP_INT8,
+  GATE_UP_SCALES,
+  DOWN_INT8,
+  DOWN_SCALES,
   LAYER_FIELDS
 };
 
-/* Entries of `dims`. */
-enum { HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK_SIZE, NUM_SLOTS, NUM_DIMS };
+/* Entries of `dims`; INT8_GROUP: the K of an int8 scale group (0 without int8 weights). */
+enum { HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK_SIZE, NUM_SLOTS, INT8_GROUP, NUM_DIMS };
+
+/* The linear kernels the stack runs (`linear_kind`). */
+enum { LINEAR_BF16, LINEAR_AMX, LINEAR_INT8 };
+
+/* y = x W^T for projection `which` (0 qkv, 1 o, 2 gate/up, 3 down) of layer row `w`: batchgen's
+ * bf16 or AMX kernel on the packed bf16 weight, or the int8 kernel's VDPBF16PS tiles on the packed
+ * int8 weight (int8_w8a16.c: bf16 in, bf16 out). Returns the kernel's status (1: refused, 2: no
+ * memory). */
+static int stack_linear(int kind, const int64_t *w, int which, int64_t group, const uint16_t *x, int64_t ldx,
+                        uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
+  static const int bf16_field[4] = {QKV_WEIGHT, O_WEIGHT, GATE_UP_WEIGHT, DOWN_WEIGHT};
+  static const int int8_field[4] = {QKV_INT8, O_INT8, GATE_UP_INT8, DOWN_INT8};
+  if (kind == LINEAR_INT8)
+    return int8_w8a16_linear(x, 1, 1, ldx, (const int8_t *)(intptr_t)w[int8_field[which]],
+                             (const float *)(intptr_t)w[int8_field[which] + 1], group, NULL, y, 1, ldy, m, n, k,
+                             num_threads);
+  const uint16_t *packed = (const uint16_t *)(intptr_t)w[bf16_field[which]];
+  return kind == LINEAR_AMX ? amx_linear(x, ldx, packed, NULL, y, ldy, m, n, k, num_threads)
+                            : bf16_linear(x, ldx, packed, NULL, y, ldy, m, n, k, num_threads);
+}
 
 /* bf16 elements of workspace a token needs (see the layout in decoder_stack_bf16). */
 int64_t decoder_stack_workspace_per_token(const int64_t *dims) {
@@ -86,7 +120,8 @@ int64_t decoder_stack_workspace_per_token(const int64_t *dims) {
  *          rest are prefill chunks whose rows start at `prefill_query_starts` [num_seqs - num_decodes
  *          + 1] (from 0, relative to the first prefill row)
  * workspace bf16, decoder_stack_workspace_per_token(dims) x T elements
- * use_amx  1: the linears run amx_linear.c's AMX kernel, 0: bf16_linear.c's (the same packed weights)
+ * linear_kind LINEAR_BF16: the linears run bf16_linear.c's kernel, LINEAR_AMX: amx_linear.c's (the
+ *          same packed bf16 weights), LINEAR_INT8: int8_w8a16.c's on the packed int8 weights
  * short_chunks 1: the step verifies draft tokens (paged_prefill_attention's short chunks)
  *
  * Returns 0; 1 when a kernel refused a shape; 2 when one could not allocate memory; 3 when a slot
@@ -96,11 +131,10 @@ int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dim
                        int64_t num_tokens, uint16_t *hidden, uint16_t *delta, const uint16_t *cos,
                        const uint16_t *sin, const int64_t *slots, const int32_t *block_tables,
                        int64_t table_stride, const int32_t *seq_lens, int num_decodes, int num_seqs,
-                       const int32_t *prefill_query_starts, uint16_t *workspace, int num_threads, int use_amx,
-                       int short_chunks) {
-  int (*const linear)(const uint16_t *, int64_t, const uint16_t *, const float *, uint16_t *, int64_t, int64_t,
-                      int64_t, int64_t, int) = use_amx ? amx_linear : bf16_linear;
+                       const int32_t *prefill_query_starts, uint16_t *workspace, int num_threads,
+                       int linear_kind, int short_chunks) {
   const int64_t t = num_tokens, h = dims[HIDDEN], d = dims[HEAD_DIM], inter = dims[INTERMEDIATE];
+  const int64_t group = dims[INT8_GROUP];
   const int hq = (int)dims[Q_HEADS], hkv = (int)dims[KV_HEADS], block_size = (int)dims[BLOCK_SIZE];
   const int64_t q = hq * d, kv = hkv * d, qkv_width = q + 2 * kv;
   uint16_t *normed = workspace, *qkv = normed + t * h, *query = qkv + t * qkv_width, *key = query + t * q;
@@ -111,14 +145,12 @@ int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dim
     void *k_cache = (void *)(intptr_t)w[K_CACHE], *v_cache = (void *)(intptr_t)w[V_CACHE];
     add_rms_norm_bf16(hidden, h, l ? delta : NULL, h, (const uint16_t *)(intptr_t)w[INPUT_NORM], eps, t, (int)h,
                       normed, h, num_threads);
-    if (linear(normed, h, (const uint16_t *)(intptr_t)w[QKV_WEIGHT], NULL, qkv, qkv_width, t, qkv_width, h,
-                    num_threads))
-      return 1;
+    int status = stack_linear(linear_kind, w, 0, group, normed, h, qkv, qkv_width, t, qkv_width, h, num_threads);
+    if (status) return status;
     rotary_bf16(qkv, qkv_width, cos, sin, d, t, hq, hkv, (int)d, query, key, num_threads);
     if (store_kv_rows((const char *)key, kv * 2, (const char *)(qkv + q + kv), qkv_width * 2, k_cache, v_cache,
                       slots, t, kv * 2, dims[NUM_SLOTS], num_threads) >= 0)
       return 3;
-    int status = 0;
     if (num_decodes > 0)
       status = paged_decode_attention(1, query, k_cache, v_cache, block_tables, table_stride, seq_lens, num_decodes,
                                       hq, hkv, (int)d, block_size, scale, attn, num_threads, 0,
@@ -130,19 +162,20 @@ int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dim
                                        (int)d, block_size, scale, attn + num_decodes * q, num_threads,
                                        short_chunks, 0, NULL);
     if (status) return status;
-    if (linear(attn, q, (const uint16_t *)(intptr_t)w[O_WEIGHT], NULL, o, h, t, h, q, num_threads)) return 1;
+    status = stack_linear(linear_kind, w, 1, group, attn, q, o, h, t, h, q, num_threads);
+    if (status) return status;
     add_rms_norm_bf16(hidden, h, o, h, (const uint16_t *)(intptr_t)w[POST_NORM], eps, t, (int)h, normed, h,
                       num_threads);
-    const uint16_t *gate_up_weight = (const uint16_t *)(intptr_t)w[GATE_UP_WEIGHT];
-    if (use_amx) { /* SiLU(gate) * up in the AMX kernel's store: no [T, 2 I] intermediate */
+    if (linear_kind == LINEAR_AMX) { /* SiLU(gate) * up in the AMX kernel's store: no [T, 2 I] intermediate */
+      const uint16_t *gate_up_weight = (const uint16_t *)(intptr_t)w[GATE_UP_WEIGHT];
       if (amx_swiglu(normed, h, gate_up_weight, NULL, act, inter, t, inter, h, num_threads)) return 1;
     } else {
-      if (linear(normed, h, gate_up_weight, NULL, gate_up, 2 * inter, t, 2 * inter, h, num_threads)) return 1;
+      status = stack_linear(linear_kind, w, 2, group, normed, h, gate_up, 2 * inter, t, 2 * inter, h, num_threads);
+      if (status) return status;
       silu_mul_bf16(gate_up, 2 * inter, t, (int)inter, act, inter, num_threads);
     }
-    if (linear(act, inter, (const uint16_t *)(intptr_t)w[DOWN_WEIGHT], NULL, delta, h, t, h, inter,
-                    num_threads))
-      return 1;
+    status = stack_linear(linear_kind, w, 3, group, act, inter, delta, h, t, h, inter, num_threads);
+    if (status) return status;
   }
   return 0;
 }

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.kernels.cpu.linear import bf16_kernel_available
+from batchgen.kernels.cpu.linear import Bf16Linear, TunedLinear, bf16_kernel_available
+from batchgen.kernels.cpu.quantized_linear import Int8Bf16DotLinear, bf16_dot_available
 from batchgen.kernels.cpu.stack import DecoderStack
+from batchgen.kernels.registry import ROW_BUCKETS
+from batchgen.model.kernel_choice.stack import build_decoder_stack
 from batchgen.model.runner import StepInput
 
 pytestmark = pytest.mark.skipif(
@@ -52,11 +55,9 @@ def run_step(runner, seqs: list[StepInput], use_stack: bool) -> torch.Tensor:
         runner.model.decoder_stack = stack
 
 
-def test_stack_is_bit_identical_to_the_layer_by_layer_path(tiny_model_dir) -> None:
+def assert_stack_equals_the_layer_path(runner) -> None:
     """Prefill, a mixed step (decodes plus a chunk continuing a cached prefix) and a decode-only
     step: equal logits and equal KV caches, with and without the stack."""
-    runner = tiny_bf16_llm(tiny_model_dir).llm_engine.runner
-    assert isinstance(runner.model.decoder_stack, DecoderStack)
     steps = [
         step_inputs([(0, 0, 3), (4, 0, 17), (8, 0, 40)]),  # prefill of three prompts
         step_inputs([(0, 3, 1), (4, 17, 1), (8, 40, 25)]),  # two decodes, then a continued chunk
@@ -75,6 +76,12 @@ def test_stack_is_bit_identical_to_the_layer_by_layer_path(tiny_model_dir) -> No
         assert all(torch.equal(a, b) for a, b in zip(cache_got, cache_expected, strict=True))
         # the step wrote K/V: the cache is not what it was before it
         assert not all(torch.equal(a, b) for a, b in zip(cache_got, before, strict=True))
+
+
+def test_stack_is_bit_identical_to_the_layer_by_layer_path(tiny_model_dir) -> None:
+    runner = tiny_bf16_llm(tiny_model_dir).llm_engine.runner
+    assert isinstance(runner.model.decoder_stack, DecoderStack)
+    assert_stack_equals_the_layer_path(runner)
 
 
 def test_generate_gives_the_same_tokens_with_and_without_the_stack(tiny_model_dir) -> None:
@@ -158,3 +165,62 @@ def test_the_stacks_check_runs_the_layers_on_its_c_attention_whatever_was_measur
         backend.prefill_by_bucket,
         backend.prefill_after_prefix_by_bucket,
     ) == measured
+
+
+def tiny_int8_stack_llm(tiny_model_dir) -> LLM:
+    """The tiny Llama in bf16 with `quantization="int8"`, each layer linear holding batchgen's int8
+    kernel for bf16 activations ("int8_c_dpbf16", run at every row count) and the bf16 layout of its
+    dequantized weight, and a decoder stack set to run its int8 linears: what `--kernels auto`
+    builds where it measures the int8 stack fastest."""
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        dtype="bfloat16",
+        max_num_seqs=8,
+        device="cpu",
+        block_size=BLOCK,
+        kernels="native",
+        quantization="int8",
+    )
+    runner = llm.llm_engine.runner
+    model = runner.model
+    for name, weight in runner.quantization.weights.items():
+        if name == "lm_head":
+            continue
+        parent, _, child = name.rpartition(".")
+        impls = {
+            "int8_c_dpbf16": Int8Bf16DotLinear(weight, None),
+            "bf16_c": Bf16Linear.from_weight(weight.dequantize().bfloat16(), None),
+        }
+        setattr(model.get_submodule(parent), child, TunedLinear(impls, ["int8_c_dpbf16"] * len(ROW_BUCKETS)))
+    stack = build_decoder_stack(model, max_rows=0)
+    assert stack is not None and stack.int8_applies()
+    stack.linear_by_bucket = ["int8_c_dpbf16"]
+    model.decoder_stack = stack
+    return llm
+
+
+@pytest.mark.skipif(not bf16_dot_available(), reason="the int8 kernel's VDPBF16PS tiles are not built here")
+def test_the_int8_stack_is_bit_identical_to_the_layer_by_layer_path(tiny_model_dir) -> None:
+    """The stack on a `--quantization int8` model's int8 weights (csrc/decoder_stack.c's LINEAR_INT8)
+    against the per-layer path on the same int8 kernel: equal logits and KV caches for a prefill, a
+    mixed and a decode-only step. (Its VDPBF16PS tiles round each scaled int8 weight to the very bf16
+    weight the bf16 layout holds, so here the bf16 stack gives the same logits.)"""
+    runner = tiny_int8_stack_llm(tiny_model_dir).llm_engine.runner
+    stack = runner.model.decoder_stack
+    assert_stack_equals_the_layer_path(runner)
+    # The stack reads the int8 weights (not the bf16 layout it also holds): zeroing one layer's
+    # int8 down projection changes its logits, and only under the int8 kind.
+    seqs = step_inputs([(12, 0, 5)])
+    kept = run_step(runner, seqs, use_stack=True)
+    down = stack.layers[0].int8[3].values
+    saved_down = down.clone()
+    down.zero_()
+    assert not torch.equal(run_step(runner, seqs, use_stack=True), kept)
+    stack.linear_by_bucket = ["bf16_c"]
+    assert torch.equal(run_step(runner, seqs, use_stack=True), kept)  # equal weights: VDPBF16PS alike
+    down.copy_(saved_down)
+
+
+def test_a_stack_without_int8_weights_offers_no_int8_linears(tiny_model_dir) -> None:
+    stack = tiny_bf16_llm(tiny_model_dir).llm_engine.runner.model.decoder_stack
+    assert isinstance(stack, DecoderStack) and not stack.int8_applies()

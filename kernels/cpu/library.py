@@ -367,15 +367,21 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
     _declare_quantized_linears(lib)
     lib.store_kv_rows.restype = i64
     lib.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    # decoder_stack_bf16(layers, num_layers, dims, eps, scale, num_tokens, hidden, delta, cos, sin,
-    # slots, block_tables, table_stride, seq_lens, num_decodes, num_seqs, prefill_query_starts,
-    # workspace, num_threads, linear_kind, short_chunks) -> status; see csrc/decoder_stack.c.
+    _declare_decoder_stacks(lib)
+
+
+def _declare_decoder_stacks(lib: ctypes.CDLL) -> None:
+    """csrc/decoder_stack.c: decoder_stack_bf16(layers, num_layers, dims, eps, scale, num_tokens,
+    hidden, delta, cos, sin, slots, block_tables, table_stride, seq_lens, num_decodes, num_seqs,
+    prefill_query_starts, workspace, num_threads, linear_kind, short_chunks) -> status, and
+    decoder_stack_f32 with the same arguments, its buffers float32."""
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.decoder_stack_workspace_per_token.restype = i64
     lib.decoder_stack_workspace_per_token.argtypes = [ptr]
-    f32 = ctypes.c_float
-    lib.decoder_stack_bf16.restype = i32
-    lib.decoder_stack_bf16.argtypes = [ptr, i32, ptr, f32, f32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]
-    lib.decoder_stack_bf16.argtypes += [i32, i32, ptr, ptr, i32, i32, i32]
+    for stack in (lib.decoder_stack_bf16, lib.decoder_stack_f32):
+        stack.restype = i32
+        stack.argtypes = [ptr, i32, ptr, f32, f32, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr]
+        stack.argtypes += [i32, i32, ptr, ptr, i32, i32, i32]
 
 
 def _declare_quantized_linears(lib: ctypes.CDLL) -> None:

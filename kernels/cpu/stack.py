@@ -1,4 +1,4 @@
-"""All decoder layers of a CPU bf16 step in one C call (`csrc/decoder_stack.c`).
+"""All decoder layers of a CPU bf16 or float32 step in one C call (`csrc/decoder_stack.c`).
 
 The Python forward of a decoder layer makes about ten kernel calls through ctypes, each with its
 tensor allocations and argument checks. `DecoderStack` hands the same kernels' whole sequence to C
@@ -7,7 +7,11 @@ bit (`tests/kernels/cpu/test_cpu_stack.py`); `batchgen bench --profile` shows it
 
 It applies to bf16 models on the "cpu" attention backend whose linear layers hold batchgen's packed
 bf16 weights (run by its AVX512-BF16 kernel, or its AMX kernel where measured faster) without biases and without Qwen3's per-head q/k norms, for the row counts
-where that kernel was measured fastest (`batchgen.model.kernel_choice.stack.build_decoder_stack`).
+where that kernel was measured fastest (`batchgen.model.kernel_choice.stack.build_decoder_stack`);
+and to float32 models whose linears are all int8 (`--quantization int8`, any CPU the library builds
+for, AVX2 among them), run by the W8A16 kernel's float32 tiles. In float32 the norms, rotary and
+SiLU are `csrc/f32_ops.c`'s where the per-layer path runs torch's: equal up to float32 rounding,
+not bit for bit.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ class StepMetadata(Protocol):
     def verifies_drafts(self) -> bool: ...
 
 
-# Status codes of decoder_stack_bf16 (csrc/decoder_stack.c); its 1, a kernel refusing a shape,
+# Status codes of decoder_stack_bf16 / _f32 (csrc/decoder_stack.c); its 1, a kernel refusing a shape,
 # cannot follow the builder's and __call__'s checks.
 _OUT_OF_MEMORY, _BAD_SLOT = 2, 3
 
@@ -70,41 +74,55 @@ class StackDims:
 
 @dataclass(frozen=True)
 class StackLayer:
-    """One decoder layer's weights for the stack: RMSNorm weights bf16 `[hidden]` (contiguous) and the
-    four projections as `Bf16Linear` packed weights (bf16 `[N/16, K/2, 16, 2]`, no biases); `int8`:
-    the same four as `PackedInt8` weights for the int8 kernel's 16 lanes (a `--quantization int8`
-    model's, one scale group size for all), or None."""
+    """One decoder layer's weights for the stack: RMSNorm weights `[hidden]` (contiguous, the model's
+    dtype) and the four projections as `Bf16Linear` packed weights (bf16 `[N/16, K/2, 16, 2]`, no
+    biases; None in a float32 stack); `int8`: the same four as `PackedInt8` weights for the int8
+    kernels' lanes (a `--quantization int8` model's, one scale group size for all), or None."""
 
     input_norm: torch.Tensor
-    qkv_proj: torch.Tensor
-    o_proj: torch.Tensor
+    qkv_proj: torch.Tensor | None
+    o_proj: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up_proj: torch.Tensor
-    down_proj: torch.Tensor
+    gate_up_proj: torch.Tensor | None
+    down_proj: torch.Tensor | None
     int8: tuple[PackedInt8, PackedInt8, PackedInt8, PackedInt8] | None = None
 
 
-# The stack's linear kernels by registry name -> `linear_kind` of csrc/decoder_stack.c.
-STACK_LINEAR_KINDS = {"bf16_c": 0, "amx_c": 1, "int8_c_dpbf16": 2}
+# The stack's linear kernels by registry name -> `linear_kind` of csrc/decoder_stack.c ("int8_c":
+# the same int8 kernel's float32 tiles, a float32 stack's one kind).
+STACK_LINEAR_KINDS = {"bf16_c": 0, "amx_c": 1, "int8_c_dpbf16": 2, "int8_c": 2}
 
 
 class DecoderStack:
-    """Runs every decoder layer of a bf16 Llama-family model for one step in C.
+    """Runs every decoder layer of a bf16 (or int8-quantized float32) Llama-family model for one step in C.
 
     The model side builds it (`batchgen.model.kernel_choice.stack.build_decoder_stack`) from the layers' packed
     weights. The per-layer table of weight and cache addresses is built on first use and rebuilt
     when the KV caches move.
     """
 
-    def __init__(self, dims: StackDims, layers: list[StackLayer], max_rows: int = 0) -> None:
+    def __init__(
+        self,
+        dims: StackDims,
+        layers: list[StackLayer],
+        max_rows: int = 0,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         """`dims` and `layers` as above; `max_rows`: the most rows of a step the stack takes (0: no
-        limit); bigger steps take the per-layer path (chosen by measurement, `kernels.registry`).
+        limit); bigger steps take the per-layer path (chosen by measurement, `kernels.registry`);
+        `dtype`: the model's, torch.bfloat16 or torch.float32 (whose layers must all hold int8
+        weights).
 
         Raises:
-            RuntimeError: the C library or its bf16 linear kernel is not built here (`applies`).
+            RuntimeError: the C library, or its bf16 linear kernel for a bf16 stack, is not built
+                here (`applies`).
+            ValueError: a float32 stack whose layers do not all hold int8 weights of one group size.
         """
-        if not self.applies(dims):
-            raise RuntimeError("the C decoder stack needs batchgen's bf16 kernels, which are not built here")
+        if not self.applies(dims, dtype):
+            raise RuntimeError(
+                f"the C decoder stack needs batchgen's {dtype} kernels, which are not built here"
+            )
+        self.dtype = dtype
         self.dims = dims
         self.num_q_heads, self.num_kv_heads, self.head_dim = (
             dims.num_q_heads,
@@ -120,23 +138,30 @@ class DecoderStack:
         # Per row bucket (`kernels.registry.ROW_BUCKETS`), the linear kernel the stack runs on its
         # packed weights: "bf16_c" (csrc/bf16_linear.c), "amx_c" (csrc/amx_linear.c, where
         # `amx_applies`) or "int8_c_dpbf16" (csrc/int8_w8a16.c, where `int8_applies`); None:
-        # "bf16_c" at every row count. Chosen by measurement (kernel_choice/stack.py).
+        # "bf16_c" at every row count ("int8_c" in float32). Chosen by measurement (kernel_choice/stack.py).
         self.linear_by_bucket: list[str] | None = None
         self._lib = cpu_kernels.require_library()
         self._table: torch.Tensor | None = None
         self._table_caches: tuple[int, ...] = ()
         self._dims = torch.empty(0, dtype=torch.int64)  # set with the table
-        self._workspace_per_token = 0  # bf16 elements a token needs; set with the table
-        self._workspace = torch.empty(0, dtype=torch.bfloat16)
+        self._workspace_per_token = 0  # elements a token needs; set with the table
+        self._workspace = torch.empty(0, dtype=dtype)
+        if dtype == torch.float32 and not self.int8_applies():
+            raise ValueError("a float32 decoder stack runs int8 linears only: every layer needs int8 weights")
+        bf16_weights = [w for x in layers for w in (x.qkv_proj, x.o_proj, x.gate_up_proj, x.down_proj)]
+        if dtype == torch.bfloat16 and any(w is None for w in bf16_weights):
+            raise ValueError("a bf16 decoder stack needs every layer's packed bf16 weights")
 
     @staticmethod
-    def applies(dims: StackDims) -> bool:
-        """Whether the library is built with the bf16 linear kernel and both attention kernels take
-        these head sizes in bf16."""
+    def applies(dims: StackDims, dtype: torch.dtype = torch.bfloat16) -> bool:
+        """Whether the library is built (with its bf16 linear kernel, for bf16) and both attention
+        kernels take these head sizes in `dtype` (bf16 or float32)."""
         lib = cpu_kernels.load_library()
-        if lib is None or not bf16_kernel_available():
+        if lib is None or dtype not in (torch.bfloat16, torch.float32):
             return False
-        heads = (torch.bfloat16, dims.head_dim, dims.num_q_heads, dims.num_kv_heads)
+        if dtype == torch.bfloat16 and not bf16_kernel_available():
+            return False
+        heads = (dtype, dims.head_dim, dims.num_q_heads, dims.num_kv_heads)
         return cpu_attention.supports(*heads) and cpu_attention.supports_prefill(*heads)
 
     @staticmethod
@@ -148,19 +173,19 @@ class DecoderStack:
 
     def int8_applies(self) -> bool:
         """Whether the stack can run its linears on int8 weights: every layer holds them, with one
-        scale group size, and the library has the int8 kernel's VDPBF16PS tiles (AVX512-BF16)."""
+        scale group size, and (bf16) the library has the int8 kernel's VDPBF16PS tiles (AVX512-BF16)."""
         if any(layer.int8 is None for layer in self.layers):
             return False
         groups = {packed.group for layer in self.layers for packed in layer.int8 or ()}
-        return len(groups) == 1 and bf16_dot_available()
+        return len(groups) == 1 and (self.dtype == torch.float32 or bf16_dot_available())
 
     def takes(self, hidden: torch.Tensor, max_rows: int) -> bool:
         """Whether this step's residual stream `hidden` `[T, hidden_size]` goes through the stack:
-        bf16, contiguous, at least one row and no more than `max_rows` (the model slices bigger
+        the stack's dtype, contiguous, at least one row and no more than `max_rows` (the model slices bigger
         steps, `prefill_row_chunk`) nor the stack's own `max_rows` (0 means no limit)."""
         rows = hidden.shape[0]
         return (
-            hidden.dtype == torch.bfloat16
+            hidden.dtype == self.dtype
             and hidden.is_contiguous()
             and rows > 0
             and all(limit <= 0 or rows <= limit for limit in (max_rows, self.max_rows))
@@ -173,19 +198,20 @@ class DecoderStack:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: StepMetadata,
     ) -> torch.Tensor:
-        """Run every layer on `hidden` (bf16 `[T, hidden_size]`, updated in place; `takes` must hold).
+        """Run every layer on `hidden` (`[T, hidden_size]` of the stack's dtype, updated in place;
+        `takes` must hold). Every tensor below is of the stack's dtype (bf16 or float32).
 
         Args:
-            hidden: the step's embeddings, bf16 `[T, hidden_size]`, contiguous.
-            cos_sin: the step's rotary tables, bf16 `[T, 1, head_dim]` each.
-            kv_caches: per layer, bf16 (K, V) `[num_blocks, block_size, Hkv, head_dim]`, contiguous.
+            hidden: the step's embeddings, `[T, hidden_size]`, contiguous.
+            cos_sin: the step's rotary tables, `[T, 1, head_dim]` each.
+            kv_caches: per layer, (K, V) `[num_blocks, block_size, Hkv, head_dim]`, contiguous.
             meta: the step's attention metadata (decodes first, then prefill chunks): an object with
                 `slot_mapping`, `block_tables`, `seq_lens`, `query_start_loc`, `num_decodes`,
                 `num_seqs` and `verifies_drafts` as `batchgen.model.attention.AttentionMetadata` has
                 them.
 
         Returns:
-            the last layer's MLP output, bf16 `[T, hidden_size]`, not yet added to `hidden` (as the
+            the last layer's MLP output, `[T, hidden_size]`, not yet added to `hidden` (as the
             per-layer path's last delta).
 
         Raises:
@@ -199,9 +225,10 @@ class DecoderStack:
         slots, block_tables, seq_lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
         nd, num_seqs = meta.num_decodes, meta.num_seqs
         if self._workspace.numel() < self._workspace_per_token * rows:  # kept between steps: no page faults
-            self._workspace = torch.empty(self._workspace_per_token * rows, dtype=torch.bfloat16)
+            self._workspace = torch.empty(self._workspace_per_token * rows, dtype=self.dtype)
         delta = torch.empty_like(hidden)
-        status = self._lib.decoder_stack_bf16(
+        run = self._lib.decoder_stack_f32 if self.dtype == torch.float32 else self._lib.decoder_stack_bf16
+        status = run(
             table.data_ptr(),
             len(self.layers),
             self._dims.data_ptr(),
@@ -230,7 +257,7 @@ class DecoderStack:
     def _checked_step(
         self, rows: int, cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, meta: StepMetadata
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's rotary tables as bf16 `[T, head_dim]` and its prefill chunks' int32 query
+        """The step's rotary tables as `[T, head_dim]` of the stack's dtype and its prefill chunks' int32 query
         starts (`[num_seqs - num_decodes + 1]`, from 0), after checking the metadata of `__call__`
         against the cache.
 
@@ -240,11 +267,11 @@ class DecoderStack:
         """
         cos, sin = (t.reshape(rows, self.head_dim) for t in cos_sin)
         if (
-            cos.dtype != torch.bfloat16
-            or sin.dtype != torch.bfloat16
+            cos.dtype != self.dtype
+            or sin.dtype != self.dtype
             or not (cos.is_contiguous() and sin.is_contiguous())
         ):
-            raise ValueError("the rotary tables must be contiguous bf16 [T, 1, head_dim]")
+            raise ValueError(f"the rotary tables must be contiguous {self.dtype} [T, 1, head_dim]")
         slots, block_tables, seq_lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
         if slots.dtype != torch.int64 or slots.shape != (rows,) or not slots.is_contiguous():
             raise ValueError(f"slot_mapping must be a contiguous int64 [{rows}] tensor")
@@ -264,7 +291,9 @@ class DecoderStack:
 
     def _linear_at(self, rows: int) -> str:
         by_bucket = self.linear_by_bucket
-        return "bf16_c" if by_bucket is None else by_bucket[min(bucket_index(rows), len(by_bucket) - 1)]
+        if by_bucket is None:
+            return "int8_c" if self.dtype == torch.float32 else "bf16_c"
+        return by_bucket[min(bucket_index(rows), len(by_bucket) - 1)]
 
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """int64 `[num_layers, 16]` addresses (csrc/decoder_stack.c's LAYER_FIELDS order), built when
@@ -281,21 +310,18 @@ class DecoderStack:
             )
         for k, v in kv_caches:
             for t in (k, v):
-                if t.shape != shape or t.dtype != torch.bfloat16 or not t.is_contiguous() or not t.is_cpu:
+                if t.shape != shape or t.dtype != self.dtype or not t.is_contiguous() or not t.is_cpu:
                     raise ValueError(
-                        f"every KV cache must be a contiguous CPU bf16 tensor of shape {tuple(shape)}"
+                        f"every KV cache must be a contiguous CPU {self.dtype} tensor of shape {tuple(shape)}"
                     )
         rows = []
         for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
-            weights: tuple[torch.Tensor, ...] = (
-                layer.input_norm,
-                layer.qkv_proj,
-                layer.o_proj,
-                layer.post_norm,
-            )
-            weights += (layer.gate_up_proj, layer.down_proj)
+            weights: tuple[torch.Tensor | None, ...] = (layer.input_norm, layer.qkv_proj, layer.o_proj)
+            weights += (layer.post_norm, layer.gate_up_proj, layer.down_proj)
             int8 = [t.data_ptr() for p in layer.int8 or () for t in (p.values, p.scales)] or [0] * 8
-            rows.append([w.data_ptr() for w in weights] + [k.data_ptr(), v.data_ptr()] + int8)
+            rows.append(
+                [0 if w is None else w.data_ptr() for w in weights] + [k.data_ptr(), v.data_ptr()] + int8
+            )
         self._table = torch.tensor(rows, dtype=torch.int64)
         group = self.layers[0].int8[0].group if self.int8_applies() and self.layers[0].int8 else 0
         num_blocks, block_size = shape[0], shape[1]
@@ -318,7 +344,7 @@ class DecoderStack:
 
 
 def _check_status(status: int, slots: torch.Tensor, k_cache: torch.Tensor) -> None:
-    """Raise for a failed `decoder_stack_bf16` call (`status` not 0), naming the cause.
+    """Raise for a failed `decoder_stack_bf16` / `_f32` call (`status` not 0), naming the cause.
 
     Raises:
         ValueError: a slot outside the cache (`slots`: the step's int64 slot mapping).

@@ -448,3 +448,43 @@ def test_an_int8_models_stack_times_its_int8_linears_beside_the_bf16_ones(tiny_m
     ]
     if stack is not None:
         assert stack.int8_applies() and all(layer.int8 is not None for layer in stack.layers)
+
+
+@pytest.mark.skipif(cpu_kernels.load_library() is None, reason="no C compiler to build the CPU kernels")
+def test_a_float32_int8_models_stack_times_its_int8_linears_against_the_layers(tiny_model_dir):
+    """`--quantization int8` in float32 (any CPU, AVX2 among them): the float32 stack's one
+    candidate, its linears on the int8 weights ("stack_int8", run as "int8_c"), is timed against
+    the per-layer path under the "/int8" shape; where it wins the stack runs float32, reading the
+    very int8 weights its layers hold, and no layout is held for it beyond theirs."""
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        dtype="float32",
+        max_num_seqs=8,
+        device="cpu",
+        kernels="auto",
+        quantization="int8",
+    )
+    runner = llm.llm_engine.runner
+    choice, stack = runner.kernel_choice, runner.model.decoder_stack
+    entries = {k: e for k, e in choice.table.entries.items() if k.startswith("decoder_stack|")}
+    int8 = {int(k.rsplit("|", 1)[1]): e for k, e in entries.items() if k.split("|")[1].endswith("/int8")}
+    assert sorted(int8) == [1, 2, 4, 8]
+    assert set(int8[1]["ms"]) == {"layers", "stack_int8"} and int8[1]["ms"]["stack_int8"], int8[1]
+    stack_rows = choice.stack_max_rows or 0
+    expected = 0
+    for rows in (1, 2, 4, 8):
+        if int8[rows]["chosen"] != "stack_int8":
+            break
+        expected = rows
+    assert stack_rows == expected and choice.stack_linears == ["int8_c"] * len(
+        [r for r in (1, 2, 4, 8) if r <= expected]
+    )
+    assert (stack is not None) == bool(expected)
+    if stack is not None:
+        assert stack.dtype == torch.float32 and stack.int8_applies()
+    for name, module in runner.model.named_modules():
+        if isinstance(module, TunedLinear) and name.startswith("model.layers."):
+            runs = set(module.by_bucket)
+            if stack is not None and not any(kind.startswith("int8_c") for kind in runs):
+                runs.add("int8_c")  # the stack's int8 weight
+            assert set(module.impls) == runs, name

@@ -104,7 +104,7 @@ class KernelChoice:
     mode: str
     linears: dict[str, list[str]] = field(default_factory=dict)
     stack_max_rows: int | None = None
-    # per row bucket up to `stack_max_rows`: "bf16_c", "amx_c" or "int8_c_dpbf16"
+    # per row bucket up to `stack_max_rows`: "bf16_c", "amx_c", "int8_c_dpbf16" or (float32) "int8_c"
     stack_linears: list[str] = field(default_factory=list)
     table: TuningTable | None = None
     prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c", "amx" or "sdpa"
@@ -147,9 +147,9 @@ class KernelChoice:
             stack = f"; decoder stack up to {rows or 'any'} row{'' if rows == 1 else 's'}"
             if "amx_c" in self.stack_linears:
                 stack += f" (AMX linears from {ROW_BUCKETS[self.stack_linears.index('amx_c')]} rows)"
-            if "int8_c_dpbf16" in self.stack_linears:
+            if any(k.startswith("int8_c") for k in self.stack_linears):
                 at = [
-                    r for r, k in zip(ROW_BUCKETS, self.stack_linears, strict=False) if k == "int8_c_dpbf16"
+                    r for r, k in zip(ROW_BUCKETS, self.stack_linears, strict=False) if k.startswith("int8_c")
                 ]
                 stack += (
                     f" (int8 linears at {at[0]}-{at[-1]} rows)"
@@ -230,10 +230,12 @@ def apply_kernels(
     start, load_before = time.perf_counter(), LoadSample()
     table = TuningTable.load(tuning_key(dtype))
     choice = KernelChoice("auto", table=table, experts=_by_rows(choose_experts(model, table, max_rows)))
-    # The decoder stack needs every layer linear in batchgen's bf16 layout (and may run int8 ones):
-    # held for its measurement even where the per-layer path does not use it, dropped where it loses.
-    stack_possible = dtype == torch.bfloat16 and not one_layout and _fused_cpu_backend(model)
+    # The decoder stack needs every layer linear in batchgen's bf16 layout (and may run int8 ones),
+    # or in float32 its int8 one: held for its measurement even where the per-layer path does not
+    # use it, dropped where it loses.
     quantized_format = "/".join(sorted({w.format for w in quantized.values()}))
+    stack_dtype = dtype == torch.bfloat16 or (dtype == torch.float32 and quantized_format == "int8")
+    stack_possible = stack_dtype and not one_layout and _fused_cpu_backend(model)
     stack_possible = stack_possible and cached_stack_rows(model, table, max_logit_rows, quantized_format) != 0
     layer_shapes = choose_linears(
         model,
@@ -246,26 +248,42 @@ def apply_kernels(
     )
     choice.largest_bucket_flops_per_s = table_linear_rate(layer_shapes, table, dtype, max_rows)
     _choose_attention(model, table, dtype, max_rows, max_logit_rows, choice)
-    stack = build_decoder_stack(model, max_rows=0)
-    stack_rows, stack_linears = (
-        tune_decoder_stack(model, stack, table, max_logit_rows, quantized_format)
-        if stack is not None
-        else (0, [])
-    )
-    if stack is not None and stack_rows:
-        stack.max_rows = stack_rows
-        stack.linear_by_bucket = stack_linears
-        choice.stack_linears = stack_linears
-    model.decoder_stack = stack if stack_rows else None
-    choice.stack_max_rows = stack_rows or None
+    stack_kinds = _choose_stack(model, table, max_logit_rows, quantized_format, choice)
     choice.extra_weight_bytes = drop_unused_layouts(
-        model, keep_stack_layout=bool(stack_rows), element_size=torch.empty((), dtype=dtype).element_size()
+        model, stack_kinds, element_size=torch.empty((), dtype=dtype).element_size()
     )
     table.note_load(LoadSample().other_cores_since(load_before))
     table.save()
     release_freed_heap()  # the plain weights, and the layouts, that no implementation kept
     choice.seconds = time.perf_counter() - start
     return choice
+
+
+def _choose_stack(
+    model: LlamaForCausalLM,
+    table: TuningTable,
+    max_logit_rows: int,
+    quantized_format: str,
+    choice: KernelChoice,
+) -> set[str]:
+    """Build `model`'s decoder stack where it applies, time it against the per-layer path
+    (`tune_decoder_stack`) and set it where it wins, recording the outcome in `choice`. Returns the
+    linear kinds whose weight layouts the stack reads (empty where it does not run)."""
+    stack = build_decoder_stack(model, max_rows=0)
+    stack_rows, stack_linears = (
+        tune_decoder_stack(model, stack, table, max_logit_rows, quantized_format)
+        if stack is not None
+        else (0, [])
+    )
+    model.decoder_stack = stack if stack_rows else None
+    choice.stack_max_rows = stack_rows or None
+    if stack is None or not stack_rows:
+        return set()
+    stack.max_rows = stack_rows
+    stack.linear_by_bucket = stack_linears
+    choice.stack_linears = stack_linears
+    # A bf16 stack reads its bf16 layout whichever kinds it runs (`StackLayer` holds it).
+    return {*stack_linears, *(["bf16_c"] if stack.dtype == torch.bfloat16 else [])}
 
 
 def table_linear_rate(

@@ -4,7 +4,7 @@ layouts a layer keeps (`kernels.registry.choose` over `kernels.cpu.linear.linear
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -203,8 +203,8 @@ def choose_linears(
 ) -> list[str]:
     """Measure (or look up) each linear shape's implementation per row bucket, put them into `model`
     (a `TunedLinear` where buckets differ) and record them in `chosen` (by shape and rows); with
-    `stack_possible` every layer linear also holds batchgen's bf16 layout for the decoder stack's
-    measurement.
+    `stack_possible` every layer linear also holds the layouts the decoder stack can run for its
+    measurement: batchgen's bf16 layout (bf16) and its int8 one (an int8 model's).
 
     Args:
         rows_for: module name -> the most rows a call of it has (the LM head: logit rows).
@@ -234,8 +234,9 @@ def choose_linears(
             kinds.append("bf16_c")
         # The stack's int8 linears read the layer's int8 weight: held for its measurement too.
         int8 = {k for k in kinds if layout_of(k) == "int8"}
-        if stack_possible and not is_head and "int8_c_dpbf16" in builders and not int8:
-            kinds.append("int8_c_dpbf16")
+        int8_kind = "int8_c" if linear.weight.dtype == torch.float32 else "int8_c_dpbf16"
+        if stack_possible and not is_head and int8_kind in builders and not int8:
+            kinds.append(int8_kind)
         impls = {kind: builders[kind]() for kind in kinds}
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -245,17 +246,19 @@ def choose_linears(
     return layer_shapes
 
 
-def drop_unused_layouts(model: nn.Module, keep_stack_layout: bool, element_size: int) -> int:
-    """Remove the implementations no row bucket runs (the bf16 layout held for the stack's
-    measurement, unless the stack runs); a layer left with one is replaced by it. Returns the bytes
-    of the second weight layouts still held (each counted as a float copy)."""
+def drop_unused_layouts(model: nn.Module, stack_kinds: Collection[str], element_size: int) -> int:
+    """Remove the implementations no row bucket runs, but for the layouts of `stack_kinds`, the
+    kernels whose weights the decoder stack reads (empty where no stack runs: the bf16 layout held
+    for its measurement goes too); a layer left with one is replaced by it. Returns the bytes of the
+    second weight layouts still held (each counted as a float copy)."""
     extra = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, TunedLinear):
             continue
         keep = set(module.by_bucket)
-        if keep_stack_layout and not any(layout_of(k) == "packed_bf16" for k in keep):
-            keep.add("bf16_c")
+        for kind in stack_kinds:
+            if kind in module.impls and layout_of(kind) not in {layout_of(k) for k in keep}:
+                keep.add(kind)
         for kind in [k for k in module.impls if k not in keep]:
             del module.impls[kind]
         weight_bytes = module.in_features * module.out_features * element_size

@@ -2,7 +2,8 @@
 
 The stack (`kernels/cpu/stack.py`, built from the model's layers by `build_decoder_stack`) runs every
 decoder layer of a step in one C call with batchgen's bf16 linear kernel, or its AMX one (both are
-candidates where AMX is there); the per-layer path runs each layer's ops from Python with the linears
+candidates where AMX is there), or its int8 one on an int8-quantized model (in float32, on any CPU,
+the only kind); the per-layer path runs each layer's ops from Python with the linears
 the registry chose per row bucket (oneDNN's, say, where it is faster). The stack saves the Python
 and dispatch cost of some ten calls a layer, which is most of a small decode step; its linears
 lose to a matrix-unit kernel as rows grow. Where the crossing lies depends on the machine, so
@@ -51,16 +52,22 @@ _Step = tuple[
 
 
 def _decode_step(
-    rows: int, num_layers: int, num_kv_heads: int, head_dim: int, vocab: int, generator: torch.Generator
+    rows: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    generator: torch.Generator,
+    dtype: torch.dtype,
 ) -> _Step:
-    """Inputs of a decode step of `rows` sequences at `_CONTEXT` tokens each, and its caches."""
+    """Inputs of a decode step of `rows` sequences at `_CONTEXT` tokens each, and its caches (`dtype`)."""
     shared = _CONTEXT // _BLOCK_SIZE - 1
     num_blocks = shared + rows
     shape = (num_blocks, _BLOCK_SIZE, num_kv_heads, head_dim)
     caches = [
         (
-            (torch.randn(shape, generator=generator) * 0.5).to(torch.bfloat16),
-            (torch.randn(shape, generator=generator) * 0.5).to(torch.bfloat16),
+            (torch.randn(shape, generator=generator) * 0.5).to(dtype),
+            (torch.randn(shape, generator=generator) * 0.5).to(dtype),
         )
         for _ in range(num_layers)
     ]
@@ -81,11 +88,13 @@ def tune_decoder_stack(
 ) -> tuple[int, list[str]]:
     """Where `stack` runs: the largest row bucket up to which a stack variant is faster than the
     per-layer path at every bucket (0: at none), and the stack's linear kernel at each bucket up to
-    there ("bf16_c", or "amx_c" where the AMX kernel applies and won), from `table` or measured on
-    decode steps of `model` (added to `table`).
+    there ("bf16_c", "amx_c" where the AMX kernel applies and won, "int8_c_dpbf16" on int8 weights;
+    "int8_c" in a float32 stack), from `table` or measured on decode steps of `model` (added to
+    `table`).
 
     Args:
-        model: a bf16 `LlamaForCausalLM` with its linears chosen; its `decoder_stack` is left None.
+        model: a bf16 (or int8-quantized float32) `LlamaForCausalLM` with its linears chosen; its
+            `decoder_stack` is left None.
         stack: the model's decoder stack (no row limit).
         max_rows: the largest step to consider (the decode batch limit, `max_num_seqs`).
         quantized: the format the model's layer linears run quantized ("int8", "q8_0"; "" for
@@ -100,9 +109,8 @@ def tune_decoder_stack(
     def step(rows: int) -> _Step:
         if rows not in steps:
             steps.clear()
-            steps[rows] = _decode_step(
-                rows, len(model.model.layers), attn.num_kv_heads, attn.head_dim, config.vocab_size, generator
-            )
+            layers, heads, vocab = len(model.model.layers), attn.num_kv_heads, config.vocab_size
+            steps[rows] = _decode_step(rows, layers, heads, attn.head_dim, vocab, generator, stack.dtype)
         return steps[rows]
 
     def forward(rows: int, linear: str | None) -> torch.Tensor:
@@ -131,11 +139,8 @@ def tune_decoder_stack(
     def layers_setup(rows: int) -> Run:
         return lambda: forward(rows, linear=None)
 
-    candidates = {"stack": stack_setup("bf16_c"), "layers": layers_setup}
-    if DecoderStack.amx_applies(stack.dims):
-        candidates["stack_amx"] = stack_setup("amx_c")
-    if stack.int8_applies():
-        candidates["stack_int8"] = stack_setup("int8_c_dpbf16")
+    candidates: dict[str, Setup] = {"layers": layers_setup}
+    candidates.update({kind: stack_setup(_linear_of(kind, stack.dtype)) for kind in _stack_kinds(stack)})
     buckets = buckets_up_to(max_rows)
     chosen = choose(
         table,
@@ -151,14 +156,32 @@ def tune_decoder_stack(
     )
     kinds = [chosen[rows] for rows in buckets]
     stack_rows = _stack_rows(kinds, buckets)
-    linears = [_STACK_LINEARS[kind] for kind, rows in zip(kinds, buckets, strict=True) if rows <= stack_rows]
+    linears = [
+        _linear_of(kind, stack.dtype) for kind, rows in zip(kinds, buckets, strict=True) if rows <= stack_rows
+    ]
     return stack_rows, linears
+
+
+def _stack_kinds(stack: DecoderStack) -> list[str]:
+    """The stack's candidates in the tuning table for this stack: in float32 "stack_int8" alone (the
+    constructor checked every layer holds int8 weights); in bf16 "stack", and "stack_amx" and
+    "stack_int8" where they apply."""
+    if stack.dtype == torch.float32:
+        return ["stack_int8"]
+    kinds = ["stack"] + (["stack_amx"] if DecoderStack.amx_applies(stack.dims) else [])
+    return kinds + (["stack_int8"] if stack.int8_applies() else [])
+
+
+def _linear_of(kind: str, dtype: torch.dtype) -> str:
+    """The linear kernel the stack candidate `kind` runs in `dtype` (`_STACK_LINEARS`; float32's
+    int8 kernel is "int8_c", its float32 tiles)."""
+    return "int8_c" if dtype == torch.float32 else _STACK_LINEARS[kind]
 
 
 @contextlib.contextmanager
 def _layers_on(model: LlamaForCausalLM, linear: str) -> Iterator[None]:
-    """Within the block, every tuned linear of the decoder layers runs `linear` ("bf16_c", "amx_c" or
-    "int8_c_dpbf16") on its packed weight at every row count, and attention runs the C kernels the stack calls: the
+    """Within the block, every tuned linear of the decoder layers runs `linear` ("bf16_c", "amx_c",
+    "int8_c_dpbf16" or, float32, "int8_c") on its packed weight at every row count, and attention runs the C kernels the stack calls: the
     per-layer path on the stack's own kernels. (The attention choice measured before may be torch's
     at some batch sizes, on a machine with more threads than free cores for one; torch rounds
     otherwise in bf16, which once dropped a correct stack.)"""
@@ -173,9 +196,13 @@ def _layers_on(model: LlamaForCausalLM, linear: str) -> Iterator[None]:
             setattr(backend, f, None)  # None: the C kernel at every batch and chunk length
         for m in layer_linears:
             impl: nn.Module
-            int8 = _int8_impl(m) if linear == "int8_c_dpbf16" else None
+            int8 = _int8_impl(m) if linear.startswith("int8_c") else None
             if int8 is not None:  # int8 is offered only where every layer linear has one
-                impl = Int8Bf16DotLinear(int8.weight, None)
+                impl = (
+                    Int8Bf16DotLinear(int8.weight, None)
+                    if linear == "int8_c_dpbf16"
+                    else Int8Linear(int8.weight, None)
+                )
             else:
                 packed = next(i for i in m.impls.values() if isinstance(i, Bf16Linear))
                 impl = kernel(packed.packed_weight, packed.bias)
@@ -190,7 +217,8 @@ def _layers_on(model: LlamaForCausalLM, linear: str) -> Iterator[None]:
             setattr(backend, f, value)
 
 
-# The stack's candidates in the tuning table -> the linear kernel each runs.
+# The stack's candidates in the tuning table -> the linear kernel each runs (bf16; a float32 stack's
+# one candidate, "stack_int8", runs "int8_c").
 _STACK_LINEARS = {"stack": "bf16_c", "stack_amx": "amx_c", "stack_int8": "int8_c_dpbf16"}
 
 
@@ -251,13 +279,13 @@ def _int8_impl(linear: nn.Module | None) -> Int8Linear | None:
 
 
 def _stack_int8(
-    projections: Sequence[nn.Module],
+    projections: Sequence[nn.Module], dtype: torch.dtype
 ) -> tuple[PackedInt8, PackedInt8, PackedInt8, PackedInt8] | None:
     """The four projections' int8 weights packed as the library's int8 kernels read them (the very
-    copy their per-layer kernels read), or None where one has none or the library has no
+    copy their per-layer kernels read), or None where one has none or (bf16) the library has no
     VDPBF16PS tiles."""
     impls = [_int8_impl(p) for p in projections]
-    if any(i is None for i in impls) or not bf16_dot_available():
+    if any(i is None for i in impls) or (dtype == torch.bfloat16 and not bf16_dot_available()):
         return None
     qkv, o, gate_up, down = (i.packed_weight for i in impls if i is not None)
     return qkv, o, gate_up, down
@@ -265,7 +293,8 @@ def _stack_int8(
 
 def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack | None:
     """The C decoder stack for `model`, or None where it does not apply: a bf16 model on the "cpu"
-    attention backend whose layer linears all hold batchgen's bf16 kernel, without biases,
+    attention backend whose layer linears all hold batchgen's bf16 kernel (or a float32 one whose
+    layer linears all hold its int8 kernel: `--quantization int8`), without biases,
     Qwen3's q/k norms or experts, with one attention scale, Llama-family layers (`DecoderLayer`: the stack's C
     code is their arithmetic) with rotary and no sliding window or softcap (the stack rotates
     every layer and attends globally).
@@ -293,7 +322,8 @@ def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack 
         eps=float(config.rms_norm_eps),
         scale=float(first.scale),
     )
-    if not DecoderStack.applies(dims):
+    dtype = next(model.parameters()).dtype
+    if not DecoderStack.applies(dims, dtype):
         return None
     stack_layers = []
     for layer in layers:
@@ -301,14 +331,18 @@ def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack 
         if not isinstance(mlp, MLP):  # a mixture of experts: the stack runs dense layers only
             return None
         projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        weights = [w for w in (_bf16_weight(p) for p in projections) if w is not None]
-        if len(weights) < len(projections):
+        # bf16 runs its bf16 layouts (and may run int8 ones); float32 runs int8 ones only
+        weights = [_bf16_weight(p) if dtype == torch.bfloat16 else None for p in projections]
+        int8 = _stack_int8(projections, dtype)
+        if not (int8 is not None if dtype == torch.float32 else all(w is not None for w in weights)):
             return None
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if attn.qk_norm or attn.scale != first.scale:
             return None
-        if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in norms):
+        if not all(w.dtype == dtype and w.is_contiguous() for w in norms):
             return None
         qkv, o, gate_up, down = weights
-        stack_layers.append(StackLayer(norms[0], qkv, o, norms[1], gate_up, down, _stack_int8(projections)))
-    return DecoderStack(dims, stack_layers, max_rows=max_rows)
+        stack_layers.append(StackLayer(norms[0], qkv, o, norms[1], gate_up, down, int8))
+    if dtype == torch.float32 and len({p.group for layer in stack_layers for p in layer.int8 or ()}) != 1:
+        return None  # one scale group size for the whole stack
+    return DecoderStack(dims, stack_layers, max_rows=max_rows, dtype=dtype)

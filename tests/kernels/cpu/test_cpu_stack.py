@@ -12,14 +12,12 @@ from batchgen.kernels.cpu.quantized_linear import Int8Bf16DotLinear, bf16_dot_av
 from batchgen.kernels.cpu.stack import DecoderStack
 from batchgen.kernels.registry import ROW_BUCKETS
 from batchgen.model.kernel_choice.stack import build_decoder_stack
-from batchgen.model.runner import StepInput
+from tests.kernels.cpu.stack_cases import BLOCK, run_step, step_inputs
 
 pytestmark = pytest.mark.skipif(
     not bf16_kernel_available(),
     reason="the C decoder stack needs batchgen's bf16 linear kernel (a CPU with AVX512-BF16 and a C compiler)",
 )
-
-BLOCK = 16
 
 
 def tiny_bf16_llm(tiny_model_dir, arch: str = "llama") -> LLM:
@@ -31,28 +29,6 @@ def tiny_bf16_llm(tiny_model_dir, arch: str = "llama") -> LLM:
         block_size=BLOCK,
         kernels="native",
     )
-
-
-def step_inputs(spec: list[tuple[int, int, int]]) -> list[StepInput]:
-    """(first block, start position, new tokens) per sequence -> StepInputs with their own blocks."""
-    seqs = []
-    for first_block, start, count in spec:
-        blocks = list(range(first_block, first_block + (start + count + BLOCK - 1) // BLOCK))
-        tokens = [(7 * first_block + 3 * i) % 500 + 5 for i in range(start, start + count)]
-        seqs.append(StepInput(token_ids=tokens, start=start, block_table=blocks, sample=True))
-    return seqs
-
-
-def run_step(runner, seqs: list[StepInput], use_stack: bool) -> torch.Tensor:
-    stack = runner.model.decoder_stack
-    if not use_stack:
-        runner.model.decoder_stack = None
-    try:
-        input_ids, positions, meta, logits_indices = runner.prepare(seqs)
-        with torch.inference_mode():
-            return runner.model(input_ids, positions, runner.kv_caches, meta, logits_indices)
-    finally:
-        runner.model.decoder_stack = stack
 
 
 def assert_stack_equals_the_layer_path(runner) -> None:

@@ -418,6 +418,25 @@ def test_a_quantized_linear_times_its_float_candidates_at_every_bucket(monkeypat
     assert all(names == names_at[0] for names in names_at)  # the same candidates at every bucket
 
 
+def _int8_stack_entries(tiny_model_dir, dtype: str):
+    """The tiny Llama's `--quantization int8 --kernels auto` runner in `dtype` (8 sequences at a
+    time), and its tuning table's decoder stack entries under the "/int8" shape by row bucket (each
+    of 1, 2, 4 and 8 present)."""
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        dtype=dtype,
+        max_num_seqs=8,
+        device="cpu",
+        kernels="auto",
+        quantization="int8",
+    )
+    runner = llm.llm_engine.runner
+    entries = {k: e for k, e in runner.kernel_choice.table.entries.items() if k.startswith("decoder_stack|")}
+    int8 = {int(k.rsplit("|", 1)[1]): e for k, e in entries.items() if k.split("|")[1].endswith("/int8")}
+    assert sorted(int8) == [1, 2, 4, 8]
+    return runner, int8
+
+
 @NEEDS_BF16_KERNEL
 def test_an_int8_models_stack_times_its_int8_linears_beside_the_bf16_ones(tiny_model_dir):
     """`--quantization int8` in bf16: the stack is measured under its own table shape ("/int8") with
@@ -427,19 +446,8 @@ def test_an_int8_models_stack_times_its_int8_linears_beside_the_bf16_ones(tiny_m
 
     if not bf16_dot_available():
         pytest.skip("the int8 kernel's VDPBF16PS tiles are not built here")
-    llm = LLM(
-        str(tiny_model_dir("llama")),
-        dtype="bfloat16",
-        max_num_seqs=8,
-        device="cpu",
-        kernels="auto",
-        quantization="int8",
-    )
-    runner = llm.llm_engine.runner
+    runner, int8 = _int8_stack_entries(tiny_model_dir, "bfloat16")
     choice, stack = runner.kernel_choice, runner.model.decoder_stack
-    entries = {k: e for k, e in choice.table.entries.items() if k.startswith("decoder_stack|")}
-    int8 = {int(k.rsplit("|", 1)[1]): e for k, e in entries.items() if k.split("|")[1].endswith("/int8")}
-    assert sorted(int8) == [1, 2, 4, 8]
     assert int8[1]["ms"].get("stack_int8"), int8[1]  # timed (pruning may skip it at later buckets)
     linears = {"stack": "bf16_c", "stack_amx": "amx_c", "stack_int8": "int8_c_dpbf16"}
     stack_rows = choice.stack_max_rows or 0
@@ -456,19 +464,8 @@ def test_a_float32_int8_models_stack_times_its_int8_linears_against_the_layers(t
     candidate, its linears on the int8 weights ("stack_int8", run as "int8_c"), is timed against
     the per-layer path under the "/int8" shape; where it wins the stack runs float32, reading the
     very int8 weights its layers hold, and no layout is held for it beyond theirs."""
-    llm = LLM(
-        str(tiny_model_dir("llama")),
-        dtype="float32",
-        max_num_seqs=8,
-        device="cpu",
-        kernels="auto",
-        quantization="int8",
-    )
-    runner = llm.llm_engine.runner
+    runner, int8 = _int8_stack_entries(tiny_model_dir, "float32")
     choice, stack = runner.kernel_choice, runner.model.decoder_stack
-    entries = {k: e for k, e in choice.table.entries.items() if k.startswith("decoder_stack|")}
-    int8 = {int(k.rsplit("|", 1)[1]): e for k, e in entries.items() if k.split("|")[1].endswith("/int8")}
-    assert sorted(int8) == [1, 2, 4, 8]
     assert set(int8[1]["ms"]) == {"layers", "stack_int8"} and int8[1]["ms"]["stack_int8"], int8[1]
     stack_rows = choice.stack_max_rows or 0
     expected = 0

@@ -12,7 +12,15 @@ from batchgen.kernels.cpu.quantized_linear import Int8Bf16DotLinear, bf16_dot_av
 from batchgen.kernels.cpu.stack import DecoderStack
 from batchgen.kernels.registry import ROW_BUCKETS
 from batchgen.model.kernel_choice.stack import build_decoder_stack
-from tests.kernels.cpu.stack_cases import BLOCK, run_step, step_inputs
+from tests.kernels.cpu.stack_cases import (
+    BLOCK,
+    assert_generate_is_the_same_without_the_stack,
+    assert_stack_matches_the_layer_path,
+    logits_with_int8_down_zeroed,
+    run_step,
+    step_inputs,
+    tiny_llm,
+)
 
 pytestmark = pytest.mark.skipif(
     not bf16_kernel_available(),
@@ -21,53 +29,17 @@ pytestmark = pytest.mark.skipif(
 
 
 def tiny_bf16_llm(tiny_model_dir, arch: str = "llama") -> LLM:
-    return LLM(
-        str(tiny_model_dir(arch)),
-        dtype="bfloat16",
-        max_num_seqs=8,
-        device="cpu",
-        block_size=BLOCK,
-        kernels="native",
-    )
-
-
-def assert_stack_equals_the_layer_path(runner) -> None:
-    """Prefill, a mixed step (decodes plus a chunk continuing a cached prefix) and a decode-only
-    step: equal logits and equal KV caches, with and without the stack."""
-    steps = [
-        step_inputs([(0, 0, 3), (4, 0, 17), (8, 0, 40)]),  # prefill of three prompts
-        step_inputs([(0, 3, 1), (4, 17, 1), (8, 40, 25)]),  # two decodes, then a continued chunk
-        step_inputs([(0, 4, 1), (4, 18, 1), (8, 65, 1)]),  # decodes only
-    ]
-    for seqs in steps:
-        before = [t.clone() for pair in runner.kv_caches for t in pair]
-        expected = run_step(runner, seqs, use_stack=False)
-        cache_expected = [t.clone() for pair in runner.kv_caches for t in pair]
-        for t, saved in zip((t for pair in runner.kv_caches for t in pair), before, strict=True):
-            t.copy_(saved)
-        got = run_step(runner, seqs, use_stack=True)
-        assert got.dtype == torch.bfloat16 and got.shape == (3, runner.config.vocab_size)
-        assert torch.equal(got, expected)
-        cache_got = [t for pair in runner.kv_caches for t in pair]
-        assert all(torch.equal(a, b) for a, b in zip(cache_got, cache_expected, strict=True))
-        # the step wrote K/V: the cache is not what it was before it
-        assert not all(torch.equal(a, b) for a, b in zip(cache_got, before, strict=True))
+    return tiny_llm(tiny_model_dir, "bfloat16", arch=arch)
 
 
 def test_stack_is_bit_identical_to_the_layer_by_layer_path(tiny_model_dir) -> None:
     runner = tiny_bf16_llm(tiny_model_dir).llm_engine.runner
     assert isinstance(runner.model.decoder_stack, DecoderStack)
-    assert_stack_equals_the_layer_path(runner)
+    assert_stack_matches_the_layer_path(runner)
 
 
 def test_generate_gives_the_same_tokens_with_and_without_the_stack(tiny_model_dir) -> None:
-    llm = tiny_bf16_llm(tiny_model_dir)
-    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (1, 3, 17, 40, 70)]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    llm.llm_engine.runner.model.decoder_stack = None
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert got == expected and all(len(t) == 10 for t in got)
+    assert_generate_is_the_same_without_the_stack(tiny_bf16_llm(tiny_model_dir))
 
 
 def test_steps_above_the_row_limit_take_the_layer_path(tiny_model_dir) -> None:
@@ -148,15 +120,7 @@ def tiny_int8_stack_llm(tiny_model_dir) -> LLM:
     kernel for bf16 activations ("int8_c_dpbf16", run at every row count) and the bf16 layout of its
     dequantized weight, and a decoder stack set to run its int8 linears: what `--kernels auto`
     builds where it measures the int8 stack fastest."""
-    llm = LLM(
-        str(tiny_model_dir("llama")),
-        dtype="bfloat16",
-        max_num_seqs=8,
-        device="cpu",
-        block_size=BLOCK,
-        kernels="native",
-        quantization="int8",
-    )
+    llm = tiny_llm(tiny_model_dir, "bfloat16", quantization="int8")
     runner = llm.llm_engine.runner
     model = runner.model
     for name, weight in runner.quantization.weights.items():
@@ -183,18 +147,13 @@ def test_the_int8_stack_is_bit_identical_to_the_layer_by_layer_path(tiny_model_d
     weight the bf16 layout holds, so here the bf16 stack gives the same logits.)"""
     runner = tiny_int8_stack_llm(tiny_model_dir).llm_engine.runner
     stack = runner.model.decoder_stack
-    assert_stack_equals_the_layer_path(runner)
+    assert_stack_matches_the_layer_path(runner)
     # The stack reads the int8 weights (not the bf16 layout it also holds): zeroing one layer's
     # int8 down projection changes its logits, and only under the int8 kind.
-    seqs = step_inputs([(12, 0, 5)])
-    kept = run_step(runner, seqs, use_stack=True)
-    down = stack.layers[0].int8[3].values
-    saved_down = down.clone()
-    down.zero_()
-    assert not torch.equal(run_step(runner, seqs, use_stack=True), kept)
+    kept, zeroed = logits_with_int8_down_zeroed(runner)
+    assert not torch.equal(zeroed, kept)
     stack.linear_by_bucket = ["bf16_c"]
-    assert torch.equal(run_step(runner, seqs, use_stack=True), kept)  # equal weights: VDPBF16PS alike
-    down.copy_(saved_down)
+    assert torch.equal(logits_with_int8_down_zeroed(runner)[1], kept)  # equal weights: VDPBF16PS alike
 
 
 def test_a_stack_without_int8_weights_offers_no_int8_linears(tiny_model_dir) -> None:

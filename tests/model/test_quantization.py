@@ -22,6 +22,12 @@ from batchgen.kernels.cpu.linear import can_prepack
 from batchgen.kernels.cpu.quantized_linear import Int8Linear, Int8Weight, Q8_0Linear, Q8_0Weight
 from batchgen.model.loading.architectures import UnsupportedModelError
 from batchgen.model.quantization import check_quantization, decoder_linears
+from tests.kernels.cpu.stack_cases import (
+    BLOCK,
+    assert_generate_is_the_same_without_the_stack,
+    assert_stack_matches_the_layer_path,
+    logits_with_down_zeroed,
+)
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello"]
 needs_kernels = pytest.mark.skipif(
@@ -355,6 +361,39 @@ def test_gguf_q8_0_runs_its_blocks_as_the_dequantized_model_does(q8_0_gguf, cach
         for token, logprob in first_y.items():
             if token in first_x:
                 assert abs(first_x[token].logprob - logprob.logprob) <= tolerance
+
+
+@needs_kernels
+def test_a_float32_gguf_q8_0_model_runs_its_decoder_stack_on_the_blocks(q8_0_gguf, cache):
+    """In float32 the decoder stack runs a GGUF file's Q8_0 blocks as stored (csrc/decoder_stack.c's
+    LINEAR_Q8_0): logits and K/V agree with the per-layer path on the same Q8_0 kernel to float32
+    rounding, the stack reads the blocks (zeroing one layer's changes its logits), and greedy tokens
+    are the same with and without it."""
+    llm = LLM(
+        str(q8_0_gguf), dtype="float32", device="cpu", quantization="auto", kernels="native", block_size=BLOCK
+    )
+    runner = llm.llm_engine.runner
+    stack = runner.model.decoder_stack
+    assert stack is not None and stack.q8_0_applies() and not stack.int8_applies()
+    assert stack.layers[0].q8_0[0] is runner.quantization.weights["model.layers.0.self_attn.qkv_proj"].blocks
+    assert_stack_matches_the_layer_path(
+        runner, lambda got, want: torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    )
+    kept, zeroed = logits_with_down_zeroed(runner, "q8_0")
+    assert not torch.equal(zeroed, kept)
+    assert_generate_is_the_same_without_the_stack(llm)
+    # Under --kernels auto the Q8_0 stack is timed against the per-layer path, its own table shape.
+    auto = LLM(str(q8_0_gguf), dtype="float32", device="cpu", kernels="auto", max_num_seqs=8)
+    choice = auto.llm_engine.runner.kernel_choice
+    entries = {
+        int(k.rsplit("|", 1)[1]): e
+        for k, e in choice.table.entries.items()
+        if k.startswith("decoder_stack|") and k.split("|")[1].endswith("/q8_0")
+    }
+    assert sorted(entries) == [1, 2, 4, 8] and set(entries[1]["ms"]) == {"layers", "stack_q8_0"}
+    chosen = [entries[rows]["chosen"] == "stack_q8_0" for rows in (1, 2, 4, 8)]
+    runs = next((i for i, won in enumerate(chosen) if not won), len(chosen))  # buckets up to the first loss
+    assert choice.stack_linears == ["q8_0_c"] * runs
 
 
 def test_int8_weight_of_a_gguf_file_is_quantized_from_its_floats(q8_0_gguf, cache):

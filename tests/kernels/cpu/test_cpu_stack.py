@@ -16,7 +16,7 @@ from tests.kernels.cpu.stack_cases import (
     BLOCK,
     assert_generate_is_the_same_without_the_stack,
     assert_stack_matches_the_layer_path,
-    logits_with_int8_down_zeroed,
+    logits_with_down_zeroed,
     run_step,
     step_inputs,
     tiny_llm,
@@ -150,10 +150,10 @@ def test_the_int8_stack_is_bit_identical_to_the_layer_by_layer_path(tiny_model_d
     assert_stack_matches_the_layer_path(runner)
     # The stack reads the int8 weights (not the bf16 layout it also holds): zeroing one layer's
     # int8 down projection changes its logits, and only under the int8 kind.
-    kept, zeroed = logits_with_int8_down_zeroed(runner)
+    kept, zeroed = logits_with_down_zeroed(runner)
     assert not torch.equal(zeroed, kept)
     stack.linear_by_bucket = ["bf16_c"]
-    assert torch.equal(logits_with_int8_down_zeroed(runner)[1], kept)  # equal weights: VDPBF16PS alike
+    assert torch.equal(logits_with_down_zeroed(runner)[1], kept)  # equal weights: VDPBF16PS alike
 
 
 def test_a_stack_without_int8_weights_offers_no_int8_linears(tiny_model_dir) -> None:

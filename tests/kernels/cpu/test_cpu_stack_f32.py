@@ -16,7 +16,7 @@ from batchgen.model.kernel_choice.stack import build_decoder_stack
 from tests.kernels.cpu.stack_cases import (
     assert_generate_is_the_same_without_the_stack,
     assert_stack_matches_the_layer_path,
-    logits_with_int8_down_zeroed,
+    logits_with_down_zeroed,
     tiny_llm,
 )
 
@@ -39,9 +39,9 @@ def test_the_float32_stack_matches_the_layer_by_layer_path(tiny_model_dir) -> No
     assert_stack_matches_the_layer_path(
         runner, lambda got, expected: torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
     )
-    kept, zeroed = logits_with_int8_down_zeroed(runner)
+    kept, zeroed = logits_with_down_zeroed(runner)
     assert not torch.equal(zeroed, kept)
-    assert torch.equal(logits_with_int8_down_zeroed(runner)[0], kept)  # restored
+    assert torch.equal(logits_with_down_zeroed(runner)[0], kept)  # restored
 
 
 def test_greedy_tokens_are_the_same_with_and_without_the_float32_stack(tiny_model_dir) -> None:
@@ -58,7 +58,7 @@ def test_a_float32_model_without_int8_linears_has_no_stack(tiny_model_dir) -> No
 def test_a_float32_stack_refuses_layers_without_int8_weights(tiny_model_dir) -> None:
     stack = tiny_int8_f32_llm(tiny_model_dir).llm_engine.runner.model.decoder_stack
     bare = [StackLayer(x.input_norm, None, None, x.post_norm, None, None, None) for x in stack.layers]
-    with pytest.raises(ValueError, match="int8 linears only"):
+    with pytest.raises(ValueError, match="int8 or Q8_0 linears only"):
         DecoderStack(stack.dims, bare, dtype=torch.float32)
     if bf16_kernel_available():  # else a bf16 stack cannot be built at all (`applies`)
         with pytest.raises(ValueError, match="packed bf16 weights"):

@@ -485,3 +485,27 @@ def test_a_float32_int8_models_stack_times_its_int8_linears_against_the_layers(t
             if stack is not None and not any(kind.startswith("int8_c") for kind in runs):
                 runs.add("int8_c")  # the stack's int8 weight
             assert set(module.impls) == runs, name
+
+
+def test_a_quantized_layer_holds_one_float_copy_at_most() -> None:
+    """The int8 kernel runs the few-row buckets; torch's plain copy and oneDNN's prepacked one each
+    win some many-row buckets by more than the second-layout margin: one of them (the one that
+    loses least over those buckets, oneDNN here) takes every bucket the int8 layout leaves, so the
+    layer holds two layouts, not three."""
+    times = [
+        {"int8_c": 1.0, "torch": 3.0, "onednn": 3.0},
+        {"int8_c": 2.0, "torch": 2.5, "onednn": 2.5},
+        {"int8_c": 10.0, "torch": 5.0, "onednn": 5.2},  # torch a little ahead
+        {"int8_c": 20.0, "torch": 12.0, "onednn": 8.0},  # oneDNN far ahead
+        {"int8_c": 40.0, "torch": 30.0, "onednn": 16.0},
+    ]
+    plan = linear_choice.plan_layouts(times, primary="int8")
+    assert plan == ["int8_c", "int8_c", "onednn", "onednn", "onednn"]
+    # Where the second layout loses to the primary at a bucket, the primary runs there.
+    times[2] = {"int8_c": 5.0, "torch": 4.0, "onednn": 6.0}
+    assert linear_choice.plan_layouts(times, primary="int8")[2] == "int8_c"
+    # An unquantized layer alike: bf16_c's packed layout primary, one float copy beside it.
+    float_times = [{"bf16_c": t["int8_c"], "torch": t["torch"], "onednn": t["onednn"]} for t in times]
+    assert (
+        len({WEIGHT_LAYOUTS[n] for n in linear_choice.plan_layouts(float_times, primary="packed_bf16")}) == 2
+    )

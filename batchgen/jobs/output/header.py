@@ -87,9 +87,14 @@ def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return diffs
 
 
+# How an option the canonical header leaves out reads in a difference: its default, as typed.
+_ABSENT_AS = {"quantization": "auto"}
+
+
 def _option_differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
     """'max_tokens 48 -> 40' for each option that differs; a dict of options (the job's sampling
-    defaults) is compared key by key, so only what changed is named."""
+    defaults) is compared key by key, so only what changed is named. An option left out of a
+    canonical header reads as its default where it has a name (`_ABSENT_AS`: quantization 'auto')."""
     diffs = []
     for k in sorted(set(old) | set(new)):
         o, n = old.get(k), new.get(k)
@@ -98,5 +103,7 @@ def _option_differences(old: dict[str, Any], new: dict[str, Any], prefix: str = 
         if isinstance(o, dict) and isinstance(n, dict):
             diffs += _option_differences(o, n, f"{prefix}{k}.")
         else:
+            absent = _ABSENT_AS.get(f"{prefix}{k}")
+            o, n = (absent if v is None and absent else v for v in (o, n))
             diffs.append(f"{prefix}{k} {o!r} -> {n!r}")
     return diffs

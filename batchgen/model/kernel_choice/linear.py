@@ -152,8 +152,10 @@ def plan_layouts(
     fastest implementation; `primary` where given, e.g. "int8" for a quantized layer, whose float
     layouts are copies kept only where they win) runs everywhere, except at the buckets where
     another layout is more than `SECOND_LAYOUT_GAIN` faster (so the result is always within that
-    of the fastest). With `one_layout`, the primary layout runs everywhere it has a correct
-    implementation.
+    of the fastest). One second layout at most: where two would each win some buckets (torch's
+    plain copy at some, oneDNN's prepacked one at others), the one with the least slowdown over
+    the buckets the primary leaves takes them all, and the primary runs where that one does not
+    beat it. With `one_layout`, the primary layout runs everywhere it has a correct implementation.
     """
     names = list(dict.fromkeys(name for bucket in times for name in bucket))
     layouts = list(dict.fromkeys(layout_of(name) for name in names))
@@ -162,9 +164,9 @@ def plan_layouts(
         timed = {n: t for n, t in bucket.items() if t is not None and layout_of(n) == layout}
         return min(timed, key=timed.__getitem__) if timed else None
 
-    def slowdown(layout: str) -> float:
+    def slowdown(layout: str, buckets: list[dict[str, float | None]] = times) -> float:
         total = 0.0
-        for bucket in times:
+        for bucket in buckets:
             timed = [t for t in bucket.values() if t is not None]
             mine = best_of(layout, bucket)
             mine_ms = None if mine is None else bucket[mine]
@@ -184,6 +186,22 @@ def plan_layouts(
             plan.append(
                 fastest if mine is None or timed[mine] > SECOND_LAYOUT_GAIN * timed[fastest] else mine
             )
+    seconds = list(dict.fromkeys(layout_of(n) for n in plan if layout_of(n) != primary))
+    if len(seconds) > 1:
+        left = [i for i, n in enumerate(plan) if layout_of(n) != primary]
+        second = min(seconds, key=lambda layout: slowdown(layout, [times[i] for i in left]))
+        for i in left:
+            bucket, mine = times[i], best_of(primary, times[i])
+            theirs = best_of(second, bucket)
+            t_mine, t_theirs = (None if n is None else bucket[n] for n in (mine, theirs))
+            if (
+                theirs is not None
+                and t_theirs is not None
+                and (t_mine is None or t_mine > SECOND_LAYOUT_GAIN * t_theirs)
+            ):
+                plan[i] = theirs
+            elif mine is not None:
+                plan[i] = mine
     return plan
 
 

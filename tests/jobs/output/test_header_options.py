@@ -75,7 +75,7 @@ def test_an_option_worded_otherwise_resumes(job, first, again):
         (
             {"engine": {"quantization": "none"}},
             {"engine": {"quantization": "int8"}},
-            "quantization None -> 'int8'",
+            "quantization 'auto' -> 'int8'",
         ),
     ],
 )

@@ -419,7 +419,7 @@ def test_resume_refuses_another_quantization(tmp_path):
     src = job_file(tmp_path)
     assert run(JobOptions(src, engine={"quantization": "auto"})).complete
     assert run(JobOptions(src)).already_complete  # "auto" is the default and not in the header
-    with pytest.raises(JobInputError, match="quantization None -> 'int8'"):
+    with pytest.raises(JobInputError, match="quantization 'auto' -> 'int8'"):
         run(JobOptions(src, engine={"quantization": "int8"}))
 
 

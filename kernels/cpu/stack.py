@@ -97,7 +97,7 @@ STACK_LINEAR_KINDS = {"bf16_c": 0, "amx_c": 1, "int8_c_dpbf16": 2, "int8_c": 2, 
 
 
 class DecoderStack:
-    """Runs every decoder layer of a bf16 (or int8-quantized float32) Llama-family model for one step in C.
+    """Runs every decoder layer of a bf16 (or int8 / Q8_0 float32) Llama-family model for one step in C.
 
     The model side builds it (`batchgen.model.kernel_choice.stack.build_decoder_stack`) from the layers' packed
     weights. The per-layer table of weight and cache addresses is built on first use and rebuilt
@@ -141,8 +141,9 @@ class DecoderStack:
         self.max_rows = max_rows
         # Per row bucket (`kernels.registry.ROW_BUCKETS`), the linear kernel the stack runs on its
         # packed weights: "bf16_c" (csrc/bf16_linear.c), "amx_c" (csrc/amx_linear.c, where
-        # `amx_applies`) or "int8_c_dpbf16" (csrc/int8_w8a16.c, where `int8_applies`); None:
-        # "bf16_c" at every row count ("int8_c" in float32). Chosen by measurement (kernel_choice/stack.py).
+        # `amx_applies`), "int8_c_dpbf16" (csrc/int8_w8a16.c, where `int8_applies`), "q8_0_c"
+        # (csrc/int8_linear.c, where `q8_0_applies`) or in float32 "int8_c"; None: "bf16_c" at every
+        # row count (float32: "int8_c", else "q8_0_c"). Chosen by measurement (kernel_choice/stack.py).
         self.linear_by_bucket: list[str] | None = None
         self._lib = cpu_kernels.require_library()
         self._table: torch.Tensor | None = None
@@ -157,6 +158,10 @@ class DecoderStack:
         bf16_weights = [w for x in layers for w in (x.qkv_proj, x.o_proj, x.gate_up_proj, x.down_proj)]
         if dtype == torch.bfloat16 and any(w is None for w in bf16_weights):
             raise ValueError("a bf16 decoder stack needs every layer's packed bf16 weights")
+        # The linear kernel without a measured choice (`linear_by_bucket` None).
+        self._default_linear = (
+            "bf16_c" if dtype == torch.bfloat16 else "int8_c" if self.int8_applies() else "q8_0_c"
+        )
 
     @staticmethod
     def applies(dims: StackDims, dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -302,9 +307,7 @@ class DecoderStack:
     def _linear_at(self, rows: int) -> str:
         by_bucket = self.linear_by_bucket
         if by_bucket is None:
-            if self.dtype == torch.bfloat16:
-                return "bf16_c"
-            return "int8_c" if self.int8_applies() else "q8_0_c"
+            return self._default_linear
         return by_bucket[min(bucket_index(rows), len(by_bucket) - 1)]
 
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

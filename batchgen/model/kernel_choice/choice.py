@@ -104,7 +104,7 @@ class KernelChoice:
     mode: str
     linears: dict[str, list[str]] = field(default_factory=dict)
     stack_max_rows: int | None = None
-    # per row bucket up to `stack_max_rows`: "bf16_c", "amx_c", "int8_c_dpbf16" or (float32) "int8_c"
+    # per row bucket up to `stack_max_rows`: "bf16_c", "amx_c", "int8_c_dpbf16", "q8_0_c" or (float32) "int8_c"
     stack_linears: list[str] = field(default_factory=list)
     table: TuningTable | None = None
     prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c", "amx" or "sdpa"
@@ -231,8 +231,8 @@ def apply_kernels(
     table = TuningTable.load(tuning_key(dtype))
     choice = KernelChoice("auto", table=table, experts=_by_rows(choose_experts(model, table, max_rows)))
     # The decoder stack needs every layer linear in batchgen's bf16 layout (and may run int8 ones),
-    # or in float32 its int8 one or the Q8_0 blocks: held for its measurement even where the per-layer path does not
-    # use it, dropped where it loses.
+    # or in float32 its int8 one or the Q8_0 blocks: held for its measurement even where the
+    # per-layer path does not use it, dropped where it loses.
     quantized_format = "/".join(sorted({w.format for w in quantized.values()}))
     stack_dtype = dtype == torch.bfloat16 or (dtype == torch.float32 and quantized_format in ("int8", "q8_0"))
     stack_possible = stack_dtype and not one_layout and _fused_cpu_backend(model)

@@ -175,33 +175,28 @@ def plan_layouts(
 
     if primary is None or primary not in layouts:
         primary = min(layouts, key=slowdown)
-    plan = []
-    for bucket in times:
-        timed = {n: t for n, t in bucket.items() if t is not None}
-        fastest = min(timed, key=timed.__getitem__)
-        mine = best_of(primary, bucket)
-        if one_layout or len(layouts) == 1:
-            plan.append(mine if mine is not None else fastest)
-        else:
-            plan.append(
-                fastest if mine is None or timed[mine] > SECOND_LAYOUT_GAIN * timed[fastest] else mine
-            )
+
+    def plan_among(allowed: set[str] | None) -> list[str]:
+        """Each bucket's implementation with the layouts `allowed` (None: every layout)."""
+        plan = []
+        for bucket in times:
+            timed = {n: t for n, t in bucket.items() if t is not None}
+            usable = {n: t for n, t in timed.items() if allowed is None or layout_of(n) in allowed} or timed
+            fastest = min(usable, key=usable.__getitem__)
+            mine = best_of(primary, bucket)
+            if one_layout or len(layouts) == 1:
+                plan.append(mine if mine is not None else fastest)
+            else:
+                plan.append(
+                    fastest if mine is None or timed[mine] > SECOND_LAYOUT_GAIN * timed[fastest] else mine
+                )
+        return plan
+
+    plan = plan_among(None)
     seconds = list(dict.fromkeys(layout_of(n) for n in plan if layout_of(n) != primary))
-    if len(seconds) > 1:
-        left = [i for i, n in enumerate(plan) if layout_of(n) != primary]
-        second = min(seconds, key=lambda layout: slowdown(layout, [times[i] for i in left]))
-        for i in left:
-            bucket, mine = times[i], best_of(primary, times[i])
-            theirs = best_of(second, bucket)
-            t_mine, t_theirs = (None if n is None else bucket[n] for n in (mine, theirs))
-            if (
-                theirs is not None
-                and t_theirs is not None
-                and (t_mine is None or t_mine > SECOND_LAYOUT_GAIN * t_theirs)
-            ):
-                plan[i] = theirs
-            elif mine is not None:
-                plan[i] = mine
+    if len(seconds) > 1:  # one second layout: the one that loses least where the primary is left
+        left = [times[i] for i, n in enumerate(plan) if layout_of(n) != primary]
+        plan = plan_among({primary, min(seconds, key=lambda layout: slowdown(layout, left))})
     return plan
 
 

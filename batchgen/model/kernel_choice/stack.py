@@ -369,9 +369,6 @@ def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack 
         # bf16 runs its bf16 layouts (and may run int8 or Q8_0 ones); float32 runs int8 or Q8_0 ones only
         weights = [_bf16_weight(p) if dtype == torch.bfloat16 else None for p in projections]
         int8, q8_0 = _stack_int8(projections, dtype), _stack_q8_0(projections)
-        quantized = int8 is not None or q8_0 is not None
-        if not (quantized if dtype == torch.float32 else all(w is not None for w in weights)):
-            return None
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if attn.qk_norm or attn.scale != first.scale:
             return None
@@ -379,9 +376,9 @@ def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack 
             return None
         qkv, o, gate_up, down = weights
         stack_layers.append(StackLayer(norms[0], qkv, o, norms[1], gate_up, down, int8, q8_0))
-    if dtype == torch.float32:  # every layer int8, with one scale group size, or every layer Q8_0
-        int8_groups = {p.group for layer in stack_layers for p in layer.int8 or ()}
-        all_int8 = all(layer.int8 for layer in stack_layers) and len(int8_groups) == 1
-        if not (all_int8 or all(layer.q8_0 for layer in stack_layers)):
-            return None
-    return DecoderStack(dims, stack_layers, max_rows=max_rows, dtype=dtype)
+    try:
+        return DecoderStack(dims, stack_layers, max_rows=max_rows, dtype=dtype)
+    except (
+        ValueError
+    ):  # its layers lack the weights it runs: bf16 layouts (bf16), int8 or Q8_0 ones (float32)
+        return None

@@ -386,14 +386,14 @@ def _declare_decoder_stacks(lib: ctypes.CDLL) -> None:
 
 def _declare_quantized_linears(lib: ctypes.CDLL) -> None:
     """csrc/int8_linear.c, int8_w8a16.c, int8_w8a8.c: (x, x_bf16, [W8A16: bf16_dot,] ldx, weight,
-    [int8: scales, [W8A8: comp,] group,] bias, y, y_bf16, ldy, m, n, k, num_threads) -> status."""
+    [int8: scales, [W8A16: offsets,] [W8A8: comp,] group,] bias, y, y_bf16, ldy, m, n, k, num_threads) -> status."""
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for name in ("int8_linear_lanes", "int8_w8a8_available", "int8_w8a16_bf16_dot_available"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = i32, []
     x: list[Any] = [ptr, i32, i64]  # (x..)
     out: list[Any] = [ptr, ptr, i32, i64, i64, i64, i64, i32]  # (bias, y, .., num_threads)
     lib.int8_w8a16_linear.restype = lib.int8_w8a8_linear.restype = i32
-    lib.int8_w8a16_linear.argtypes = [ptr, i32, i32, i64, ptr, ptr, i64, *out]
+    lib.int8_w8a16_linear.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, i64, *out]
     lib.int8_w8a8_linear.argtypes = [*x, ptr, ptr, ptr, i64, *out]
     lib.q8_0_linear.restype = i32
     lib.q8_0_linear.argtypes = [ptr, i32, i64, ptr, ptr, ptr, i32, i64, i64, i64, i64, i32]

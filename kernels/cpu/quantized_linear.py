@@ -188,7 +188,8 @@ class Int8Linear(_QuantizedCLinear[Int8Weight]):
 
     def _weight_args(self) -> tuple[int, ...]:
         packed = self.packed_weight
-        return (packed.values.data_ptr(), packed.scales.data_ptr(), packed.group)
+        offsets = None if packed.offsets is None else packed.offsets.data_ptr()
+        return (packed.values.data_ptr(), packed.scales.data_ptr(), offsets, packed.group)
 
     @property
     def packed_weight(self) -> PackedInt8:
@@ -275,8 +276,8 @@ def torch_int8_available() -> bool:
 def torch_int8_applies(weight: Int8Weight, dtype: torch.dtype) -> bool:
     """Whether "int8_torch" takes `weight` with `dtype` activations: torch has the kernel, the
     activations are float32 or bf16, K is a multiple of 16 (see `TorchInt8Linear`) and the weight
-    has one scale a channel (torch's kernel takes no groups)."""
-    one_scale = weight.scales.shape[1] == 1
+    has one scale a channel and no offsets (torch's kernel takes neither groups nor offsets)."""
+    one_scale = weight.scales.shape[1] == 1 and weight.offsets is None
     return torch_int8_available() and dtype in _C_DTYPES and weight.shape[1] % 16 == 0 and one_scale
 
 
@@ -299,7 +300,7 @@ def quantized_candidates(
             builders["int8_c"] = lambda: Int8Linear(weight, bias)
             if dequantized.dtype == torch.bfloat16 and bf16_dot_available():
                 builders["int8_c_dpbf16"] = lambda: Int8Bf16DotLinear(weight, bias)
-            if w8a8 and w8a8_available():
+            if w8a8 and w8a8_available() and weight.offsets is None:  # its kernel takes no offsets
                 builders["int8_w8a8"] = lambda: Int8W8A8Linear(weight, bias)
         if torch_int8_applies(weight, dequantized.dtype):
             builders["int8_torch"] = lambda: TorchInt8Linear(weight, bias)

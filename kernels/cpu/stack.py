@@ -311,7 +311,7 @@ class DecoderStack:
         return by_bucket[min(bucket_index(rows), len(by_bucket) - 1)]
 
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """int64 `[num_layers, 20]` addresses (csrc/decoder_stack.c's LAYER_FIELDS order), built when
+        """int64 `[num_layers, 24]` addresses (csrc/decoder_stack.c's LAYER_FIELDS order), built when
         the caches are new; the caches' shapes are checked then."""
         addresses = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._table is not None and addresses == self._table_caches:
@@ -333,7 +333,9 @@ class DecoderStack:
         for layer, (k, v) in zip(self.layers, kv_caches, strict=True):
             weights: tuple[torch.Tensor | None, ...] = (layer.input_norm, layer.qkv_proj, layer.o_proj)
             weights += (layer.post_norm, layer.gate_up_proj, layer.down_proj)
-            int8 = [t.data_ptr() for p in layer.int8 or () for t in (p.values, p.scales)] or [0] * 8
+            int8 = [_address(t) for p in layer.int8 or () for t in (p.values, p.scales, p.offsets)] or [
+                0
+            ] * 12
             q8_0 = [t.data_ptr() for t in layer.q8_0 or ()] or [0] * 4
             pointers = [0 if w is None else w.data_ptr() for w in weights] + [k.data_ptr(), v.data_ptr()]
             rows.append(pointers + int8 + q8_0)
@@ -356,6 +358,11 @@ class DecoderStack:
         self._workspace_per_token = self._lib.decoder_stack_workspace_per_token(self._dims.data_ptr())
         self._table_caches = addresses
         return self._table
+
+
+def _address(tensor: torch.Tensor | None) -> int:
+    """A tensor's address for the layer table; 0 for None (a symmetric int8 weight's offsets)."""
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def _check_status(status: int, slots: torch.Tensor, k_cache: torch.Tensor) -> None:

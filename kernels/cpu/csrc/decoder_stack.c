@@ -54,7 +54,7 @@ int amx_linear(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const f
 int amx_swiglu(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const float *bias, uint16_t *y,
                int64_t ldy, int64_t m, int64_t intermediate, int64_t k, int num_threads);
 int int8_w8a16_linear(const void *x, int x_bf16, int bf16_dot, int64_t ldx, const int8_t *w, const float *scales,
-                      int64_t group, const float *bias, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n,
+                      const float *offsets, int64_t group, const float *bias, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n,
                       int64_t k, int num_threads);
 int q8_0_linear(const void *x, int x_bf16, int64_t ldx, const uint8_t *blocks, const float *bias, void *y,
                 int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
@@ -81,16 +81,21 @@ enum {
   DOWN_WEIGHT,    /* packed [H, I] */
   K_CACHE,        /* the model's dtype [num_blocks, block_size, KV heads, head_dim] */
   V_CACHE,
-  /* The four projections as packed int8 (int8_packed.h: values, then float32 scales; 0 where the
-   * model has none), for LINEAR_INT8: QKV_INT8, QKV_SCALES, O_INT8, ..., DOWN_SCALES. */
+  /* The four projections as packed int8 (int8_packed.h: values, float32 scales, float32 offsets or
+   * 0 for a symmetric weight; all 0 where the model has none), for LINEAR_INT8: QKV_INT8,
+   * QKV_SCALES, QKV_OFFSETS, O_INT8, ..., DOWN_OFFSETS. */
   QKV_INT8,
   QKV_SCALES,
+  QKV_OFFSETS,
   O_INT8,
   O_SCALES,
+  O_OFFSETS,
   GATE_UP_INT8,
   GATE_UP_SCALES,
+  GATE_UP_OFFSETS,
   DOWN_INT8,
   DOWN_SCALES,
+  DOWN_OFFSETS,
   /* The four projections' GGUF Q8_0 blocks ([N][K / 32] blocks of 34 bytes, int8_linear.c; 0 where
    * the model has none), for LINEAR_Q8_0. */
   QKV_Q8_0,
@@ -121,8 +126,9 @@ static int stack_linear(int kind, int f32, const int64_t *w, int which, int64_t 
                        num_threads);
   if (kind == LINEAR_INT8)
     return int8_w8a16_linear(x, !f32, !f32, ldx, (const int8_t *)(intptr_t)w[int8_field[which]],
-                             (const float *)(intptr_t)w[int8_field[which] + 1], group, NULL, y, !f32, ldy, m, n,
-                             k, num_threads);
+                             (const float *)(intptr_t)w[int8_field[which] + 1],
+                             (const float *)(intptr_t)w[int8_field[which] + 2], group, NULL, y, !f32, ldy, m, n, k,
+                             num_threads);
   if (f32) return 1; /* float32 layers run int8 or Q8_0 linears only */
   const uint16_t *packed = (const uint16_t *)(intptr_t)w[bf16_field[which]];
   return kind == LINEAR_AMX ? amx_linear(x, ldx, packed, NULL, y, ldy, m, n, k, num_threads)

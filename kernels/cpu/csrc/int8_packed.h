@@ -1,11 +1,14 @@
 /* The packed int8 weight layout shared by int8_w8a16.c and int8_w8a8.c, and their common helpers.
  *
- * A weight W [N][K] of int8 values q with float32 scales per output channel and group of K (the
- * weight of channel n at k being scales[n][k / group] * q[n][k], symmetric, no zero point) is
- * packed by kernels/cpu/quantized_linear.py into strips of LANES output channels (16 with AVX-512,
- * 8 with AVX2), each strip's K in quads of 4:
+ * A weight W [N][K] of int8 values q with float32 scales per output channel and group of K, and
+ * optionally float32 offsets alike (the weight of channel n at k being
+ * scales[n][k / group] * q[n][k] + offsets[n][k / group]; no offsets: symmetric, the int8 of
+ * `--quantization int8`; offsets: a GGUF Q4_1 or K-quant block's minimum) is packed by
+ * kernels/cpu/int8_weight.py into strips of LANES output channels (16 with AVX-512, 8 with AVX2),
+ * each strip's K in quads of 4:
  *   w       int8    [ceil(N / LANES)][K4 / 4][LANES][4]   (K4 = K rounded up to 4, zero padded)
  *   scales  float32 [ceil(N / LANES)][groups][LANES]      (groups = ceil(K4 / group); 0 for padding)
+ *   offsets float32 [ceil(N / LANES)][groups][LANES]      (or none; 0 for padding: W8A16 only)
  *   comp    int32   [ceil(N / LANES)][groups][LANES]      (128 * the sum of the group's q: W8A8)
  * One quad row of a strip is 4 * LANES bytes: a 64-byte line with AVX-512, exactly the operand of
  * VPDPBUSD (4 products of a lane's 4 bytes, summed into one int32 lane per output channel). A

@@ -9,17 +9,19 @@
  * accumulates its own (channel, k mod 4) products; the 4 partial sums of a channel are added once
  * at the end of K (`reduce_quads`). Those 4 accumulators a row fill the registers at 2 rows (AVX2)
  * or 4 (AVX-512); more rows go in half-strip tiles (`w8a16_halves`), 2 accumulators a row, so each
- * weight is widened once per 5 rows (AVX2) or 12 (AVX-512) rather than once per 2 or 4. The group scales are multiplied into the widened weights (one
- * multiply per weight vector, shared by every row of the tile), so the tile needs one set of
- * accumulators whatever the number of groups.
+ * weight is widened once per 5 rows (AVX2) or 12 (AVX-512) rather than once per 2 or 4. The group scales are multiplied into the widened weights, and a
+ * group's offset added in the same instruction (one multiply-add per weight vector, shared by every
+ * row of the tile; a zero offset for a symmetric weight, so both cost the same), so the tile needs one
+ * set of accumulators whatever the number of groups.
  *
  * With bf16 activations on a CPU with AVX512-BF16, `bf16_dot` runs tiles of up to 8 rows through
  * VDPBF16PS instead (`dp_tile`): the scaled weights rounded to bf16 in registers, two products a
  * lane an instruction, so from a few rows on the widening and the multiply-adds cost about half.
  * The registry times both as candidates ("int8_c", "int8_c_dpbf16").
  *
- * Layouts: x [M] rows of K float32 or bf16 (`x_bf16`), `ldx` elements apart; w, scales as in
- * int8_packed.h, `group` the K of a scale group (a positive multiple of 4); bias float32 [N] or
+ * Layouts: x [M] rows of K float32 or bf16 (`x_bf16`), `ldx` elements apart; w, scales and
+ * offsets (NULL: a symmetric weight) as in int8_packed.h, `group` the K of a scale group (a positive
+ * multiple of 4); bias float32 [N] or
  * NULL; y [M] rows of N float32 or bf16 (`y_bf16`, rounded to nearest even), `ldy` apart.
  * Wrapped by kernels/cpu/quantized_linear.py (`Int8Linear`).
  */
@@ -88,6 +90,11 @@ static inline vf expand_scales(vf s, int j) {
 #undef E
 }
 
+/* Group g's offsets of a strip (`offsets` as the scales, or NULL for a symmetric weight: zeros). */
+static inline vf group_offsets(const float *offsets, int64_t g) {
+  return offsets ? load_f32(offsets + g * LANES) : (vf){};
+}
+
 /* The channel sums of a row's 4 accumulators (quarter j: channels j * LANES / 4 on, 4 lanes each):
  * pairs of lanes added, then pairs of pairs, leaving the LANES channels in order. */
 static inline vf reduce_quads(const vf *a) {
@@ -109,14 +116,15 @@ static inline vf reduce_quads(const vf *a) {
  * out[rows][LANES]. */
 static inline __attribute__((always_inline)) void w8a16_tile(const int rows, const float *x, int64_t ldx,
                                                             const int8_t *w, const float *scales,
-                                                            int64_t group, int64_t k4, float *out) {
+                                                            const float *offsets, int64_t group, int64_t k4,
+                                                            float *out) {
   vf acc[W8A16_ROWS][QUAD];
   for (int r = 0; r < rows; r++)
     for (int j = 0; j < QUAD; j++) acc[r][j] = (vf){};
-  for (int64_t g0 = 0; g0 < k4; g0 += group, scales += LANES) {
-    const vf s = load_f32(scales);
-    vf sv[QUAD];
-    for (int j = 0; j < QUAD; j++) sv[j] = expand_scales(s, j);
+  for (int64_t g = 0, g0 = 0; g0 < k4; g++, g0 += group) {
+    const vf s = load_f32(scales + g * LANES), o = group_offsets(offsets, g);
+    vf sv[QUAD], ov[QUAD];
+    for (int j = 0; j < QUAD; j++) sv[j] = expand_scales(s, j), ov[j] = expand_scales(o, j);
     const int64_t end = g0 + group < k4 ? g0 + group : k4;
     for (int64_t q = g0; q < end; q += QUAD) {
       const int8_t *wq = w + q * LANES;
@@ -124,7 +132,7 @@ static inline __attribute__((always_inline)) void w8a16_tile(const int rows, con
       vf xv[W8A16_ROWS];
       for (int r = 0; r < rows; r++) xv[r] = broadcast_quad(x + r * ldx + q);
       for (int j = 0; j < QUAD; j++) {
-        const vf wv = widen_i8(wq + j * LANES) * sv[j];
+        const vf wv = widen_i8(wq + j * LANES) * sv[j] + ov[j];
         for (int r = 0; r < rows; r++) acc[r][j] += wv * xv[r];
       }
     }
@@ -148,19 +156,20 @@ static inline __attribute__((always_inline)) void w8a16_tile(const int rows, con
  * not depend on the tile it ran in (nor on the batch around it). */
 static inline __attribute__((always_inline)) void w8a16_half_tile(const int rows, const int half, const float *x,
                                                                  int64_t ldx, const int8_t *w, const float *scales,
-                                                                 int64_t group, int64_t k4,
+                                                                 const float *offsets, int64_t group, int64_t k4,
                                                                  vf acc[][QUAD]) {
   vf part[W8A16_HALF_ROWS][2];
 #pragma GCC unroll 16
   for (int r = 0; r < rows; r++) part[r][0] = part[r][1] = (vf){};
-  for (int64_t g0 = 0; g0 < k4; g0 += group, scales += LANES) {
-    const vf s = load_f32(scales);
+  for (int64_t g = 0, g0 = 0; g0 < k4; g++, g0 += group) {
+    const vf s = load_f32(scales + g * LANES), o = group_offsets(offsets, g);
     const vf s0 = expand_scales(s, 2 * half), s1 = expand_scales(s, 2 * half + 1);
+    const vf o0 = expand_scales(o, 2 * half), o1 = expand_scales(o, 2 * half + 1);
     const int64_t end = g0 + group < k4 ? g0 + group : k4;
     for (int64_t q = g0; q < end; q += QUAD) {
       const int8_t *wq = w + q * LANES + 2 * half * LANES;
       __builtin_prefetch(wq + INT8_PREFETCH_BYTES, 0, 0);
-      const vf w0 = widen_i8(wq) * s0, w1 = widen_i8(wq + LANES) * s1;
+      const vf w0 = widen_i8(wq) * s0 + o0, w1 = widen_i8(wq + LANES) * s1 + o1;
 #pragma GCC unroll 16
       for (int r = 0; r < rows; r++) {
         const vf xv = broadcast_quad(x + r * ldx + q);
@@ -179,10 +188,11 @@ static inline __attribute__((always_inline)) void w8a16_half_tile(const int rows
 /* `rows` rows in two half-strip tiles, the channel sums into out[rows][LANES]. */
 static inline __attribute__((always_inline)) void w8a16_halves(const int rows, const float *x, int64_t ldx,
                                                               const int8_t *w, const float *scales,
-                                                              int64_t group, int64_t k4, float *out) {
+                                                              const float *offsets, int64_t group, int64_t k4,
+                                                              float *out) {
   vf acc[W8A16_HALF_ROWS][QUAD];
-  w8a16_half_tile(rows, 0, x, ldx, w, scales, group, k4, acc);
-  w8a16_half_tile(rows, 1, x, ldx, w, scales, group, k4, acc);
+  w8a16_half_tile(rows, 0, x, ldx, w, scales, offsets, group, k4, acc);
+  w8a16_half_tile(rows, 1, x, ldx, w, scales, offsets, group, k4, acc);
   for (int r = 0; r < rows; r++) store_f32(out + r * LANES, reduce_quads(acc[r]));
 }
 
@@ -196,20 +206,20 @@ static inline __attribute__((always_inline)) void w8a16_halves(const int rows, c
  * sum is its two lanes added at the end. Two products a lane an instruction: half the multiply
  * instructions of the float32 tile, whose widening is shared by up to 8 rows instead of 4. */
 static inline __attribute__((always_inline)) void dp_tile(const int rows, const uint16_t *x, int64_t ldx,
-                                                         const int8_t *w, const float *scales, int64_t group,
-                                                         int64_t k4, float *out) {
+                                                         const int8_t *w, const float *scales, const float *offsets,
+                                                         int64_t group, int64_t k4, float *out) {
   __m512 acc[DP_ROWS][2];
   for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t g0 = 0; g0 < k4; g0 += group, scales += LANES) {
-    const vf s = load_f32(scales);
-    vf sv[QUAD];
-    for (int j = 0; j < QUAD; j++) sv[j] = expand_scales(s, j);
+  for (int64_t g = 0, g0 = 0; g0 < k4; g++, g0 += group) {
+    const vf s = load_f32(scales + g * LANES), o = group_offsets(offsets, g);
+    vf sv[QUAD], ov[QUAD];
+    for (int j = 0; j < QUAD; j++) sv[j] = expand_scales(s, j), ov[j] = expand_scales(o, j);
     const int64_t end = g0 + group < k4 ? g0 + group : k4;
     for (int64_t q = g0; q < end; q += QUAD) {
       const int8_t *wq = w + q * LANES;
       __builtin_prefetch(wq + INT8_PREFETCH_BYTES, 0, 0);
       vf f[QUAD];
-      for (int j = 0; j < QUAD; j++) f[j] = widen_i8(wq + j * LANES) * sv[j];
+      for (int j = 0; j < QUAD; j++) f[j] = widen_i8(wq + j * LANES) * sv[j] + ov[j];
       const __m512bh lo = _mm512_cvtne2ps_pbh((__m512)f[1], (__m512)f[0]);
       const __m512bh hi = _mm512_cvtne2ps_pbh((__m512)f[3], (__m512)f[2]);
       for (int r = 0; r < rows; r++) {
@@ -238,19 +248,19 @@ static inline __attribute__((always_inline)) void dp_tile(const int rows, const 
 /* The tile of `rows` rows: `dp` (bf16 input, W8A16_DPBF16 built) through `dp_tile`, else the
  * float32 one. */
 static void run_tile(int dp, int64_t rows, const void *x, int64_t ldx, const int8_t *w, const float *scales,
-                     int64_t group, int64_t k4, float *out) {
+                     const float *offsets, int64_t group, int64_t k4, float *out) {
 #if W8A16_DPBF16
   if (dp) {
     const uint16_t *xb = x;
     switch (rows) {
-    case 1: dp_tile(1, xb, ldx, w, scales, group, k4, out); return;
-    case 2: dp_tile(2, xb, ldx, w, scales, group, k4, out); return;
-    case 3: dp_tile(3, xb, ldx, w, scales, group, k4, out); return;
-    case 4: dp_tile(4, xb, ldx, w, scales, group, k4, out); return;
-    case 5: dp_tile(5, xb, ldx, w, scales, group, k4, out); return;
-    case 6: dp_tile(6, xb, ldx, w, scales, group, k4, out); return;
-    case 7: dp_tile(7, xb, ldx, w, scales, group, k4, out); return;
-    default: dp_tile(8, xb, ldx, w, scales, group, k4, out); return;
+    case 1: dp_tile(1, xb, ldx, w, scales, offsets, group, k4, out); return;
+    case 2: dp_tile(2, xb, ldx, w, scales, offsets, group, k4, out); return;
+    case 3: dp_tile(3, xb, ldx, w, scales, offsets, group, k4, out); return;
+    case 4: dp_tile(4, xb, ldx, w, scales, offsets, group, k4, out); return;
+    case 5: dp_tile(5, xb, ldx, w, scales, offsets, group, k4, out); return;
+    case 6: dp_tile(6, xb, ldx, w, scales, offsets, group, k4, out); return;
+    case 7: dp_tile(7, xb, ldx, w, scales, offsets, group, k4, out); return;
+    default: dp_tile(8, xb, ldx, w, scales, offsets, group, k4, out); return;
     }
   }
 #else
@@ -258,26 +268,26 @@ static void run_tile(int dp, int64_t rows, const void *x, int64_t ldx, const int
 #endif
   const float *xf = x;
   switch (rows) {
-  case 1: w8a16_tile(1, xf, ldx, w, scales, group, k4, out); return;
-  case 2: w8a16_tile(2, xf, ldx, w, scales, group, k4, out); return;
+  case 1: w8a16_tile(1, xf, ldx, w, scales, offsets, group, k4, out); return;
+  case 2: w8a16_tile(2, xf, ldx, w, scales, offsets, group, k4, out); return;
 #if W8A16_ROWS == 4
-  case 3: w8a16_tile(3, xf, ldx, w, scales, group, k4, out); return;
-  case 4: w8a16_tile(4, xf, ldx, w, scales, group, k4, out); return;
+  case 3: w8a16_tile(3, xf, ldx, w, scales, offsets, group, k4, out); return;
+  case 4: w8a16_tile(4, xf, ldx, w, scales, offsets, group, k4, out); return;
 #else
-  case 3: w8a16_halves(3, xf, ldx, w, scales, group, k4, out); return;
-  case 4: w8a16_halves(4, xf, ldx, w, scales, group, k4, out); return;
+  case 3: w8a16_halves(3, xf, ldx, w, scales, offsets, group, k4, out); return;
+  case 4: w8a16_halves(4, xf, ldx, w, scales, offsets, group, k4, out); return;
 #endif
-  case 5: w8a16_halves(5, xf, ldx, w, scales, group, k4, out); return;
+  case 5: w8a16_halves(5, xf, ldx, w, scales, offsets, group, k4, out); return;
 #if W8A16_HALF_ROWS == 12
-  case 6: w8a16_halves(6, xf, ldx, w, scales, group, k4, out); return;
-  case 7: w8a16_halves(7, xf, ldx, w, scales, group, k4, out); return;
-  case 8: w8a16_halves(8, xf, ldx, w, scales, group, k4, out); return;
-  case 9: w8a16_halves(9, xf, ldx, w, scales, group, k4, out); return;
-  case 10: w8a16_halves(10, xf, ldx, w, scales, group, k4, out); return;
-  case 11: w8a16_halves(11, xf, ldx, w, scales, group, k4, out); return;
-  default: w8a16_halves(12, xf, ldx, w, scales, group, k4, out); return;
+  case 6: w8a16_halves(6, xf, ldx, w, scales, offsets, group, k4, out); return;
+  case 7: w8a16_halves(7, xf, ldx, w, scales, offsets, group, k4, out); return;
+  case 8: w8a16_halves(8, xf, ldx, w, scales, offsets, group, k4, out); return;
+  case 9: w8a16_halves(9, xf, ldx, w, scales, offsets, group, k4, out); return;
+  case 10: w8a16_halves(10, xf, ldx, w, scales, offsets, group, k4, out); return;
+  case 11: w8a16_halves(11, xf, ldx, w, scales, offsets, group, k4, out); return;
+  default: w8a16_halves(12, xf, ldx, w, scales, offsets, group, k4, out); return;
 #else
-  default: w8a16_halves(5, xf, ldx, w, scales, group, k4, out); return;
+  default: w8a16_halves(5, xf, ldx, w, scales, offsets, group, k4, out); return;
 #endif
   }
 }
@@ -312,12 +322,12 @@ static void *padded_input(const void *x, int x_bf16, int dp, int64_t ldx, int64_
 /* 1 when this build has the VDPBF16PS tiles (AVX512-BF16 with 16 lanes), else 0. */
 int int8_w8a16_bf16_dot_available(void) { return W8A16_DPBF16; }
 
-/* y = x (scales * W)^T (+ bias); `bf16_dot`: bf16 x through the VDPBF16PS tiles (the weights
+/* y = x (scales * W + offsets)^T (+ bias); `bf16_dot`: bf16 x through the VDPBF16PS tiles (the weights
  * rounded to bf16), else the float32 ones. Returns 0 on success, 1 for a shape or mode it does not
  * take (K < 1, a group that is not a positive multiple of 4, `bf16_dot` without bf16 x or without
  * the tiles in this build), 2 when scratch memory could not be had. */
 int int8_w8a16_linear(const void *x, int x_bf16, int bf16_dot, int64_t ldx, const int8_t *w, const float *scales,
-                      int64_t group, const float *bias, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n,
+                      const float *offsets, int64_t group, const float *bias, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n,
                       int64_t k, int num_threads) {
   if (k < 1 || group < QUAD || group % QUAD) return 1;
   if (bf16_dot && !(x_bf16 && W8A16_DPBF16)) return 1;
@@ -348,8 +358,8 @@ int int8_w8a16_linear(const void *x, int x_bf16, int bf16_dot, int64_t ldx, cons
         const int64_t n0 = s * LANES, width = n - n0 < LANES ? n - n0 : LANES;
         for (int64_t r = block; r < block_end; r += tile_rows) {
           const int64_t rows = block_end - r < tile_rows ? block_end - r : tile_rows;
-          run_tile(dp, rows, xs + r * ldxs * element, ldxs, w + s * k4 * LANES, scales + s * groups * LANES, group,
-                   k4, out);
+          run_tile(dp, rows, xs + r * ldxs * element, ldxs, w + s * k4 * LANES, scales + s * groups * LANES,
+                   offsets ? offsets + s * groups * LANES : NULL, group, k4, out);
           int8_store_tile(out, rows, width, bias, y, y_bf16, ldy, r, n0);
         }
       }

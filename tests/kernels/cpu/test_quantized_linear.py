@@ -113,6 +113,46 @@ def test_int8_kernels_match_the_dequantized_product(lanes, m, n, k, dtype, group
             assert (out.float() - expected).abs().max().item() <= rtol * expected.abs().max().item()
 
 
+def _with_offsets(weight: Int8Weight, seed: int = 5) -> Int8Weight:
+    """`weight` with random offsets a group (as a GGUF Q4_1 or K-quant block's minimum)."""
+    generator = torch.Generator().manual_seed(seed)
+    offsets = torch.randn(weight.scales.shape, generator=generator) * weight.scales * 64
+    return Int8Weight(weight.qweight, weight.scales, weight.group_size, offsets)
+
+
+@pytest.mark.parametrize("group_size", [32, 12, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), INT8_SHAPES)
+def test_int8_kernels_with_offsets_match_the_dequantized_product(lanes, m, n, k, dtype, group_size):
+    """W8A16 adds each group's offset to its scaled weights (`scales * q + offsets`, a GGUF file's
+    asymmetric blocks): against the float32 product with the dequantized weight, every tile height
+    (1 to 2,049 rows), float32 and bf16 input; the VDPBF16PS tiles too where built. The offsets
+    change the output (the kernel does not skip them), and W8A8 and torch's int8 kernel, which take
+    no offsets, are not offered."""
+    x, weight, bias = _case(m, n, k)
+    symmetric = Int8Weight.quantize(weight, group_size)
+    quantized = _with_offsets(symmetric)
+    _check(Int8Linear(quantized, bias), x, quantized.dequantize(), bias, dtype)
+    assert not torch.equal(Int8Linear(quantized, None)(x), Int8Linear(symmetric, None)(x))
+    if dtype == torch.bfloat16 and bf16_dot_available():
+        _check(Int8Bf16DotLinear(quantized, bias), x, quantized.dequantize().bfloat16().float(), bias, dtype)
+    offered = quantized_candidates(quantized, quantized.dequantize().to(dtype), bias, w8a8=True)
+    assert "int8_c" in offered and "int8_w8a8" not in offered and "int8_torch" not in offered
+
+
+def test_offsets_are_exact_where_every_sum_is_exact(lanes):
+    """Integer inputs, power-of-two scales and integer offsets: every weight `scale * q + offset` and
+    every partial sum is exact, so the kernel gives the reference's value bit for bit."""
+    generator = torch.Generator().manual_seed(2)
+    m, n, k, group = 6, 19, 256, 32
+    qweight = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int8)  # Q4_1's values
+    scales = 2.0 ** torch.randint(-4, 2, (n, k // group), generator=generator).float()
+    offsets = torch.randint(-8, 8, (n, k // group), generator=generator).float()
+    weight = Int8Weight(qweight, scales, group, offsets)
+    x = torch.randint(-16, 17, (m, k), generator=generator).float()
+    assert torch.equal(Int8Linear(weight, None)(x), F.linear(x, weight.dequantize()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_int8_row_is_the_same_alone_or_in_any_tile(lanes, dtype):
     """W8A16 takes up to 2 (AVX2) or 4 (AVX-512) rows in full-strip tiles and more in half-strip

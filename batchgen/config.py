@@ -31,9 +31,8 @@ DTYPE_ALIASES = {
 DEVICES = ("auto", "cpu", "cuda")
 # Reasoning parsers (vLLM's `--reasoning-parser` names; `batchgen.engine.reasoning`); None = off.
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
-# Weight quantization (vLLM's option `quantization`): "auto" runs a GGUF file's own blocks where a
-# kernel takes them (Q8_0) and dequantizes the rest, and a float checkpoint as it is; "none"
-# dequantizes everything; "int8" quantizes the decoder's linears at load (CPU only).
+# Weight quantization (vLLM's `quantization`): "auto" runs a GGUF file's quantized values as int8 where
+# its types allow (CPU), "none" dequantizes everything, "int8" quantizes linears at load (CPU only).
 QUANTIZATIONS = ("auto", "none", "int8")
 # Speculative decoding methods (vLLM's `speculative_config["method"]` names); None = off.
 SPECULATIVE_METHODS = ("ngram",)
@@ -168,10 +167,11 @@ class EngineConfig:
         one_weight_layout: under "auto", hold one weight layout per linear layer (no second copy
             for the row counts where another implementation is over 10% faster).
         device: "auto" (cuda when available), "cpu" or "cuda".
-        quantization: "auto" (a GGUF file's Q8_0 linears run from their blocks, the rest
-            dequantized; a float checkpoint runs as stored), "none" (everything dequantized to
-            `dtype`) or "int8" (the decoder linears and LM head quantized at load: symmetric int8,
-            a float32 scale per channel and 16 inputs; CPU only); None is "auto" (`model.quantization`).
+        quantization: "auto" (a GGUF file's Q8_0/Q4/Q5/K-quant linears and LM head run as int8
+            weights of the same values, the rest dequantized; a float checkpoint runs as stored),
+            "none" (everything dequantized to `dtype`) or "int8" (the decoder linears and LM head
+            quantized at load: symmetric int8, a float32 scale per channel and 16 inputs; CPU
+            only); None is "auto" (`model.quantization`).
         seed: seed of the generator used by sampled requests that have no `seed` of their own.
         num_threads: torch intra-op threads on CPU; None keeps torch's default.
         speculative_method: "ngram" (prompt lookup: draft tokens copied from the request's own
@@ -253,7 +253,7 @@ class EngineConfig:
     quantization: str = field(
         default="auto",
         metadata=flag(
-            choices(QUANTIZATIONS) + ": auto runs a GGUF file's Q8_0 blocks as stored (the rest "
+            choices(QUANTIZATIONS) + ": auto runs a GGUF file's Q8_0/Q4/Q5/K-quant values as int8 (the rest "
             "dequantized), none dequantizes everything, int8 quantizes the linears and LM head at load (CPU)"
         ),
     )

@@ -49,7 +49,8 @@ class WeightEstimate:
 
     Attributes:
         method: the `quantization` option ("auto", "none" or "int8").
-        format: what the quantized linears hold: "int8", "q8_0", or "" where none runs quantized.
+        format: what the quantized linears hold: "int8" (a GGUF file's types run as int8 too), or ""
+            where none runs quantized.
         dtype: the run dtype's name (the float weights').
         linears / quantized_linears: decoder linears, and how many of them run quantized.
         quantized_bytes / quantized_params: the quantized linears' bytes (values and scales) and

@@ -6,10 +6,12 @@ The rules are the engine's own (`batchgen.model.quantization`):
   become `Int8Weight`s: int8 values and a float32 scale per output channel and group of
   `INT8_GROUP_SIZE` inputs (`int8_weight_bytes`); the embedding stays float, also where the head
   is tied to it (the head is then an int8 copy of it);
-- "auto" with a GGUF file (CPU): the linears whose every part the file stores as Q8_0 keep their
-  blocks, 34 bytes a 32 weights (`q8_0_weight_bytes`); the others are dequantized to the run dtype.
-  Which is which comes from the note an earlier start left beside the converted model
-  (`GGUF_LINEARS_NOTE`), else from the file's tensor infos (`gguf_linear_types`);
+- "auto" with a GGUF file (CPU): the linears (and the LM head) whose every part the file stores in
+  a type the int8 kernels run (`gguf_int8`) become `Int8Weight`s of the same values: a byte a
+  weight and a float32 scale (and for Q4_1, Q5_1 and the K-quants an offset) per group of 16-32;
+  the others are dequantized to the run dtype. Which is which comes from the note an earlier start
+  left beside the converted model (`GGUF_LINEARS_NOTE`), else from the file's tensor infos
+  (`gguf_linear_types`);
 - everything else (the embedding, an untied LM head but under "int8", a mixture's experts, "none", "auto" on a
   float checkpoint, and every weight on CUDA, where no kernel runs quantized weights) at the run
   dtype's size.
@@ -28,7 +30,6 @@ import torch
 
 from batchgen.engine.engine_plan import WeightEstimate
 from batchgen.kernels.cpu.int8_weight import int8_weight_bytes
-from batchgen.kernels.cpu.quantized_linear import q8_0_weight_bytes
 from batchgen.model import moe
 from batchgen.model.layers import attention_heads
 
@@ -110,9 +111,13 @@ def estimate_weights(
     elif device.type == "cpu" and method == "auto" and gguf is not None:
         stored = _gguf_stored(gguf, model_dir)
         if stored["runnable"]:
-            kept = [name for name in shapes if name not in stored["dequantized"]]
-            quantized = {name: q8_0_weight_bytes(*shapes[name]) for name in kept}
-            fmt = "q8_0" if kept else ""
+            layouts = stored["int8"]
+            quantized = {
+                name: int8_weight_bytes(*shapes[name], *layouts[name]) for name in shapes if name in layouts
+            }
+            if "lm_head" in layouts:
+                head = int8_weight_bytes(vocab, hidden, *layouts["lm_head"])
+            fmt = "int8" if quantized else ""
         dequantized = tuple(sorted(set(stored["dequantized"].values())))
     element = torch.empty((), dtype=dtype).element_size()
     float_params = sum(n * k for name, (n, k) in shapes.items() if name not in quantized)

@@ -9,12 +9,14 @@
   (docs/benchmarks.md). The result is cached under batchgen's cache (`quantized/`), keyed by the
   checkpoint's digest (`fingerprint.model_fingerprint`), the method and the dtype the weights were
   loaded in, so a second start reads it instead of quantizing again.
-- "auto": a GGUF file's decoder linears stored in a type a kernel runs (Q8_0) keep their blocks
-  (`gguf_blocks`); the others, and every float checkpoint, run dequantized as before.
+- "auto": a GGUF file's decoder linears and LM head stored in a type the int8 kernels run value
+  for value (Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, Q4_K/Q5_K/Q6_K: `gguf_int8`) run as int8 weights holding
+  the blocks' very values (`gguf_blocks`), cached like "int8"'s; the others, and every float
+  checkpoint, run dequantized as before.
 - "none": everything dequantized (float), as before quantization existed.
 
-Each quantized linear's float weight in the model is replaced by its dequantized value, so the
-float kernels (still candidates of the registry, `kernels.cpu.quantized_linear`) and the reference
+Each "int8" linear's float weight in the model is replaced by its dequantized value (a GGUF
+file's are already equal to theirs), so the float kernels (still candidates of the registry, `kernels.cpu.quantized_linear`) and the reference
 compute with the very weights the quantized kernels read.
 """
 
@@ -32,7 +34,7 @@ from torch import nn
 
 from batchgen.cache import cache_root, write_atomically
 from batchgen.config import QUANTIZATIONS
-from batchgen.kernels.cpu.int8_weight import INT8_GROUP_SIZE, int8_group_size
+from batchgen.kernels.cpu.int8_weight import INT8_GROUP_SIZE
 from batchgen.kernels.cpu.quantized_linear import Int8Weight, QuantizedWeight
 from batchgen.model.llama import LlamaForCausalLM, decoder_layers
 from batchgen.model.loading.loader import ModelFiles
@@ -41,7 +43,7 @@ from batchgen.model.loading.model_defaults import GGUF_LINEARS_NOTE, read_gguf_n
 logger = logging.getLogger(__name__)
 
 # Bump when the int8 quantization or the cache's layout changes, so old files are not read.
-_CACHE_FORMAT = 4  # 3: the LM head quantized too; 4: a checksum in the metadata
+_CACHE_FORMAT = 5  # 3: the LM head quantized too; 4: a checksum in the metadata; 5: offsets, layouts
 
 
 def check_quantization(method: str, device: torch.device) -> None:
@@ -90,14 +92,18 @@ class Quantization:
                 types = ", ".join(sorted(set(self.dequantized.values())))
                 return f"none (GGUF {types} dequantized: no kernel runs it as stored)"
             return "none"
-        formats = sorted({w.format for w in self.weights.values()})
         size = f"{self.nbytes / 2**20:.1f} MiB"
         words = f"{len(self.weights)} linears, {size}, {self.source}"
         if self.dequantized:
             words += (
                 f"; {len(self.dequantized)} {'/'.join(sorted(set(self.dequantized.values())))} dequantized"
             )
-        return f"{'/'.join(formats)} ({words})"
+        if self.method == "gguf":
+            sources = {
+                part for w in self.weights.values() for part in getattr(w, "source", w.format).split("/")
+            }
+            return f"GGUF {'/'.join(sorted(sources))} as int8 ({words})"
+        return f"{'/'.join(sorted({w.format for w in self.weights.values()}))} ({words})"
 
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -143,13 +149,14 @@ def quantize_model(
     if method == "int8" and linears:
         linears = int8_linears(model)
         result = _int8(linears, files, dtype, cache_dir)
+        for name, weight in result.weights.items():
+            # A parameter of its own: a tied LM head's is the embedding's, which stays float.
+            linears[name].weight = nn.Parameter(weight.dequantize().to(dtype), requires_grad=False)
     elif method == "auto" and files is not None and files.gguf is not None and linears:
-        result = _gguf(linears, model, files.gguf, files.path / GGUF_LINEARS_NOTE)
+        # The GGUF weights equal the float ones already (checked): nothing to replace.
+        result = _gguf(int8_linears(model), model, files, dtype, cache_dir)
     else:
         return Quantization()
-    for name, weight in result.weights.items():
-        # A parameter of its own: a tied LM head's is the embedding's, which stays float.
-        linears[name].weight = nn.Parameter(weight.dequantize().to(dtype), requires_grad=False)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -159,7 +166,7 @@ def _int8(
 ) -> Quantization:
     """`linears` quantized to int8: read from the cache where it holds them, else quantized now
     and written there (no cache where `files` is None or the checkpoint has no digest)."""
-    path = _cache_path(files, dtype, cache_dir)
+    path = _cache_path(files, f"int8-g{INT8_GROUP_SIZE}-{str(dtype).removeprefix('torch.')}", cache_dir)
     cached = _read_cache(path, linears) if path is not None else None
     if cached is not None:
         return Quantization("int8", cached, "from the cache")
@@ -171,25 +178,32 @@ def _int8(
     return Quantization("int8", weights, "quantized at load")
 
 
-def _gguf(linears: dict[str, nn.Linear], model: LlamaForCausalLM, gguf: Path, note: Path) -> Quantization:
-    """The GGUF file's runnable blocks, each checked against the converted float weight (which
-    transformers dequantized from the same blocks): a linear whose blocks differ stays float.
-    `note` (`GGUF_LINEARS_NOTE` in the converted directory, which is keyed by the file's digest)
-    says when an earlier start found none, so the file is not parsed again."""
+def _gguf(
+    linears: dict[str, nn.Linear],
+    model: LlamaForCausalLM,
+    files: ModelFiles,
+    dtype: torch.dtype,
+    cache_dir: Path | None,
+) -> Quantization:
+    """The GGUF file's runnable blocks as int8 weights (`gguf_blocks`), each checked against the
+    converted float weight (which transformers dequantized from the same blocks): a linear whose
+    weights differ stays float. The weights are cached like "int8"'s (the file parsed and its
+    blocks repacked once); `GGUF_LINEARS_NOTE` in the converted directory (keyed by the file's
+    digest) says what an earlier start found, so a file with none is not parsed again."""
     from batchgen.model.loading.gguf_blocks import gguf_linear_blocks
 
+    assert files.gguf is not None
+    note = files.path / GGUF_LINEARS_NOTE
     known = read_gguf_note(note)
     if known is not None and not known["runnable"]:
         return Quantization("gguf", {}, "GGUF file", dequantized=known["dequantized"])
+    path = _cache_path(files, "gguf", cache_dir)
+    if known is not None and path is not None:
+        cached = _read_cache(path, {name: linears[name] for name in known["int8"] if name in linears})
+        if cached is not None:
+            return Quantization("gguf", cached, "from the cache", dequantized=known["dequantized"])
     attn = decoder_layers(model)[0].self_attn  # `linears` is not empty: the model has layers
-    blocks, other_types = gguf_linear_blocks(gguf, attn.num_heads, attn.num_kv_heads)
-    if known is None:
-        try:
-            write_atomically(
-                note, json.dumps({"runnable": bool(blocks), "dequantized": other_types}).encode()
-            )
-        except OSError:  # a read-only cache: parsed again next time
-            pass
+    blocks, other_types = gguf_linear_blocks(files.gguf, attn.num_heads, attn.num_kv_heads)
     weights: dict[str, QuantizedWeight] = {}
     for name, weight in blocks.items():
         linear = linears.get(name)
@@ -201,6 +215,22 @@ def _gguf(linears: dict[str, nn.Linear], model: LlamaForCausalLM, gguf: Path, no
             )
             continue
         weights[name] = weight
+    runnable = any(name != "lm_head" for name in weights)
+    layouts = {
+        name: [w.group_size, w.offsets is not None]
+        for name, w in weights.items()
+        if isinstance(w, Int8Weight)
+    }
+    try:
+        write_atomically(
+            note, json.dumps({"runnable": runnable, "dequantized": other_types, "int8": layouts}).encode()
+        )
+    except OSError:  # a read-only cache: parsed again next time
+        pass
+    if not runnable:
+        return Quantization("gguf", {}, "GGUF file", dequantized=other_types)
+    if path is not None:
+        _write_cache(path, weights)
     return Quantization("gguf", weights, "GGUF file", dequantized=other_types)
 
 
@@ -208,9 +238,9 @@ def _gguf(linears: dict[str, nn.Linear], model: LlamaForCausalLM, gguf: Path, no
 # The cache
 
 
-def _cache_path(files: ModelFiles | None, dtype: torch.dtype, cache_dir: Path | None) -> Path | None:
-    """`quantized/<digest>-int8-g<group size>-<dtype>-v<format>.safetensors` under the cache; None when the checkpoint has
-    no digest (its files cannot be read)."""
+def _cache_path(files: ModelFiles | None, kind: str, cache_dir: Path | None) -> Path | None:
+    """`quantized/<digest>-<kind>-v<format>.safetensors` under the cache (`kind`: e.g.
+    "int8-g16-float32", "gguf"); None when the checkpoint has no digest (its files cannot be read)."""
     from batchgen.model.loading.fingerprint import model_fingerprint
 
     if files is None:
@@ -220,8 +250,7 @@ def _cache_path(files: ModelFiles | None, dtype: torch.dtype, cache_dir: Path | 
     digest = model_fingerprint(str(source), cache_dir=root)
     if digest is None:
         return None
-    dtype_name = str(dtype).removeprefix("torch.")
-    name = f"{digest[:24]}-int8-g{INT8_GROUP_SIZE}-{dtype_name}-v{_CACHE_FORMAT}.safetensors"
+    name = f"{digest[:24]}-{kind}-v{_CACHE_FORMAT}.safetensors"
     return root / "quantized" / name
 
 
@@ -256,23 +285,28 @@ def _read_cache(path: Path, linears: dict[str, nn.Linear]) -> dict[str, Quantize
             "quantized-weight cache %s is damaged (its checksum does not match); quantizing again", path
         )
         return None
+    try:
+        layouts = json.loads(metadata.get("layouts", ""))
+    except ValueError:
+        layouts = None
     weights: dict[str, QuantizedWeight] = {}
     for name, linear in linears.items():
         qweight, scales = tensors.get(f"{name}.qweight"), tensors.get(f"{name}.scales")
+        layout = layouts.get(name) if isinstance(layouts, dict) else None
         if (
             qweight is None
             or scales is None
+            or not isinstance(layout, list)
             or qweight.dtype != torch.int8
             or tuple(qweight.shape) != tuple(linear.weight.shape)
-            or scales.dim() != 2
-            or scales.shape[0] != linear.weight.shape[0]
         ):
             logger.warning("quantized-weight cache %s does not match this model; quantizing again", path)
             return None
-        try:  # ValueError: scales of another group size
-            group_size = int8_group_size(qweight.shape[1])
-            weights[name] = Int8Weight(qweight, scales.float(), group_size)
-        except ValueError:
+        try:  # ValueError: scales or offsets of another shape
+            group_size, source = int(layout[0]), str(layout[1])
+            offsets = tensors.get(f"{name}.offsets")
+            weights[name] = Int8Weight(qweight, scales, group_size, offsets, source)
+        except (ValueError, IndexError):
             logger.warning("quantized-weight cache %s does not match this model; quantizing again", path)
             return None
     return weights
@@ -283,12 +317,16 @@ def _write_cache(path: Path, weights: dict[str, QuantizedWeight]) -> None:
     costs a warning, not the run."""
     from safetensors.torch import save
 
-    tensors = {}
+    tensors, layouts = {}, {}
     for name, weight in weights.items():
         if isinstance(weight, Int8Weight):
             tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = weight.qweight, weight.scales
+            if weight.offsets is not None:
+                tensors[f"{name}.offsets"] = weight.offsets
+            layouts[name] = [weight.group_size, weight.source]
+    metadata = {"crc32": _checksum(tensors), "layouts": json.dumps(layouts)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, save(tensors, metadata={"crc32": _checksum(tensors)}))
+        write_atomically(path, save(tensors, metadata=metadata))
     except OSError as exc:
         logger.warning("could not write the quantized-weight cache %s: %s", path, exc)

@@ -97,6 +97,15 @@ class Int8Weight:
         return cls(qweight.reshape(n, -1)[:, :k].contiguous(), scales.contiguous(), group_size)
 
     @property
+    def tag(self) -> str:
+        """The layout in a few characters, for the tuning table's shape names (timings differ with
+        it): "int8" for `quantize`'s own (groups of `INT8_GROUP_SIZE`, symmetric), else e.g.
+        "int8g32o" (groups of 32, with offsets)."""
+        if self.group_size == INT8_GROUP_SIZE and self.offsets is None:
+            return "int8"
+        return f"int8g{self.group_size}" + ("o" if self.offsets is not None else "")
+
+    @property
     def shape(self) -> tuple[int, int]:
         """`(N, K)`: output channels, input features."""
         n, k = self.qweight.shape

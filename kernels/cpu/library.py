@@ -11,7 +11,7 @@ The library holds the paged decode and prefill attention (wrapped by `batchgen.k
 versions of a decoder layer's bf16 element-wise chains and the write of a step's K/V rows into the
 paged cache (wrapped by `batchgen.kernels.cpu.ops`), the bf16 linear layers for CPUs with AVX512-BF16
 and with AMX (wrapped by `batchgen.kernels.cpu.linear.Bf16Linear` and `AmxLinear`), the linears on
-int8 and GGUF Q8_0 weights (`batchgen.kernels.cpu.quantized_linear`), a mixture-of-experts layer's
+int8 weights (`batchgen.kernels.cpu.quantized_linear`: `--quantization int8`'s and a GGUF file's), a mixture-of-experts layer's
 experts in one call (`batchgen.kernels.cpu.moe`), and a driver that runs all of a step's decoder
 layers through these kernels in one call (wrapped by `batchgen.kernels.cpu.stack`).
 """
@@ -385,7 +385,7 @@ def _declare_decoder_stacks(lib: ctypes.CDLL) -> None:
 
 
 def _declare_quantized_linears(lib: ctypes.CDLL) -> None:
-    """csrc/int8_linear.c, int8_w8a16.c, int8_w8a8.c: (x, x_bf16, [W8A16: bf16_dot,] ldx, weight,
+    """csrc/int8_w8a16.c, int8_w8a8.c: (x, x_bf16, [W8A16: bf16_dot,] ldx, weight,
     [int8: scales, [W8A16: offsets,] [W8A8: comp,] group,] bias, y, y_bf16, ldy, m, n, k, num_threads) -> status."""
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     for name in ("int8_linear_lanes", "int8_w8a8_available", "int8_w8a16_bf16_dot_available"):
@@ -395,5 +395,3 @@ def _declare_quantized_linears(lib: ctypes.CDLL) -> None:
     lib.int8_w8a16_linear.restype = lib.int8_w8a8_linear.restype = i32
     lib.int8_w8a16_linear.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, i64, *out]
     lib.int8_w8a8_linear.argtypes = [*x, ptr, ptr, ptr, i64, *out]
-    lib.q8_0_linear.restype = i32
-    lib.q8_0_linear.argtypes = [ptr, i32, i64, ptr, ptr, ptr, i32, i64, i64, i64, i64, i32]

@@ -1,20 +1,19 @@
-"""CPU linear layers on 8-bit weights: the two weight formats, and the candidates the kernel registry
-times for a layer that holds one.
+"""CPU linear layers on int8 weights, and the candidates the kernel registry times for a layer that
+holds one.
 
-Formats (each with `dequantize()`, the float32 weight its kernels compute with):
-- `Int8Weight`: symmetric int8 with a scale per output channel and group of K,
-  `W[n, k] = scales[n, k // group_size] * q[n, k]` (what `--quantization int8` makes of a float
-  checkpoint at load; `int8_weight.py`, with `PackedInt8`, the strips its kernels read).
-- `Q8_0Weight`: GGUF Q8_0 blocks as the file stores them, 34 bytes per 32 weights of a row: a
-  float16 scale d, then 32 int8 values q, `W = d * q` (ggml's `block_q8_0`).
+The weight (`Int8Weight`, `int8_weight.py`, with `PackedInt8`, the strips its kernels read): int8
+values with a scale per output channel and group of K, and optionally an offset alike,
+`W[n, k] = scales[n, k // group_size] * q[n, k] (+ offsets[n, k // group_size])`: what
+`--quantization int8` makes of a float checkpoint at load (symmetric), or a GGUF file's blocks
+repacked value for value (`batchgen.model.loading.gguf_int8`). `dequantize()` gives the float32
+weight its kernels compute with.
 
 Candidates (`quantized_candidates`):
-- "int8_c" (`Int8Linear`, `csrc/int8_w8a16.c`) and "q8_0_c" (`Q8_0Linear`, `csrc/int8_linear.c`):
-  batchgen's C kernels which widen the 8-bit weights in registers (W8A16: float32 or bf16
-  activations); "int8_c_dpbf16" (`Int8Bf16DotLinear`): the same kernel's VDPBF16PS tiles for bf16
-  activations on AVX512-BF16;
+- "int8_c" (`Int8Linear`, `csrc/int8_w8a16.c`): batchgen's C kernel which widens the int8 weights
+  in registers (W8A16: float32 or bf16 activations); "int8_c_dpbf16" (`Int8Bf16DotLinear`): the
+  same kernel's VDPBF16PS tiles for bf16 activations on AVX512-BF16;
 - "int8_w8a8" (`Int8W8A8Linear`, `csrc/int8_w8a8.c`): per-row int8 activations and integer dot
-  products on the same packed weight (W8A8), where the library has it and the caller asks for it
+  products on the same packed weight (W8A8, symmetric weights), where the library has it and the caller asks for it
   (not by default: see `quantized_candidates`);
 - "int8_torch" (`TorchInt8Linear`): torch's `aten._weight_int8pack_mm` on the same int8 tensors;
 - the float candidates of `linear.linear_candidates` on the dequantized weight, so the registry can
@@ -24,8 +23,6 @@ Candidates (`quantized_candidates`):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import torch
 from torch import nn
@@ -34,16 +31,6 @@ from batchgen.kernels.cpu import library as cpu_kernels
 from batchgen.kernels.cpu.int8_weight import Int8Weight, PackedInt8, aligned
 from batchgen.kernels.cpu.linear import linear_candidates
 
-Q8_0_BLOCK = 32  # weights per block
-Q8_0_BYTES = 34  # bytes per block: a float16 scale and 32 int8 values
-
-
-def q8_0_weight_bytes(out_features: int, in_features: int) -> int:
-    """Bytes of a `Q8_0Weight` `[N, K]` (K a multiple of 32), from the shape alone: N * K / 32 blocks
-    of 34 bytes."""
-    return out_features * (in_features // Q8_0_BLOCK) * Q8_0_BYTES
-
-
 # The weight layout each quantized implementation holds (as `linear.WEIGHT_LAYOUTS`): torch's int8
 # kernel and batchgen's run on the very same int8 tensors.
 QUANTIZED_LAYOUTS = {
@@ -51,75 +38,22 @@ QUANTIZED_LAYOUTS = {
     "int8_c_dpbf16": "int8",
     "int8_w8a8": "int8",
     "int8_torch": "int8",
-    "q8_0_c": "q8_0",
 }
 
 
-@dataclass
-class Q8_0Weight:
-    """GGUF Q8_0 blocks: `blocks` uint8 `[N, K / 32 * 34]`, each row K/32 blocks of a float16 scale
-    then 32 int8 values; K a multiple of 32."""
-
-    blocks: torch.Tensor
-    in_features: int
-    format = "q8_0"
-
-    def __post_init__(self) -> None:
-        if (
-            self.in_features % Q8_0_BLOCK
-            or self.blocks.shape[1] != self.in_features // Q8_0_BLOCK * Q8_0_BYTES
-        ):
-            raise ValueError(
-                f"Q8_0 rows of {self.in_features} weights must be a multiple of {Q8_0_BLOCK} held in "
-                f"{Q8_0_BYTES}-byte blocks; got {self.blocks.shape[1]} bytes a row"
-            )
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Q8_0Weight:
-        """Quantize a float weight `[N, K]` (K a multiple of 32) as ggml does: per block of 32,
-        d = largest magnitude / 127 (stored as float16), q = round(w / d)."""
-        n, k = weight.shape
-        w = weight.detach().float().reshape(n, k // Q8_0_BLOCK, Q8_0_BLOCK)
-        d = w.abs().amax(dim=-1) / 127.0
-        inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-        q = torch.round(w * inverse[..., None]).clamp_(-127, 127).to(torch.int8)
-        scales = d.to(torch.float16).unsqueeze(-1).view(torch.uint8)
-        blocks = torch.cat([scales, q.view(torch.uint8)], dim=-1).reshape(n, -1)
-        return cls(blocks.contiguous(), k)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """`(N, K)`: output channels, input features."""
-        return (self.blocks.shape[0], self.in_features)
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.numel()
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight `[N, K]`: d * q per block (exact in float32), as gguf-py dequantizes."""
-        n = self.blocks.shape[0]
-        blocks = self.blocks.reshape(n, -1, Q8_0_BYTES)
-        d = blocks[..., :2].contiguous().view(torch.float16).float()
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()
-        return (d * q).reshape(n, self.in_features)
+QuantizedWeight = Int8Weight
 
 
-QuantizedWeight = Int8Weight | Q8_0Weight
-# The format a C-kernel linear holds (`Int8Linear` an `Int8Weight`, `Q8_0Linear` a `Q8_0Weight`).
-_Weight = TypeVar("_Weight", Int8Weight, Q8_0Weight)
-
-
-class _QuantizedCLinear(nn.Module, Generic[_Weight]):
-    """`y = x @ W^T + b` through a C kernel of `csrc/int8_linear.c`: input `[..., K]` float32 or
+class _QuantizedCLinear(nn.Module):
+    """`y = x @ W^T + b` through a C kernel on an `Int8Weight` (`csrc/int8_w8a16.c`, `int8_w8a8.c`): input `[..., K]` float32 or
     bf16, output `[..., N]` in the input's dtype, the bias (float32 `[N]`) added to the float32 sums
     before the one rounding."""
 
     KERNEL = ""
 
-    def __init__(self, weight: _Weight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.weight: _Weight = weight
+        self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         library = cpu_kernels.load_library()
@@ -161,7 +95,7 @@ class _QuantizedCLinear(nn.Module, Generic[_Weight]):
             )
         return out
 
-    def _weight_args(self) -> tuple[int, ...]:
+    def _weight_args(self) -> tuple[int | None, ...]:
         raise NotImplementedError
 
     def _mode_args(self) -> tuple[int, ...]:
@@ -176,7 +110,7 @@ class _QuantizedCLinear(nn.Module, Generic[_Weight]):
 _C_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class Int8Linear(_QuantizedCLinear[Int8Weight]):
+class Int8Linear(_QuantizedCLinear):
     """ "int8_c": W8A16, batchgen's kernel on an `Int8Weight` packed in strips (`csrc/int8_w8a16.c`):
     the weights widened and scaled in registers, the activations float32 or bf16 as they come."""
 
@@ -186,7 +120,7 @@ class Int8Linear(_QuantizedCLinear[Int8Weight]):
     def _mode_args(self) -> tuple[int, ...]:
         return (self.BF16_DOT,)
 
-    def _weight_args(self) -> tuple[int, ...]:
+    def _weight_args(self) -> tuple[int | None, ...]:
         packed = self.packed_weight
         offsets = None if packed.offsets is None else packed.offsets.data_ptr()
         return (packed.values.data_ptr(), packed.scales.data_ptr(), offsets, packed.group)
@@ -225,7 +159,7 @@ class Int8W8A8Linear(Int8Linear):
     def _mode_args(self) -> tuple[int, ...]:
         return ()
 
-    def _weight_args(self) -> tuple[int, ...]:
+    def _weight_args(self) -> tuple[int | None, ...]:
         packed = self.packed_weight
         return (packed.values.data_ptr(), packed.scales.data_ptr(), packed.comp.data_ptr(), packed.group)
 
@@ -234,15 +168,6 @@ def w8a8_available() -> bool:
     """Whether the C library is built with the W8A8 kernel (AVX512-VNNI, or AVX2 under an AVX2 cap)."""
     library = cpu_kernels.load_library()
     return library is not None and bool(library.int8_w8a8_available())
-
-
-class Q8_0Linear(_QuantizedCLinear[Q8_0Weight]):
-    """ "q8_0_c": batchgen's kernel on a `Q8_0Weight`'s blocks as stored (`q8_0_linear`)."""
-
-    KERNEL = "q8_0_linear"
-
-    def _weight_args(self) -> tuple[int, ...]:
-        return (self.weight.blocks.data_ptr(),)
 
 
 class TorchInt8Linear(nn.Module):
@@ -285,8 +210,8 @@ def quantized_candidates(
     weight: QuantizedWeight, dequantized: torch.Tensor, bias: torch.Tensor | None, w8a8: bool = False
 ) -> dict[str, Callable[[], nn.Module]]:
     """Builders of every implementation that runs `weight` on the CPU: "int8_c" (and for bf16
-    activations "int8_c_dpbf16") and "int8_torch" for an `Int8Weight`, "q8_0_c" for a `Q8_0Weight` (the C kernels where the library is built and
-    the activations are float32 or bf16), then the float candidates of `linear_candidates` on
+    activations "int8_c_dpbf16"; the C kernels where the library is built and the activations are
+    float32 or bf16) and "int8_torch" (where `torch_int8_applies`), then the float candidates of `linear_candidates` on
     `dequantized` (the weight dequantized to the activations' dtype, `[N, K]`).
 
     "int8_w8a8" joins them only with `w8a8` (and where the library has it): int8 activations with
@@ -295,16 +220,13 @@ def quantized_candidates(
     cannot see, so no model runs it unasked."""
     builders: dict[str, Callable[[], nn.Module]] = {}
     c_kernels = dequantized.dtype in _C_DTYPES and cpu_kernels.load_library() is not None
-    if isinstance(weight, Int8Weight):
-        if c_kernels:
-            builders["int8_c"] = lambda: Int8Linear(weight, bias)
-            if dequantized.dtype == torch.bfloat16 and bf16_dot_available():
-                builders["int8_c_dpbf16"] = lambda: Int8Bf16DotLinear(weight, bias)
-            if w8a8 and w8a8_available() and weight.offsets is None:  # its kernel takes no offsets
-                builders["int8_w8a8"] = lambda: Int8W8A8Linear(weight, bias)
-        if torch_int8_applies(weight, dequantized.dtype):
-            builders["int8_torch"] = lambda: TorchInt8Linear(weight, bias)
-    elif c_kernels:
-        builders["q8_0_c"] = lambda: Q8_0Linear(weight, bias)
+    if c_kernels:
+        builders["int8_c"] = lambda: Int8Linear(weight, bias)
+        if dequantized.dtype == torch.bfloat16 and bf16_dot_available():
+            builders["int8_c_dpbf16"] = lambda: Int8Bf16DotLinear(weight, bias)
+        if w8a8 and w8a8_available() and weight.offsets is None:  # its kernel takes no offsets
+            builders["int8_w8a8"] = lambda: Int8W8A8Linear(weight, bias)
+    if torch_int8_applies(weight, dequantized.dtype):
+        builders["int8_torch"] = lambda: TorchInt8Linear(weight, bias)
     builders.update(linear_candidates(dequantized, bias))
     return builders

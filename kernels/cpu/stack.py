@@ -8,9 +8,9 @@ bit (`tests/kernels/cpu/test_cpu_stack.py`); `batchgen bench --profile` shows it
 It applies to bf16 models on the "cpu" attention backend whose linear layers hold batchgen's packed
 bf16 weights (run by its AVX512-BF16 kernel, or its AMX kernel where measured faster) without biases and without Qwen3's per-head q/k norms, for the row counts
 where that kernel was measured fastest (`batchgen.model.kernel_choice.stack.build_decoder_stack`);
-and to float32 models whose linears are all int8 (`--quantization int8`, any CPU the library builds
-for, AVX2 among them), run by the W8A16 kernel's float32 tiles, or all GGUF Q8_0 blocks (run by the
-Q8_0 kernel as stored, in bf16 too). In float32 the norms, rotary and
+and to float32 models whose linears are all int8 (`--quantization int8`, or a GGUF file's blocks
+repacked; any CPU the library builds for, AVX2 among them), run by the W8A16 kernel's float32
+tiles. In float32 the norms, rotary and
 SiLU are `csrc/f32_ops.c`'s where the per-layer path runs torch's: equal up to float32 rounding,
 not bit for bit.
 """
@@ -78,8 +78,8 @@ class StackLayer:
     """One decoder layer's weights for the stack: RMSNorm weights `[hidden]` (contiguous, the model's
     dtype) and the four projections as `Bf16Linear` packed weights (bf16 `[N/16, K/2, 16, 2]`, no
     biases; None in a float32 stack); `int8`: the same four as `PackedInt8` weights for the int8
-    kernels' lanes (a `--quantization int8` model's, one scale group size for all), or None;
-    `q8_0`: the same four as GGUF Q8_0 blocks (uint8 `[N, K / 32 * 34]`, a GGUF file's), or None."""
+    kernels' lanes (a `--quantization int8` model's or a GGUF file's, one scale group size for
+    all), or None."""
 
     input_norm: torch.Tensor
     qkv_proj: torch.Tensor | None
@@ -88,16 +88,15 @@ class StackLayer:
     gate_up_proj: torch.Tensor | None
     down_proj: torch.Tensor | None
     int8: tuple[PackedInt8, PackedInt8, PackedInt8, PackedInt8] | None = None
-    q8_0: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 # The stack's linear kernels by registry name -> `linear_kind` of csrc/decoder_stack.c ("int8_c":
 # the same int8 kernel's float32 tiles, a float32 stack's int8 kind).
-STACK_LINEAR_KINDS = {"bf16_c": 0, "amx_c": 1, "int8_c_dpbf16": 2, "int8_c": 2, "q8_0_c": 3}
+STACK_LINEAR_KINDS = {"bf16_c": 0, "amx_c": 1, "int8_c_dpbf16": 2, "int8_c": 2}
 
 
 class DecoderStack:
-    """Runs every decoder layer of a bf16 (or int8 / Q8_0 float32) Llama-family model for one step in C.
+    """Runs every decoder layer of a bf16 (or int8 float32) Llama-family model for one step in C.
 
     The model side builds it (`batchgen.model.kernel_choice.stack.build_decoder_stack`) from the layers' packed
     weights. The per-layer table of weight and cache addresses is built on first use and rebuilt
@@ -114,13 +113,13 @@ class DecoderStack:
         """`dims` and `layers` as above; `max_rows`: the most rows of a step the stack takes (0: no
         limit); bigger steps take the per-layer path (chosen by measurement, `kernels.registry`);
         `dtype`: the model's, torch.bfloat16 or torch.float32 (whose layers must all hold int8
-        weights or Q8_0 blocks).
+        weights).
 
         Raises:
             RuntimeError: the C library, or its bf16 linear kernel for a bf16 stack, is not built
                 here (`applies`).
-            ValueError: a float32 stack whose layers do not all hold int8 weights of one group size
-                or Q8_0 blocks; a bf16 one whose layers do not all hold packed bf16 weights.
+            ValueError: a float32 stack whose layers do not all hold int8 weights of one group size;
+                a bf16 one whose layers do not all hold packed bf16 weights.
         """
         if not self.applies(dims, dtype):
             raise RuntimeError(
@@ -141,9 +140,9 @@ class DecoderStack:
         self.max_rows = max_rows
         # Per row bucket (`kernels.registry.ROW_BUCKETS`), the linear kernel the stack runs on its
         # packed weights: "bf16_c" (csrc/bf16_linear.c), "amx_c" (csrc/amx_linear.c, where
-        # `amx_applies`), "int8_c_dpbf16" (csrc/int8_w8a16.c, where `int8_applies`), "q8_0_c"
-        # (csrc/int8_linear.c, where `q8_0_applies`) or in float32 "int8_c"; None: "bf16_c" at every
-        # row count (float32: "int8_c", else "q8_0_c"). Chosen by measurement (kernel_choice/stack.py).
+        # `amx_applies`), "int8_c_dpbf16" (csrc/int8_w8a16.c, where `int8_applies`) or in float32
+        # "int8_c"; None: "bf16_c" at every row count (float32: "int8_c"). Chosen by measurement
+        # (kernel_choice/stack.py).
         self.linear_by_bucket: list[str] | None = None
         self._lib = cpu_kernels.require_library()
         self._table: torch.Tensor | None = None
@@ -151,17 +150,15 @@ class DecoderStack:
         self._dims = torch.empty(0, dtype=torch.int64)  # set with the table
         self._workspace_per_token = 0  # elements a token needs; set with the table
         self._workspace = torch.empty(0, dtype=dtype)
-        if dtype == torch.float32 and not (self.int8_applies() or self.q8_0_applies()):
+        if dtype == torch.float32 and not self.int8_applies():
             raise ValueError(
-                "a float32 decoder stack runs int8 or Q8_0 linears only: every layer needs int8 weights or Q8_0 blocks"
+                "a float32 decoder stack runs int8 linears only: every layer needs int8 weights of one group size"
             )
         bf16_weights = [w for x in layers for w in (x.qkv_proj, x.o_proj, x.gate_up_proj, x.down_proj)]
         if dtype == torch.bfloat16 and any(w is None for w in bf16_weights):
             raise ValueError("a bf16 decoder stack needs every layer's packed bf16 weights")
         # The linear kernel without a measured choice (`linear_by_bucket` None).
-        self._default_linear = (
-            "bf16_c" if dtype == torch.bfloat16 else "int8_c" if self.int8_applies() else "q8_0_c"
-        )
+        self._default_linear = "bf16_c" if dtype == torch.bfloat16 else "int8_c"
 
     @staticmethod
     def applies(dims: StackDims, dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -189,10 +186,6 @@ class DecoderStack:
             return False
         groups = {packed.group for layer in self.layers for packed in layer.int8 or ()}
         return len(groups) == 1 and (self.dtype == torch.float32 or bf16_dot_available())
-
-    def q8_0_applies(self) -> bool:
-        """Whether the stack can run its linears on GGUF Q8_0 blocks: every layer holds them."""
-        return all(layer.q8_0 is not None for layer in self.layers)
 
     def takes(self, hidden: torch.Tensor, max_rows: int) -> bool:
         """Whether this step's residual stream `hidden` `[T, hidden_size]` goes through the stack:
@@ -311,7 +304,7 @@ class DecoderStack:
         return by_bucket[min(bucket_index(rows), len(by_bucket) - 1)]
 
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """int64 `[num_layers, 24]` addresses (csrc/decoder_stack.c's LAYER_FIELDS order), built when
+        """int64 `[num_layers, 20]` addresses (csrc/decoder_stack.c's LAYER_FIELDS order), built when
         the caches are new; the caches' shapes are checked then."""
         addresses = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._table is not None and addresses == self._table_caches:
@@ -336,9 +329,8 @@ class DecoderStack:
             int8 = [_address(t) for p in layer.int8 or () for t in (p.values, p.scales, p.offsets)] or [
                 0
             ] * 12
-            q8_0 = [t.data_ptr() for t in layer.q8_0 or ()] or [0] * 4
             pointers = [0 if w is None else w.data_ptr() for w in weights] + [k.data_ptr(), v.data_ptr()]
-            rows.append(pointers + int8 + q8_0)
+            rows.append(pointers + int8)
         self._table = torch.tensor(rows, dtype=torch.int64)
         group = self.layers[0].int8[0].group if self.int8_applies() and self.layers[0].int8 else 0
         num_blocks, block_size = shape[0], shape[1]

@@ -352,7 +352,8 @@ def tiny_gguf(tiny_model_dir, default_model_files, tmp_path_factory) -> Path:
         pytest.skip("the default model is not a GGUF file here (its tokenizer fields are needed)")
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.Q8_0.gguf"
     linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    write_gguf(tiny_model_dir("llama"), tiny_tokenizer(default_model_files.gguf, 49152), path, q8_0=linears)
+    tokenizer = tiny_tokenizer(default_model_files.gguf, 49152)
+    write_gguf(tiny_model_dir("llama"), tokenizer, path, dict.fromkeys(linears, "Q8_0"))
     return path
 
 

@@ -4,7 +4,8 @@
 `gguf` package: the metadata keys llama.cpp's converter writes for the architecture, its tensor names
 (gguf's own name map, as the converter uses it), its tensor edits (the q/k row permutation of the
 "llama" architecture, Gemma's norms stored as `1 + weight`, experts stacked per layer as
-`ffn_{gate,up,down}_exps`), float32 tensors with the chosen ones in Q8_0 (gguf's own quantizer), and
+`ffn_{gate,up,down}_exps`), float32 tensors with the chosen ones quantized (gguf's own quantizer:
+Q8_0, Q4_0/Q4_1, Q5_0/Q5_1), and
 the tokenizer fields of the default model's GGUF cut to the model's vocabulary.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -34,14 +35,15 @@ GGUF_ARCH = {
 }
 
 
-def write_gguf(hf_dir: Path, tokenizer: dict, out: Path, q8_0: tuple[str, ...] = ()) -> None:
+def write_gguf(hf_dir: Path, tokenizer: dict, out: Path, stored_as: Mapping[str, str] | None = None) -> None:
     """Write `hf_dir`'s model as the GGUF file `out`.
 
     Args:
         hf_dir: a tiny model directory (config.json, model.safetensors).
         tokenizer: the `tokenizer.*` fields to write (`tiny_tokenizer`), name -> (value, value types).
         out: the file to write.
-        q8_0: GGUF tensor kinds (the name between `blk.N.` and `.weight`) stored as Q8_0; the rest F32.
+        stored_as: GGUF tensor kind (the name between `blk.N.` and `.weight`, or e.g. "output" for
+            `output.weight`) -> the GGML type it is stored in (e.g. "Q8_0"); the rest F32.
     """
     import gguf
     from safetensors.torch import load_file
@@ -60,10 +62,10 @@ def write_gguf(hf_dir: Path, tokenizer: dict, out: Path, q8_0: tuple[str, ...] =
         writer.add_tensor(name, factors)
     for hf_name, tensor in tensors.items():
         for name, data in _gguf_tensors(hf_name, tensor, config, arch, name_map):
-            kind = name.split(".")[2] if name.startswith("blk.") else ""
-            if kind in q8_0:
-                blocks = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
-                writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            kind = name.split(".")[2] if name.startswith("blk.") else name.removesuffix(".weight")
+            if kind in (stored_as or {}):
+                qtype = gguf.GGMLQuantizationType[(stored_as or {})[kind]]
+                writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
             else:
                 writer.add_tensor(name, data)
     writer.write_header_to_file()

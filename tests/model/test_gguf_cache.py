@@ -93,7 +93,7 @@ def family_files(tmp_path_factory, default_model_files):
             model.generation_config = transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 0])
             model.save_pretrained(hf_dir)
             gguf = root / f"tiny-{family}.{'Q8_0' if q8_0 else 'F32'}.gguf"
-            write_gguf(hf_dir, tokenizer, gguf, q8_0=q8_0)
+            write_gguf(hf_dir, tokenizer, gguf, dict.fromkeys(q8_0, "Q8_0"))
             if family in FAMILIES:  # transformers reads no other GGUF architecture (not even its tokenizer)
                 transformers.AutoTokenizer.from_pretrained(root, gguf_file=gguf.name).save_pretrained(hf_dir)
             built[family, q8_0] = hf_dir, gguf
@@ -174,7 +174,7 @@ Q8_0_CASES = {
 @pytest.mark.parametrize("family", list(Q8_0_CASES))
 def test_a_gguf_file_with_q8_0_tensors_runs_as_its_converted_directory(family_files, cache, family):
     """Q8_0 tensors convert to exactly gguf's dequantization of their blocks; batchgen on the file
-    (its dequantized floats, and "auto": the runnable linears' blocks through the Q8_0 kernel)
+    (its dequantized floats, and "auto": the runnable linears as int8 weights of their blocks' values)
     gives transformers' greedy output on the converted directory."""
     import gguf as gguf_py
 

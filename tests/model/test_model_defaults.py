@@ -31,10 +31,14 @@ def test_a_gguf_file_is_told_by_its_converted_folder_and_note(tmp_path):
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
     assert model_defaults(str(gguf), cache) == ModelDefaults(8192, None)  # no start under auto yet
-    (folder / GGUF_LINEARS_NOTE).write_text(json.dumps({"runnable": False, "dequantized": {}}))
-    assert model_defaults(str(gguf), cache) == ModelDefaults(8192, "none")  # all Q4_1: float weights
-    (folder / GGUF_LINEARS_NOTE).write_text(json.dumps({"runnable": True, "dequantized": {}}))
+    note = {"runnable": False, "dequantized": {"model.layers.0.mlp.down_proj": "IQ4_XS"}, "int8": {}}
+    (folder / GGUF_LINEARS_NOTE).write_text(json.dumps(note))
+    assert model_defaults(str(gguf), cache) == ModelDefaults(8192, "none")  # no type runs: float weights
+    note = {"runnable": True, "dequantized": {}, "int8": {"model.layers.0.mlp.down_proj": [32, True]}}
+    (folder / GGUF_LINEARS_NOTE).write_text(json.dumps(note))
     assert model_defaults(str(gguf), cache) == ModelDefaults(8192, "gguf")
+    (folder / GGUF_LINEARS_NOTE).write_text(json.dumps({"runnable": False, "dequantized": {}}))
+    assert model_defaults(str(gguf), cache) == ModelDefaults(8192, None)  # an older batchgen's note
     assert model_defaults(str(tmp_path / "gone.gguf"), cache) == ModelDefaults()
 
 

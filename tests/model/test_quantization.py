@@ -1,8 +1,8 @@
 """Quantized weights in the engine (`batchgen/model/quantization.py`): `quantization="int8"` on a
 tiny random Llama (greedy output the same in any batch, teacher-forced top-1 agreement with the
 float model, the quantized-weight cache) and on the default model (teacher-forced on XSum: top-1
-agreement and perplexity), a GGUF file's Q8_0 blocks run as stored under "auto"
-(equal to the dequantized run within the kernels' tolerance), and the one-line refusals."""
+agreement and perplexity), and the one-line refusals. A GGUF file's own quantized values under
+"auto": tests/model/test_gguf_quantized.py."""
 
 from __future__ import annotations
 
@@ -18,16 +18,9 @@ from typer.testing import CliRunner
 from batchgen import LLM, SamplingParams
 from batchgen.config import EngineConfig
 from batchgen.kernels.cpu import library as cpu_kernels
-from batchgen.kernels.cpu.linear import can_prepack
-from batchgen.kernels.cpu.quantized_linear import Int8Linear, Int8Weight, Q8_0Linear, Q8_0Weight
+from batchgen.kernels.cpu.quantized_linear import Int8Linear
 from batchgen.model.loading.architectures import UnsupportedModelError
-from batchgen.model.quantization import check_quantization, decoder_linears
-from tests.kernels.cpu.stack_cases import (
-    BLOCK,
-    assert_generate_is_the_same_without_the_stack,
-    assert_stack_matches_the_layer_path,
-    logits_with_down_zeroed,
-)
+from batchgen.model.quantization import check_quantization
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello"]
 needs_kernels = pytest.mark.skipif(
@@ -265,174 +258,3 @@ def test_int8_under_each_kernel_mode_runs_the_quantized_weights(tiny_model_dir, 
         native.llm_engine.runner.quantization.weights
     )
     assert _tokens(native, PROMPTS) == _tokens(other, PROMPTS)
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF Q8_0
-
-
-def _write_q8_0_gguf(hf_dir: Path, tokenizer_gguf: Path, out: Path) -> None:
-    """`hf_dir`'s tiny Llama as a GGUF file, written as llama.cpp's converter writes one: q/k rows
-    permuted for its rotary layout, every decoder linear in Q8_0, the rest float32, the tokenizer
-    fields of the default model's GGUF (the tiny models share its tokenizer)."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-    from safetensors.torch import load_file
-
-    config = json.loads((hf_dir / "config.json").read_text())
-    tensors = load_file(hf_dir / "model.safetensors")
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = GGUFWriter(out, "llama")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(config["vocab_size"])
-    for name, field in GGUFReader(tokenizer_gguf).fields.items():
-        if name.startswith("tokenizer."):
-            sub_type = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
-
-    def permute(w: torch.Tensor, n: int) -> torch.Tensor:
-        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip
-    writer.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"].numpy())
-    writer.add_tensor("output_norm.weight", tensors["model.norm.weight"].numpy())
-    writer.add_tensor("output.weight", tensors["lm_head.weight"].numpy())
-    for i in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{i}."
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", tensors[prefix + "input_layernorm.weight"].numpy())
-        writer.add_tensor(
-            f"blk.{i}.ffn_norm.weight", tensors[prefix + "post_attention_layernorm.weight"].numpy()
-        )
-        for hf, gg in names.items():
-            part = "self_attn" if hf.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-            weight = tensors[f"{prefix}{part}.{hf}.weight"]
-            if hf in ("q_proj", "k_proj"):
-                weight = permute(weight, heads if hf == "q_proj" else kv_heads)
-            blocks = Q8_0Weight.quantize(weight).blocks.numpy()
-            writer.add_tensor(f"blk.{i}.{gg}.weight", blocks, raw_dtype=GGMLQuantizationType.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-@pytest.fixture(scope="module")
-def q8_0_gguf(tiny_model_dir, default_model_files, tmp_path_factory) -> Path:
-    if default_model_files.gguf is None:
-        pytest.skip("the default model is not a GGUF file here")
-    path = tmp_path_factory.mktemp("gguf") / "tiny.Q8_0.gguf"
-    _write_q8_0_gguf(tiny_model_dir("llama"), default_model_files.gguf, path)
-    return path
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gguf_q8_0_runs_its_blocks_as_the_dequantized_model_does(q8_0_gguf, cache, dtype):
-    """ "auto" keeps every decoder linear's Q8_0 blocks (each checked to dequantize to the converted
-    weight, which also checks the q/k row order) and runs the Q8_0 kernel on them; "none" runs the
-    dequantized floats: the logits agree within the kernels' tolerance, the greedy tokens too."""
-    if dtype == "bfloat16" and not can_prepack(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("no native bfloat16 here (an AVX2-only CPU): bf16 runs torch's linears, no Q8_0 kernel")
-    blocks = LLM(str(q8_0_gguf), dtype=dtype, device="cpu", quantization="auto", kernels="native")
-    floats = LLM(str(q8_0_gguf), dtype=dtype, device="cpu", quantization="none", kernels="native")
-    quantization = blocks.llm_engine.runner.quantization
-    assert quantization.method == "gguf" and len(quantization.weights) == 8
-    assert all(isinstance(w, Q8_0Weight) for w in quantization.weights.values())
-    assert isinstance(blocks.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj, Q8_0Linear)
-    assert blocks.llm_engine.start_line.startswith("quantization q8_0 (8 linears")
-    assert floats.llm_engine.runner.quantization.weights == {}
-    for name, linear in decoder_linears(floats.llm_engine.runner.model).items():
-        stored = quantization.weights[name].dequantize().to(linear.weight.dtype)
-        assert torch.equal(stored, linear.weight.detach()), name
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
-    a, b = blocks.generate(PROMPTS, params), floats.generate(PROMPTS, params)
-    tolerance = 1e-4 if dtype == "float32" else 5e-2
-    for x, y in zip(a, b, strict=True):
-        if dtype == "float32":
-            assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        first_x, first_y = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
-        for token, logprob in first_y.items():
-            if token in first_x:
-                assert abs(first_x[token].logprob - logprob.logprob) <= tolerance
-
-
-@needs_kernels
-def test_a_float32_gguf_q8_0_model_runs_its_decoder_stack_on_the_blocks(q8_0_gguf, cache):
-    """In float32 the decoder stack runs a GGUF file's Q8_0 blocks as stored (csrc/decoder_stack.c's
-    LINEAR_Q8_0): logits and K/V agree with the per-layer path on the same Q8_0 kernel to float32
-    rounding, the stack reads the blocks (zeroing one layer's changes its logits), and greedy tokens
-    are the same with and without it."""
-    llm = LLM(
-        str(q8_0_gguf), dtype="float32", device="cpu", quantization="auto", kernels="native", block_size=BLOCK
-    )
-    runner = llm.llm_engine.runner
-    stack = runner.model.decoder_stack
-    assert stack is not None and stack.q8_0_applies() and not stack.int8_applies()
-    assert stack.layers[0].q8_0[0] is runner.quantization.weights["model.layers.0.self_attn.qkv_proj"].blocks
-    assert_stack_matches_the_layer_path(
-        runner, lambda got, want: torch.allclose(got, want, rtol=1e-4, atol=1e-4)
-    )
-    kept, zeroed = logits_with_down_zeroed(runner, "q8_0")
-    assert not torch.equal(zeroed, kept)
-    assert_generate_is_the_same_without_the_stack(llm)
-    # Under --kernels auto the Q8_0 stack is timed against the per-layer path, its own table shape.
-    auto = LLM(str(q8_0_gguf), dtype="float32", device="cpu", kernels="auto", max_num_seqs=8)
-    choice = auto.llm_engine.runner.kernel_choice
-    entries = {
-        int(k.rsplit("|", 1)[1]): e
-        for k, e in choice.table.entries.items()
-        if k.startswith("decoder_stack|") and k.split("|")[1].endswith("/q8_0")
-    }
-    assert sorted(entries) == [1, 2, 4, 8] and set(entries[1]["ms"]) == {"layers", "stack_q8_0"}
-    chosen = [entries[rows]["chosen"] == "stack_q8_0" for rows in (1, 2, 4, 8)]
-    runs = next((i for i, won in enumerate(chosen) if not won), len(chosen))  # buckets up to the first loss
-    assert choice.stack_linears == ["q8_0_c"] * runs
-
-
-def test_int8_weight_of_a_gguf_file_is_quantized_from_its_floats(q8_0_gguf, cache):
-    """ "int8" on a GGUF file quantizes the dequantized floats per channel (its own blocks unused)."""
-    llm = LLM(str(q8_0_gguf), dtype="float32", device="cpu", quantization="int8", kernels="reference")
-    weights = llm.llm_engine.runner.quantization.weights
-    assert len(weights) == 9 and all(isinstance(w, Int8Weight) for w in weights.values())  # and the head
-    assert np.isfinite(
-        llm.llm_engine.runner.model.model.layers[0].mlp.down_proj.weight.detach().numpy()
-    ).all()
-
-
-def test_a_gguf_file_without_runnable_linears_is_not_parsed_again(tmp_path, monkeypatch):
-    """The note beside a converted GGUF directory says an earlier start found no linear a kernel
-    runs as stored (the default model: all Q4_1): "auto" then reads it instead of parsing the file
-    (about 3 s of gguf-py's metadata parsing a start)."""
-    import batchgen.model.loading.gguf_blocks as gguf_blocks
-    from batchgen.model import quantization as q
-
-    note = tmp_path / q.GGUF_LINEARS_NOTE
-    note.write_text(json.dumps({"runnable": False, "dequantized": {"model.layers.0.mlp.down_proj": "Q4_1"}}))
-
-    def parse(*args, **kwargs):
-        raise AssertionError("the GGUF file was parsed although the note says it has no runnable linear")
-
-    monkeypatch.setattr(gguf_blocks, "gguf_linear_blocks", parse)
-    result = q._gguf({}, None, tmp_path / "model.gguf", note)  # type: ignore[arg-type]
-    assert result.method == "gguf" and result.weights == {}
-    assert result.dequantized == {"model.layers.0.mlp.down_proj": "Q4_1"}
-    for damaged in ("{damaged", '{"runnable": "no", "dequantized": {}}', "[]"):  # read as no note
-        note.write_text(damaged)
-        assert q.read_gguf_note(note) is None
-
-
-def test_a_gguf_file_with_q8_0_linears_notes_it(q8_0_gguf, cache):
-    """After a start with "auto", the note says the file has runnable linears (so each start reads
-    their blocks from the file, as it must)."""
-    from batchgen.model.quantization import GGUF_LINEARS_NOTE
-
-    LLM(str(q8_0_gguf), dtype="float32", device="cpu", quantization="auto", kernels="reference")
-    notes = list(Path(cache).rglob(GGUF_LINEARS_NOTE))
-    assert len(notes) == 1 and json.loads(notes[0].read_text()) == {"runnable": True, "dequantized": {}}

@@ -19,7 +19,7 @@ from batchgen.jobs.runner import JobOptions
 from batchgen.model.loading.loader import resolve_model
 from batchgen.model.quantization import GGUF_LINEARS_NOTE, int8_linears
 from batchgen.plan.job_plan import format_plan, plan_job
-from tests.model.test_quantization import needs_kernels, q8_0_gguf  # noqa: F401  (a fixture)
+from tests.model.test_gguf_quantized import needs_kernels, quantized_gguf  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -105,24 +105,26 @@ def test_the_plan_command_gives_the_weights_in_its_json(tmp_path, tiny_model_dir
 
 
 @needs_kernels
-def test_a_gguf_files_q8_0_linears_count_as_their_blocks(q8_0_gguf, cache):  # noqa: F811
-    """ "auto" on a GGUF file whose decoder linears are Q8_0: they count as their blocks (34 bytes a
-    32 weights), whether the file's tensor infos say so (no note yet) or the note a start left."""
-    files = resolve_model(str(q8_0_gguf))
+def test_a_gguf_files_quantized_linears_count_as_their_int8_weights(quantized_gguf, cache):  # noqa: F811
+    """ "auto" on a GGUF file whose linears and LM head are Q4_1/Q5_0/Q8_0...: they count as the int8
+    weights they run as (a byte a weight, a float32 scale a group of 32, an offset too where the
+    type has a minimum), whether the file's tensor infos say so (no note yet) or the note a start
+    left."""
+    files = resolve_model(str(quantized_gguf))
     note = files.path / GGUF_LINEARS_NOTE
     note.unlink(missing_ok=True)
     from_file = estimate_weights(files.config, torch.float32, "auto", CPU, files.gguf, files.path)
-    llm = LLM(str(q8_0_gguf), dtype="float32", device="cpu", quantization="auto", kernels="reference")
+    llm = LLM(str(quantized_gguf), dtype="float32", device="cpu", quantization="auto", kernels="reference")
     assert note.is_file()  # the start noted what the file holds
     from_note = estimate_weights(files.config, torch.float32, "auto", CPU, files.gguf, files.path)
     held, left_out = held_bytes(llm)
     assert from_file == from_note and from_file.total_bytes == held - left_out
-    assert (from_file.format, from_file.quantized_linears) == ("q8_0", 8)
-    assert from_file.quantized_bytes == 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) // 32 * 34
+    assert (from_file.format, from_file.quantized_linears, from_file.quantized_head) == ("int8", 8, True)
+    # q/k/v, o and down hold offsets (Q4_1, Q5_1), gate/up does not (Q8_0, Q4_0); the head is Q8_0
+    layer = (128 * 64 + 64 * 64 + 64 * 128) * (1 + 8 / 32) + 256 * 64 * (1 + 4 / 32)
+    assert from_file.quantized_bytes == 2 * layer + 49152 * 64 * (1 + 4 / 32)
     none = estimate_weights(files.config, torch.float32, "none", CPU, files.gguf, files.path)
-    assert none.quantized_bytes == 0 and none.float_bytes == held - left_out - from_file.quantized_bytes + (
-        from_file.quantized_params * 4
-    )
+    assert none.quantized_bytes == 0
 
 
 @pytest.mark.slow

@@ -104,7 +104,7 @@ class KernelChoice:
     mode: str
     linears: dict[str, list[str]] = field(default_factory=dict)
     stack_max_rows: int | None = None
-    # per row bucket up to `stack_max_rows`: "bf16_c", "amx_c", "int8_c_dpbf16", "q8_0_c" or (float32) "int8_c"
+    # per row bucket up to `stack_max_rows`: "bf16_c", "amx_c", "int8_c_dpbf16" or (float32) "int8_c"
     stack_linears: list[str] = field(default_factory=list)
     table: TuningTable | None = None
     prefill_attention: list[str] = field(default_factory=list)  # per row bucket: "c", "amx" or "sdpa"
@@ -147,15 +147,10 @@ class KernelChoice:
             stack = f"; decoder stack up to {rows or 'any'} row{'' if rows == 1 else 's'}"
             if "amx_c" in self.stack_linears:
                 stack += f" (AMX linears from {ROW_BUCKETS[self.stack_linears.index('amx_c')]} rows)"
-            for prefix, label in (("int8_c", "int8"), ("q8_0_c", "Q8_0")):
-                at = [
-                    r for r, k in zip(ROW_BUCKETS, self.stack_linears, strict=False) if k.startswith(prefix)
-                ]
-                if at:
-                    span = (
-                        f"{at[0]}-{at[-1]} rows" if len(at) > 1 else f"{at[0]} row{'' if at[0] == 1 else 's'}"
-                    )
-                    stack += f" ({label} linears at {span})"
+            at = [r for r, k in zip(ROW_BUCKETS, self.stack_linears, strict=False) if k.startswith("int8_c")]
+            if at:
+                span = f"{at[0]}-{at[-1]} rows" if len(at) > 1 else f"{at[0]} row{'' if at[0] == 1 else 's'}"
+                stack += f" (int8 linears at {span})"
         extra = self.extra_weight_bytes / 2**20
         memory = f"; second weight layouts {extra:.0f} MiB" if extra else ""
         attention = ""
@@ -231,10 +226,14 @@ def apply_kernels(
     table = TuningTable.load(tuning_key(dtype))
     choice = KernelChoice("auto", table=table, experts=_by_rows(choose_experts(model, table, max_rows)))
     # The decoder stack needs every layer linear in batchgen's bf16 layout (and may run int8 ones),
-    # or in float32 its int8 one or the Q8_0 blocks: held for its measurement even where the
+    # or in float32 its int8 one: held for its measurement even where the
     # per-layer path does not use it, dropped where it loses.
-    quantized_format = "/".join(sorted({w.format for w in quantized.values()}))
-    stack_dtype = dtype == torch.bfloat16 or (dtype == torch.float32 and quantized_format in ("int8", "q8_0"))
+    # The layer linears' int8 layouts (`Int8Weight.tag`; the LM head is not the stack's): the
+    # stack's timings are tabled under them.
+    quantized_format = "/".join(
+        sorted({w.tag for name, w in quantized.items() if not name.endswith("lm_head")})
+    )
+    stack_dtype = dtype == torch.bfloat16 or (dtype == torch.float32 and bool(quantized_format))
     stack_possible = stack_dtype and not one_layout and _fused_cpu_backend(model)
     stack_possible = stack_possible and cached_stack_rows(model, table, max_logit_rows, quantized_format) != 0
     layer_shapes = choose_linears(

@@ -24,10 +24,10 @@ _STREAMED_ROWS = 16
 
 
 def shape_name(linear: nn.Linear, quantized: QuantizedWeight | None = None) -> str:
-    """ "576x1536" (outputs x inputs), with "+bias" where it has one and "/int8" (the format) where
-    it runs a quantized weight."""
+    """ "576x1536" (outputs x inputs), with "+bias" where it has one and "/int8" (the weight's
+    `tag`, e.g. "/int8g32o" for a GGUF Q4_1 file's) where it runs a quantized weight."""
     name = f"{linear.out_features}x{linear.in_features}" + ("+bias" if linear.bias is not None else "")
-    return name + (f"/{quantized.format}" if quantized is not None else "")
+    return name + (f"/{quantized.tag}" if quantized is not None else "")
 
 
 def table_shape(shape: str, dtype: torch.dtype) -> str:
@@ -217,8 +217,7 @@ def choose_linears(
     """Measure (or look up) each linear shape's implementation per row bucket, put them into `model`
     (a `TunedLinear` where buckets differ) and record them in `chosen` (by shape and rows); with
     `stack_possible` every layer linear also holds the layouts the decoder stack can run for its
-    measurement: batchgen's bf16 layout (bf16), its int8 one (an int8 model's) and a GGUF file's Q8_0
-    blocks.
+    measurement: batchgen's bf16 layout (bf16) and its int8 one (an int8 model's or a GGUF file's).
 
     Args:
         rows_for: module name -> the most rows a call of it has (the LM head: logit rows).
@@ -251,8 +250,6 @@ def choose_linears(
         int8_kind = "int8_c" if linear.weight.dtype == torch.float32 else "int8_c_dpbf16"
         if stack_possible and not is_head and int8_kind in builders and not int8:
             kinds.append(int8_kind)
-        if stack_possible and not is_head and "q8_0_c" in builders and "q8_0_c" not in kinds:
-            kinds.append("q8_0_c")  # the blocks themselves: no second copy
         impls = {kind: builders[kind]() for kind in kinds}
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -2,8 +2,8 @@
 
 The stack (`kernels/cpu/stack.py`, built from the model's layers by `build_decoder_stack`) runs every
 decoder layer of a step in one C call with batchgen's bf16 linear kernel, or its AMX one (both are
-candidates where AMX is there), or its int8 or Q8_0 one on an int8-quantized model or a GGUF file's
-Q8_0 blocks (in float32, on any CPU, the only kinds); the per-layer path runs each layer's ops from Python with the linears
+candidates where AMX is there), or its int8 one on an int8-quantized model or a GGUF file's repacked
+blocks (in float32, on any CPU, the only kind); the per-layer path runs each layer's ops from Python with the linears
 the registry chose per row bucket (oneDNN's, say, where it is faster). The stack saves the Python
 and dispatch cost of some ten calls a layer, which is most of a small decode step; its linears
 lose to a matrix-unit kernel as rows grow. Where the crossing lies depends on the machine, so
@@ -24,7 +24,6 @@ from batchgen.kernels.cpu.linear import AmxLinear, Bf16Linear, TunedLinear, fuse
 from batchgen.kernels.cpu.quantized_linear import (
     Int8Bf16DotLinear,
     Int8Linear,
-    Q8_0Linear,
     bf16_dot_available,
 )
 from batchgen.kernels.cpu.stack import DecoderStack, StackDims, StackLayer
@@ -93,16 +92,16 @@ def tune_decoder_stack(
 ) -> tuple[int, list[str]]:
     """Where `stack` runs: the largest row bucket up to which a stack variant is faster than the
     per-layer path at every bucket (0: at none), and the stack's linear kernel at each bucket up to
-    there ("bf16_c", "amx_c" where the AMX kernel applies and won, "int8_c_dpbf16" on int8 weights,
-    "q8_0_c" on Q8_0 blocks; "int8_c" or "q8_0_c" in a float32 stack), from `table` or measured on
+    there ("bf16_c", "amx_c" where the AMX kernel applies and won, "int8_c_dpbf16" on int8 weights;
+    "int8_c" in a float32 stack), from `table` or measured on
     decode steps of `model` (added to `table`).
 
     Args:
-        model: a bf16 (or int8 / Q8_0 float32) `LlamaForCausalLM` with its linears chosen; its
+        model: a bf16 (or int8 float32) `LlamaForCausalLM` with its linears chosen; its
             `decoder_stack` is left None.
         stack: the model's decoder stack (no row limit).
         max_rows: the largest step to consider (the decode batch limit, `max_num_seqs`).
-        quantized: the format the model's layer linears run quantized ("int8", "q8_0"; "" for
+        quantized: the format the model's layer linears run quantized ("int8"; "" for
             none): the per-layer path, and the stack's candidates, differ with it, so its choice
             is tabled under a shape of its own.
     """
@@ -169,13 +168,12 @@ def tune_decoder_stack(
 
 def _stack_kinds(stack: DecoderStack) -> list[str]:
     """The stack's candidates in the tuning table for this stack: in bf16 "stack" and "stack_amx"
-    where it applies; then "stack_int8" and "stack_q8_0" where every layer holds int8 weights or
-    Q8_0 blocks (a float32 stack has one of the two: its constructor checked)."""
+    where it applies; then "stack_int8" where every layer holds int8 weights (a float32 stack's
+    only one: its constructor checked)."""
     kinds = []
     if stack.dtype == torch.bfloat16:
         kinds = ["stack"] + (["stack_amx"] if DecoderStack.amx_applies(stack.dims) else [])
-    kinds += ["stack_int8"] if stack.int8_applies() else []
-    return kinds + (["stack_q8_0"] if stack.q8_0_applies() else [])
+    return kinds + (["stack_int8"] if stack.int8_applies() else [])
 
 
 def _linear_of(kind: str, dtype: torch.dtype) -> str:
@@ -187,7 +185,7 @@ def _linear_of(kind: str, dtype: torch.dtype) -> str:
 @contextlib.contextmanager
 def _layers_on(model: LlamaForCausalLM, linear: str) -> Iterator[None]:
     """Within the block, every tuned linear of the decoder layers runs `linear` ("bf16_c", "amx_c",
-    "int8_c_dpbf16", "q8_0_c" or, float32, "int8_c") on its packed weight at every row count, and attention runs the C kernels the stack calls: the
+    "int8_c_dpbf16" or, float32, "int8_c") on its packed weight at every row count, and attention runs the C kernels the stack calls: the
     per-layer path on the stack's own kernels. (The attention choice measured before may be torch's
     at some batch sizes, on a machine with more threads than free cores for one; torch rounds
     otherwise in bf16, which once dropped a correct stack.)"""
@@ -203,10 +201,7 @@ def _layers_on(model: LlamaForCausalLM, linear: str) -> Iterator[None]:
         for m in layer_linears:
             impl: nn.Module
             int8 = _int8_impl(m) if linear.startswith("int8_c") else None
-            q8_0 = _q8_0_impl(m) if linear == "q8_0_c" else None
-            if q8_0 is not None:  # Q8_0 too is offered only where every layer linear has it
-                impl = Q8_0Linear(q8_0.weight, None)
-            elif int8 is not None:  # int8 is offered only where every layer linear has one
+            if int8 is not None:  # int8 is offered only where every layer linear has one
                 impl = (
                     Int8Bf16DotLinear(int8.weight, None)
                     if linear == "int8_c_dpbf16"
@@ -232,7 +227,6 @@ _STACK_LINEARS = {
     "stack": "bf16_c",
     "stack_amx": "amx_c",
     "stack_int8": "int8_c_dpbf16",
-    "stack_q8_0": "q8_0_c",
 }
 
 
@@ -292,26 +286,6 @@ def _int8_impl(linear: nn.Module | None) -> Int8Linear | None:
     return found[0] if found else None
 
 
-def _q8_0_impl(linear: nn.Module | None) -> Q8_0Linear | None:
-    """batchgen's Q8_0 kernel in `linear` (a `Q8_0Linear` or a `TunedLinear` holding one) without a
-    bias: its GGUF blocks are what the stack's Q8_0 linears read."""
-    impls = linear.impls.values() if isinstance(linear, TunedLinear) else [linear]
-    found = [m for m in impls if isinstance(m, Q8_0Linear) and m.bias is None]
-    return found[0] if found else None
-
-
-def _stack_q8_0(
-    projections: Sequence[nn.Module],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The four projections' Q8_0 blocks as their per-layer kernels read them, or None where one has
-    none."""
-    impls = [_q8_0_impl(p) for p in projections]
-    if any(i is None for i in impls):
-        return None
-    qkv, o, gate_up, down = (i.weight.blocks for i in impls if i is not None)
-    return qkv, o, gate_up, down
-
-
 def _stack_int8(
     projections: Sequence[nn.Module], dtype: torch.dtype
 ) -> tuple[PackedInt8, PackedInt8, PackedInt8, PackedInt8] | None:
@@ -328,8 +302,8 @@ def _stack_int8(
 def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack | None:
     """The C decoder stack for `model`, or None where it does not apply: a bf16 model on the "cpu"
     attention backend whose layer linears all hold batchgen's bf16 kernel (or a float32 one whose
-    layer linears all hold its int8 kernel, `--quantization int8`, or its Q8_0 kernel, a GGUF file's
-    Q8_0 blocks), without biases,
+    layer linears all hold its int8 kernel: `--quantization int8`, or a GGUF file's repacked blocks),
+    without biases,
     Qwen3's q/k norms or experts, with one attention scale, Llama-family layers (`DecoderLayer`: the stack's C
     code is their arithmetic) with rotary and no sliding window or softcap (the stack rotates
     every layer and attends globally).
@@ -366,19 +340,17 @@ def build_decoder_stack(model: LlamaForCausalLM, max_rows: int) -> DecoderStack 
         if not isinstance(mlp, MLP):  # a mixture of experts: the stack runs dense layers only
             return None
         projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        # bf16 runs its bf16 layouts (and may run int8 or Q8_0 ones); float32 runs int8 or Q8_0 ones only
+        # bf16 runs its bf16 layouts (and may run int8 ones); float32 runs int8 ones only
         weights = [_bf16_weight(p) if dtype == torch.bfloat16 else None for p in projections]
-        int8, q8_0 = _stack_int8(projections, dtype), _stack_q8_0(projections)
+        int8 = _stack_int8(projections, dtype)
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if attn.qk_norm or attn.scale != first.scale:
             return None
         if not all(w.dtype == dtype and w.is_contiguous() for w in norms):
             return None
         qkv, o, gate_up, down = weights
-        stack_layers.append(StackLayer(norms[0], qkv, o, norms[1], gate_up, down, int8, q8_0))
+        stack_layers.append(StackLayer(norms[0], qkv, o, norms[1], gate_up, down, int8))
     try:
         return DecoderStack(dims, stack_layers, max_rows=max_rows, dtype=dtype)
-    except (
-        ValueError
-    ):  # its layers lack the weights it runs: bf16 layouts (bf16), int8 or Q8_0 ones (float32)
+    except ValueError:  # its layers lack the weights it runs: bf16 layouts (bf16), int8 ones (float32)
         return None

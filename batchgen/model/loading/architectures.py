@@ -106,6 +106,6 @@ def check_not_quantized(raw_config: dict[str, Any], where: object) -> None:
     raise UnsupportedModelError(
         f"{where}: the checkpoint is quantized ({method}), a format batchgen does not run; batchgen runs "
         "float safetensors checkpoints (float32, bfloat16, float16), which quantization='int8' quantizes "
-        "at load, GGUF files (Q8_0 blocks as stored, other types dequantized) and gpt-oss's MXFP4 "
+        "at load, GGUF files (Q8_0, Q4_0/Q4_1, Q5_0/Q5_1 and Q4_K/Q5_K/Q6_K values as stored, other types dequantized) and gpt-oss's MXFP4 "
         "checkpoints (dequantized at load)"
     )

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 from typing import Any
 
 # Beside a GGUF file's converted directory: whether the file has linears a kernel runs as stored,
-# and the types of the rest. gguf-py parses a file's whole metadata (the vocabulary's strings
-# too) to list its tensors: about 3 s a start for the default model, whose linears are all Q4_1.
+# the types of the rest, and the int8 layout of those it runs. gguf-py parses a file's whole
+# metadata (the vocabulary's strings too) to list its tensors: about 3 s a start for the default
+# model.
 # Written by `batchgen.model.quantization` at the first start under "auto".
 GGUF_LINEARS_NOTE = "gguf_linears.json"
 
@@ -29,14 +30,15 @@ def model_max_len(config: Any) -> int:
 
 
 def read_gguf_note(note: Path) -> dict[str, Any] | None:
-    """The `GGUF_LINEARS_NOTE` at `note` ({"runnable": bool, "dequantized": {name: type}}), or None
-    when it is missing or damaged."""
+    """The `GGUF_LINEARS_NOTE` at `note` ({"runnable": bool, "dequantized": {name: type}, "int8":
+    {name: [group, offsets]}}, `gguf_blocks.gguf_linear_types`), or None when it is missing or
+    damaged."""
     try:
         known = json.loads(note.read_text())
     except (OSError, ValueError):
         return None
     ok = isinstance(known, dict) and isinstance(known.get("runnable"), bool)
-    return known if ok and isinstance(known.get("dequantized"), dict) else None
+    return known if ok and all(isinstance(known.get(key), dict) for key in ("dequantized", "int8")) else None
 
 
 @dataclass(frozen=True)

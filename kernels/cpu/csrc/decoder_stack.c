@@ -1,7 +1,7 @@
 /* Every decoder layer of a step in one call: bf16 Llama-family layers on CPUs with AVX512-BF16,
- * their linears on packed bf16 weights, on packed int8 ones (`--quantization int8`) or on GGUF Q8_0
- * blocks as stored; or float32 layers on any CPU with their linears on packed int8 weights or Q8_0
- * blocks (`decoder_stack_f32`).
+ * their linears on packed bf16 weights or on packed int8 ones (`--quantization int8`'s, or a GGUF
+ * file's blocks repacked); or float32 layers on any CPU with their linears on packed int8 weights
+ * (`decoder_stack_f32`).
  *
  * The model's Python forward calls about ten C kernels a layer (norms, four linears, rotary, the
  * K/V store, attention, SiLU-and-multiply), each through ctypes with its torch allocations and
@@ -56,8 +56,6 @@ int amx_swiglu(const uint16_t *x, int64_t ldx, const uint16_t *w_packed, const f
 int int8_w8a16_linear(const void *x, int x_bf16, int bf16_dot, int64_t ldx, const int8_t *w, const float *scales,
                       const float *offsets, int64_t group, const float *bias, void *y, int y_bf16, int64_t ldy, int64_t m, int64_t n,
                       int64_t k, int num_threads);
-int q8_0_linear(const void *x, int x_bf16, int64_t ldx, const uint8_t *blocks, const float *bias, void *y,
-                int y_bf16, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads);
 int64_t store_kv_rows(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *k_cache,
                       char *v_cache, const int64_t *slots, int64_t num_tokens, int64_t row_bytes,
                       int64_t num_slots, int num_threads);
@@ -96,12 +94,6 @@ enum {
   DOWN_INT8,
   DOWN_SCALES,
   DOWN_OFFSETS,
-  /* The four projections' GGUF Q8_0 blocks ([N][K / 32] blocks of 34 bytes, int8_linear.c; 0 where
-   * the model has none), for LINEAR_Q8_0. */
-  QKV_Q8_0,
-  O_Q8_0,
-  GATE_UP_Q8_0,
-  DOWN_Q8_0,
   LAYER_FIELDS
 };
 
@@ -109,27 +101,22 @@ enum {
 enum { HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK_SIZE, NUM_SLOTS, INT8_GROUP, NUM_DIMS };
 
 /* The linear kernels the stack runs (`linear_kind`). */
-enum { LINEAR_BF16, LINEAR_AMX, LINEAR_INT8, LINEAR_Q8_0 };
+enum { LINEAR_BF16, LINEAR_AMX, LINEAR_INT8 };
 
 /* y = x W^T for projection `which` (0 qkv, 1 o, 2 gate/up, 3 down) of layer row `w`: batchgen's
  * bf16 or AMX kernel on the packed bf16 weight, the int8 kernel on the packed int8 weight
  * (int8_w8a16.c: with `f32`, float32 in and out through its float32 tiles; else bf16 in and out
- * through its VDPBF16PS tiles), or the Q8_0 kernel on the GGUF blocks (int8_linear.c; the model's
- * dtype in and out). Returns the kernel's status (1: refused, 2: no memory). */
+ * through its VDPBF16PS tiles). Returns the kernel's status (1: refused, 2: no memory). */
 static int stack_linear(int kind, int f32, const int64_t *w, int which, int64_t group, const void *x, int64_t ldx,
                         void *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int num_threads) {
   static const int bf16_field[4] = {QKV_WEIGHT, O_WEIGHT, GATE_UP_WEIGHT, DOWN_WEIGHT};
   static const int int8_field[4] = {QKV_INT8, O_INT8, GATE_UP_INT8, DOWN_INT8};
-  static const int q8_0_field[4] = {QKV_Q8_0, O_Q8_0, GATE_UP_Q8_0, DOWN_Q8_0};
-  if (kind == LINEAR_Q8_0)
-    return q8_0_linear(x, !f32, ldx, (const uint8_t *)(intptr_t)w[q8_0_field[which]], NULL, y, !f32, ldy, m, n, k,
-                       num_threads);
   if (kind == LINEAR_INT8)
     return int8_w8a16_linear(x, !f32, !f32, ldx, (const int8_t *)(intptr_t)w[int8_field[which]],
                              (const float *)(intptr_t)w[int8_field[which] + 1],
                              (const float *)(intptr_t)w[int8_field[which] + 2], group, NULL, y, !f32, ldy, m, n, k,
                              num_threads);
-  if (f32) return 1; /* float32 layers run int8 or Q8_0 linears only */
+  if (f32) return 1; /* float32 layers run int8 linears only */
   const uint16_t *packed = (const uint16_t *)(intptr_t)w[bf16_field[which]];
   return kind == LINEAR_AMX ? amx_linear(x, ldx, packed, NULL, y, ldy, m, n, k, num_threads)
                             : bf16_linear(x, ldx, packed, NULL, y, ldy, m, n, k, num_threads);
@@ -234,8 +221,7 @@ static int stack_layers(int f32, const int64_t *layers, int num_layers, const in
  *          + 1] (from 0, relative to the first prefill row)
  * workspace bf16, decoder_stack_workspace_per_token(dims) x T elements
  * linear_kind LINEAR_BF16: the linears run bf16_linear.c's kernel, LINEAR_AMX: amx_linear.c's (the
- *          same packed bf16 weights), LINEAR_INT8: int8_w8a16.c's on the packed int8 weights,
- *          LINEAR_Q8_0: int8_linear.c's q8_0_linear on the Q8_0 blocks
+ *          same packed bf16 weights), LINEAR_INT8: int8_w8a16.c's on the packed int8 weights
  * short_chunks 1: the step verifies draft tokens (paged_prefill_attention's short chunks)
  *
  * Returns 0; 1 when a kernel refused a shape; 2 when one could not allocate memory; 3 when a slot
@@ -253,14 +239,14 @@ int decoder_stack_bf16(const int64_t *layers, int num_layers, const int64_t *dim
 }
 
 /* decoder_stack_bf16 for a float32 model: every buffer, norm weight and cache float32, the linears
- * LINEAR_INT8 (int8_w8a16.c's float32 tiles) or LINEAR_Q8_0 only (the bf16 weight fields unused).
+ * LINEAR_INT8 (int8_w8a16.c's float32 tiles) only (the bf16 weight fields unused).
  * Returns as decoder_stack_bf16 does, and 1 for any other `linear_kind`. */
 int decoder_stack_f32(const int64_t *layers, int num_layers, const int64_t *dims, float eps, float scale,
                       int64_t num_tokens, float *hidden, float *delta, const float *cos, const float *sin,
                       const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
                       const int32_t *seq_lens, int num_decodes, int num_seqs, const int32_t *prefill_query_starts,
                       float *workspace, int num_threads, int linear_kind, int short_chunks) {
-  if (linear_kind != LINEAR_INT8 && linear_kind != LINEAR_Q8_0) return 1;
+  if (linear_kind != LINEAR_INT8) return 1;
   return stack_layers(1, layers, num_layers, dims, eps, scale, num_tokens, (char *)hidden, (char *)delta,
                       (const char *)cos, (const char *)sin, slots, block_tables, table_stride, seq_lens, num_decodes,
                       num_seqs, prefill_query_starts, (char *)workspace, num_threads, linear_kind, short_chunks);

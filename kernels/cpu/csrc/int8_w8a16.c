@@ -319,6 +319,10 @@ static void *padded_input(const void *x, int x_bf16, int dp, int64_t ldx, int64_
   return copy;
 }
 
+/* The width of this build's vectors in float lanes (16: AVX-512, 8: AVX2), for the wrappers: the
+ * strips' width of the packed layout (int8_packed.h). */
+int int8_linear_lanes(void) { return LANES; }
+
 /* 1 when this build has the VDPBF16PS tiles (AVX512-BF16 with 16 lanes), else 0. */
 int int8_w8a16_bf16_dot_available(void) { return W8A16_DPBF16; }
 

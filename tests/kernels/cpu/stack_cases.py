@@ -89,14 +89,14 @@ def assert_generate_is_the_same_without_the_stack(llm: LLM, max_tokens: int = 10
     assert got == expected and all(len(t) == max_tokens for t in got)
 
 
-def logits_with_down_zeroed(runner, weight: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
+def logits_with_down_zeroed(runner) -> tuple[torch.Tensor, torch.Tensor]:
     """A 5-token prefill's logits through the stack, and again with the first layer's down
-    projection zeroed (restored after) in its `weight` form ("int8": the packed int8 values; "q8_0":
-    the GGUF blocks): they differ where the stack reads that form."""
+    projection's packed int8 values zeroed (restored after): they differ where the stack reads
+    them."""
     seqs = step_inputs([(12, 0, 5)])
     kept = run_step(runner, seqs, use_stack=True)
     layer = runner.model.decoder_stack.layers[0]
-    down = layer.int8[3].values if weight == "int8" else layer.q8_0[3]
+    down = layer.int8[3].values
     saved = down.clone()
     down.zero_()
     try:

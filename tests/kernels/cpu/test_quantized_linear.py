@@ -1,5 +1,5 @@
-"""The linears on 8-bit weights (`kernels/cpu/quantized_linear.py`; `csrc/int8_w8a16.c`,
-`int8_w8a8.c`, `int8_linear.c`): each kernel against the float32 product with the same quantized
+"""The linears on int8 weights (`kernels/cpu/quantized_linear.py`; `csrc/int8_w8a16.c`,
+`int8_w8a8.c`): each kernel against the float32 product with the same quantized
 weights, dequantized (W8A8: and the activations quantized per row as the kernel does), on odd
 shapes (K not a multiple of 4, of the group, of the vector width or of 32, one row, 2,049 rows, one
 channel), in this machine's build and in the AVX2 build that `BATCHGEN_MAX_CPU_ISA=AVX2` makes
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import platform
 
-import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
@@ -22,11 +21,8 @@ from batchgen.kernels.cpu.quantized_linear import (
     Int8Linear,
     Int8W8A8Linear,
     Int8Weight,
-    Q8_0Linear,
-    Q8_0Weight,
     TorchInt8Linear,
     bf16_dot_available,
-    q8_0_weight_bytes,
     quantized_candidates,
     torch_int8_available,
     w8a8_available,
@@ -40,7 +36,6 @@ if cpu_kernels.load_library() is None:
 # Relative to the reference's largest magnitude: float32 sums in another order; bf16 output rounding.
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
 INT8_SHAPES = [(1, 7, 97), (1, 1, 5), (3, 33, 129), (5, 64, 16), (9, 40, 1536), (2049, 20, 70), (8, 192, 576)]
-Q8_0_SHAPES = [(1, 7, 32), (3, 33, 96), (6, 5, 160), (2049, 20, 64)]
 ISAS = ["native"] + (["AVX2"] if platform.machine() == "x86_64" else [])
 
 
@@ -192,14 +187,6 @@ def test_w8a8_is_built_where_the_cpu_has_vnni_or_avx2(lanes):
         assert w8a8_available()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("m", "n", "k"), Q8_0_SHAPES)
-def test_q8_0_kernel_matches_the_dequantized_product(lanes, m, n, k, dtype):
-    x, weight, bias = _case(m, n, k)
-    quantized = Q8_0Weight.quantize(weight)
-    _check(Q8_0Linear(quantized, bias), x, quantized.dequantize(), bias, dtype)
-
-
 def test_exact_where_every_sum_is_exact(lanes):
     """Integer inputs and power-of-two scales: every product and partial sum is an integer below
     2^24 (times the scale), so any order of the sums gives the reference's value bit for bit; W8A8's
@@ -216,17 +203,9 @@ def test_exact_where_every_sum_is_exact(lanes):
         assert torch.equal(Int8Linear(weight, None)(x), expected)
         if w8a8_available():
             assert torch.equal(Int8W8A8Linear(weight, None)(x), expected)
-    d = torch.full((n, k // 32 * 32 // 32), 0.25, dtype=torch.float16)  # a power of two as float16
-    blocks = torch.cat(
-        [d.unsqueeze(-1).view(torch.uint8), qweight[:, : k // 32 * 32].reshape(n, -1, 32).view(torch.uint8)],
-        -1,
-    )
-    q8 = Q8_0Weight(blocks.reshape(n, -1).contiguous(), k // 32 * 32)
-    xq = x[:, : q8.in_features].contiguous()
-    assert torch.equal(Q8_0Linear(q8, None)(xq), F.linear(xq, q8.dequantize()))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "w8a8", "q8_0"])
+@pytest.mark.parametrize("fmt", ["int8", "w8a8", "int8_offsets"])
 def test_a_row_does_not_depend_on_the_rows_beside_it(lanes, fmt):
     """Row tiles of every height sum each row's products in the same order (W8A8: each row
     quantized by itself), so a row's output is bit for bit the same alone or in a batch (the
@@ -234,12 +213,10 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(lanes, fmt):
     x, weight, bias = _case(37, 45, 160)
     if fmt == "w8a8" and not w8a8_available():
         pytest.skip("no W8A8 kernel in this build")
-    modules = {"int8": Int8Linear, "w8a8": Int8W8A8Linear}
-    module = (
-        modules[fmt](Int8Weight.quantize(weight), bias)
-        if fmt in modules
-        else Q8_0Linear(Q8_0Weight.quantize(weight), bias)
-    )
+    quantized = Int8Weight.quantize(weight)
+    if fmt == "int8_offsets":
+        quantized = _with_offsets(quantized)
+    module = (Int8W8A8Linear if fmt == "w8a8" else Int8Linear)(quantized, bias)
     together = module(x)
     assert torch.equal(together, torch.cat([module(x[i : i + 1]) for i in range(37)]))
     assert torch.equal(together[:5], module(x[:5]))
@@ -255,20 +232,6 @@ def test_strided_rows_and_leading_dimensions(lanes):
     module = Int8Linear(quantized, bias)
     torch.testing.assert_close(module(wide[:, 50:130]), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(module(x.view(2, 3, 80)), expected.view(2, 3, 19), rtol=1e-5, atol=1e-5)
-
-
-def test_q8_0_matches_gguf_py():
-    """Blocks as ggml lays them out: gguf-py's Q8_0 quantizer gives the same bytes, and its
-    dequantizer the same weights."""
-    quants = pytest.importorskip("gguf.quants")
-    from gguf import GGMLQuantizationType
-
-    weight = torch.randn(9, 128, generator=torch.Generator().manual_seed(2))
-    ours = Q8_0Weight.quantize(weight)
-    theirs = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
-    assert np.array_equal(ours.blocks.numpy(), theirs)
-    dequantized = quants.dequantize(theirs, GGMLQuantizationType.Q8_0)
-    assert np.array_equal(ours.dequantize().numpy(), dequantized)
 
 
 def test_int8_quantization_is_symmetric_per_channel_and_group():
@@ -293,12 +256,14 @@ def test_int8_quantization_is_symmetric_per_channel_and_group():
 
 @pytest.mark.parametrize("n, k", [(1, 3), (5, 6), (7, 16), (3, 100), (2, 576), (4, 1536)])
 def test_the_weight_bytes_from_a_shape_are_the_quantized_weights(n, k):
-    """What `batchgen plan` counts from a config (`int8_weight_bytes`, `q8_0_weight_bytes`) is what
-    quantizing holds, for K below, at and off a group (a partial last group of scales)."""
+    """What `batchgen plan` counts from a config (`int8_weight_bytes`) is what quantizing holds, for K
+    below, at and off a group (a partial last group of scales), with offsets too."""
     assert int8_weight_bytes(n, k) == Int8Weight.quantize(torch.randn(n, k)).nbytes
     assert int8_weight_bytes(n, k, 4) == Int8Weight.quantize(torch.randn(n, k), 4).nbytes
-    if k % 32 == 0:
-        assert q8_0_weight_bytes(n, k) == Q8_0Weight.quantize(torch.randn(n, k)).nbytes == n * k // 32 * 34
+    assert (
+        int8_weight_bytes(n, k, 4, offsets=True)
+        == _with_offsets(Int8Weight.quantize(torch.randn(n, k), 4)).nbytes
+    )
 
 
 def _starting_at(tensor: torch.Tensor, offset: int) -> torch.Tensor:
@@ -346,15 +311,10 @@ def test_candidates_of_each_format():
     weight = torch.randn(16, 64)
     int8 = Int8Weight.quantize(weight)
     names = set(quantized_candidates(int8, int8.dequantize(), None))
-    assert {"int8_c", "torch"} <= names and "q8_0_c" not in names
+    assert {"int8_c", "torch"} <= names
     assert "int8_w8a8" not in names  # its activations' rounding costs accuracy: only when asked
     assert "int8_c_dpbf16" not in names  # float32 activations
     bf16 = set(quantized_candidates(int8, int8.dequantize().bfloat16(), None))
     assert ("int8_c_dpbf16" in bf16) == bf16_dot_available()
     asked = set(quantized_candidates(int8, int8.dequantize(), None, w8a8=True))
     assert ("int8_w8a8" in asked) == w8a8_available()
-    q8 = Q8_0Weight.quantize(weight)
-    names = set(quantized_candidates(q8, q8.dequantize(), None))
-    assert {"q8_0_c", "torch"} <= names and "int8_c" not in names
-    with pytest.raises(ValueError, match="multiple of 32"):
-        Q8_0Weight(torch.zeros(2, 34, dtype=torch.uint8), 40)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -59,6 +60,20 @@ def write_atomically(path: Path, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def remove_stale_temporaries(folder: Path, max_age_s: float = 3600.0) -> None:
+    """Delete the temporary files `write_atomically` left in `folder` when its process died
+    mid-write (a killed first start leaves up to a whole cache file: 160 MB of the default model's
+    int8 weights). Only files older than `max_age_s` go: a live writer's file is younger, as one
+    write takes seconds. Files that cannot be removed are left."""
+    now = time.time()
+    for entry in folder.glob(".tmp-*"):
+        try:
+            if entry.is_file() and now - entry.stat().st_mtime > max_age_s:
+                entry.unlink()
+        except OSError:
+            continue
 
 
 def file_digest(path: Path, memo_dir: Path, salt: str = "") -> str:

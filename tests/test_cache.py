@@ -1,8 +1,11 @@
-"""batchgen.cache: atomic writes and remembered file digests."""
+"""batchgen.cache: atomic writes, their leftovers, and remembered file digests."""
 
 from __future__ import annotations
 
-from batchgen.cache import file_digest, write_atomically
+import os
+import time
+
+from batchgen.cache import file_digest, remove_stale_temporaries, write_atomically
 
 
 def test_atomic_writes_get_the_mode_open_would_give(tmp_path):
@@ -22,3 +25,18 @@ def test_file_digest_is_remembered_and_follows_edits(tmp_path):
     f.write_bytes(b"abd")
     assert file_digest(f, memo) != first
     assert file_digest(f, memo, salt="1\0") != file_digest(f, memo)
+
+
+def test_a_dead_writers_temporary_file_goes_a_live_ones_stays(tmp_path):
+    """A process killed inside `write_atomically` leaves its `.tmp-*` file (a fresh-eyes session
+    found 124 MB of a half-written quantized cache left so); the next writer removes such files
+    once they are an hour old, never a younger one (another process may be writing it) nor a
+    finished file."""
+    dead, live, kept = tmp_path / ".tmp-dead", tmp_path / ".tmp-live", tmp_path / "weights.safetensors"
+    for f in (dead, live, kept):
+        f.write_bytes(b"x")
+    hours_ago = time.time() - 7200
+    os.utime(dead, (hours_ago, hours_ago))
+    os.utime(kept, (hours_ago, hours_ago))
+    remove_stale_temporaries(tmp_path)
+    assert not dead.exists() and live.exists() and kept.exists()

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from batchgen.cache import cache_root, write_atomically
+from batchgen.cache import cache_root, remove_stale_temporaries, write_atomically
 from batchgen.config import QUANTIZATIONS
 from batchgen.kernels.cpu.int8_weight import INT8_GROUP_SIZE
 from batchgen.kernels.cpu.quantized_linear import Int8Weight, QuantizedWeight
@@ -66,11 +66,11 @@ class Quantization:
     """What `quantize_model` did.
 
     Attributes:
-        method: "int8", "gguf" (a GGUF file's own blocks) or "none".
-        weights: decoder module name (e.g. "model.layers.0.mlp.down_proj") -> its quantized weight.
-        source: where the weights came from: "quantized at load", "cache" or "GGUF file".
+        method: "int8", "gguf" (a GGUF file's own values, as int8 weights) or "none".
+        weights: module name (e.g. "model.layers.0.mlp.down_proj", "lm_head") -> its int8 weight.
+        source: where the weights came from: "quantized at load", "from the cache" or "GGUF file".
         dequantized: GGUF only: module name -> the stored type of the linears dequantized because no
-            kernel runs it (e.g. "Q4_1").
+            kernel runs it (e.g. "IQ4_XS").
         seconds: spent quantizing or reading.
     """
 
@@ -99,9 +99,7 @@ class Quantization:
                 f"; {len(self.dequantized)} {'/'.join(sorted(set(self.dequantized.values())))} dequantized"
             )
         if self.method == "gguf":
-            sources = {
-                part for w in self.weights.values() for part in getattr(w, "source", w.format).split("/")
-            }
+            sources = {part for w in self.weights.values() for part in w.source.split("/")}
             return f"GGUF {'/'.join(sorted(sources))} as int8 ({words})"
         return f"{'/'.join(sorted({w.format for w in self.weights.values()}))} ({words})"
 
@@ -327,6 +325,7 @@ def _write_cache(path: Path, weights: dict[str, QuantizedWeight]) -> None:
     metadata = {"crc32": _checksum(tensors), "layouts": json.dumps(layouts)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path.parent)
         write_atomically(path, save(tensors, metadata=metadata))
     except OSError as exc:
         logger.warning("could not write the quantized-weight cache %s: %s", path, exc)

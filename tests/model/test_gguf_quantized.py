@@ -195,14 +195,21 @@ def test_a_gguf_file_without_runnable_linears_is_not_parsed_again(tmp_path, monk
     result = q._gguf({}, None, files, torch.float32, tmp_path)  # type: ignore[arg-type]
     assert result.method == "gguf" and result.weights == {}
     assert result.dequantized == {"model.layers.0.mlp.down_proj": "IQ4_XS"}
+    layer = '"model.layers.0.mlp.down_proj"'
     for damaged in (
         "{damaged",
         '{"runnable": "no", "dequantized": {}, "int8": {}}',
         "[]",
-        '{"runnable": false, "dequantized": {}}',
-    ):
-        note.write_text(damaged)  # the last: a note of an older batchgen, which ran Q8_0 only
-        assert q.read_gguf_note(note) is None
+        '{"runnable": false, "dequantized": {}}',  # an older batchgen's note (it ran Q8_0 only)
+        f'{{"runnable": true, "dequantized": {{{layer}: 5}}, "int8": {{{layer}: [32, true]}}}}',
+        f'{{"runnable": true, "dequantized": {{}}, "int8": {{{layer}: "abc"}}}}',
+        '{"runnable": false, "dequantized": {}, "int8": {"lm_head": null}}',
+        f'{{"runnable": true, "dequantized": {{}}, "int8": {{{layer}: [0, true]}}}}',
+        '{"runnable": true, "dequantized": {}, "int8": {}}',  # runnable, yet nothing runs
+        f'{{"runnable": false, "dequantized": {{}}, "int8": {{{layer}: [32, false]}}}}',
+    ):  # read as no note: the file is parsed again and the note rewritten (found by a fresh-eyes
+        note.write_text(damaged)  # session: a wrong value type crashed the start line and plan)
+        assert q.read_gguf_note(note) is None, damaged
 
 
 def test_int8_on_a_gguf_file_quantizes_its_floats(quantized_gguf, cache):
@@ -212,3 +219,19 @@ def test_int8_on_a_gguf_file_quantizes_its_floats(quantized_gguf, cache):
     llm = LLM(str(quantized_gguf), dtype="float32", device="cpu", quantization="int8", kernels="reference")
     weights = llm.llm_engine.runner.quantization.weights
     assert len(weights) == 9 and all(w.group_size == 16 and w.offsets is None for w in weights.values())
+
+
+def test_float_tensors_are_not_called_dequantized(tiny_model_dir, default_model_files, tmp_path):
+    """An F32 file's linears run as the floats they are: nothing runs as int8 and nothing is listed
+    as dequantized (the start line said "GGUF F32 dequantized"; found by a fresh-eyes session)."""
+    from batchgen.model.loading.gguf_blocks import gguf_linear_types
+    from batchgen.model.quantization import Quantization
+    from tests.model.gguf_writer import tiny_tokenizer, write_gguf
+
+    if default_model_files.gguf is None:
+        pytest.skip("the default model is not a GGUF file here (its tokenizer fields are needed)")
+    path = tmp_path / "tiny.F32.gguf"
+    write_gguf(tiny_model_dir("llama"), tiny_tokenizer(default_model_files.gguf, 49152), path)
+    found = gguf_linear_types(path)
+    assert found == {"runnable": False, "dequantized": {}, "int8": {}}
+    assert Quantization("gguf", {}, "GGUF file", dequantized=found["dequantized"]).summary() == "none"

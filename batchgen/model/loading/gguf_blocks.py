@@ -36,6 +36,8 @@ _FUSED = {"attn_qkv": ("self_attn.qkv_proj", 0), "ffn_up": ("mlp.gate_up_proj", 
 _PARTS = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
 # GGML tensor types the int8 kernels run, value for value (gguf-py's enum names).
 RUNNABLE_TYPES = GGUF_INT8_TYPES
+# Float types: run as the floats they are, not counted as dequantized.
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 _NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 # The LM head: its own tensor, or the embedding's where the two are tied.
 _HEAD_TENSORS = ("output.weight", "token_embd.weight")
@@ -53,7 +55,8 @@ def gguf_linear_blocks(
 
     Returns:
         (module name such as "model.layers.0.self_attn.qkv_proj" -> its weight, module name -> the
-        GGML type of the parts no kernel runs as stored, e.g. "IQ4_XS"; those are dequantized).
+        quantized GGML type of the parts no kernel runs as stored, e.g. "IQ4_XS"; those are
+        dequantized; float parts, F32 and the like, run as the floats they are and are not listed).
 
     Raises:
         ValueError: the file is not a GGUF file gguf-py can read.
@@ -67,7 +70,8 @@ def gguf_linear_blocks(
     for name, part, projection, tensor in tensors:
         type_name = tensor.tensor_type.name
         if type_name not in RUNNABLE_TYPES:
-            other_types[name] = type_name
+            if type_name not in _FLOAT_TYPES:
+                other_types[name] = type_name
             continue
         rows = np.asarray(tensor.data)
         if arch == "llama" and projection in ("attn_q", "attn_k"):
@@ -99,7 +103,8 @@ def _head_tensor(reader: Any) -> Any:
 def gguf_linear_types(gguf: Path) -> dict[str, Any]:
     """What `gguf_linear_blocks` would find, from the tensor infos alone (no tensor data read): the
     `GGUF_LINEARS_NOTE`'s content, {"runnable": whether some decoder linear has every part stored
-    in a type of `RUNNABLE_TYPES`, "dequantized": module name -> the type of its parts none runs,
+    in a type of `RUNNABLE_TYPES`, "dequantized": module name -> the quantized type of its parts
+    none runs (float parts not listed),
     "int8": module name (the LM head's "lm_head") -> [scale group, whether it has offsets] of each
     weight it returns}. gguf-py parses the whole header, the tokenizer's arrays included (about
     2.5 s for the default model's file): callers read the note first where there is one.
@@ -116,7 +121,7 @@ def gguf_linear_types(gguf: Path) -> dict[str, Any]:
     for name, part, _, tensor in tensors:
         if tensor.tensor_type.name in RUNNABLE_TYPES:
             runnable_parts.setdefault(name, {})[part] = tensor.tensor_type.name
-        else:
+        elif tensor.tensor_type.name not in _FLOAT_TYPES:
             other_types[name] = tensor.tensor_type.name
     layouts = {
         name: int8_layout(parts.values())

@@ -37,8 +37,18 @@ def read_gguf_note(note: Path) -> dict[str, Any] | None:
         known = json.loads(note.read_text())
     except (OSError, ValueError):
         return None
-    ok = isinstance(known, dict) and isinstance(known.get("runnable"), bool)
-    return known if ok and all(isinstance(known.get(key), dict) for key in ("dequantized", "int8")) else None
+    if not isinstance(known, dict) or not isinstance(known.get("runnable"), bool):
+        return None
+    dequantized, int8 = known.get("dequantized"), known.get("int8")
+    if not isinstance(dequantized, dict) or not all(isinstance(v, str) for v in dequantized.values()):
+        return None
+    layout_ok = lambda v: (  # noqa: E731  [group, offsets], as `gguf_linear_types` writes it
+        isinstance(v, list) and len(v) == 2 and type(v[0]) is int and v[0] > 0 and isinstance(v[1], bool)
+    )
+    if not isinstance(int8, dict) or not all(layout_ok(v) for v in int8.values()):
+        return None
+    # "runnable" says whether a decoder linear (not the LM head alone) runs as int8: the two agree
+    return known if known["runnable"] == any(name != "lm_head" for name in int8) else None
 
 
 @dataclass(frozen=True)

@@ -214,11 +214,7 @@ def _gguf(
             continue
         weights[name] = weight
     runnable = any(name != "lm_head" for name in weights)
-    layouts = {
-        name: [w.group_size, w.offsets is not None]
-        for name, w in weights.items()
-        if isinstance(w, Int8Weight)
-    }
+    layouts = {name: [w.group_size, w.offsets is not None] for name, w in weights.items()}
     try:
         write_atomically(
             note, json.dumps({"runnable": runnable, "dequantized": other_types, "int8": layouts}).encode()
@@ -317,11 +313,10 @@ def _write_cache(path: Path, weights: dict[str, QuantizedWeight]) -> None:
 
     tensors, layouts = {}, {}
     for name, weight in weights.items():
-        if isinstance(weight, Int8Weight):
-            tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = weight.qweight, weight.scales
-            if weight.offsets is not None:
-                tensors[f"{name}.offsets"] = weight.offsets
-            layouts[name] = [weight.group_size, weight.source]
+        tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = weight.qweight, weight.scales
+        if weight.offsets is not None:
+            tensors[f"{name}.offsets"] = weight.offsets
+        layouts[name] = [weight.group_size, weight.source]
     metadata = {"crc32": _checksum(tensors), "layouts": json.dumps(layouts)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
